@@ -1,0 +1,1 @@
+"""Distributed FlowPM on Mesh TensorFlow."""

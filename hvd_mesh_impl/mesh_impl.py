@@ -1,0 +1,536 @@
+"""``HvdSimdMeshImpl``: a Mesh TensorFlow MeshImpl in which every MPI rank holds one slice.
+
+Each rank builds the same TF graph for *its own* slice (SPMD), in contrast to
+Mesh TF's ``PlacementMeshImpl`` where one process builds and runs the graph for
+all devices. Communication along a mesh axis uses Horovod collectives on the
+process set of that axis: the ranks that differ only in their coordinate along
+it. The process sets come from an MPI Cartesian communicator, one
+sub-communicator per mesh axis.
+
+Conventions
+-----------
+* Processor number ``pnum`` = rank of the communicator = row-major index of the
+  processor coordinates (as ``mtf.pnum_to_processor_coordinates``).
+* Horovod collectives reject complex tensors: complex data is bit-cast to pairs
+  of reals on the wire; booleans travel as int32.
+* ``export_to_tf_tensor`` returns the **full** tensor (gathered along every
+  split mesh axis). Use :meth:`HvdSimdMeshImpl.local_slice` or
+  :func:`export_local_slice` for this rank's slice alone.
+"""
+import hashlib
+import itertools
+import logging
+
+import mesh_tensorflow as mtf
+import tensorflow.compat.v1 as tf
+import horovod.tensorflow as hvd
+from mpi4py import MPI
+
+from . import runtime
+from .mtf_compat import enable_complex_gradients
+
+log = logging.getLogger(__name__)
+
+_REDUCE_OPS = {"SUM": hvd.Sum, "MAX": hvd.Max, "MIN": hvd.Min}
+_instance_counter = itertools.count()
+
+
+def _stable_seed(*parts):
+    """A 31-bit seed from the repr of ``parts`` (SHA-256; unlike ``hash``, not salted)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _to_wire(t):
+    """Represent ``t`` in a dtype Horovod accepts; returns (tensor, inverse function)."""
+    if t.dtype.is_complex:
+        real = tf.float32 if t.dtype == tf.complex64 else tf.float64
+        # A bitcast appends a trailing axis of 2 (real, imag): no copy, axis 0 intact.
+        return tf.bitcast(t, real), lambda w: tf.bitcast(w, t.dtype)
+    if t.dtype == tf.bool:
+        return tf.cast(t, tf.int32), lambda w: tf.cast(w, tf.bool)
+    return t, lambda w: w
+
+
+def _move_axis_to_front(t, axis):
+    rank = t.shape.ndims
+    if axis == 0:
+        return t
+    return tf.transpose(t, [axis] + [i for i in range(rank) if i != axis])
+
+
+def _move_front_axis_to(t, axis):
+    rank = t.shape.ndims
+    if axis == 0:
+        return t
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
+    return tf.transpose(t, perm)
+
+
+class HvdSimdMeshImpl(mtf.MeshImpl):
+    """Mesh TensorFlow MeshImpl on Horovod process sets, one slice per MPI rank.
+
+    Parameters
+    ----------
+    mesh_shape : mtf.Shape, str or list of (name, size)
+        The processor mesh, e.g. ``[("row", 2), ("col", 2)]`` or ``"row:2;col:2"``;
+        its size must equal the number of ranks of ``comm``.
+    layout_rules : mtf.LayoutRules, str or list of (tensor dim, mesh axis)
+        Which tensor dimensions are split along which mesh axis.
+    comm : mpi4py.MPI.Comm, optional
+        The ranks of the mesh (default ``MPI.COMM_WORLD``). Horovod is started on
+        it if it is not running yet.
+
+    Raises
+    ------
+    ValueError
+        If the communicator size differs from the mesh size, a mesh axis has a
+        non-positive size or a duplicate name, or a layout rule names a mesh
+        axis that does not exist. Every rank raises the same error.
+    """
+
+    def __init__(self, mesh_shape, layout_rules, comm=None):
+        super().__init__(mesh_shape, layout_rules)
+        enable_complex_gradients()
+        self._validate_shape_and_layout()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if comm.Get_size() != self.size:
+            raise ValueError(
+                "HvdSimdMeshImpl: the mesh %s has %d processors but the job has %d MPI "
+                "ranks; launch with -np %d or change the mesh shape"
+                % (self.shape.to_string, self.size, comm.Get_size(), self.size))
+        self._comm = runtime.init(comm)
+        self._instance_id = next(_instance_counter)
+        self._random_counter = itertools.count()
+        self._recv_bytes = []  # (collective kind, tf int64 scalar) per collective issued
+
+        dims = self.shape.to_integer_list
+        # reorder=False: Cartesian rank == communicator rank == mtf pnum (row-major).
+        self._cart = comm.Create_cart(dims=dims, periods=[True] * len(dims), reorder=False)
+        self._pnum = self._cart.Get_rank()
+        self._pcoord = list(self._cart.Get_coords(self._pnum))
+        if self._pcoord != mtf.pnum_to_processor_coordinates(self.shape, self._pnum):
+            raise RuntimeError("MPI Cartesian coordinates disagree with Mesh TF's row-major order")
+
+        self._axis_comms = []
+        self._axis_sets = []
+        for axis, n in enumerate(dims):
+            remain = [a == axis for a in range(len(dims))]
+            sub = self._cart.Sub(remain)
+            self._axis_comms.append(sub)
+            # Register the process sets of *all* groups along this axis, identically
+            # on every rank (Horovod adds dynamic sets collectively).
+            mine = None
+            for group in self._axis_groups(axis):
+                ps = runtime.process_set_for(group) if n > 1 else None
+                if self._pnum in group:
+                    mine = (group, ps)
+            own_ranks = MPI.Group.Translate_ranks(sub.Get_group(), list(range(n)),
+                                                  comm.Get_group())
+            if list(own_ranks) != list(mine[0]):
+                raise RuntimeError("axis %d: sub-communicator ranks %s != group %s"
+                                   % (axis, own_ranks, mine[0]))
+            self._axis_sets.append(mine[1])
+        log.debug("rank %d: pcoord %s on mesh %s", self._pnum, self._pcoord, self.shape.to_string)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _validate_shape_and_layout(self):
+        names = [d.name for d in self.shape.dims]
+        if len(set(names)) != len(names):
+            raise ValueError("mesh axis names must be unique, got %s" % names)
+        for d in self.shape.dims:
+            if d.size < 1:
+                raise ValueError("mesh axis %r has size %d" % (d.name, d.size))
+        for tensor_dim, mesh_axis in self.layout_rules.pairs:
+            if mesh_axis not in names:
+                raise ValueError(
+                    "layout rule (%r, %r) names mesh axis %r, which is not in the mesh %s"
+                    % (tensor_dim, mesh_axis, mesh_axis, names))
+
+    def _axis_groups(self, axis):
+        """Groups of ranks differing only along ``axis``, each ordered by that coordinate."""
+        dims = self.shape.to_integer_list
+        others = [range(n) if a != axis else [0] for a, n in enumerate(dims)]
+        groups = []
+        for base in itertools.product(*others):
+            coords = list(base)
+            group = []
+            for i in range(dims[axis]):
+                coords[axis] = i
+                group.append(self._cart.Get_cart_rank(coords))
+            groups.append(tuple(group))
+        return groups
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def comm(self):
+        """The MPI Cartesian communicator of the mesh."""
+        return self._cart
+
+    @property
+    def pnum(self):
+        """This rank's processor number (int)."""
+        return self._pnum
+
+    @property
+    def pcoord(self):
+        """This rank's processor coordinates, one int per mesh axis."""
+        return list(self._pcoord)
+
+    def axis_comm(self, mesh_axis):
+        """MPI sub-communicator of the ranks differing only along ``mesh_axis``."""
+        return self._axis_comms[mesh_axis]
+
+    @property
+    def supports_control_dependencies(self):
+        return True
+
+    # ------------------------------------------------------------------ laid-out tensors
+    class LaidOutTensor:
+        """The one slice of a tensor held by this rank."""
+
+        def __init__(self, tensor_list):
+            if len(tensor_list) != 1:
+                raise ValueError("HvdSimdMeshImpl holds one slice per rank, got %d" % len(tensor_list))
+            self._tensor_list = list(tensor_list)
+
+        def __repr__(self):
+            return "[" + ",".join(str(t) for t in self._tensor_list) + "]"
+
+        @property
+        def tensor_list(self):
+            return self._tensor_list
+
+        @property
+        def one_slice(self):
+            return self._tensor_list[0]
+
+        @classmethod
+        def from_tensor_list(cls, tensor_list):
+            return cls(tensor_list)
+
+        @property
+        def all_slices(self):
+            return self._tensor_list
+
+        @property
+        def slice_shape(self):
+            return self.one_slice.shape.as_list()
+
+        def to_laid_out_tensor(self):
+            return self
+
+    class LaidOutVariable:
+        """A slice-local variable with a full-size master copy.
+
+        The slice variable (this rank's part) is what computations read and
+        optimizers update. It is initialised with this rank's slice of **rank 0's**
+        initial master value, broadcast once, so that unseeded random initializers
+        still give one consistent distributed variable. ``copy_slices_to_master``
+        gathers the slices into every rank's master; ``copy_master_to_slices``
+        takes each slice from rank 0's master.
+        """
+
+        def __init__(self, variable, mesh_impl):
+            self._variable = variable
+            self._mesh_impl = mesh_impl
+            shape = variable.outputs[0].shape
+            master = variable.get_master()
+            self._slice_is_master = (mesh_impl.size == 1
+                                     and variable.master_dtype == variable.slice_dtype
+                                     and not isinstance(variable, mtf.StackedVariable))
+            if self._slice_is_master:
+                self._slice_var = master
+                self._copy_master_to_slices = tf.group([])
+                self._copy_slices_to_master = tf.group([])
+            else:
+                initial = tf.convert_to_tensor(master.initial_value) if hasattr(
+                    master, "initial_value") else tf.convert_to_tensor(master)
+                initial = mesh_impl._broadcast_from_rank0(initial)
+                self._slice_var = tf.get_variable(
+                    variable.name + "_slice",
+                    initializer=tf.cast(mesh_impl._local_slice_of_full(initial, shape),
+                                        variable.slice_dtype),
+                    trainable=False, collections=[tf.GraphKeys.GLOBAL_VARIABLES])
+                master_value = mesh_impl._broadcast_from_rank0(tf.convert_to_tensor(master))
+                self._copy_master_to_slices = self.assign_to_slices(
+                    mtf.assign_slice, [mesh_impl._local_slice_of_full(master_value, shape)])
+                gathered = mesh_impl.export_to_tf_tensor(
+                    variable.outputs[0],
+                    mesh_impl.LaidOutTensor([tf.cast(self._slice_var, variable.master_dtype)]))
+                self._copy_slices_to_master = variable.assign_to_master(gathered)
+            self._laid_out_tensor = mesh_impl.LaidOutTensor([self._slice_var])
+
+        def assign_to_slices(self, assign_fn, values):
+            """Assign ``values`` (a list with this rank's one slice) to the slice variable."""
+            if len(values) != 1:
+                raise ValueError("expected one slice, got %d" % len(values))
+            return tf.group(assign_fn(self._variable, self._slice_var, values[0]))
+
+        @property
+        def laid_out_tensor(self):
+            return self._laid_out_tensor
+
+        @property
+        def copy_master_to_slices(self):
+            return self._copy_master_to_slices
+
+        @property
+        def copy_slices_to_master(self):
+            return self._copy_slices_to_master
+
+    # ------------------------------------------------------------------ slicewise
+    def slicewise(self, fn, *inputs):
+        """Apply ``fn`` to this rank's slices of ``inputs``.
+
+        Returns
+        -------
+        LaidOutTensor, or a tuple of them if ``fn`` returns a tuple.
+        """
+        inputs = mtf.convert_args_to_laid_out_tensors(inputs)
+        args = [x.one_slice if isinstance(x, self.LaidOutTensor) else x for x in inputs]
+        ret = fn(*args)
+        if isinstance(ret, tuple):
+            return tuple(self.LaidOutTensor([t]) for t in ret)
+        return self.LaidOutTensor([ret])
+
+    def laid_out_pnum(self):
+        """LaidOutTensor holding this rank's processor number (int32 scalar)."""
+        return self.LaidOutTensor([tf.constant(self._pnum, tf.int32)])
+
+    def laid_out_pcoord(self, mesh_axis):
+        """LaidOutTensor holding this rank's coordinate along ``mesh_axis`` (int32 scalar)."""
+        return self.LaidOutTensor([tf.constant(self._pcoord[mesh_axis], tf.int32)])
+
+    # ------------------------------------------------------------------ collectives
+    def _record(self, kind, received):
+        nbytes = tf.cast(tf.size(received, out_type=tf.int64), tf.int64) * received.dtype.size
+        self._recv_bytes.append((kind, nbytes))
+
+    def comm_bytes_received(self, kind=None):
+        """Bytes this rank receives in the collectives lowered so far.
+
+        Parameters
+        ----------
+        kind : str, optional
+            One of ``"allreduce"``, ``"allconcat"``, ``"alltoall"``, ``"receive"``,
+            ``"broadcast"``; default all.
+
+        Returns
+        -------
+        tf.Tensor
+            int64 scalar; evaluating it does not trigger the collectives.
+        """
+        vals = [b for k, b in self._recv_bytes if kind is None or k == kind]
+        return tf.add_n(vals) if vals else tf.constant(0, tf.int64)
+
+    def allreduce(self, x, mesh_axes, reduction_fn_string):
+        """Reduce over the ranks differing only along ``mesh_axes``.
+
+        Parameters
+        ----------
+        x : LaidOutTensor
+        mesh_axes : list of int
+        reduction_fn_string : {"SUM", "MAX", "MIN"}
+
+        Raises
+        ------
+        NotImplementedError
+            For any other reduction, or MAX/MIN of complex tensors.
+        """
+        if reduction_fn_string not in _REDUCE_OPS:
+            raise NotImplementedError(
+                "HvdSimdMeshImpl.allreduce: reduction %r is not supported (supported: %s)"
+                % (reduction_fn_string, ", ".join(sorted(_REDUCE_OPS))))
+        x = x.to_laid_out_tensor()
+        t = x.one_slice
+        if t.dtype.is_complex and reduction_fn_string != "SUM":
+            raise NotImplementedError(
+                "HvdSimdMeshImpl.allreduce: %s of a complex tensor is not defined"
+                % reduction_fn_string)
+        axes = [a for a in mesh_axes if self.shape[a].size > 1]
+        if not axes:
+            return x
+        op = _REDUCE_OPS[reduction_fn_string]
+        wire, back = _to_wire(t)
+        if len(axes) == len([a for a in range(self.ndims) if self.shape[a].size > 1]):
+            sets = [hvd.global_process_set]  # every non-trivial axis: one global reduction
+        else:
+            sets = [self._axis_sets[a] for a in axes]  # associative: one axis at a time
+        for ps in sets:
+            wire = hvd.allreduce(wire, op=op, process_set=ps)
+            self._record("allreduce", wire)
+        return self.LaidOutTensor([back(wire)])
+
+    def allconcat(self, x, mesh_axis, concat_axis, stack=False):
+        """Concatenate (or stack) the slices of the ranks along ``mesh_axis``.
+
+        Parameters
+        ----------
+        x : LaidOutTensor
+        mesh_axis : int
+        concat_axis : int
+            Tensor axis to concatenate along (with ``stack``, the position of the
+            new axis).
+        stack : bool
+            Stack along a new axis instead of concatenating.
+        """
+        x = x.to_laid_out_tensor()
+        t = x.one_slice
+        if stack:
+            t = tf.expand_dims(t, concat_axis)
+        n = self.shape[mesh_axis].size
+        if n == 1:
+            return self.LaidOutTensor([t])
+        shape = t.shape.as_list()
+        wire, back = _to_wire(_move_axis_to_front(t, concat_axis))
+        gathered = hvd.allgather(wire, process_set=self._axis_sets[mesh_axis])
+        self._record("allconcat", gathered)
+        gathered = tf.reshape(back(gathered),
+                              [n * shape[concat_axis]] + [s for i, s in enumerate(shape)
+                                                          if i != concat_axis])
+        return self.LaidOutTensor([_move_front_axis_to(gathered, concat_axis)])
+
+    def alltoall(self, x, mesh_axis, split_axis, concat_axis):
+        """Split along ``split_axis``, exchange, concatenate along ``concat_axis``.
+
+        Piece ``j`` of rank ``i`` goes to rank ``j``; rank ``j`` concatenates the
+        pieces in the order of ``i`` (as Mesh TF's reference implementations).
+        """
+        x = x.to_laid_out_tensor()
+        n = self.shape[mesh_axis].size
+        if n == 1:
+            return x
+        t = x.one_slice
+        shape = t.shape.as_list()
+        rank = len(shape)
+        if shape[split_axis] % n:
+            raise ValueError("alltoall: axis %d of size %d is not divisible by %d ranks"
+                             % (split_axis, shape[split_axis], n))
+        wire, back = _to_wire(_move_axis_to_front(t, split_axis))
+        recv = hvd.alltoall(wire, process_set=self._axis_sets[mesh_axis])
+        self._record("alltoall", recv)
+        others = [i for i in range(rank) if i != split_axis]
+        recv = tf.reshape(back(recv), [n, shape[split_axis] // n] + [shape[i] for i in others])
+        # recv axes: 0 = source rank, 1 = (reduced) split axis, 2.. = the others in order.
+        pos = {split_axis: 1}
+        pos.update({ax: 2 + j for j, ax in enumerate(others)})
+        perm = []
+        for i in range(rank):
+            perm += [0, pos[i]] if i == concat_axis else [pos[i]]
+        new_shape = list(shape)
+        new_shape[split_axis] //= n
+        new_shape[concat_axis] *= n
+        return self.LaidOutTensor([tf.reshape(tf.transpose(recv, perm), new_shape)])
+
+    def receive(self, x, mesh_axis, source_pcoord):
+        """Each rank receives the slice of rank ``source_pcoord[own pcoord]`` along the axis.
+
+        Only the sender's slice travels: an alltoall with uneven splits in which
+        every rank sends its slice to the ranks that want it and nothing to the
+        others. ``None`` in ``source_pcoord`` means "receive zeros".
+        """
+        x = x.to_laid_out_tensor()
+        n = self.shape[mesh_axis].size
+        if len(source_pcoord) != n:
+            raise ValueError("receive: source_pcoord has %d entries for a mesh axis of size %d"
+                             % (len(source_pcoord), n))
+        if list(source_pcoord) == list(range(n)):
+            return x
+        t = x.one_slice
+        shape = t.shape.as_list()
+        me = self._pcoord[mesh_axis]
+        if n == 1:  # only "receive zeros" is left
+            return self.LaidOutTensor([tf.zeros(shape, t.dtype)])
+        wire, back = _to_wire(t)
+        flat = tf.reshape(wire, [1, -1])
+        dests = [q for q in range(n) if source_pcoord[q] == me]
+        send = tf.tile(flat, [len(dests), 1]) if len(dests) != 1 else flat
+        splits = [1 if source_pcoord[q] == me else 0 for q in range(n)]
+        recv, _ = hvd.alltoall(send, splits=tf.constant(splits, tf.int32),
+                               process_set=self._axis_sets[mesh_axis])
+        self._record("receive", recv)
+        if source_pcoord[me] is None:
+            with tf.control_dependencies([recv]):  # our slice must still be sent
+                return self.LaidOutTensor([tf.zeros(shape, t.dtype)])
+        return self.LaidOutTensor([back(tf.reshape(recv, wire.shape))])
+
+    def _broadcast_from_rank0(self, t):
+        """Rank 0's value of a full (replicated) tensor, on every rank."""
+        if self.size == 1:
+            return t
+        wire, back = _to_wire(t)
+        out = hvd.broadcast(wire, root_rank=0, process_set=hvd.global_process_set)
+        self._record("broadcast", out)
+        return back(out)
+
+    # ------------------------------------------------------------------ random
+    def random(self, shape, tf_fn, kwargs):
+        """Call a random TF op (e.g. ``tf.random.uniform``) on this rank's slice.
+
+        The seed is derived deterministically (SHA-256, not Python's salted
+        ``hash``) from the user's ``seed`` in ``kwargs`` or, if absent, from the
+        order in which random ops are lowered, and from the slice's position
+        along the *split* tensor axes: ranks holding the same slice (replicated
+        axes) draw identical values without communication, and every run gives
+        the same numbers.
+        """
+        kwargs = dict(kwargs)
+        user_seed = kwargs.pop("seed", None)
+        base = ("user", user_seed) if user_seed is not None else (
+            "auto", self._instance_id, next(self._random_counter))
+        slice_begin = tuple(self.slice_begin(shape, self._pnum))
+        seed = _stable_seed(base, shape.to_string, slice_begin)
+        return self.LaidOutTensor([tf_fn(self.slice_shape(shape), seed=seed, **kwargs)])
+
+    # ------------------------------------------------------------------ import / export
+    def _local_slice_of_full(self, tf_x, tensor_shape):
+        if self.tensor_layout(tensor_shape).is_fully_replicated:
+            return tf_x
+        return tf.slice(tf_x, self.slice_begin(tensor_shape, self._pnum),
+                        self.slice_shape(tensor_shape))
+
+    def import_tf_tensor(self, x, tf_x):
+        """Each rank takes its slice of the full tensor ``tf_x``."""
+        return self.LaidOutTensor([self._local_slice_of_full(tf_x, x.shape)])
+
+    def export_to_tf_tensor(self, x, laid_out_x):
+        """The **full** tensor ``x`` on every rank, gathered along each split mesh axis.
+
+        See :meth:`local_slice` for this rank's slice without communication.
+        """
+        t = laid_out_x.to_laid_out_tensor()
+        layout = self.tensor_layout(x.shape)
+        for mesh_axis, tensor_axis in enumerate(layout.mesh_axis_to_tensor_axis(self.ndims)):
+            if tensor_axis is not None:
+                t = self.allconcat(t, mesh_axis, tensor_axis)
+        return t.one_slice
+
+    def local_slice(self, laid_out_x):
+        """This rank's slice as a ``tf.Tensor`` (no communication)."""
+        return laid_out_x.to_laid_out_tensor().one_slice
+
+    def local_slice_begin(self, tensor_shape):
+        """Index of this rank's slice in the full tensor, one int per tensor axis."""
+        return self.slice_begin(mtf.convert_to_shape(tensor_shape), self._pnum)
+
+
+def export_local_slice(lowering, x):
+    """This rank's slice of the mtf tensor ``x`` after ``lowering``, without communication.
+
+    Parameters
+    ----------
+    lowering : mtf.Lowering
+    x : mtf.Tensor
+
+    Returns
+    -------
+    tf.Tensor
+        The slice, of shape ``mesh_impl.slice_shape(x.shape)``.
+    """
+    impl = lowering.mesh_impl(x)
+    laid_out = lowering.tensors[x].to_laid_out_tensor()
+    if isinstance(impl, HvdSimdMeshImpl):
+        return impl.local_slice(laid_out)
+    raise TypeError("export_local_slice needs an HvdSimdMeshImpl lowering, got %s"
+                    % type(impl).__name__)
