@@ -1,0 +1,369 @@
+"""Simulation configuration: a frozen, validated description of one run.
+
+Every ``flowpm_mtf`` operation takes the configuration explicitly
+(``op(field_or_state, conf)``); nothing is cached in module state.
+
+Dimension names and layout
+--------------------------
+All Mesh TensorFlow dimension names used by the package are defined here, once:
+
+================  =====================  ===========  ==============================
+name              size                   mesh axis    meaning
+================  =====================  ===========  ==============================
+``x``             ``nc[0]``              ``row``      real-space field, axis x
+``y``             ``nc[1]``              ``col``      real-space field, axis y
+``z``             ``nc[2]``              --           real-space field, axis z (local)
+``kx``            ``nc[0]``              --           k-space field, axis x (local)
+``ky``            ``nc[1]``              ``row``      k-space field, axis y
+``kz``            ``nc[2]``              ``col``      k-space field, axis z
+``bx``            ``P``                  ``row``      block index along x
+``by``            ``Q``                  ``col``      block index along y
+``sx``            ``nc[0] // P``         --           cell inside a block, x
+``sy``            ``nc[1] // Q``         --           cell inside a block, y
+``px``            ``nc[0] // P + 2 h``   --           cell inside a padded block, x
+``py``            ``nc[1] // Q + 2 h``   --           cell inside a padded block, y
+``npart``         particles per block    --           particle index inside a block
+``xyz``           3                      --           vector component
+================  =====================  ===========  ==============================
+
+``P, Q = grid`` and ``h = halo_size``. The k-space layout is the natural output
+of the pencil FFT (see :mod:`flowpm_mtf.fft`); since Mesh TF broadcasts by
+*name*, callers never see a transposed order.
+"""
+import dataclasses
+import json
+import logging
+from typing import Tuple
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------- names
+ROW, COL = "row", "col"
+"""Names of the two processor-mesh axes."""
+
+X, Y, Z = "x", "y", "z"
+"""Real-space field dimensions (``x`` on ``row``, ``y`` on ``col``, ``z`` local)."""
+REAL_DIMS = (X, Y, Z)
+
+KX, KY, KZ = "kx", "ky", "kz"
+"""k-space field dimensions (``kx`` local, ``ky`` on ``row``, ``kz`` on ``col``)."""
+K_DIMS = (KX, KY, KZ)
+
+BX, BY = "bx", "by"
+"""Block-count dimensions (``bx`` on ``row``, ``by`` on ``col``)."""
+SX, SY = "sx", "sy"
+"""Unpadded block-size dimensions."""
+PX, PY = "px", "py"
+"""Padded block-size dimensions (block size + 2 * halo)."""
+
+NPART = "npart"
+"""Particles of one block, flattened."""
+XYZ = "xyz"
+"""Vector components (size 3)."""
+
+_DTYPES = {"float32": "complex64", "float64": "complex128"}
+
+
+# ----------------------------------------------------------------------------- helpers
+def _triple(value, name, kind):
+    """Expand a scalar to a 3-tuple and convert the elements with ``kind``."""
+    if np.isscalar(value):
+        value = (value,) * 3
+    value = tuple(value)
+    if len(value) != 3:
+        raise ValueError("%s must be a scalar or have 3 entries, got %r" % (name, value))
+    if kind is int:
+        for v in value:
+            if isinstance(v, bool) or not float(v).is_integer():
+                raise ValueError("%s must hold integers, got %r" % (name, value))
+    return tuple(kind(v) for v in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cosmology:
+    """Cosmological parameters (Planck 2015 defaults).
+
+    The values are those of single-device FlowPM (``flowpm.tfbackground.cosmo``
+    in FlowPM 0.1.1, ``flowpm.cosmology.Planck15`` in later versions).
+
+    Parameters
+    ----------
+    Omega_c : float
+        Cold dark matter density today [dimensionless].
+    Omega_b : float
+        Baryon density today [dimensionless].
+    h : float
+        Hubble parameter, H0 / (100 km/s/Mpc) [dimensionless].
+    n_s : float
+        Primordial spectral index [dimensionless].
+    sigma8 : float
+        RMS linear density fluctuation in spheres of 8 Mpc/h today [dimensionless].
+    w0, wa : float
+        Dark-energy equation of state w(a) = w0 + wa (1 - a) [dimensionless].
+    Omega_k : float
+        Curvature density today [dimensionless].
+    """
+
+    Omega_c: float = 0.2589
+    Omega_b: float = 0.04860
+    h: float = 0.6774
+    n_s: float = 0.9667
+    sigma8: float = 0.8159
+    w0: float = -1.0
+    wa: float = 0.0
+    Omega_k: float = 0.0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise ValueError("Cosmology.%s must be a number, got %r" % (f.name, v))
+            if not np.isfinite(v):
+                raise ValueError("Cosmology.%s must be finite, got %r" % (f.name, v))
+            object.__setattr__(self, f.name, float(v))
+        for name in ("Omega_c", "h", "sigma8"):
+            if getattr(self, name) <= 0:
+                raise ValueError("Cosmology.%s must be positive, got %r"
+                                 % (name, getattr(self, name)))
+        if self.Omega_b < 0:
+            raise ValueError("Cosmology.Omega_b must be >= 0, got %r" % self.Omega_b)
+
+    @property
+    def Omega_m(self):
+        """Total matter density today, Omega_c + Omega_b [dimensionless]."""
+        return self.Omega_c + self.Omega_b
+
+    @property
+    def Omega_de(self):
+        """Dark-energy density today, 1 - Omega_m - Omega_k [dimensionless]."""
+        return 1.0 - self.Omega_m - self.Omega_k
+
+    def to_dict(self):
+        """The parameters as a JSON-able dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        """Inverse of :meth:`to_dict`."""
+        return cls(**d)
+
+    def to_flowpm_dict(self):
+        """The parameters in the dict format of ``flowpm.tfbackground`` (FlowPM 0.1.1)."""
+        return {"w0": self.w0, "wa": self.wa, "H0": 100.0, "h": self.h,
+                "Omega0_b": self.Omega_b, "Omega0_c": self.Omega_c,
+                "Omega0_m": self.Omega_m, "Omega0_k": self.Omega_k,
+                "Omega0_de": self.Omega_de, "n_s": self.n_s, "sigma8": self.sigma8}
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """Frozen description of a distributed particle-mesh simulation.
+
+    Parameters
+    ----------
+    nc : int or 3-tuple of int
+        Mesh cells along x, y, z [cells]; an int means a cubic mesh.
+    box_size : float or 3-tuple of float
+        Box side lengths along x, y, z [Mpc/h].
+    grid : 2-tuple of int
+        Process grid (P, Q): x is split over P ranks (mesh axis ``row``), y over
+        Q ranks (mesh axis ``col``); z is never split.
+    halo_size : int
+        Halo width around each block in x and y [cells]. Particles may move up
+        to about ``halo_size - 1`` cells away from their block (see
+        :mod:`flowpm_mtf.painting`).
+    a_start, a_end : float
+        First and last scale factor [dimensionless].
+    n_steps : int
+        Number of N-body time steps.
+    lpt_order : {1, 2}
+        Order of Lagrangian perturbation theory for the initial conditions.
+    dtype : {"float32", "float64"}
+        Real floating-point type of fields and particles.
+    seed : int
+        Seed of the initial conditions (independent of the process grid).
+    cosmology : Cosmology
+        Cosmological parameters.
+
+    Raises
+    ------
+    ValueError
+        On any impossible combination (message names the offending value).
+
+    Notes
+    -----
+    Divisibility: the real-space pencils need ``nc[0] % P == 0`` and
+    ``nc[1] % Q == 0``; the k-space pencils (``ky`` on ``row``, ``kz`` on
+    ``col``) need ``nc[1] % P == 0`` and ``nc[2] % Q == 0``.
+    """
+
+    nc: Tuple[int, int, int] = (64, 64, 64)
+    box_size: Tuple[float, float, float] = (200.0, 200.0, 200.0)
+    grid: Tuple[int, int] = (1, 1)
+    halo_size: int = 8
+    a_start: float = 0.1
+    a_end: float = 1.0
+    n_steps: int = 10
+    lpt_order: int = 2
+    dtype: str = "float32"
+    seed: int = 42
+    cosmology: Cosmology = dataclasses.field(default_factory=Cosmology)
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
+        set_("nc", _triple(self.nc, "nc", int))
+        set_("box_size", _triple(self.box_size, "box_size", float))
+        grid = tuple(self.grid) if not np.isscalar(self.grid) else None
+        if grid is None or len(grid) != 2 or any(
+                isinstance(g, bool) or not float(g).is_integer() for g in grid):
+            raise ValueError("grid must be a pair of integers (P, Q), got %r" % (self.grid,))
+        set_("grid", tuple(int(g) for g in grid))
+        if isinstance(self.cosmology, dict):
+            set_("cosmology", Cosmology.from_dict(self.cosmology))
+        if not isinstance(self.cosmology, Cosmology):
+            raise ValueError("cosmology must be a Cosmology, got %r" % (self.cosmology,))
+
+        if any(n <= 0 for n in self.nc):
+            raise ValueError("nc must be positive, got %r" % (self.nc,))
+        if any(not (b > 0 and np.isfinite(b)) for b in self.box_size):
+            raise ValueError("box_size must be positive and finite, got %r" % (self.box_size,))
+        P, Q = self.grid
+        if P < 1 or Q < 1:
+            raise ValueError("grid entries must be >= 1, got %r" % (self.grid,))
+        checks = [(self.nc[0], P, "nc[0] (x, split over P on 'row')"),
+                  (self.nc[1], Q, "nc[1] (y, split over Q on 'col')"),
+                  (self.nc[1], P, "nc[1] (ky, split over P on 'row' in k-space)"),
+                  (self.nc[2], Q, "nc[2] (kz, split over Q on 'col' in k-space)")]
+        for n, p, what in checks:
+            if n % p:
+                raise ValueError("grid %r does not divide nc=%r: %s = %d is not a multiple of %d"
+                                 % (self.grid, self.nc, what, n, p))
+        for v, name in ((self.halo_size, "halo_size"), (self.n_steps, "n_steps"),
+                        (self.lpt_order, "lpt_order"), (self.seed, "seed")):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError("%s must be an int, got %r" % (name, v))
+        set_("halo_size", int(self.halo_size))
+        set_("n_steps", int(self.n_steps))
+        set_("lpt_order", int(self.lpt_order))
+        set_("seed", int(self.seed))
+        sx, sy = self.nc[0] // P, self.nc[1] // Q
+        if self.halo_size < 0:
+            raise ValueError("halo_size must be >= 0, got %d" % self.halo_size)
+        if self.halo_size >= min(sx, sy):
+            raise ValueError("halo_size=%d must be smaller than the block size (%d, %d) "
+                             "[cells] of nc=%r on grid %r"
+                             % (self.halo_size, sx, sy, self.nc, self.grid))
+        for name in ("a_start", "a_end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+                raise ValueError("%s must be a number, got %r" % (name, v))
+            set_(name, float(v))
+        if not 0.0 < self.a_start < self.a_end:
+            raise ValueError("need 0 < a_start < a_end, got a_start=%r, a_end=%r"
+                             % (self.a_start, self.a_end))
+        if self.n_steps < 1:
+            raise ValueError("n_steps must be >= 1, got %d" % self.n_steps)
+        if self.lpt_order not in (1, 2):
+            raise ValueError("lpt_order must be 1 or 2, got %d" % self.lpt_order)
+        if self.dtype not in _DTYPES:
+            raise ValueError("dtype must be one of %s, got %r" % (sorted(_DTYPES), self.dtype))
+        if not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be in [0, 2**63), got %d" % self.seed)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def cell_size(self):
+        """Cell side lengths along x, y, z [Mpc/h]."""
+        return tuple(b / n for b, n in zip(self.box_size, self.nc))
+
+    @property
+    def n_cells(self):
+        """Total number of mesh cells."""
+        return int(np.prod(self.nc))
+
+    @property
+    def block_shape(self):
+        """Cells of one (unpadded) block along x, y, z [cells]."""
+        return (self.nc[0] // self.grid[0], self.nc[1] // self.grid[1], self.nc[2])
+
+    @property
+    def padded_block_shape(self):
+        """Cells of one padded block along x, y, z [cells] (z is not padded)."""
+        sx, sy, nz = self.block_shape
+        return (sx + 2 * self.halo_size, sy + 2 * self.halo_size, nz)
+
+    @property
+    def n_ranks(self):
+        """Number of processors, P * Q."""
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def mesh_shape(self):
+        """Processor mesh for Mesh TF: ``[("row", P), ("col", Q)]``."""
+        return [(ROW, self.grid[0]), (COL, self.grid[1])]
+
+    @property
+    def layout_rules(self):
+        """Every (tensor dimension, mesh axis) rule used by ``flowpm_mtf``."""
+        return [(X, ROW), (Y, COL), (KY, ROW), (KZ, COL), (BX, ROW), (BY, COL)]
+
+    @property
+    def np_dtype(self):
+        """Real numpy dtype."""
+        return np.dtype(self.dtype)
+
+    @property
+    def np_complex_dtype(self):
+        """Complex numpy dtype matching :attr:`dtype`."""
+        return np.dtype(_DTYPES[self.dtype])
+
+    @property
+    def tf_dtype(self):
+        """Real TensorFlow dtype."""
+        import tensorflow.compat.v1 as tf
+        return tf.as_dtype(self.dtype)
+
+    @property
+    def tf_complex_dtype(self):
+        """Complex TensorFlow dtype matching :attr:`dtype`."""
+        import tensorflow.compat.v1 as tf
+        return tf.as_dtype(_DTYPES[self.dtype])
+
+    # ------------------------------------------------------------------ (de)serialise
+    def to_dict(self):
+        """A JSON-able dict (tuples become lists, the cosmology a nested dict)."""
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Cosmology):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            d[f.name] = v
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError("unknown SimConfig fields: %s" % sorted(unknown))
+        if "cosmology" in d and isinstance(d["cosmology"], dict):
+            d["cosmology"] = Cosmology.from_dict(d["cosmology"])
+        return cls(**d)
+
+    def to_json(self):
+        """:meth:`to_dict` as a JSON string (sorted keys)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s):
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(s))
+
+    def replace(self, **kw):
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **kw)

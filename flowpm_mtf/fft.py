@@ -1,0 +1,451 @@
+"""Distributed 3D FFT on the (P, Q) pencil decomposition, with exact gradients.
+
+Layout
+------
+A real-space field has the dimensions ``x, y, z`` (``x`` split over the P
+ranks of mesh axis ``row``, ``y`` over the Q ranks of ``col``, ``z`` local).
+Its transform has the dimensions ``kx, ky, kz`` (``kx`` local, ``ky`` on
+``row``, ``kz`` on ``col``), *in the same tensor positions*: the data are
+never transposed, only re-distributed. The forward transform runs
+
+1. 1D FFT along ``z`` (local);
+2. all-to-all on ``col``: split ``z``, gather ``y``; 1D FFT along ``y``;
+3. all-to-all on ``row``: split ``y``, gather ``x``; 1D FFT along ``x``;
+
+and the inverse runs the same steps backwards. The all-to-alls are issued
+through ``mesh_impl.alltoall`` inside the operation's lowering, so the code runs
+on every Mesh TF ``MeshImpl``. Kernels are built as named mtf tensors on
+``kx, ky, kz`` (see :func:`kvec`); Mesh TF aligns operands by dimension name.
+
+This is a *full complex* (c2c) transform of the real field cast to complex:
+the k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum).
+
+Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
+---------------------------------------------------------------------------
+With ``N = nc[0] * nc[1] * nc[2]``::
+
+    r2c(f)[k] = (1 / N) * sum_x f[x] exp(-i k.x)        = numpy.fft.fftn(f) / N
+    c2r(F)[x] = Re( sum_k F[k] exp(+i k.x) )             = N * Re(numpy.fft.ifftn(F))
+
+so ``c2r(r2c(f)) == f``.
+
+Gradients
+---------
+TensorFlow's convention for a real loss ``L`` and a complex tensor
+``z = a + i b`` is ``grad z = dL/da + i dL/db``; for a complex-linear map ``A``
+this gives ``grad x = A^H grad y`` (conjugate transpose). With ``F`` the
+unnormalised DFT (``F^H = N F^{-1}``)::
+
+    y = s F x          ->  grad x = s N ifft(grad y)
+    y = s F^{-1} x     ->  grad x = s fft(grad y) / N
+
+A real input is embedded as ``x + 0i`` (adjoint: real part of the gradient);
+a real output takes the real part (adjoint: ``grad + 0i``). Hence
+``grad r2c = Re(ifftn(dy))`` and ``grad c2r = fftn(dy)``, each exact on its own
+(tested in ``tests/test_fft.py`` by dot-product and finite-difference tests).
+
+Stock Mesh TF skips operations with complex tensors in ``mtf.gradients``;
+importing this module applies
+:func:`hvd_mesh_impl.mtf_compat.enable_complex_gradients` (no Horovod import).
+Products of complex tensors with ``*`` get Mesh TF's gradient ``dy * other``,
+which lacks the complex conjugate: multiply k-space fields by kernels with
+:func:`apply_kernel` (real kernel times a constant complex phase, e.g. ``1j``
+for the gradient kernel ``i k``), whose gradient is exact.
+"""
+import logging
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from hvd_mesh_impl.mtf_compat import enable_complex_gradients
+
+from . import config as cfg
+
+log = logging.getLogger(__name__)
+
+enable_complex_gradients()
+
+_UNITS = ("h/Mpc", "grid")
+
+
+# ----------------------------------------------------------------------------- shapes
+def real_shape(conf):
+    """mtf Shape ``[x, y, z]`` of a real-space field."""
+    return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.REAL_DIMS, conf.nc)])
+
+
+def k_shape(conf):
+    """mtf Shape ``[kx, ky, kz]`` of a k-space field."""
+    return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.K_DIMS, conf.nc)])
+
+
+def _complex_of(dtype):
+    return tf.complex128 if dtype in (tf.float64, tf.complex128) else tf.complex64
+
+
+def _real_of(dtype):
+    return tf.float64 if dtype in (tf.float64, tf.complex128) else tf.float32
+
+
+def _differentiable(dtype):
+    return dtype.is_floating or dtype.is_complex
+
+
+def _along(fn, t, axis):
+    """Apply the innermost-axis TF transform ``fn`` along ``axis`` of ``t``."""
+    last = t.shape.ndims - 1
+    if axis == last:
+        return fn(t)
+    perm = list(range(last + 1))
+    perm[axis], perm[last] = last, axis
+    return tf.transpose(fn(tf.transpose(t, perm)), perm)
+
+
+# ----------------------------------------------------------------------------- FFT op
+class FFT3DOperation(mtf.Operation):
+    """``y = s * T(x)`` with ``T`` the unnormalised 3D DFT or the inverse DFT.
+
+    Parameters
+    ----------
+    x : mtf.Tensor
+        Real or complex; holds the three ``in_dims`` (other dimensions are batch
+        dimensions, transformed independently).
+    in_dims, out_dims : sequence of 3 str
+        Dimension names of the transformed axes before and after (x, y, z order).
+    inverse : bool
+        False: ``T = F`` (``numpy.fft.fftn``); True: ``T = F^{-1}`` (``ifftn``).
+    scale : float
+        Real factor ``s``.
+    real_output : bool
+        Return the real part of the result.
+    name : str, optional
+
+    Notes
+    -----
+    Forward (``inverse=False``) needs ``in_dims[2]`` unsplit and returns
+    ``out_dims[0]`` unsplit, ``out_dims[1]`` on the mesh axis of ``in_dims[0]``,
+    ``out_dims[2]`` on that of ``in_dims[1]``; the inverse needs and returns
+    the mirror layout. :attr:`flowpm_mtf.config.SimConfig.layout_rules` satisfies
+    both.
+    """
+
+    def __init__(self, x, in_dims, out_dims, inverse, scale=1.0, real_output=False,
+                 name=None):
+        super().__init__([x], name=name or ("IFFT3D" if inverse else "FFT3D"))
+        names = x.shape.dimension_names
+        for d in in_dims:
+            if d not in names:
+                raise ValueError("FFT3D: dimension %r is not in the input shape %s"
+                                 % (d, x.shape))
+        self._in_dims = tuple(in_dims)
+        self._out_dims = tuple(out_dims)
+        self._inverse = bool(inverse)
+        self._scale = float(scale)
+        self._real_output = bool(real_output)
+        rename = dict(zip(in_dims, out_dims))
+        out_shape = mtf.Shape([mtf.Dimension(rename.get(d.name, d.name), d.size)
+                               for d in x.shape.dims])
+        cdtype = _complex_of(x.dtype)
+        self._outputs = [mtf.Tensor(self, out_shape,
+                                    _real_of(cdtype) if real_output else cdtype)]
+        self._n = int(np.prod([x.shape.get_dim_by_name(d).size for d in in_dims]))
+
+    @property
+    def has_gradient(self):
+        return _differentiable(self.inputs[0].dtype)
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        x = self.inputs[0]
+        # adjoint of s*F is s*N*F^{-1}; adjoint of s*F^{-1} is (s/N)*F
+        scale = self._scale * (self._n if not self._inverse else 1.0 / self._n)
+        op = FFT3DOperation(dy, self._out_dims, self._in_dims, not self._inverse, scale,
+                            real_output=not x.dtype.is_complex,
+                            name=self.name + "_grad")
+        return [op.outputs[0]]
+
+    def lower(self, lowering):
+        mesh_impl = lowering.mesh_impl(self)
+        x = self.inputs[0]
+        y = self.outputs[0]
+        pos = [x.shape.dims.index(x.shape.get_dim_by_name(d)) for d in self._in_dims]
+        in_axes = [mesh_impl.tensor_dimension_to_mesh_axis(x.shape.get_dim_by_name(d))
+                   for d in self._in_dims]
+        out_axes = [mesh_impl.tensor_dimension_to_mesh_axis(y.shape.get_dim_by_name(d))
+                    for d in self._out_dims]
+        # forward: (a, b, None) -> (None, a, b); inverse: (None, a, b) -> (a, b, None)
+        if not self._inverse:
+            a, b = in_axes[0], in_axes[1]
+            ok = in_axes[2] is None and out_axes == [None, a, b]
+        else:
+            a, b = in_axes[1], in_axes[2]
+            ok = in_axes[0] is None and out_axes == [a, b, None]
+        if not ok:
+            raise ValueError(
+                "%s: unsupported layout: %s on mesh axes %s -> %s on %s; the layout rules "
+                "must put (x, ky, bx) on one mesh axis, (y, kz, by) on another and leave "
+                "z and kx unsplit (see SimConfig.layout_rules)"
+                % (self.name, self._in_dims, in_axes, self._out_dims, out_axes))
+        cdtype = _complex_of(x.dtype)
+        one_d = tf.signal.ifft if self._inverse else tf.signal.fft
+
+        def first(t):
+            t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
+            return _along(one_d, t, pos[2] if not self._inverse else pos[0])
+
+        def middle(t):
+            return _along(one_d, t, pos[1])
+
+        def last(t):
+            t = _along(one_d, t, pos[0] if not self._inverse else pos[2])
+            t = t * tf.constant(self._scale, cdtype) if self._scale != 1.0 else t
+            return tf.math.real(t) if self._real_output else t
+
+        def exchange(t, mesh_axis, split, concat):
+            if mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1:
+                return t
+            return mesh_impl.alltoall(t, mesh_axis, split, concat)
+
+        t = lowering.tensors[x]
+        t = mesh_impl.slicewise(first, t)
+        if not self._inverse:
+            t = exchange(t, b, pos[2], pos[1])
+            t = mesh_impl.slicewise(middle, t)
+            t = exchange(t, a, pos[1], pos[0])
+        else:
+            t = exchange(t, a, pos[0], pos[1])
+            t = mesh_impl.slicewise(middle, t)
+            t = exchange(t, b, pos[1], pos[2])
+        t = mesh_impl.slicewise(last, t)
+        lowering.set_tensor_lowering(y, t)
+
+
+def r2c(field, conf, name="r2c"):
+    """Forward FFT of a real field, normalised like FlowPM's ``r2c3d``.
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+        Real field on the dimensions ``x, y, z`` (plus optional unsplit batch
+        dimensions).
+    conf : SimConfig
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Complex field on ``kx, ky, kz`` (same positions as ``x, y, z``):
+        ``numpy.fft.fftn(field) / N``, ``N = prod(conf.nc)``.
+    """
+    if field.dtype.is_complex:
+        raise TypeError("r2c expects a real field, got %s" % field.dtype.name)
+    n = conf.n_cells
+    return FFT3DOperation(field, cfg.REAL_DIMS, cfg.K_DIMS, inverse=False, scale=1.0 / n,
+                          name=name).outputs[0]
+
+
+def c2r(kfield, conf, name="c2r"):
+    """Inverse FFT to a real field, normalised like FlowPM's ``c2r3d``.
+
+    Parameters
+    ----------
+    kfield : mtf.Tensor
+        Complex field on the dimensions ``kx, ky, kz``.
+    conf : SimConfig
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Real field on ``x, y, z``: ``N * Re(numpy.fft.ifftn(kfield))``. The
+        imaginary part (zero for a Hermitian ``kfield``) is discarded.
+    """
+    if not kfield.dtype.is_complex:
+        raise TypeError("c2r expects a complex field, got %s" % kfield.dtype.name)
+    n = conf.n_cells
+    return FFT3DOperation(kfield, cfg.K_DIMS, cfg.REAL_DIMS, inverse=True, scale=float(n),
+                          real_output=True, name=name).outputs[0]
+
+
+# ----------------------------------------------------------------------------- k-vectors
+def kvec(conf, mesh, units="h/Mpc"):
+    """Wave vectors along each axis as mtf tensors on ``kx``, ``ky``, ``kz``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    units : {"h/Mpc", "grid"}
+        ``"h/Mpc"``: ``2 pi fftfreq(n, d=cell_size)`` [h/Mpc];
+        ``"grid"``: ``2 pi fftfreq(n)`` [rad / cell] (FlowPM's ``fftk``
+        convention, which assumes cubic cells).
+
+    Returns
+    -------
+    list of 3 mtf.Tensor
+        Real tensors of shape ``[kx]``, ``[ky]``, ``[kz]`` (dtype ``conf.dtype``)
+        in numpy FFT order (zero first, negative frequencies in the upper half).
+    """
+    if units not in _UNITS:
+        raise ValueError("units must be one of %s, got %r" % (_UNITS, units))
+    out = []
+    for name, n, d in zip(cfg.K_DIMS, conf.nc, conf.cell_size):
+        k = 2 * np.pi * np.fft.fftfreq(n, d=d if units == "h/Mpc" else 1.0)
+        out.append(mtf.import_tf_tensor(mesh, tf.constant(k.astype(conf.np_dtype)),
+                                        mtf.Shape([mtf.Dimension(name, n)]),
+                                        name="kvec_" + name))
+    return out
+
+
+def wavenumber(conf, mesh, units="h/Mpc"):
+    """Norm of the wave vector, ``|k|``, on ``[kx, ky, kz]``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    units : {"h/Mpc", "grid"}
+        See :func:`kvec`.
+
+    Returns
+    -------
+    mtf.Tensor
+        Real, shape ``[kx, ky, kz]`` [h/Mpc or rad / cell].
+    """
+    kx, ky, kz = kvec(conf, mesh, units)
+    return mtf.sqrt(mtf.square(kx) + mtf.square(ky) + mtf.square(kz))
+
+
+# ----------------------------------------------------------------------------- kernels
+class KernelMultiplyOperation(mtf.Operation):
+    """``y = phase * kernel * field`` for a complex field and a real kernel.
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+        Complex tensor.
+    kernel : mtf.Tensor
+        Real tensor whose dimensions are a subset of ``field``'s (broadcast by
+        name).
+    phase : complex
+        Constant factor, e.g. ``1j`` for the gradient kernel ``i k``.
+
+    Notes
+    -----
+    Gradients (TF convention, see the module docstring)::
+
+        grad field  = conj(phase) * kernel * grad y
+        grad kernel = sum over the broadcast dims of Re(conj(phase * field) * grad y)
+    """
+
+    def __init__(self, field, kernel, phase=1.0, name=None):
+        super().__init__([field, kernel], name=name or "apply_kernel")
+        if not field.dtype.is_complex:
+            raise TypeError("apply_kernel: the field must be complex, got %s" % field.dtype.name)
+        if kernel.dtype.is_complex or not kernel.dtype.is_floating:
+            raise TypeError("apply_kernel: the kernel must be real floating, got %s"
+                            % kernel.dtype.name)
+        missing = [d for d in kernel.shape.dims if d not in field.shape.dims]
+        if missing:
+            raise ValueError("apply_kernel: kernel dimensions %s are not in the field shape %s"
+                             % (missing, field.shape))
+        self._phase = complex(phase)
+        self._outputs = [mtf.Tensor(self, field.shape, field.dtype)]
+
+    @property
+    def has_gradient(self):
+        return True
+
+    def gradient(self, grad_ys):
+        dy = grad_ys[0]
+        field, kernel = self.inputs
+        d_field = apply_kernel(dy, kernel, np.conj(self._phase))
+        phase = self._phase
+        prod = mtf.slicewise(
+            lambda f, g: tf.math.real(tf.math.conj(f * tf.constant(phase, f.dtype)) * g),
+            [field, dy], output_shape=field.shape, output_dtype=kernel.dtype,
+            splittable_dims=field.shape.dims, name="apply_kernel_grad")
+        d_kernel = mtf.reduce_sum(prod, output_shape=kernel.shape)
+        return [d_field, d_kernel]
+
+    def lower(self, lowering):
+        mesh_impl = lowering.mesh_impl(self)
+        field, kernel = self.inputs
+        phase = self._phase
+
+        def fn(f, k):
+            k = mtf.ops._expand_dims(k, kernel.shape, field.shape)
+            y = f * tf.cast(k, f.dtype)
+            return y * tf.constant(phase, f.dtype) if phase != 1 else y
+
+        lowering.set_tensor_lowering(
+            self.outputs[0],
+            mesh_impl.slicewise(fn, lowering.tensors[field], lowering.tensors[kernel]))
+
+
+def apply_kernel(kfield, kernel, phase=1.0, name=None):
+    """Multiply a complex field by ``phase * kernel`` with an exact gradient.
+
+    Parameters
+    ----------
+    kfield : mtf.Tensor
+        Complex field (typically on ``kx, ky, kz``).
+    kernel : mtf.Tensor
+        Real kernel on a subset of ``kfield``'s dimensions (e.g. ``[kx]`` from
+        :func:`kvec`, or ``[kx, ky, kz]``).
+    phase : complex, optional
+        Constant factor; ``1j`` with ``kernel = k_x`` gives the derivative
+        kernel ``i k_x``.
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        ``phase * kernel * kfield``, shape and dtype of ``kfield``.
+    """
+    return KernelMultiplyOperation(kfield, kernel, phase, name=name).outputs[0]
+
+
+def real_part(z, name="real_part"):
+    """Real part of a complex tensor (gradient ``dy + 0i``)."""
+    return mtf.cwise(tf.math.real, [z], output_dtype=_real_of(z.dtype), name=name)
+
+
+def imag_part(z, name="imag_part"):
+    """Imaginary part of a complex tensor (gradient ``0 + i dy``)."""
+    return mtf.cwise(tf.math.imag, [z], output_dtype=_real_of(z.dtype), name=name)
+
+
+def abs2(z, name="abs2"):
+    """``|z|^2`` of a complex tensor, as a real tensor (e.g. for power spectra)."""
+    return mtf.cwise(lambda t: tf.math.real(t * tf.math.conj(t)), [z],
+                     output_dtype=_real_of(z.dtype), name=name)
+
+
+def real_vdot(u, v, name="real_vdot"):
+    """Real inner product ``Re(sum(conj(u) * v))`` of two tensors of equal shape.
+
+    Parameters
+    ----------
+    u, v : mtf.Tensor
+        Real or complex tensors of the same shape.
+
+    Returns
+    -------
+    mtf.Tensor
+        Real scalar, summed over the whole (distributed) tensor.
+    """
+    if u.shape != v.shape:
+        raise ValueError("real_vdot: shapes differ: %s vs %s" % (u.shape, v.shape))
+    out = _real_of(u.dtype)
+
+    def fn(a, b):
+        if a.dtype.is_complex or b.dtype.is_complex:
+            c = _complex_of(a.dtype)
+            return tf.math.real(tf.math.conj(tf.cast(a, c)) * tf.cast(b, c))
+        return a * b
+
+    prod = mtf.slicewise(fn, [u, v], output_shape=u.shape, output_dtype=out,
+                         splittable_dims=u.shape.dims, name=name)
+    return mtf.reduce_sum(prod)
