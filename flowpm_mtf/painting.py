@@ -1,0 +1,320 @@
+"""Cloud-in-cell painting and readout on padded blocks.
+
+Particles
+---------
+Particles never change rank. Each block (see :mod:`flowpm_mtf.halo`) keeps the
+particles it started with for the whole run, with positions in **block-local
+coordinates** [cells]: global position minus the block origin
+``(i sx, j sy, 0)``. A position tensor has the shape
+``[bx, by, <particle dims>, xyz]`` (``bx`` on ``row``, ``by`` on ``col``;
+``<particle dims>`` are any unsplit dimensions, e.g. ``npart`` or a particle
+lattice); weights and read-out values have the shape
+``[bx, by, <particle dims>]``.
+
+CIC on the padded block: a particle at block-local ``(x, y, z)`` touches the
+padded cells ``floor(x) + h + {0, 1}`` along x (same for y) and
+``(floor(z) + {0, 1}) mod nz`` along z. The stencil fits in the padded block
+iff, along x and y::
+
+    -h <= x < s + h - 1      (s = sx or sy, h = conf.halo_size)
+
+i.e. a particle may move about ``h - 1`` cells away from its block.
+
+Escaping particles
+------------------
+A particle outside that range (or with a non-finite coordinate) has *escaped*.
+It is never dropped silently: :func:`cic_paint` and :func:`cic_readout` count
+the escaped particles of all blocks (:func:`escaped_count`, one tiny allreduce)
+and make their result depend on ``tf.debugging.assert_equal(count, 0)``.
+Evaluating the result then raises ``tf.errors.InvalidArgumentError`` with a
+message starting ``"flowpm_mtf.painting: particles escaped"`` -- on every rank
+at once, since the count is global (no rank is left waiting in a collective).
+:func:`escaped_count` is public for monitoring (e.g. to log the count per step).
+
+Gradients
+---------
+The local scatter (``tf.tensor_scatter_nd_add``) and gather (``tf.gather_nd``)
+are differentiated by TensorFlow inside ``mtf.slicewise`` (w.r.t. positions,
+weights and mesh values); the halo exchange is linear with an exact adjoint.
+"""
+import logging
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from . import config as cfg
+from .halo import (_check_shape, field_to_padded, halo_fill, halo_reduce, padded_shape,
+                   padded_to_field)
+
+log = logging.getLogger(__name__)
+
+ESCAPE_MESSAGE = "flowpm_mtf.painting: particles escaped"
+"""Start of the error message raised when particles left the halo."""
+
+_OFFSETS = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1],
+                     [1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]])
+
+
+# ----------------------------------------------------------------------------- particles
+def lattice(conf, mesh):
+    """One particle at the corner of every cell of each block, block-local.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, npart, xyz]`` with ``npart = sx * sy * nz``, positions
+        ``(i, j, k)`` [cells] in C order (k fastest); dtype ``conf.dtype``.
+    """
+    sx, sy, nz = conf.block_shape
+    grid = np.stack(np.meshgrid(np.arange(sx), np.arange(sy), np.arange(nz), indexing="ij"),
+                    axis=-1).reshape(-1, 3).astype(conf.np_dtype)
+    npart = mtf.Dimension(cfg.NPART, grid.shape[0])
+    xyz = mtf.Dimension(cfg.XYZ, 3)
+    base = mtf.import_tf_tensor(mesh, tf.constant(grid), mtf.Shape([npart, xyz]),
+                                name="lattice")
+    P, Q = conf.grid
+    return mtf.broadcast(base, mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
+                                          npart, xyz]))
+
+
+def block_origins(conf, mesh):
+    """Global position of each block's origin, ``[bx, by, xyz]`` [cells]."""
+    P, Q = conf.grid
+    sx, sy, _ = conf.block_shape
+    o = np.zeros((P, Q, 3), conf.np_dtype)
+    o[..., 0] = (np.arange(P) * sx)[:, None]
+    o[..., 1] = (np.arange(Q) * sy)[None, :]
+    return mtf.import_tf_tensor(
+        mesh, tf.constant(o),
+        mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
+                   mtf.Dimension(cfg.XYZ, 3)]), name="block_origins")
+
+
+def to_global(positions, conf):
+    """Block-local positions -> global positions [cells] (not wrapped into the box)."""
+    return positions + block_origins(conf, positions.mesh)
+
+
+def from_global(positions, conf):
+    """Global positions [cells] of each block's particles -> block-local positions."""
+    return positions - block_origins(conf, positions.mesh)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_particles(positions, what):
+    names = positions.shape.dimension_names
+    if names[:2] != [cfg.BX, cfg.BY] or names[-1] != cfg.XYZ or positions.shape[-1].size != 3:
+        raise ValueError("%s: positions must have the shape [bx, by, <particle dims>, xyz(3)], "
+                         "got %s" % (what, positions.shape))
+
+
+def _check_halo(conf, what):
+    if conf.halo_size < 1:
+        raise ValueError("%s: CIC needs halo_size >= 1 (a particle in a block's last cell "
+                         "deposits into the next block), got %d" % (what, conf.halo_size))
+
+
+def _stencil(pos, conf):
+    """CIC indices into the padded block and weights, for a local slice.
+
+    Parameters
+    ----------
+    pos : tf.Tensor
+        ``[nbx, nby, n, 3]`` block-local positions [cells].
+
+    Returns
+    -------
+    idx : tf.Tensor
+        int32 ``[nbx, nby, n, 8, 5]`` (block x, block y, px, py, z), clipped
+        into the padded block.
+    kernel : tf.Tensor
+        ``[nbx, nby, n, 8]`` CIC weights.
+    """
+    h = conf.halo_size
+    px, py, nz = conf.padded_block_shape
+    nbx, nby, n, _ = pos.shape.as_list()
+    pos = pos[:, :, :, None, :]
+    floor = tf.floor(pos)
+    nb = floor + tf.constant(_OFFSETS, pos.dtype)
+    kernel = 1.0 - tf.abs(pos - nb)
+    kernel = kernel[..., 0] * kernel[..., 1] * kernel[..., 2]
+    cell = tf.cast(nb, tf.int32)
+    ix = tf.clip_by_value(cell[..., 0] + h, 0, px - 1)
+    iy = tf.clip_by_value(cell[..., 1] + h, 0, py - 1)
+    iz = tf.math.floormod(cell[..., 2], nz)
+    shape = [nbx, nby, n, 8]
+    bi = tf.broadcast_to(tf.reshape(tf.range(nbx), [nbx, 1, 1, 1]), shape)
+    bj = tf.broadcast_to(tf.reshape(tf.range(nby), [1, nby, 1, 1]), shape)
+    return tf.stack([bi, bj, ix, iy, iz], axis=-1), kernel
+
+
+def _local_particles(t):
+    """Reshape a local positions slice ``[nbx, nby, ..., 3]`` to ``[nbx, nby, n, 3]``."""
+    s = t.shape.as_list()
+    return tf.reshape(t, [s[0], s[1], -1, 3])
+
+
+def escaped_count(positions, conf, name="escaped_count"):
+    """Number of particles whose CIC stencil does not fit in their padded block.
+
+    Parameters
+    ----------
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, <particle dims>, xyz]`` [cells].
+    conf : SimConfig
+
+    Returns
+    -------
+    mtf.Tensor
+        int32 scalar, summed over all blocks (identical on every processor).
+        Non-finite positions count as escaped.
+    """
+    _check_particles(positions, "escaped_count")
+    h = conf.halo_size
+    sx, sy, _ = conf.block_shape
+
+    def fn(pos):
+        pos = _local_particles(pos)
+        fl = tf.floor(pos)
+        ok = tf.reduce_all(tf.math.is_finite(pos), axis=-1)
+        for axis, s in ((0, sx), (1, sy)):
+            ok = ok & (fl[..., axis] >= -h) & (fl[..., axis] <= s + h - 2)
+        return tf.reduce_sum(tf.cast(tf.logical_not(ok), tf.int32), axis=-1)
+
+    per_block = mtf.slicewise(fn, [positions], output_shape=positions.shape.dims[:2],
+                              output_dtype=tf.int32, splittable_dims=positions.shape.dims[:2],
+                              grad_function=0, name=name)
+    return mtf.reduce_sum(per_block)
+
+
+def _assert_none_escaped(t, count, what):
+    """``t`` gated by the assertion ``count == 0`` (gradient passes through)."""
+
+    def fn(x, n):
+        check = tf.debugging.assert_equal(
+            n, tf.constant(0, n.dtype),
+            message="%s: %s found particles beyond the halo (their CIC stencil leaves the "
+                    "padded block; increase halo_size or take smaller steps); count ="
+                    % (ESCAPE_MESSAGE, what))
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+    return mtf.slicewise(fn, [t, count], output_shape=t.shape, output_dtype=t.dtype,
+                         splittable_dims=t.shape.dims,
+                         grad_function=lambda op, dy: [dy, None], name="check_" + what)
+
+
+# ----------------------------------------------------------------------------- CIC
+def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
+    """Paint particles on padded blocks with CIC, then reduce the halos.
+
+    Parameters
+    ----------
+    mesh : mtf.Tensor or None
+        Padded blocks ``[bx, by, px, py, z]`` to add to (margins should be zero),
+        or None for an empty mesh.
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, <particle dims>, xyz]`` [cells].
+    conf : SimConfig
+    weight : mtf.Tensor, optional
+        ``[bx, by, <particle dims>]`` particle weights (default 1).
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Padded blocks ``[bx, by, px, py, z]``: inner cells hold the painted
+        density (mass per cell, in units of the weights), margins are zero.
+
+    Raises
+    ------
+    ValueError
+        At graph construction, for wrong shapes or ``halo_size < 1``.
+    tf.errors.InvalidArgumentError
+        At run time, if a particle escaped (see the module docstring).
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    shape = padded_shape(conf)
+    if mesh is None:
+        mesh = mtf.zeros(positions.mesh, shape, dtype=positions.dtype)
+    mesh = _check_shape(mesh, shape, name)
+    inputs = [mesh, positions] + ([weight] if weight is not None else [])
+    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
+        raise ValueError("%s: weight must have the shape %s, got %s"
+                         % (name, positions.shape.dims[:-1], weight.shape))
+
+    def fn(m, pos, w=None):
+        idx, kernel = _stencil(_local_particles(pos), conf)
+        if w is not None:
+            s = w.shape.as_list()
+            kernel = kernel * tf.reshape(w, [s[0], s[1], -1, 1])
+        return tf.tensor_scatter_nd_add(m, tf.reshape(idx, [-1, 5]), tf.reshape(kernel, [-1]))
+
+    painted = mtf.slicewise(fn, inputs, output_shape=shape, output_dtype=mesh.dtype,
+                            splittable_dims=shape.dims[:2], name=name)
+    painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
+    return halo_reduce(painted, conf)
+
+
+def cic_readout(mesh, positions, conf, name="cic_readout"):
+    """Fill the halos, then read the mesh out at the particle positions with CIC.
+
+    Parameters
+    ----------
+    mesh : mtf.Tensor
+        Padded blocks ``[bx, by, px, py, z]``; only the inner cells are used
+        (the margins are overwritten by :func:`~flowpm_mtf.halo.halo_fill`).
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, <particle dims>, xyz]`` [cells].
+    conf : SimConfig
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, <particle dims>]``, dtype of ``mesh``.
+
+    Raises
+    ------
+    ValueError
+        At graph construction, for wrong shapes or ``halo_size < 1``.
+    tf.errors.InvalidArgumentError
+        At run time, if a particle escaped (see the module docstring).
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    mesh = halo_fill(_check_shape(mesh, padded_shape(conf), name), conf)
+    out_shape = mtf.Shape(positions.shape.dims[:-1])
+
+    def fn(m, pos):
+        idx, kernel = _stencil(_local_particles(pos), conf)
+        vals = tf.reduce_sum(tf.gather_nd(m, idx) * kernel, axis=-1)
+        return tf.reshape(vals, pos.shape.as_list()[:-1])
+
+    values = mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
+                           output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
+                           name=name)
+    return _assert_none_escaped(values, escaped_count(positions, conf), "cic_readout")
+
+
+def paint_field(positions, conf, weight=None):
+    """CIC-paint particles and return the real-space field ``[x, y, z]``.
+
+    See :func:`cic_paint`; the result is the unpadded, halo-reduced mesh.
+    """
+    return padded_to_field(cic_paint(None, positions, conf, weight), conf)
+
+
+def readout_field(field, positions, conf):
+    """CIC-read a real-space field ``[x, y, z]`` at the particle positions.
+
+    See :func:`cic_readout`.
+    """
+    return cic_readout(field_to_padded(field, conf, fill=False), positions, conf)

@@ -1,0 +1,111 @@
+"""Run ``flowpm_mtf`` graphs on the process grids of the current world size.
+
+Each test builds one Mesh TF graph with ``build(mesh)`` and lowers it with one
+of three implementations:
+
+* ``"hvd"``: :class:`hvd_mesh_impl.HvdSimdMeshImpl`, one block per MPI rank
+  (grid = world size);
+* ``"placement"``: Mesh TF's ``PlacementMeshImpl`` on P*Q logical CPUs in this
+  process (the reference implementation of every collective);
+* ``"single"``: ``PlacementMeshImpl`` on a 1-processor mesh while the
+  configuration has a 2 x 2 grid: every processor holds several blocks.
+"""
+import numpy as np
+import mesh_tensorflow as mtf
+import tensorflow.compat.v1 as tf
+
+from conftest import world
+
+tf.disable_eager_execution()
+
+RANK, SIZE = world()
+
+# Process grids run with HvdSimdMeshImpl for each world size.
+HVD_GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2)]}
+# Grids run with PlacementMeshImpl: all of them on 1 rank; on more ranks only
+# the ones of that size (the 1-rank pass already covers the others).
+PLACEMENT_GRIDS = {1: [(2, 1), (1, 2), (2, 2)], 2: [(2, 1), (1, 2)], 4: [(2, 2)]}
+
+
+def cases(single=False):
+    """(kind, grid) pairs for this world size; ``single`` adds the 1-processor mesh."""
+    out = [("hvd", g) for g in HVD_GRIDS.get(SIZE, [])]
+    out += [("placement", g) for g in PLACEMENT_GRIDS.get(SIZE, [])]
+    if single and SIZE == 1:
+        out.append(("single", (2, 2)))
+    return out
+
+
+def case_id(case):
+    kind, grid = case
+    return "%s-%dx%d" % (kind, grid[0], grid[1])
+
+
+def make_impl(kind, conf):
+    """The MeshImpl of ``kind`` for ``conf``."""
+    if kind == "hvd":
+        from hvd_mesh_impl import HvdSimdMeshImpl
+        return HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    if kind == "placement":
+        return mtf.placement_mesh_impl.PlacementMeshImpl(
+            conf.mesh_shape, conf.layout_rules, ["/cpu:%d" % i for i in range(conf.n_ranks)])
+    if kind == "single":
+        return mtf.placement_mesh_impl.PlacementMeshImpl(
+            [("row", 1), ("col", 1)], conf.layout_rules, ["/cpu:0"])
+    raise ValueError(kind)
+
+
+def session_config(kind, conf):
+    if kind == "hvd":
+        from hvd_mesh_impl import runtime
+        return runtime.session_config()
+    n = conf.n_ranks if kind == "placement" else 1
+    return tf.ConfigProto(device_count={"CPU": n}, intra_op_parallelism_threads=1,
+                          inter_op_parallelism_threads=2)
+
+
+def run(kind, conf, build, feeds=None, extra=None):
+    """Build, lower and run a graph.
+
+    Parameters
+    ----------
+    kind : {"hvd", "placement", "single"}
+    conf : SimConfig
+    build : callable(mesh) -> dict of mtf.Tensor, or (dict, dict of tf.placeholder)
+        The tensors to export (full tensors), optionally with named placeholders.
+    feeds : list of dict, optional
+        One run per dict (placeholder name -> numpy value).
+    extra : callable(lowering, impl) -> dict of tf.Tensor, optional
+        More tensors to fetch.
+
+    Returns
+    -------
+    dict of numpy arrays, or a list of them (one per feed dict).
+    """
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        built = build(mesh)
+        outs, phs = built if isinstance(built, tuple) else (built, {})
+        impl = make_impl(kind, conf)
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        fetch = {k: lowering.export_to_tf_tensor(v) for k, v in outs.items()}
+        if extra is not None:
+            fetch.update(extra(lowering, impl))
+        with tf.Session(config=session_config(kind, conf)) as sess:
+            if feeds is None:
+                return sess.run(fetch)
+            return [sess.run(fetch, {phs[k]: v for k, v in fd.items()}) for fd in feeds]
+
+
+def placeholder_input(mesh, phs, name, value, shape):
+    """An mtf tensor imported from a new placeholder ``phs[name]`` shaped like ``value``."""
+    ph = tf.placeholder(tf.as_dtype(np.asarray(value).dtype), np.shape(value), name=name)
+    phs[name] = ph
+    return mtf.import_tf_tensor(mesh, ph, shape)
+
+
+def rel_err(a, b):
+    """max |a - b| / max |b|."""
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
