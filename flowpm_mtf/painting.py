@@ -290,7 +290,10 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
-    mesh = halo_fill(_check_shape(mesh, padded_shape(conf), name), conf)
+    mesh = _check_shape(mesh, padded_shape(conf), name)
+    # Check before the halo exchange, so that no rank enters a collective alone.
+    mesh = halo_fill(_assert_none_escaped(mesh, escaped_count(positions, conf), "cic_readout"),
+                     conf)
     out_shape = mtf.Shape(positions.shape.dims[:-1])
 
     def fn(m, pos):
@@ -298,10 +301,9 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
         vals = tf.reduce_sum(tf.gather_nd(m, idx) * kernel, axis=-1)
         return tf.reshape(vals, pos.shape.as_list()[:-1])
 
-    values = mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
-                           output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
-                           name=name)
-    return _assert_none_escaped(values, escaped_count(positions, conf), "cic_readout")
+    return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
+                         output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
+                         name=name)
 
 
 def paint_field(positions, conf, weight=None):
