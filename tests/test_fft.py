@@ -219,3 +219,15 @@ def test_wrong_inputs_raise():
             fft.r2c(mtf.zeros(mesh, fft.k_shape(conf)), conf)
         with pytest.raises(ValueError, match="units"):
             fft.kvec(conf, mesh, units="Mpc")
+
+
+def test_flowpm_mtf_does_not_import_horovod():
+    """flowpm_mtf runs on any MeshImpl: importing it must not pull in Horovod."""
+    import subprocess
+    import sys
+    code = ("import sys, flowpm_mtf.config, flowpm_mtf.fft, flowpm_mtf.halo, "
+            "flowpm_mtf.painting; import mesh_tensorflow as mtf; "
+            "from hvd_mesh_impl.mtf_compat import complex_gradients_enabled; "
+            "assert complex_gradients_enabled(); "
+            "assert not [m for m in sys.modules if m.startswith('horovod')], 'horovod imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
