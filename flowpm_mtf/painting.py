@@ -72,12 +72,13 @@ def lattice(conf, mesh):
         ``(i, j, k)`` [cells] in C order (k fastest); dtype ``conf.dtype``.
     """
     sx, sy, nz = conf.block_shape
-    grid = np.stack(np.meshgrid(np.arange(sx), np.arange(sy), np.arange(nz), indexing="ij"),
-                    axis=-1).reshape(-1, 3).astype(conf.np_dtype)
-    npart = mtf.Dimension(cfg.NPART, grid.shape[0])
+    dims = [mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy), mtf.Dimension(cfg.Z, nz)]
+    cell = mtf.Shape(dims)
+    # built from ranges (no large graph constant); all dimensions here are local
+    axes = [mtf.broadcast(mtf.range(mesh, d, dtype=conf.tf_dtype), cell) for d in dims]
+    npart = mtf.Dimension(cfg.NPART, sx * sy * nz)
     xyz = mtf.Dimension(cfg.XYZ, 3)
-    base = mtf.import_tf_tensor(mesh, tf.constant(grid), mtf.Shape([npart, xyz]),
-                                name="lattice")
+    base = mtf.reshape(mtf.stack(axes, cfg.XYZ, axis=3), mtf.Shape([npart, xyz]))
     P, Q = conf.grid
     return mtf.broadcast(base, mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
                                           npart, xyz]))

@@ -191,6 +191,8 @@ def test_lattice_identities(case):
     g = out["global"].astype(int)
     np.testing.assert_array_equal(out["read"], field[g[..., 0], g[..., 1], g[..., 2]])
     assert out["count"] == 0
+    nz = NC[2]
+    np.testing.assert_array_equal(g[0, 0, :nz + 1], [[0, 0, k] for k in range(nz)] + [[0, 1, 0]])
     cells = np.sort(g.reshape(-1, 3) @ np.array([NC[1] * NC[2], NC[2], 1]))
     np.testing.assert_array_equal(cells, np.arange(np.prod(NC)))
 
