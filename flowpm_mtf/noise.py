@@ -33,8 +33,11 @@ a cell in its slice. IEEE basic operations and ``sqrt`` are correctly rounded,
 so the TensorFlow and numpy versions, the same code run on either backend,
 agree **bit for bit** on every layout. The expressions avoid the patterns that
 Grappler re-associates (chains of floating-point additions become ``AddN``);
-integer arithmetic is exact modulo 2^64 in any order. The values are computed in float64 and
-rounded once to the requested dtype.
+integer arithmetic is exact modulo 2^64 in any order. The values are computed
+in float64 and rounded once to the requested dtype.
+
+:func:`white_noise_numpy` materialises the whole field (about 50 bytes per cell
+of temporaries): it is the reference for tests and small meshes.
 """
 import logging
 import math

@@ -232,3 +232,20 @@ def test_power_table_roundtrip_and_range(tmp_path):
     bad.write_text("# one column\n1\n2\n")
     with pytest.raises(ValueError, match="2 columns"):
         C.load_power_table(bad)
+
+
+def test_duck_typed_cosmologies_agree():
+    """SimConfig's Cosmology dataclass, a namespace and a plain dict give the same numbers."""
+    from flowpm_mtf.config import Cosmology
+
+    a = np.array([0.1, 0.5, 1.0])
+    ref = C.growth(PLANCK15, a)
+    for cosmo in (Cosmology(), vars(PLANCK15)):
+        g = C.growth(cosmo, a)
+        np.testing.assert_array_equal(g.D1, ref.D1)
+        np.testing.assert_array_equal(g.D2, ref.D2)
+        np.testing.assert_array_equal(C.comoving_distance(cosmo, a), C.comoving_distance(PLANCK15, a))
+    minimal = SimpleNamespace(Omega_c=0.2589, Omega_b=0.0486, h=0.6774)  # w0, wa, Omega_k default
+    np.testing.assert_array_equal(C.E(minimal, a), C.E(PLANCK15, a))
+    with pytest.raises(AttributeError, match="Omega_b"):
+        C.E(SimpleNamespace(Omega_c=0.3, h=0.7), a)
