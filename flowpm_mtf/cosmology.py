@@ -655,6 +655,7 @@ def linear_matter_power(cosmo, k, a=1.0, kind="eisenhu_osc", sigma8_k_range=None
         P(k) [(Mpc/h)^3], shape of ``k``.
     """
     k = _asarray(k, "k")
+    a = float(a)
     sigma8 = _param(cosmo, "sigma8")
     norm = (sigma8 / sigma_r(cosmo, 8.0, kind, sigma8_k_range))**2
     d1 = 1.0 if a == 1.0 else float(D1(cosmo, a))

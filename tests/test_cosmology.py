@@ -7,6 +7,9 @@ analytic Einstein-de Sitter / matter-domination limits.
 
 Independent of the world size: every rank runs the same checks.
 """
+import pathlib
+import shutil
+import tempfile
 from types import SimpleNamespace
 
 import numpy as np
@@ -209,7 +212,15 @@ def test_power_normalisation_and_growth():
         C.linear_matter_power(PLANCK15, k, kind="bbks")
 
 
-def test_power_table_roundtrip_and_range(tmp_path):
+def test_power_table_roundtrip_and_range():
+    tmp = tempfile.mkdtemp(prefix="flowpm_mtf_cosmo_")  # private per rank (unlike tmp_path)
+    try:
+        _power_table_roundtrip(pathlib.Path(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _power_table_roundtrip(tmp_path):
     table = C.linear_power_table(PLANCK15, 1e-3, 10.0, 256)
     path = tmp_path / "pk.txt"
     table.save(path)
