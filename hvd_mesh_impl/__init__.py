@@ -14,10 +14,10 @@ __all__ = ["HvdSimdMeshImpl", "export_local_slice", "enable_complex_gradients", 
 
 
 def __getattr__(name):  # lazy: importing Horovod starts its C++ library
+    import importlib
+
     if name in ("HvdSimdMeshImpl", "export_local_slice"):
-        from . import mesh_impl
-        return getattr(mesh_impl, name)
+        return getattr(importlib.import_module(".mesh_impl", __name__), name)
     if name == "runtime":
-        from . import runtime
-        return runtime
-    raise AttributeError(name)
+        return importlib.import_module(".runtime", __name__)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))

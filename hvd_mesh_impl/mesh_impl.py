@@ -22,6 +22,7 @@ import itertools
 import logging
 
 import mesh_tensorflow as mtf
+import numpy as np
 import tensorflow.compat.v1 as tf
 import horovod.tensorflow as hvd
 from mpi4py import MPI
@@ -32,7 +33,6 @@ from .mtf_compat import enable_complex_gradients
 log = logging.getLogger(__name__)
 
 _REDUCE_OPS = {"SUM": hvd.Sum, "MAX": hvd.Max, "MIN": hvd.Min}
-_instance_counter = itertools.count()
 
 
 def _stable_seed(*parts):
@@ -65,6 +65,18 @@ def _move_front_axis_to(t, axis):
         return t
     perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, rank))
     return tf.transpose(t, perm)
+
+
+def _master_initial_value(variable):
+    """Initial value of an mtf variable's master, without reading any variable.
+
+    Mesh TF's autostacking (``mtf.Lowering(autostack=True)``) combines variables
+    into a ``StackedVariable`` whose master is a ``tf.stack`` of variable *reads*;
+    its initial value is the stack of the members' initial values.
+    """
+    if isinstance(variable, mtf.StackedVariable):
+        return tf.stack([m.initial_value for m in variable._masters])  # no public accessor
+    return tf.convert_to_tensor(variable.get_master().initial_value)
 
 
 class HvdSimdMeshImpl(mtf.MeshImpl):
@@ -100,9 +112,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
                 "ranks; launch with -np %d or change the mesh shape"
                 % (self.shape.to_string, self.size, comm.Get_size(), self.size))
         self._comm = runtime.init(comm)
-        self._instance_id = next(_instance_counter)
-        self._random_counter = itertools.count()
         self._recv_bytes = []  # (collective kind, tf int64 scalar) per collective issued
+        self._op_counter = itertools.count()
 
         dims = self.shape.to_integer_list
         # reorder=False: Cartesian rank == communicator rank == mtf pnum (row-major).
@@ -141,7 +152,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         for d in self.shape.dims:
             if d.size < 1:
                 raise ValueError("mesh axis %r has size %d" % (d.name, d.size))
-        for tensor_dim, mesh_axis in self.layout_rules.pairs:
+        for tensor_dim, mesh_axis in sorted(self.layout_rules._pairs):  # no public accessor
             if mesh_axis not in names:
                 raise ValueError(
                     "layout rule (%r, %r) names mesh axis %r, which is not in the mesh %s"
@@ -244,9 +255,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
                 self._copy_master_to_slices = tf.group([])
                 self._copy_slices_to_master = tf.group([])
             else:
-                initial = tf.convert_to_tensor(master.initial_value) if hasattr(
-                    master, "initial_value") else tf.convert_to_tensor(master)
-                initial = mesh_impl._broadcast_from_rank0(initial)
+                initial = mesh_impl._broadcast_from_rank0(_master_initial_value(variable))
                 self._slice_var = tf.get_variable(
                     variable.name + "_slice",
                     initializer=tf.cast(mesh_impl._local_slice_of_full(initial, shape),
@@ -303,8 +312,40 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         return self.LaidOutTensor([tf.constant(self._pcoord[mesh_axis], tf.int32)])
 
     # ------------------------------------------------------------------ collectives
-    def _record(self, kind, received):
-        nbytes = tf.cast(tf.size(received, out_type=tf.int64), tf.int64) * received.dtype.size
+    def _op_name(self, kind):
+        """A rank-independent name for the next Horovod op.
+
+        Horovod matches collectives across ranks by op name. Its default name is
+        derived from the *input* tensor's name, which differs between ranks when
+        rank-dependent Python builds that input (as ``receive`` does), and then the
+        job stalls. Collectives are issued in the same order on every rank, so a
+        counter gives the same name everywhere.
+        """
+        return "HvdSimd_%s_%d" % (kind, next(self._op_counter))
+
+    def _issue(self, kind, hvd_fn, tensor, **kwargs):
+        """Issue one Horovod collective with a rank-independent name.
+
+        Horovod's TF ops are not registered as stateful, so Grappler may
+        constant-fold them or merge two of them with identical inputs (common
+        subexpression elimination). Inputs are rank-local: two collectives can
+        have identical inputs on *some* ranks only (two empty sends in
+        ``receive``, equal constant slices), and a merge there leaves the other
+        ranks waiting forever. The input therefore goes through a
+        ``PlaceholderWithDefault``, a no-copy forward that Grappler neither folds
+        nor deduplicates. (Horovod negotiates readiness, so the order in which
+        ranks reach collectives does not matter; no ordering is imposed, which
+        would drag unrelated collectives into every ``session.run``.)
+        """
+        tensor = tf.placeholder_with_default(tensor, tensor.shape)
+        return hvd_fn(tensor, name=self._op_name(kind), **kwargs)
+
+    def _record(self, kind, received, static_bytes=None):
+        """Remember the bytes this rank receives from other ranks in one collective."""
+        if static_bytes is not None:
+            nbytes = tf.constant(static_bytes, tf.int64)
+        else:
+            nbytes = tf.size(received, out_type=tf.int64) * received.dtype.size
         self._recv_bytes.append((kind, nbytes))
 
     def comm_bytes_received(self, kind=None):
@@ -358,7 +399,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         else:
             sets = [self._axis_sets[a] for a in axes]  # associative: one axis at a time
         for ps in sets:
-            wire = hvd.allreduce(wire, op=op, process_set=ps)
+            wire = self._issue("allreduce", hvd.allreduce, wire, op=op, process_set=ps)
             self._record("allreduce", wire)
         return self.LaidOutTensor([back(wire)])
 
@@ -384,7 +425,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             return self.LaidOutTensor([t])
         shape = t.shape.as_list()
         wire, back = _to_wire(_move_axis_to_front(t, concat_axis))
-        gathered = hvd.allgather(wire, process_set=self._axis_sets[mesh_axis])
+        gathered = self._issue("allconcat", hvd.allgather, wire,
+                               process_set=self._axis_sets[mesh_axis])
         self._record("allconcat", gathered)
         gathered = tf.reshape(back(gathered),
                               [n * shape[concat_axis]] + [s for i, s in enumerate(shape)
@@ -408,7 +450,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             raise ValueError("alltoall: axis %d of size %d is not divisible by %d ranks"
                              % (split_axis, shape[split_axis], n))
         wire, back = _to_wire(_move_axis_to_front(t, split_axis))
-        recv = hvd.alltoall(wire, process_set=self._axis_sets[mesh_axis])
+        recv = self._issue("alltoall", hvd.alltoall, wire,
+                           process_set=self._axis_sets[mesh_axis])
         self._record("alltoall", recv)
         others = [i for i in range(rank) if i != split_axis]
         recv = tf.reshape(back(recv), [n, shape[split_axis] // n] + [shape[i] for i in others])
@@ -443,16 +486,21 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         if n == 1:  # only "receive zeros" is left
             return self.LaidOutTensor([tf.zeros(shape, t.dtype)])
         wire, back = _to_wire(t)
-        flat = tf.reshape(wire, [1, -1])
+        flat = tf.reshape(wire, [-1])
+        length = int(np.prod(wire.shape.as_list()))
         dests = [q for q in range(n) if source_pcoord[q] == me]
-        send = tf.tile(flat, [len(dests), 1]) if len(dests) != 1 else flat
-        splits = [1 if source_pcoord[q] == me else 0 for q in range(n)]
-        recv, _ = hvd.alltoall(send, splits=tf.constant(splits, tf.int32),
-                               process_set=self._axis_sets[mesh_axis])
-        self._record("receive", recv)
-        if source_pcoord[me] is None:
-            with tf.control_dependencies([recv]):  # our slice must still be sent
-                return self.LaidOutTensor([tf.zeros(shape, t.dtype)])
+        send = tf.concat([flat] * len(dests), axis=0) if dests else flat[:0]
+        splits = [length if source_pcoord[q] == me else 0 for q in range(n)]
+        recv, _ = self._issue("receive", hvd.alltoall, send,
+                              splits=tf.constant(splits, tf.int32),
+                              process_set=self._axis_sets[mesh_axis])
+        src = source_pcoord[me]
+        self._record("receive", None,
+                     static_bytes=length * wire.dtype.size if src not in (None, me) else 0)
+        if src is None:
+            # recv is empty; concatenating it keeps the alltoall (which still sends
+            # our slice to others) in the graph, where zeros alone would not.
+            recv = tf.concat([recv, tf.zeros_like(flat)], axis=0)
         return self.LaidOutTensor([back(tf.reshape(recv, wire.shape))])
 
     def _broadcast_from_rank0(self, t):
@@ -460,7 +508,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         if self.size == 1:
             return t
         wire, back = _to_wire(t)
-        out = hvd.broadcast(wire, root_rank=0, process_set=hvd.global_process_set)
+        out = self._issue("broadcast", hvd.broadcast, wire, root_rank=0,
+                          process_set=hvd.global_process_set)
         self._record("broadcast", out)
         return back(out)
 
@@ -470,7 +519,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
 
         The seed is derived deterministically (SHA-256, not Python's salted
         ``hash``) from the user's ``seed`` in ``kwargs`` or, if absent, from the
-        order in which random ops are lowered, and from the slice's position
+        name of the Mesh TF operation being lowered (unique in its graph), and
+        from the slice's position
         along the *split* tensor axes: ranks holding the same slice (replicated
         axes) draw identical values without communication, and every run gives
         the same numbers.
@@ -478,7 +528,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         kwargs = dict(kwargs)
         user_seed = kwargs.pop("seed", None)
         base = ("user", user_seed) if user_seed is not None else (
-            "auto", self._instance_id, next(self._random_counter))
+            "auto", tf.get_default_graph().get_name_scope())
         slice_begin = tuple(self.slice_begin(shape, self._pnum))
         seed = _stable_seed(base, shape.to_string, slice_begin)
         return self.LaidOutTensor([tf_fn(self.slice_shape(shape), seed=seed, **kwargs)])
