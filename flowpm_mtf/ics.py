@@ -1,0 +1,275 @@
+r"""Gaussian initial conditions: the linear density field.
+
+The field is built, as in single-device FlowPM (``flowpm.tfpm.linear_field``
+of FlowPM 0.1.1), by colouring white noise in Fourier space:
+
+.. math::
+
+    \delta_L = \mathrm{c2r}\Big[\mathrm{r2c}(z)\,
+               \sqrt{N\,P(|\mathbf k|)\,D_1^2(a) / V}\Big],
+    \qquad \delta_L(\mathbf k = 0) = 0,
+
+with :math:`z` unit white noise (:mod:`flowpm_mtf.noise`, keyed on
+``conf.seed`` and the *global* cell index, so the field is the same on every
+process grid), ``r2c``/``c2r`` the FlowPM-normalised transforms of
+:mod:`flowpm_mtf.fft` (``r2c = fftn / N``, ``c2r = N ifftn``),
+:math:`N = n_x n_y n_z` the number of cells and :math:`V = L_x L_y L_z` the box
+volume [(Mpc/h)^3]. FlowPM draws its noise with standard deviation
+:math:`\sqrt N` and multiplies by :math:`\sqrt{P/V}`; this is the same field for
+the same deviates :math:`z`.
+
+Normalisation: the Fourier coefficients :math:`\delta_{\mathbf k} =
+\mathrm{r2c}(\delta_L)` have :math:`\langle|\delta_{\mathbf k}|^2\rangle =
+P(k)/V`, i.e. :func:`flowpm_mtf.power.power_spectrum` (which returns
+:math:`V\langle|\delta_{\mathbf k}|^2\rangle`) measures :math:`P(k)`, and the
+real-space variance is :math:`\sum_{\mathbf k \ne 0} P(k)/V`.
+
+The mean (``k = 0``) mode is set to zero whatever ``P(0)`` is, so the field has
+zero mean up to rounding.
+
+P(k) is evaluated in numpy (float64) on each processor's own k-space slice at
+run time (``tf.numpy_function``), so no full-mesh constant is ever embedded in
+the graph. The k range the spectrum must cover is checked in Python at graph
+construction (on every rank, before any collective is issued).
+"""
+import logging
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from . import config as cfg
+from . import cosmology as cosmo_mod
+from . import fft
+from . import noise as noise_mod
+
+__all__ = ["k_range", "power_function", "linear_amplitude", "linear_modes", "linear_field"]
+
+log = logging.getLogger(__name__)
+
+# Points at which a generic P(k) callable is probed at graph-build time.
+_N_PROBE = 64
+
+
+def _axis_k(conf):
+    """Wavenumbers along each axis, ``2 pi fftfreq(n, d=cell)`` [h/Mpc] (float64)."""
+    return [2.0 * np.pi * np.fft.fftfreq(n, d=d) for n, d in zip(conf.nc, conf.cell_size)]
+
+
+def k_range(conf):
+    """Smallest and largest non-zero ``|k|`` of the mesh [h/Mpc].
+
+    Parameters
+    ----------
+    conf : SimConfig
+
+    Returns
+    -------
+    (float, float)
+        ``k_min``: the fundamental mode of the longest box side, ``2 pi / L_max``
+        (over the axes with more than one cell); ``k_max``: the Nyquist corner,
+        ``sqrt(sum_i (pi / cell_i)^2)`` for even ``nc`` (``(n-1)/2`` instead of
+        ``n/2`` modes along an odd axis). Computed from the same float64
+        ``fftfreq`` values as the k-space grid.
+
+    Raises
+    ------
+    ValueError
+        If the mesh has a single cell (no non-zero mode).
+    """
+    ks = _axis_k(conf)
+    nonzero = [np.abs(k[k != 0]).min() for k in ks if np.any(k != 0)]
+    if not nonzero:
+        raise ValueError("the mesh nc=%r has no non-zero wave vector" % (conf.nc,))
+    k_min = float(min(nonzero))
+    k_max = float(np.sqrt(sum(np.max(k * k) for k in ks)))
+    return k_min, k_max
+
+
+def power_function(conf, power=None, a=1.0):
+    r"""The P(k) callable used for ``conf``, validated on the mesh's k range.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    power : callable, PowerTable or None
+        ``power(k)``: numpy float64 array of ``k`` [h/Mpc] -> ``P(k)``
+        [(Mpc/h)^3] at ``a = 1`` (any object with a ``k_range`` attribute, such
+        as :class:`flowpm_mtf.cosmology.PowerTable`, is checked against that
+        range); ``None``: Eisenstein & Hu (1998) for ``conf.cosmology``
+        (:func:`flowpm_mtf.cosmology.linear_matter_power`).
+    a : float or None
+        Scale factor [dimensionless]: P is multiplied by :math:`D_1^2(a)`
+        (:math:`D_1(1) = 1`); ``None`` or 1 means no growth factor.
+
+    Returns
+    -------
+    callable
+        ``k`` [h/Mpc] (positive, float64) -> ``P(k) D_1^2(a)`` [(Mpc/h)^3], float64.
+
+    Raises
+    ------
+    ValueError
+        If a table does not cover ``k_range(conf)`` (the message names both
+        ranges), or if the callable returns values that are not finite and
+        non-negative on that range, or if ``a`` is not positive.
+    """
+    k_min, k_max = k_range(conf)
+    if power is None:
+        cosmo = conf.cosmology
+
+        def base(k):
+            return cosmo_mod.linear_matter_power(cosmo, k)
+        what = "Eisenstein-Hu P(k) of conf.cosmology"
+    elif callable(power):
+        base = power
+        what = "P(k) %s" % type(power).__name__
+    else:
+        raise ValueError("power must be a callable k [h/Mpc] -> P [(Mpc/h)^3], a PowerTable "
+                         "or None, got %r" % (power,))
+    table = getattr(power, "k_range", None) if power is not None else None
+    if table is not None:
+        lo, hi = (float(v) for v in table)
+        rtol = getattr(power, "EDGE_RTOL", 0.0)
+        if k_min < lo * (1 - rtol) or k_max > hi * (1 + rtol):
+            raise ValueError(
+                "the P(k) table covers k in [%.6g, %.6g] h/Mpc but the mesh nc=%r in box %r "
+                "Mpc/h needs k in [%.6g, %.6g] h/Mpc (fundamental mode 2pi/L_max to the "
+                "Nyquist corner sqrt(sum (pi/cell)^2)); extend the table"
+                % (lo, hi, conf.nc, conf.box_size, k_min, k_max))
+    if a is None or float(a) == 1.0:
+        growth2 = 1.0
+    else:
+        if not (np.isfinite(a) and a > 0):
+            raise ValueError("a must be positive and finite, got %r" % (a,))
+        growth2 = float(cosmo_mod.D1(conf.cosmology, float(a)))**2
+
+    probe = np.geomspace(k_min, k_max, _N_PROBE)
+    p = np.asarray(base(probe), dtype=np.float64)
+    if p.shape != probe.shape or not np.all(np.isfinite(p)) or np.any(p < 0):
+        raise ValueError("%s must return finite, non-negative values of the shape of k on "
+                         "k in [%.6g, %.6g] h/Mpc; got %s" % (what, k_min, k_max, p))
+    log.debug("%s on k in [%.4g, %.4g] h/Mpc, D1^2(a=%s) = %.6g", what, k_min, k_max, a,
+              growth2)
+
+    def pk(k):
+        return growth2 * np.asarray(base(k), dtype=np.float64)
+    return pk
+
+
+def _amplitude_numpy(kx, ky, kz, pk, factor, dtype):
+    """``sqrt(factor * P(|k|))`` on the outer grid of 1-d k slices, 0 at ``k = 0``."""
+    k2 = kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2
+    k = np.sqrt(k2)
+    out = np.zeros(k.shape, np.float64)
+    pos = k > 0
+    out[pos] = np.sqrt(factor * pk(k[pos]))
+    return out.astype(dtype)
+
+
+def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
+    r"""Real k-space kernel :math:`\sqrt{N P(|k|) D_1^2(a) / V}`, zero at ``k = 0``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    power, a :
+        See :func:`power_function`.
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Real (``conf.dtype``), shape ``[kx, ky, kz]`` [(Mpc/h)^{3/2} / (Mpc/h)^{3/2}:
+        dimensionless, since ``N/V`` is the inverse cell volume]. Each processor
+        evaluates ``P`` on its own slice only.
+    """
+    pk = power_function(conf, power, a)
+    factor = conf.n_cells / float(np.prod(conf.box_size))
+    np_dtype = conf.np_dtype
+    kvecs = [mtf.import_tf_tensor(mesh, tf.constant(k, tf.float64),
+                                  mtf.Shape([mtf.Dimension(n, s)]), name="%s_%s" % (name, n))
+             for k, n, s in zip(_axis_k(conf), cfg.K_DIMS, conf.nc)]
+    shape = fft.k_shape(conf)
+
+    def fn(kx, ky, kz):
+        out = tf.numpy_function(
+            lambda x, y, z: _amplitude_numpy(x, y, z, pk, factor, np_dtype),
+            [kx, ky, kz], conf.tf_dtype, name="power_spectrum_amplitude")
+        out.set_shape([kx.shape[0], ky.shape[0], kz.shape[0]])
+        return out
+
+    return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
+                         splittable_dims=shape.dims, grad_function=0, name=name)
+
+
+def linear_modes(conf, mesh, power=None, a=1.0, noise=None, name="linear_modes"):
+    r"""Fourier modes of the linear field, ``r2c(z) * sqrt(N P D_1^2 / V)``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    power, a :
+        See :func:`power_function`.
+    noise : mtf.Tensor, optional
+        Real unit-variance white noise on ``[x, y, z]`` to colour instead of the
+        seeded noise (e.g. a variable, for field-level inference); gradients flow
+        to it. Default: :func:`flowpm_mtf.noise.white_noise` with ``conf.seed``.
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Complex (``conf``'s complex dtype) on ``[kx, ky, kz]``, FlowPM
+        normalisation (``r2c = fftn / N``): :math:`\langle|\delta_k|^2\rangle = P/V`
+        [dimensionless]; the ``k = 0`` mode is 0.
+    """
+    if noise is None:
+        noise = noise_mod.white_noise(mesh, fft.real_shape(conf), conf.seed, conf.tf_dtype,
+                                      name=name + "_white_noise")
+    elif noise.shape != fft.real_shape(conf):
+        raise ValueError("noise must have the shape %s, got %s" % (fft.real_shape(conf),
+                                                                    noise.shape))
+    amp = linear_amplitude(conf, mesh, power, a, name=name + "_amplitude")
+    return fft.apply_kernel(fft.r2c(noise, conf, name=name + "_r2c"), amp, name=name)
+
+
+def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field"):
+    r"""Gaussian linear density contrast :math:`\delta_L(\mathbf x)` in real space.
+
+    Parameters
+    ----------
+    conf : SimConfig
+        Mesh, box, dtype, ``seed`` and ``cosmology`` are used.
+    mesh : mtf.Mesh
+    power : callable, PowerTable or None, optional
+        Linear power spectrum at ``a = 1``: ``k`` [h/Mpc] -> ``P`` [(Mpc/h)^3]
+        (numpy in, numpy out), a :class:`flowpm_mtf.cosmology.PowerTable`
+        (checked to cover the mesh's k range, see :func:`k_range`), or ``None``
+        for Eisenstein & Hu (1998) with ``conf.cosmology``.
+    a : float or None, optional
+        Scale factor [dimensionless]; the field is multiplied by :math:`D_1(a)`
+        (default 1: the linear field today, as FlowPM's ``lpt_init`` expects).
+    noise : mtf.Tensor, optional
+        White noise to use instead of the seeded noise (see :func:`linear_modes`).
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Real (``conf.dtype``) on ``[x, y, z]`` [dimensionless density contrast],
+        zero mean, the same for a given seed on every process grid and in a
+        single process; equal to ``flowpm.linear_field`` (FlowPM 0.1.1) fed with
+        the same white noise.
+
+    Raises
+    ------
+    ValueError
+        At graph construction, on every rank, if a P(k) table does not cover
+        the k range of the mesh (message gives both ranges) or a callable
+        returns invalid values there.
+    """
+    kfield = linear_modes(conf, mesh, power, a, noise, name=name + "_modes")
+    return fft.c2r(kfield, conf, name=name)
