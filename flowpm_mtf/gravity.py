@@ -1,0 +1,80 @@
+r"""Particle-mesh gravity: the FastPM force on the block layout.
+
+One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
+
+1. CIC-paint the particles of every block on its padded block and add the
+   halos into the neighbours (:func:`flowpm_mtf.painting.cic_paint`): the
+   density :math:`1 + \delta` (one particle per cell on average);
+2. forward FFT (:func:`flowpm_mtf.fft.r2c`);
+3. for each axis, multiply by :math:`i\tilde k_d / |k|^2` and transform back
+   (:func:`flowpm_mtf.kernels.neg_gradient_potential`; the :math:`k = 0` mode
+   is dropped, so the mean density does not matter);
+4. fill the halos and read the three components out at the particles
+   (:func:`flowpm_mtf.painting.cic_readout`);
+5. multiply by :math:`\tfrac32 \Omega_m`.
+
+Particles that escaped their block's halo make the painting (and readout)
+raise ``tf.errors.InvalidArgumentError`` at run time.
+"""
+import logging
+
+import mesh_tensorflow as mtf
+
+from . import config as cfg
+from . import fft
+from .halo import field_to_padded, padded_to_field
+from .kernels import make_kernels, neg_gradient_potential
+from .painting import cic_paint, cic_readout
+
+__all__ = ["density", "pm_forces"]
+
+log = logging.getLogger(__name__)
+
+
+def density(positions, conf):
+    """CIC density of the particles, ``1 + delta`` for one particle per cell.
+
+    Parameters
+    ----------
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, npart, xyz]`` [cells].
+    conf : SimConfig
+
+    Returns
+    -------
+    mtf.Tensor
+        Real field ``[x, y, z]``: particles per cell [dimensionless] (mean 1
+        with one particle per cell).
+    """
+    return padded_to_field(cic_paint(None, positions, conf, name="paint_density"), conf)
+
+
+def pm_forces(positions, conf, kernels=None):
+    r"""FastPM particle-mesh force at the particle positions.
+
+    Parameters
+    ----------
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, npart, xyz]`` [cells].
+    conf : SimConfig
+        Uses ``conf.cosmology.Omega_m`` and the mesh/halo shapes.
+    kernels : flowpm_mtf.kernels.Kernels, optional
+        Reused across time steps when given (built here otherwise).
+
+    Returns
+    -------
+    mtf.Tensor
+        :math:`F = \tfrac32\Omega_m \nabla\nabla^{-2}\delta` read out at the
+        particles, ``[bx, by, npart, xyz]`` [cells] (with :math:`H_0 = 1`;
+        :math:`dp/da = F/(a^2 E)`).
+    """
+    if kernels is None:
+        kernels = make_kernels(conf, positions.mesh)
+    rho = density(positions, conf)
+    delta_k = fft.r2c(rho, conf, name="force_r2c")
+    comps = neg_gradient_potential(delta_k, conf, kernels)
+    read = [cic_readout(field_to_padded(c, conf, fill=False), positions, conf,
+                        name="force_readout_%d" % d)
+            for d, c in enumerate(comps)]
+    fac = 1.5 * conf.cosmology.Omega_m
+    return mtf.stack(read, cfg.XYZ, axis=positions.shape.ndims - 1, name="forces") * fac

@@ -1,0 +1,264 @@
+r"""Lagrangian perturbation theory (1LPT, 2LPT) initial conditions on the block layout.
+
+Particles start on the lattice, one per cell, at the corner of every cell
+(:func:`flowpm_mtf.painting.lattice`), and stay with their block for the whole
+run (block-local coordinates, see :mod:`flowpm_mtf.painting`).
+
+Conventions (as ``flowpm.tfpm.lpt_init``, FlowPM 0.1.1)
+-------------------------------------------------------
+The linear field :math:`\delta_L` is the linear density contrast extrapolated to
+:math:`a = 1` (:math:`D_1(1) = 1`). With :math:`\Psi^{(1)} = -\nabla\phi^{(1)}`,
+:math:`\nabla^2\phi^{(1)} = \delta_L` and :math:`\Psi^{(2)} = -\nabla\phi^{(2)}`,
+:math:`\nabla^2\phi^{(2)} = S = \sum_{i<j} [\phi^{(1)}_{,ii}\phi^{(1)}_{,jj} -
+(\phi^{(1)}_{,ij})^2]` (kernels of :mod:`flowpm_mtf.kernels`, evaluated on the
+lattice, i.e. CIC readout at the lattice sites, which is exact there), the
+displacement, momentum and force at scale factor :math:`a` are
+
+.. math::
+
+    \Delta x &= D_1 \Psi^{(1)} - D_2 \Psi^{(2)}  \\
+    p        &= a^2 E\,(f_1 D_1 \Psi^{(1)} - f_2 D_2 \Psi^{(2)})  \\
+    F        &= a^2 E\,(g_{f}/D_1\; D_1 \Psi^{(1)} - g_{f2}/D_2\; D_2 \Psi^{(2)})
+
+with :math:`D_2` the *physical* second-order growth factor of
+:mod:`flowpm_mtf.cosmology` (:math:`D_2 \approx -\tfrac37 D_1^2 < 0`), so the
+source :math:`S` carries no factor 3/7. Units: positions and displacements in
+[cells]; the momentum is :math:`p = a^3 E\, dx/da = a^2\, dx/dt / H_0` [cells];
+the force is :math:`F = a^2 E\, dp/da = \tfrac32\Omega_m \nabla\nabla^{-2}\delta`
+[cells] (FastPM's units, with :math:`H_0 = 1`).
+
+Difference from FlowPM 0.1.1: FlowPM normalises :math:`D_2(1) = 1` and puts
+:math:`+\tfrac37` into the source, i.e. its second-order term is
+:math:`\tfrac{3}{7} / |D_2^{\rm phys}(1)|` times ours
+(:math:`|D_2^{\rm phys}(1)| \approx \tfrac37\Omega_m^{-1/143}`, 0.8 % larger
+than 3/7 for Planck 2015). The first-order terms are identical.
+"""
+import logging
+from typing import NamedTuple
+
+import mesh_tensorflow as mtf
+import numpy as np
+
+from . import config as cfg
+from . import cosmology as cosmo_mod
+from . import fft
+from .halo import to_blocks
+from .kernels import hessian_potential, make_kernels, neg_gradient_potential
+from .painting import lattice
+
+__all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
+           "particles_to_lattice_order", "lpt_coefficients"]
+
+log = logging.getLogger(__name__)
+
+
+class State(NamedTuple):
+    """Particle state; every entry is ``[bx, by, npart, xyz]``, dtype ``conf.dtype``.
+
+    Attributes
+    ----------
+    positions : mtf.Tensor
+        Block-local positions [cells] (global position minus the block origin;
+        see :func:`flowpm_mtf.painting.to_global`).
+    momenta : mtf.Tensor
+        Canonical momenta :math:`p = a^3 E\\, dx/da` [cells] (H_0 = 1).
+    forces : mtf.Tensor
+        :math:`F = \\tfrac32\\Omega_m\\nabla\\nabla^{-2}\\delta` [cells]
+        (so that :math:`dp/da = F / (a^2 E)`).
+    """
+
+    positions: mtf.Tensor
+    momenta: mtf.Tensor
+    forces: mtf.Tensor
+
+
+def _particle_shape(conf):
+    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
+    return [mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
+            mtf.Dimension(cfg.NPART, sx * sy * nz)]
+
+
+def field_to_particles(field, conf):
+    """Values of a real field ``[x, y, z]`` at the lattice particles of each block.
+
+    Equal to a CIC readout at the initial lattice positions (integer positions
+    read exactly one cell), without communication.
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+        Real field ``[x, y, z]``.
+    conf : SimConfig
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, npart]``, particles in the order of
+        :func:`flowpm_mtf.painting.lattice`.
+    """
+    return mtf.reshape(to_blocks(field, conf), mtf.Shape(_particle_shape(conf)))
+
+
+def particles_to_lattice_order(t, conf):
+    """Re-arrange a per-particle tensor by the particles' initial global lattice cell.
+
+    Parameters
+    ----------
+    t : mtf.Tensor
+        ``[bx, by, npart, <rest>]`` (e.g. global positions, momenta).
+    conf : SimConfig
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[x, y, z, <rest>]``: entry ``(i, j, k)`` belongs to the particle that
+        started at global cell ``(i, j, k)`` (FlowPM's particle order,
+        ``np.indices(nc).reshape(3, -1).T``, after flattening). A local
+        reshape (no communication).
+    """
+    names = t.shape.dimension_names
+    if names[:3] != [cfg.BX, cfg.BY, cfg.NPART]:
+        raise ValueError("particles_to_lattice_order: expected [bx, by, npart, ...], got %s"
+                         % t.shape)
+    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
+    rest = t.shape.dims[3:]
+    bx, by = t.shape.dims[:2]
+    dsx, dsy, dz = (mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
+                    mtf.Dimension(cfg.Z, nz))
+    t = mtf.reshape(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
+    t = mtf.transpose(t, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
+    return mtf.reshape(t, fft.real_shape(conf) + mtf.Shape(rest))
+
+
+def _stack(components, name):
+    return mtf.stack(components, cfg.XYZ, axis=3, name=name)
+
+
+def _check_linear(linear, conf):
+    shape = fft.real_shape(conf)
+    if linear.shape != shape:
+        if set(linear.shape.dims) == set(shape.dims):
+            return mtf.transpose(linear, shape)
+        raise ValueError("lpt: the linear field must have the shape %s, got %s"
+                         % (shape, linear.shape))
+    if linear.dtype != conf.tf_dtype:
+        raise ValueError("lpt: the linear field must have dtype %s, got %s"
+                         % (conf.dtype, linear.dtype.name))
+    return linear
+
+
+def lpt_displacements(linear, conf, order=None, kernels=None):
+    r"""Unit-growth LPT displacement fields at the lattice particles.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Linear density contrast at :math:`a = 1`, real ``[x, y, z]``
+        [dimensionless], dtype ``conf.dtype``.
+    conf : SimConfig
+    order : {1, 2}, optional
+        Default ``conf.lpt_order``.
+    kernels : flowpm_mtf.kernels.Kernels, optional
+        Built with :func:`flowpm_mtf.kernels.make_kernels` if None.
+
+    Returns
+    -------
+    list of mtf.Tensor
+        ``[psi1]`` or ``[psi1, psi2]``, each ``[bx, by, npart, xyz]`` [cells]:
+        :math:`\Psi^{(1)}` and :math:`\Psi^{(2)}` of the module docstring.
+    """
+    order = conf.lpt_order if order is None else int(order)
+    if order not in (1, 2):
+        raise ValueError("lpt: order must be 1 or 2, got %r" % order)
+    linear = _check_linear(linear, conf)
+    if kernels is None:
+        kernels = make_kernels(conf, linear.mesh)
+    delta_k = fft.r2c(linear, conf, name="lpt_r2c")
+
+    def displacement(dk, tag):
+        comps = neg_gradient_potential(dk, conf, kernels)
+        return _stack([field_to_particles(c, conf) for c in comps], "psi" + tag)
+
+    out = [displacement(delta_k, "1")]
+    if order == 2:
+        diag = [hessian_potential(delta_k, conf, kernels, d, d) for d in range(3)]
+        source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
+        for i, j in ((0, 1), (1, 2), (2, 0)):
+            phi = hessian_potential(delta_k, conf, kernels, i, j)
+            source = source - phi * phi
+        out.append(displacement(fft.r2c(source, conf, name="lpt2_source_r2c"), "2"))
+    return out
+
+
+def lpt_coefficients(conf, a, order=None):
+    r"""Growth coefficients multiplying :math:`\Psi^{(1)}, \Psi^{(2)}` at scale factor ``a``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    a : float
+        Scale factor [dimensionless].
+    order : {1, 2}, optional
+        Default ``conf.lpt_order``.
+
+    Returns
+    -------
+    dict
+        ``"x"``, ``"p"``, ``"f"``: lists (one entry per order) of floats, the
+        coefficients of the displacement, momentum and force (module docstring);
+        the second-order ones include the sign of :math:`-D_2`.
+    """
+    order = conf.lpt_order if order is None else int(order)
+    g = cosmo_mod.growth(conf.cosmology, [a])
+    a2e = a**2 * float(g.E[0])
+    d1, d2 = float(g.D1[0]), float(g.D2[0])
+    coef = {"x": [d1], "p": [a2e * float(g.f1[0]) * d1], "f": [a2e * float(g.gf[0])]}
+    if order == 2:
+        coef["x"].append(-d2)
+        coef["p"].append(-a2e * float(g.f2[0]) * d2)
+        coef["f"].append(-a2e * float(g.gf2[0]))
+    return coef
+
+
+def lpt_init(linear, conf, a=None, order=None):
+    r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Linear density contrast at :math:`a = 1` [dimensionless], real
+        ``[x, y, z]`` with dtype ``conf.dtype``.
+    conf : SimConfig
+    a : float, optional
+        Scale factor of the initial conditions (default ``conf.a_start``).
+    order : {1, 2}, optional
+        LPT order (default ``conf.lpt_order``).
+
+    Returns
+    -------
+    State
+        ``positions`` (lattice + displacement, block-local [cells]),
+        ``momenta`` and ``forces`` (see :class:`State`), each
+        ``[bx, by, npart, xyz]``.
+
+    Notes
+    -----
+    Escapes are not checked here; the first painting (e.g. in
+    :func:`flowpm_mtf.nbody.nbody`) raises if a particle left its halo.
+    """
+    a = conf.a_start if a is None else float(a)
+    order = conf.lpt_order if order is None else int(order)
+    psis = lpt_displacements(linear, conf, order)
+    coef = lpt_coefficients(conf, a, order)
+    log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
+
+    def combine(key):
+        out = None
+        for c, psi in zip(coef[key], psis):
+            term = psi * np.asarray(c, conf.np_dtype).item()
+            out = term if out is None else out + term
+        return out
+
+    dx, p, f = combine("x"), combine("p"), combine("f")
+    q = lattice(conf, linear.mesh)
+    return State(q + dx, p, f)

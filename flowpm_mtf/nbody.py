@@ -1,0 +1,167 @@
+r"""FastPM kick-drift-kick N-body integration, and the full forward model.
+
+Time stepping (Feng et al. 2016; as ``flowpm.tfpm.nbody`` in FlowPM 0.1.1)
+-------------------------------------------------------------------------
+For stages :math:`a_0 < a_1 < \dots < a_n`: the force is first recomputed at
+:math:`a_0` (replacing the LPT force); then for each step
+:math:`a_i \to a_{i+1}`, with :math:`a_h = \sqrt{a_i a_{i+1}}`,
+
+1. kick :math:`p \mathrel{+}= K(a_i, a_i, a_h)\, F`,
+2. drift :math:`x \mathrel{+}= \Delta(a_i, a_h, a_{i+1})\, p`,
+3. force :math:`F = F(x)` at :math:`a_{i+1}` (:func:`flowpm_mtf.gravity.pm_forces`),
+4. kick :math:`p \mathrel{+}= K(a_h, a_{i+1}, a_{i+1})\, F`,
+
+with the growth-function factors :func:`flowpm_mtf.cosmology.kick_factor`
+:math:`K(a_i, a_c, a_f) = (G_f(a_f) - G_f(a_i)) / (a_c^2 E(a_c) g_f(a_c))` and
+:func:`flowpm_mtf.cosmology.drift_factor`
+:math:`\Delta(a_i, a_c, a_f) = (D_1(a_f) - D_1(a_i)) / (a_c^3 E(a_c) D_1'(a_c))`,
+evaluated in float64 at graph-construction time. After each step positions and
+momenta are synchronised at :math:`a_{i+1}` (a snapshot may be taken there).
+
+Units and state: see :class:`flowpm_mtf.lpt.State`.
+"""
+import logging
+
+import numpy as np
+
+from . import cosmology as cosmo_mod
+from .gravity import density, pm_forces
+from .kernels import make_kernels
+from .lpt import State, lpt_init
+
+__all__ = ["default_stages", "nbody", "forward"]
+
+log = logging.getLogger(__name__)
+
+# Relative tolerance for matching a requested snapshot scale factor to a stage.
+_SNAPSHOT_RTOL = 1e-10
+
+
+def default_stages(conf):
+    """Scale factors of the stages: ``linspace(a_start, a_end, n_steps + 1)``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+
+    Returns
+    -------
+    ndarray
+        float64, ``conf.n_steps + 1`` increasing scale factors [dimensionless].
+    """
+    return np.linspace(conf.a_start, conf.a_end, conf.n_steps + 1)
+
+
+def _check_stages(stages):
+    stages = np.asarray(stages, dtype=np.float64).reshape(-1)
+    if stages.size < 1:
+        raise ValueError("nbody: stages must hold at least one scale factor")
+    if not np.all(np.isfinite(stages)) or np.any(stages <= 0):
+        raise ValueError("nbody: stages must be finite and positive, got %s" % stages)
+    if np.any(np.diff(stages) <= 0):
+        raise ValueError("nbody: stages must be strictly increasing, got %s" % stages)
+    return stages
+
+
+def _snapshot_indices(snapshot_a, stages):
+    idx = []
+    for a in np.asarray(snapshot_a, dtype=np.float64).reshape(-1):
+        hit = np.nonzero(np.abs(stages - a) <= _SNAPSHOT_RTOL * a)[0]
+        if hit.size == 0:
+            raise ValueError("nbody: snapshot at a=%r is not one of the stages %s; positions and "
+                             "momenta are synchronised only at stages (pass stages that include "
+                             "it)" % (float(a), stages))
+        idx.append(int(hit[0]))
+    return idx
+
+
+def nbody(state, conf, stages=None, snapshot_a=None):
+    """Integrate the particle state through the stages (FastPM kick-drift-kick).
+
+    Parameters
+    ----------
+    state : State
+        Initial state at ``stages[0]`` (e.g. from :func:`flowpm_mtf.lpt.lpt_init`);
+        each entry ``[bx, by, npart, xyz]`` [cells].
+    conf : SimConfig
+    stages : array_like, optional
+        Increasing scale factors [dimensionless]; default
+        :func:`default_stages` (``conf.a_start`` .. ``conf.a_end``).
+    snapshot_a : array_like, optional
+        Scale factors at which to return the state; each must equal one of the
+        stages (relative tolerance 1e-10).
+
+    Returns
+    -------
+    State
+        The state at ``stages[-1]`` (forces evaluated there), if
+        ``snapshot_a`` is None;
+    (State, list of State)
+        otherwise: the final state and one state per entry of ``snapshot_a``.
+
+    Raises
+    ------
+    ValueError
+        At graph construction, for invalid stages or snapshot scale factors.
+    tf.errors.InvalidArgumentError
+        At run time, if a particle escaped its block's halo.
+    """
+    stages = _check_stages(default_stages(conf) if stages is None else stages)
+    snap_idx = _snapshot_indices(snapshot_a, stages) if snapshot_a is not None else None
+    cosmo = conf.cosmology
+    dt = conf.np_dtype
+    kernels = make_kernels(conf, state.positions.mesh)
+    x, p, _ = state
+    log.info("nbody: %d steps from a=%g to a=%g", stages.size - 1, stages[0], stages[-1])
+
+    def scalar(v):
+        return np.asarray(v, dt).item()
+
+    snaps = {}
+    f = pm_forces(x, conf, kernels)
+    if snap_idx is not None and 0 in snap_idx:
+        snaps[0] = State(x, p, f)
+    for i in range(stages.size - 1):
+        a0, a1 = stages[i], stages[i + 1]
+        ah = float(np.sqrt(a0 * a1))
+        p = p + f * scalar(cosmo_mod.kick_factor(cosmo, a0, a0, ah))
+        x = x + p * scalar(cosmo_mod.drift_factor(cosmo, a0, ah, a1))
+        f = pm_forces(x, conf, kernels)
+        p = p + f * scalar(cosmo_mod.kick_factor(cosmo, ah, a1, a1))
+        log.debug("nbody: step %d/%d to a=%g built", i + 1, stages.size - 1, a1)
+        if snap_idx is not None and (i + 1) in snap_idx:
+            snaps[i + 1] = State(x, p, f)
+    final = State(x, p, f)
+    if snap_idx is None:
+        return final
+    return final, [snaps[i] for i in snap_idx]
+
+
+def forward(linear, conf, snapshot_a=None):
+    """LPT initial conditions at ``conf.a_start`` and N-body evolution to ``conf.a_end``.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Linear density contrast at a = 1 [dimensionless], real ``[x, y, z]``,
+        dtype ``conf.dtype``.
+    conf : SimConfig
+        ``lpt_order``, ``a_start``, ``a_end``, ``n_steps`` and the cosmology
+        define the run.
+    snapshot_a : array_like, optional
+        See :func:`nbody`.
+
+    Returns
+    -------
+    state : State
+        Final particle state at ``conf.a_end`` (block-local [cells]).
+    rho : mtf.Tensor
+        Final CIC density ``1 + delta`` on ``[x, y, z]`` [dimensionless].
+    snapshots : list of State
+        Only if ``snapshot_a`` is given.
+    """
+    state = lpt_init(linear, conf, conf.a_start, conf.lpt_order)
+    out = nbody(state, conf, snapshot_a=snapshot_a)
+    final, snaps = out if snapshot_a is not None else (out, None)
+    rho = density(final.positions, conf)
+    return (final, rho) if snapshot_a is None else (final, rho, snaps)
