@@ -18,6 +18,7 @@ with tf.Graph().as_default():
     second = impl.allreduce(impl.LaidOutTensor([first]), [0], "SUM").one_slice
     with tf.Session(config=runtime.session_config()) as sess:
         sess.run(first)
+        print("first collective done", flush=True)
         if impl.pnum == 1:
             if mode == "exit":
                 os._exit(3)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: set-up (idempotent), then the demo on NP ranks (default 2).
+#   bash scripts/run_demo.sh                    # defaults
+#   NP=4 bash scripts/run_demo.sh --nc 128      # extra arguments go to the sub-command
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+bash scripts/setup_env.sh
+NP="${NP:-2}"
+MPIRUN=(mpirun --oversubscribe)
+[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+exec "${MPIRUN[@]}" -np "$NP" .venv/bin/flowpm-mtf "${FLOWPM_MTF_COMMAND:-fft-demo}" --out "${OUT:-out/demo}" "$@"

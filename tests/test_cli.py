@@ -1,0 +1,52 @@
+"""The flowpm-mtf command line under mpirun (2-rank jobs started by the test)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from flowpm_mtf import cli
+from test_mpi_jobs import clean_env
+
+# The demo compares with numpy.fft in float64: a correct FFT is at round-off (~1e-15).
+FFT_DEMO_TOL = 1e-12
+
+
+def _mpirun(np_, *args, timeout=240):
+    cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(np_)]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    cmd += [sys.executable, "-m", "flowpm_mtf.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+@pytest.mark.single_process
+def test_fft_demo_on_two_ranks():
+    out = tempfile.mkdtemp(prefix="fftdemo")
+    proc = _mpirun(2, "fft-demo", "--nc", "16,8,8", "--halo", "2", "--out", out,
+                   "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "fft_demo.json")) as f:
+        res = json.load(f)
+    assert res["grid"] == [2, 1] and res["ranks"] == 2 and res["nc"] == [16, 8, 8]
+    assert res["max_rel_error_forward_vs_numpy"] < FFT_DEMO_TOL
+    assert res["max_rel_error_round_trip"] < FFT_DEMO_TOL
+
+
+@pytest.mark.single_process
+def test_grid_not_matching_rank_count_fails_clearly():
+    proc = _mpirun(2, "fft-demo", "--nc", "16", "--halo", "2", "--grid", "2x2", "--out", tempfile.mkdtemp())
+    assert proc.returncode != 0
+    assert "needs 4 ranks but the job has 2" in proc.stderr
+
+
+def test_parsers():
+    assert cli.parse_grid("2x1") == (2, 1)
+    assert cli.parse_nc("64") == 64 and cli.parse_nc("64,32,16") == (64, 32, 16)
+    with pytest.raises(Exception):
+        cli.parse_grid("2")
+    assert cli.default_grid(4) == (2, 2) and cli.default_grid(2) == (2, 1)
+    assert cli.default_grid(6) == (3, 2) and cli.default_grid(1) == (1, 1)
