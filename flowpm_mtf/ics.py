@@ -112,7 +112,9 @@ def power_function(conf, power=None, a=1.0):
     ValueError
         If a table does not cover ``k_range(conf)`` (the message names both
         ranges), or if the callable returns values that are not finite and
-        non-negative on that range, or if ``a`` is not positive.
+        non-negative on that range (probed at 64 log-spaced k from ``k_min`` to
+        ``k_max``: a callable is the caller's responsibility between the probes),
+        or if ``a`` is not positive.
     """
     k_min, k_max = k_range(conf)
     if power is None:
