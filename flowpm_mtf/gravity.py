@@ -6,7 +6,7 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
    halos into the neighbours (:func:`flowpm_mtf.painting.cic_paint`): the
    density :math:`1 + \delta` (one particle per cell on average);
 2. forward FFT (:func:`flowpm_mtf.fft.r2c`);
-3. for each axis, multiply by :math:`i\tilde k_d / |k|^2` and transform back
+3. for each axis, multiply by :math:`i\tilde k_d / |k|^2`; one batched inverse FFT
    (:func:`flowpm_mtf.kernels.neg_gradient_potential`; the :math:`k = 0` mode
    is dropped, so the mean density does not matter);
 4. fill the halos and read the three components out at the particles
@@ -23,7 +23,7 @@ import mesh_tensorflow as mtf
 from . import config as cfg
 from . import fft
 from .halo import field_to_padded, padded_to_field
-from .kernels import make_kernels, neg_gradient_potential
+from .kernels import make_kernels, neg_gradient_potential, unstack_xyz
 from .painting import cic_paint, cic_readout
 
 __all__ = ["density", "pm_forces"]
@@ -72,7 +72,7 @@ def pm_forces(positions, conf, kernels=None):
         kernels = make_kernels(conf, positions.mesh)
     rho = density(positions, conf)
     delta_k = fft.r2c(rho, conf, name="force_r2c")
-    comps = neg_gradient_potential(delta_k, conf, kernels)
+    comps = unstack_xyz(neg_gradient_potential(delta_k, conf, kernels))
     read = [cic_readout(field_to_padded(c, conf, fill=False), positions, conf,
                         name="force_readout_%d" % d)
             for d, c in enumerate(comps)]

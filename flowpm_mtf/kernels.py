@@ -32,7 +32,7 @@ from . import config as cfg
 from . import fft
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
-           "neg_gradient_potential", "hessian_potential"]
+           "neg_gradient_potential", "hessian_potential", "unstack_xyz"]
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,19 @@ def make_kernels(conf, mesh):
     return Kernels(inverse_laplace_kernel(conf, mesh), grad, grad_cells)
 
 
+def _stack_xyz(components, name):
+    return mtf.stack(components, cfg.XYZ, axis=components[0].shape.ndims, name=name)
+
+
+def unstack_xyz(t):
+    """Split a tensor along its ``xyz`` dimension into a list of 3 tensors."""
+    return mtf.unstack(t, t.shape.get_dim_by_name(cfg.XYZ))
+
+
 def neg_gradient_potential(delta_k, conf, kernels):
     r"""Real-space :math:`-\nabla\phi` [cells] for :math:`\nabla^2\phi = \delta`.
+
+    The three components go through one batched inverse FFT.
 
     Parameters
     ----------
@@ -140,23 +151,24 @@ def neg_gradient_potential(delta_k, conf, kernels):
 
     Returns
     -------
-    list of 3 mtf.Tensor
-        Real fields ``[x, y, z]``: :math:`\mathcal{F}^{-1}[i\tilde k_d\,
-        \delta_k / |k|^2] / c_d` [cells], as FlowPM's ``lpt1`` and
+    mtf.Tensor
+        Real ``[x, y, z, xyz]``: component ``d`` is :math:`\mathcal{F}^{-1}[i\tilde
+        k_d\, \delta_k / |k|^2] / c_d` [cells], as FlowPM's ``lpt1`` and
         ``apply_longrange`` before the readout.
     """
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
-    return [fft.c2r(fft.apply_kernel(pot, g, 1j, name="grad_%d" % d), conf,
-                    name="c2r_grad_%d" % d)
-            for d, g in enumerate(kernels.grad_cells)]
+    comps = [fft.apply_kernel(pot, g, 1j, name="grad_%d" % d)
+             for d, g in enumerate(kernels.grad_cells)]
+    return fft.c2r(_stack_xyz(comps, "grad_stack"), conf, name="c2r_grad")
 
 
-def hessian_potential(delta_k, conf, kernels, i, j):
+def hessian_potential(delta_k, conf, kernels, pairs):
     r"""Real-space :math:`-\partial_i\partial_j\phi` for :math:`\nabla^2\phi = \delta` [dimensionless].
 
     As FlowPM's ``lpt2_source``: :math:`\mathcal{F}^{-1}[(i\tilde k_i)(i\tilde
     k_j)\,\delta_k / |k|^2]` (physical finite-difference wave numbers, so the
-    result does not depend on the cell size).
+    result does not depend on the cell size). The three requested components
+    go through one batched inverse FFT.
 
     Parameters
     ----------
@@ -164,15 +176,20 @@ def hessian_potential(delta_k, conf, kernels, i, j):
         Complex ``[kx, ky, kz]``.
     conf : SimConfig
     kernels : Kernels
-    i, j : int
-        Axes (0, 1, 2).
+    pairs : sequence of 3 (int, int)
+        Axes ``(i, j)`` of each component, e.g. ``((0, 0), (1, 1), (2, 2))``.
 
     Returns
     -------
     mtf.Tensor
-        Real field ``[x, y, z]``.
+        Real ``[x, y, z, xyz]``; entry ``n`` along ``xyz`` is the component
+        ``pairs[n]``.
     """
-    t = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_%d%d" % (i, j))
-    t = fft.apply_kernel(t, kernels.grad[i], 1j, name="grad_%d%d_a" % (i, j))
-    t = fft.apply_kernel(t, kernels.grad[j], 1j, name="grad_%d%d_b" % (i, j))
-    return fft.c2r(t, conf, name="c2r_hessian_%d%d" % (i, j))
+    if len(pairs) != 3:
+        raise ValueError("hessian_potential: need 3 (i, j) pairs, got %r" % (pairs,))
+    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
+    comps = []
+    for i, j in pairs:
+        t = fft.apply_kernel(pot, kernels.grad[i], 1j, name="grad_%d%d_a" % (i, j))
+        comps.append(fft.apply_kernel(t, kernels.grad[j], 1j, name="grad_%d%d_b" % (i, j)))
+    return fft.c2r(_stack_xyz(comps, "hessian_stack"), conf, name="c2r_hessian")

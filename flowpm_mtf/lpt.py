@@ -42,8 +42,7 @@ import numpy as np
 from . import config as cfg
 from . import cosmology as cosmo_mod
 from . import fft
-from .halo import to_blocks
-from .kernels import hessian_potential, make_kernels, neg_gradient_potential
+from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
 from .painting import lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
@@ -79,7 +78,7 @@ def _particle_shape(conf):
 
 
 def field_to_particles(field, conf):
-    """Values of a real field ``[x, y, z]`` at the lattice particles of each block.
+    """Values of a real field ``[x, y, z, <rest>]`` at the lattice particles of each block.
 
     Equal to a CIC readout at the initial lattice positions (integer positions
     read exactly one cell), without communication.
@@ -87,16 +86,29 @@ def field_to_particles(field, conf):
     Parameters
     ----------
     field : mtf.Tensor
-        Real field ``[x, y, z]``.
+        Real field ``[x, y, z]`` followed by optional unsplit dimensions
+        (e.g. ``xyz``).
     conf : SimConfig
 
     Returns
     -------
     mtf.Tensor
-        ``[bx, by, npart]``, particles in the order of
+        ``[bx, by, npart, <rest>]``, particles in the order of
         :func:`flowpm_mtf.painting.lattice`.
     """
-    return mtf.reshape(to_blocks(field, conf), mtf.Shape(_particle_shape(conf)))
+    real = fft.real_shape(conf)
+    if field.shape.dims[:3] != real.dims:
+        raise ValueError("field_to_particles: expected [x, y, z, ...] = %s..., got %s"
+                         % (real, field.shape))
+    rest = field.shape.dims[3:]
+    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
+    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
+    dsx, dsy, dz = (mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
+                    mtf.Dimension(cfg.Z, nz))
+    # [bx, sx, by, sy, z] keeps the split dimensions in place: a local reshape
+    t = mtf.reshape(field, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
+    t = mtf.transpose(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
+    return mtf.reshape(t, mtf.Shape(_particle_shape(conf) + rest))
 
 
 def particles_to_lattice_order(t, conf):
@@ -128,10 +140,6 @@ def particles_to_lattice_order(t, conf):
     t = mtf.reshape(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
     t = mtf.transpose(t, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
     return mtf.reshape(t, fft.real_shape(conf) + mtf.Shape(rest))
-
-
-def _stack(components, name):
-    return mtf.stack(components, cfg.XYZ, axis=3, name=name)
 
 
 def _check_linear(linear, conf):
@@ -175,18 +183,17 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
         kernels = make_kernels(conf, linear.mesh)
     delta_k = fft.r2c(linear, conf, name="lpt_r2c")
 
-    def displacement(dk, tag):
-        comps = neg_gradient_potential(dk, conf, kernels)
-        return _stack([field_to_particles(c, conf) for c in comps], "psi" + tag)
+    def displacement(dk):
+        return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
 
-    out = [displacement(delta_k, "1")]
+    out = [displacement(delta_k)]
     if order == 2:
-        diag = [hessian_potential(delta_k, conf, kernels, d, d) for d in range(3)]
+        diag = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 0), (1, 1), (2, 2))))
+        off = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 1), (1, 2), (2, 0))))
         source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
-        for i, j in ((0, 1), (1, 2), (2, 0)):
-            phi = hessian_potential(delta_k, conf, kernels, i, j)
+        for phi in off:
             source = source - phi * phi
-        out.append(displacement(fft.r2c(source, conf, name="lpt2_source_r2c"), "2"))
+        out.append(displacement(fft.r2c(source, conf, name="lpt2_source_r2c")))
     return out
 
 
