@@ -22,9 +22,14 @@ def main():
 
     args = sys.argv[1:] + ["--junitxml", os.path.join(logdir, tag + ".xml"), "-p", "no:cacheprovider"]
     code = pytest.main(args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if code in (0, 5) else int(code))  # skip MPI/Horovod teardown races
+    if "horovod.tensorflow" in sys.modules:  # stop Horovod's background thread first
+        import horovod.tensorflow as hvd
+
+        if hvd.is_initialized():
+            hvd.shutdown()
+    # A normal exit lets mpi4py call MPI_Finalize; mpirun treats a rank that exits
+    # without it as an abnormal termination.
+    sys.exit(0 if code in (0, 5) else int(code))
 
 
 if __name__ == "__main__":
