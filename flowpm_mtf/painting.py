@@ -36,6 +36,12 @@ Gradients
 The local scatter (``tf.tensor_scatter_nd_add``) and gather (``tf.gather_nd``)
 are differentiated by TensorFlow inside ``mtf.slicewise`` (w.r.t. positions,
 weights and mesh values); the halo exchange is linear with an exact adjoint.
+The slicewise gradients recompute the local forward function on fresh copies
+of the input slices (:func:`_isolated_grad`): Mesh TF's default
+(``GenericGradOperation``) calls ``tf.gradients`` on the *lowered* input
+slices, which counts a second time every path by which one input depends on
+another in the TF graph -- e.g. a PM force reads out a mesh painted from the
+same positions, and the mesh path was counted twice.
 """
 import logging
 
@@ -212,6 +218,34 @@ def _assert_none_escaped(t, count, what):
 
 
 # ----------------------------------------------------------------------------- CIC
+def _isolated_grad(forward_fn, splittable_dims, name):
+    """A ``grad_function`` for ``mtf.slicewise(forward_fn, inputs, ...)``.
+
+    The gradient of each input slice is computed by ``tf.gradients`` of
+    ``forward_fn`` re-applied to ``tf.identity`` copies of the slices, so only
+    the direct dependence of the output on each input is differentiated (not
+    paths between the inputs elsewhere in the TF graph). All inputs must be
+    floating point.
+    """
+
+    def grad_function(op, dy):
+        inputs = list(op.inputs)
+        n = len(inputs)
+
+        def fn(*args):
+            xs = [tf.identity(a) for a in args[:n]]
+            y = forward_fn(*xs)
+            return tuple(tf.gradients(y, xs, grad_ys=args[n],
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+        grads = mtf.slicewise(fn, inputs + [dy], output_shape=[x.shape for x in inputs],
+                              output_dtype=[x.dtype for x in inputs],
+                              splittable_dims=splittable_dims, name=name + "_grad")
+        return list(grads) if isinstance(grads, (list, tuple)) else [grads]
+
+    return grad_function
+
+
 def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
     """Paint particles on padded blocks with CIC, then reduce the halos.
 
@@ -259,7 +293,8 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
         return tf.tensor_scatter_nd_add(m, tf.reshape(idx, [-1, 5]), tf.reshape(kernel, [-1]))
 
     painted = mtf.slicewise(fn, inputs, output_shape=shape, output_dtype=mesh.dtype,
-                            splittable_dims=shape.dims[:2], name=name)
+                            splittable_dims=shape.dims[:2],
+                            grad_function=_isolated_grad(fn, shape.dims[:2], name), name=name)
     painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
     return halo_reduce(painted, conf)
 
@@ -304,6 +339,7 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
 
     return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
                          output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
+                         grad_function=_isolated_grad(fn, positions.shape.dims[:2], name),
                          name=name)
 
 
