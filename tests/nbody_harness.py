@@ -92,7 +92,7 @@ def flowpm_cosmo(which="ours"):
     return bg.cosmo
 
 
-def flowpm_run(linear, a0, order, stages=None, parts=False, growth="ours"):
+def flowpm_run(linear, a0, order, stages=None, parts=False, growth="ours", init=None):
     """FlowPM 0.1.1 ``lpt_init`` (+ ``nbody`` over ``stages``), float32, one batch.
 
     Returns a dict of ``[N, 3]`` arrays: ``x``, ``p``, ``f`` of the LPT state and,
@@ -107,7 +107,10 @@ def flowpm_run(linear, a0, order, stages=None, parts=False, growth="ours"):
     nc = list(linear.shape)
     with tf.Graph().as_default():
         lin = tf.constant(linear[None].astype(np.float32))
-        state = tfpm.lpt_init(lin, a0, order=order, cosmology=cosmo)
+        if init is None:
+            state = tfpm.lpt_init(lin, a0, order=order, cosmology=cosmo)
+        else:
+            state = tf.constant(np.stack([init[k][None] for k in "xpf"]).astype(np.float32))
         out = {"x": state[0, 0], "p": state[1, 0], "f": state[2, 0]}
         if stages is not None:
             final = tfpm.nbody(state, stages, nc, cosmology=cosmo)
