@@ -108,33 +108,55 @@ def nbody(state, conf, stages=None, snapshot_a=None):
     """
     stages = _check_stages(default_stages(conf) if stages is None else stages)
     snap_idx = _snapshot_indices(snapshot_a, stages) if snapshot_a is not None else None
-    cosmo = conf.cosmology
-    dt = conf.np_dtype
     kernels = make_kernels(conf, state.positions.mesh)
     x, p, _ = state
     log.info("nbody: %d steps from a=%g to a=%g", stages.size - 1, stages[0], stages[-1])
 
-    def scalar(v):
-        return np.asarray(v, dt).item()
-
     snaps = {}
-    f = pm_forces(x, conf, kernels)
+    state = State(x, p, pm_forces(x, conf, kernels))
     if snap_idx is not None and 0 in snap_idx:
-        snaps[0] = State(x, p, f)
+        snaps[0] = state
     for i in range(stages.size - 1):
-        a0, a1 = stages[i], stages[i + 1]
-        ah = float(np.sqrt(a0 * a1))
-        p = p + f * scalar(cosmo_mod.kick_factor(cosmo, a0, a0, ah))
-        x = x + p * scalar(cosmo_mod.drift_factor(cosmo, a0, ah, a1))
-        f = pm_forces(x, conf, kernels)
-        p = p + f * scalar(cosmo_mod.kick_factor(cosmo, ah, a1, a1))
-        log.debug("nbody: step %d/%d to a=%g built", i + 1, stages.size - 1, a1)
+        state = kdk_step(state, conf, stages[i], stages[i + 1], kernels)
+        log.debug("nbody: step %d/%d to a=%g built", i + 1, stages.size - 1, stages[i + 1])
         if snap_idx is not None and (i + 1) in snap_idx:
-            snaps[i + 1] = State(x, p, f)
-    final = State(x, p, f)
+            snaps[i + 1] = state
+    final = state
     if snap_idx is None:
         return final
     return final, [snaps[i] for i in snap_idx]
+
+
+def kdk_step(state, conf, a0, a1, kernels=None):
+    """One FastPM kick-drift-kick step from ``a0`` to ``a1``.
+
+    Parameters
+    ----------
+    state : State
+        Positions, momenta and the forces **at** ``a0`` [cells].
+    conf : SimConfig
+    a0, a1 : float
+        Scale factors of the step [dimensionless], ``a0 < a1``.
+    kernels : optional
+        From :func:`make_kernels` (built once per graph if given).
+
+    Returns
+    -------
+    State
+        At ``a1``, with the forces evaluated at the new positions (one PM force
+        evaluation per step).
+    """
+    if kernels is None:
+        kernels = make_kernels(conf, state.positions.mesh)
+    cosmo = conf.cosmology
+    dt = conf.np_dtype
+    x, p, f = state
+    ah = float(np.sqrt(a0 * a1))
+    p = p + f * np.asarray(cosmo_mod.kick_factor(cosmo, a0, a0, ah), dt).item()
+    x = x + p * np.asarray(cosmo_mod.drift_factor(cosmo, a0, ah, a1), dt).item()
+    f = pm_forces(x, conf, kernels)
+    p = p + f * np.asarray(cosmo_mod.kick_factor(cosmo, ah, a1, a1), dt).item()
+    return State(x, p, f)
 
 
 def forward(linear, conf, snapshot_a=None):

@@ -10,4 +10,4 @@ NP="${NP:-2}"
 MPIRUN=(mpirun --oversubscribe)
 [ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-exec "${MPIRUN[@]}" -np "$NP" .venv/bin/flowpm-mtf "${FLOWPM_MTF_COMMAND:-fft-demo}" --out "${OUT:-out/demo}" "$@"
+exec "${MPIRUN[@]}" -np "$NP" .venv/bin/flowpm-mtf "${FLOWPM_MTF_COMMAND:-simulate}" --out "${OUT:-out/sim}" "$@"
