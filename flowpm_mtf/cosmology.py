@@ -481,7 +481,7 @@ def kick_factor(cosmo, ai, ac, af):
     r"""FastPM kick factor from ``ai`` to ``af`` with forces at ``ac`` [dimensionless].
 
     :math:`(G_f(a_f) - G_f(a_i)) / (a_c^2 E(a_c) g_f(a_c))`, as ``flowpm.tfpm.kick``:
-    momenta :math:`p = a^2 E\, dx/da` (mesh units) change by this factor times
+    momenta :math:`p = a^3 E\, dx/da` (mesh units, as the drift implies) change by this factor times
     the force :math:`\tfrac32\Omega_m \nabla\nabla^{-2}\delta`.
     """
     g = growth(cosmo, [ai, ac, af])
