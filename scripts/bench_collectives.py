@@ -40,7 +40,7 @@ def _measure(sess, fetch, warmup, repeats):
 
 
 def _build(impl, slices, n):
-    """Lower each collective once; returns {op: tf.Operation}."""
+    """Lower each collective once; returns {op: list of scalar tensors to fetch}."""
     import tensorflow.compat.v1 as tf
 
     x = impl.LaidOutTensor(slices)
@@ -50,7 +50,10 @@ def _build(impl, slices, n):
         "allconcat": impl.allconcat(x, 0, 0),
         "shift": impl.shift_by_n_processors(x, 0, 1, True),
     }
-    return {k: tf.group(v.tensor_list) for k, v in outs.items()}
+    # Fetch one element of every output slice: a data dependency on the whole
+    # collective. (A tf.group of the outputs is not enough: Grappler then prunes the
+    # computation and the "timing" measures nothing.)
+    return {k: [tf.reshape(t, [-1])[0] for t in v.tensor_list] for k, v in outs.items()}
 
 
 def run_hvd(args):
@@ -61,6 +64,7 @@ def run_hvd(args):
 
     from hvd_mesh_impl import HvdSimdMeshImpl, runtime
 
+    runtime.install_abort_on_exception()  # a failing rank ends the job, never a hang
     n = MPI.COMM_WORLD.Get_size()
     rows = int(args.mbytes * 2**20 / 4 / args.cols) // n * n
     impl = HvdSimdMeshImpl([("p", n)], [])
@@ -74,8 +78,7 @@ def run_hvd(args):
                 MPI.COMM_WORLD.Barrier()
                 times = _measure(sess, ops[name], args.warmup, args.repeats)
                 # the slowest rank defines the collective's time
-                times = MPI.COMM_WORLD.allreduce(np.array(times), op=MPI.MAX)
-                res[name] = times.tolist()
+                res[name] = np.max(MPI.COMM_WORLD.allgather(times), axis=0).tolist()
     if MPI.COMM_WORLD.Get_rank() == 0:
         _write(args.out, "hvd", n, rows * args.cols * 4, res)
 
