@@ -1,0 +1,687 @@
+r"""Reconstruction of the initial conditions by gradient descent on the process grid.
+
+Given an observed final density field :math:`d(\mathbf x)` (``1 + delta`` on
+the mesh), find the linear density field :math:`s(\mathbf x)` (at
+:math:`a = 1`, the input of :func:`flowpm_mtf.lpt.lpt_init`) that maximises
+the posterior, i.e. minimises
+
+.. math::
+
+    \mathcal L(s) = \frac1N \Big[
+        \underbrace{\sum_{\mathbf x} \frac{(d - F(s))^2}{\sigma^2}}_{\chi^2}
+      + \underbrace{\sum_{\mathbf k \ne 0} \frac{|s_{\mathbf k}|^2}{P(k)/V}}_{\rm prior}
+    \Big],
+
+with :math:`F` the forward model (``"lpt"``: LPT displacement to
+``conf.a_end`` and CIC density; ``"nbody"``: LPT at ``conf.a_start`` then the
+FastPM N-body to ``conf.a_end``, :func:`flowpm_mtf.nbody.forward`),
+:math:`\sigma` the per-cell Gaussian noise of the data,
+:math:`s_{\mathbf k} = \mathrm{r2c}(s)` in FlowPM's normalisation
+(``fftn / N``), :math:`V` the box volume and :math:`N` the number of cells.
+
+Normalisation of the prior: :func:`flowpm_mtf.ics.linear_field` gives modes
+with :math:`\langle|s_{\mathbf k}|^2\rangle = P(k)/V`, and the sum runs over the
+full complex spectrum (both members of every pair :math:`\pm\mathbf k`), so
+the prior term is exactly :math:`-2\ln` of the Gaussian density of the
+:math:`N - 1` real degrees of freedom of a real field (a pair contributes
+:math:`(\mathrm{Re}^2 + \mathrm{Im}^2)/(P/2V)`). A true linear field therefore
+has prior :math:`\approx N - 1 \pm \sqrt{2N}` and :math:`\mathcal L \approx 2`
+at the truth; :math:`\mathcal L` is :math:`-2\ln(\text{posterior})/N` up to a
+constant. Dividing by :math:`N` keeps the loss O(1) on any mesh.
+
+The optimiser is Adam (Kingma & Ba 2015, with bias correction), written with
+Mesh TF operations: the field and its two moment estimates are Mesh TF
+variables on ``[x, y, z]``, split over the process grid like any field; the
+gradient comes from ``mtf.gradients`` through the forward model. The
+trajectory does not depend on the process grid beyond the order of
+floating-point sums.
+
+The job (:func:`run`, ``flowpm-mtf reconstruct``) makes a truth from
+``conf.seed``, observes its final density with Gaussian noise
+(:mod:`flowpm_mtf.noise`, seed ``conf.seed + NOISE_SEED_OFFSET``: the same data
+on every process grid), optimises from :math:`s = 0` and writes
+``reconstruction.h5``, ``reconstruction.txt``, ``summary.json`` and
+``reconstruction.png``.
+"""
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from . import config as cfg
+from . import fft, gravity, ics, io, lpt, nbody, power
+from . import noise as noise_mod
+from .logs import rank0_only
+
+__all__ = ["ReconConfig", "FORWARD_MODELS", "forward_model", "inverse_power_kernel",
+           "prior_chi2", "loss_terms", "cross_power", "AdamState", "adam_update", "ReconstructionGraph",
+           "run", "reconstruction_plot"]
+
+log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
+
+FORWARD_MODELS = ("lpt", "nbody")
+"""Forward models: LPT to ``a_end``, or LPT + FastPM N-body to ``a_end``."""
+
+NOISE_SEED_OFFSET = 1000003
+"""The observation noise uses the seed ``conf.seed + NOISE_SEED_OFFSET`` (an
+independent SplitMix64 stream; see :mod:`flowpm_mtf.noise`)."""
+
+NOISELESS_SIGMA = 0.1
+"""Likelihood width [1 + delta units] used when the data have no noise
+(``noise = 0``): a noiseless data term has no natural weight; 0.1 per cell
+keeps the data dominant over the prior on all scales where the final field
+carries signal, while leaving the loss well conditioned for Adam."""
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class ReconConfig:
+    """Settings of one reconstruction (the simulation itself is a ``SimConfig``).
+
+    Parameters
+    ----------
+    iterations : int
+        Adam iterations (>= 1).
+    learning_rate : float
+        Adam step size [linear density contrast per iteration] (> 0).
+    noise : float
+        Standard deviation of the Gaussian noise added to the observed
+        ``1 + delta`` per cell [dimensionless] (>= 0).
+    forward : {"lpt", "nbody"}
+        Forward model (see the module docstring).
+    sigma : float or None
+        Per-cell standard deviation assumed by the likelihood
+        [dimensionless]; default ``noise``, or :data:`NOISELESS_SIGMA` when
+        ``noise == 0``.
+    beta1, beta2, epsilon : float
+        Adam's moment decay rates and regulariser (Kingma & Ba's defaults).
+    log_every : int
+        Log the loss on rank 0 every this many iterations (>= 1); the loss of
+        every iteration is always recorded.
+
+    Raises
+    ------
+    ValueError
+        For any invalid value (the message names it).
+    """
+
+    iterations: int = 200
+    learning_rate: float = 0.1
+    noise: float = 0.1
+    forward: str = "lpt"
+    sigma: float = None
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("iterations", "log_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError("%s must be an integer >= 1, got %r" % (name, v))
+            object.__setattr__(self, name, int(v))
+        for name in ("learning_rate", "epsilon"):
+            v = getattr(self, name)
+            if not _is_number(v) or not (np.isfinite(v) and v > 0):
+                raise ValueError("%s must be a positive finite number, got %r" % (name, v))
+        if not _is_number(self.noise) or not (np.isfinite(self.noise) and self.noise >= 0):
+            raise ValueError("noise must be a finite number >= 0, got %r" % (self.noise,))
+        if self.sigma is not None and (not _is_number(self.sigma)
+                                       or not (np.isfinite(self.sigma) and self.sigma > 0)):
+            raise ValueError("sigma must be a positive finite number or None, got %r"
+                             % (self.sigma,))
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0 <= v < 1:
+                raise ValueError("%s must be in [0, 1), got %r" % (name, v))
+        if self.forward not in FORWARD_MODELS:
+            raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, self.forward))
+
+    @property
+    def likelihood_sigma(self):
+        """The per-cell standard deviation used in chi^2 [dimensionless]."""
+        if self.sigma is not None:
+            return float(self.sigma)
+        return float(self.noise) if self.noise > 0 else NOISELESS_SIGMA
+
+    def to_dict(self):
+        """A JSON-able dict of the fields."""
+        return dataclasses.asdict(self)
+
+
+def _is_number(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+
+
+# ----------------------------------------------------------------------------- model
+def forward_model(linear, conf, forward="lpt"):
+    """Final CIC density ``1 + delta`` of a linear field.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Linear density contrast at a = 1, real ``[x, y, z]`` [dimensionless].
+    conf : SimConfig
+    forward : {"lpt", "nbody"}
+        ``"lpt"``: ``conf.lpt_order`` LPT displacement evaluated at
+        ``conf.a_end``; ``"nbody"``: :func:`flowpm_mtf.nbody.forward` (LPT at
+        ``conf.a_start``, ``conf.n_steps`` FastPM steps to ``conf.a_end``).
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[x, y, z]`` particles per cell [dimensionless, mean 1].
+    """
+    if forward == "lpt":
+        state = lpt.lpt_init(linear, conf, a=conf.a_end)
+        return gravity.density(state.positions, conf)
+    if forward == "nbody":
+        return nbody.forward(linear, conf)[1]
+    raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, forward))
+
+
+def _inverse_amplitude_numpy(kx, ky, kz, pk, volume, dtype):
+    k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
+    out = np.zeros(k.shape, np.float64)
+    pos = k > 0
+    out[pos] = np.sqrt(volume / pk(k[pos]))
+    return out.astype(dtype)
+
+
+def inverse_power_kernel(conf, mesh, power_fn=None, name="inverse_power_kernel"):
+    r"""Real k-space kernel :math:`\sqrt{V / P(|\mathbf k|)}`, zero at ``k = 0``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    power_fn : callable, PowerTable or None
+        Linear P(k) at a = 1 (see :func:`flowpm_mtf.ics.power_function`); the
+        default is the Eisenstein & Hu spectrum of ``conf.cosmology``, the one
+        :func:`flowpm_mtf.ics.linear_field` uses.
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[kx, ky, kz]``, dtype ``conf.dtype`` [dimensionless: V/P is the
+        inverse of the variance of an r2c mode]. Each processor evaluates P on
+        its own slice only.
+    """
+    pk = ics.power_function(conf, power_fn, a=1.0)
+    volume = float(np.prod(conf.box_size))
+    np_dtype = conf.np_dtype
+    kvecs = [mtf.import_tf_tensor(
+        mesh, tf.constant(2.0 * np.pi * np.fft.fftfreq(n, d=d), tf.float64),
+        mtf.Shape([mtf.Dimension(dim, n)]), name="%s_%s" % (name, dim))
+        for dim, n, d in zip(cfg.K_DIMS, conf.nc, conf.cell_size)]
+    shape = fft.k_shape(conf)
+
+    def fn(kx, ky, kz):
+        out = tf.numpy_function(
+            lambda x, y, z: _inverse_amplitude_numpy(x, y, z, pk, volume, np_dtype),
+            [kx, ky, kz], conf.tf_dtype, name="inverse_power")
+        out.set_shape([kx.shape[0], ky.shape[0], kz.shape[0]])
+        return out
+
+    return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
+                         splittable_dims=shape.dims, grad_function=0, name=name)
+
+
+def prior_chi2(linear, conf, kernel=None, name="prior_chi2"):
+    r"""Gaussian prior :math:`\sum_{\mathbf k \ne 0} |s_{\mathbf k}|^2 V / P(k)` of a linear field.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Real ``[x, y, z]`` [dimensionless].
+    conf : SimConfig
+    kernel : mtf.Tensor, optional
+        :func:`inverse_power_kernel` (built here if None).
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Real scalar [dimensionless]: :math:`-2 \ln` of the prior density up to
+        a constant; about ``N - 1`` for a field of
+        :func:`flowpm_mtf.ics.linear_field` (see the module docstring).
+    """
+    if kernel is None:
+        kernel = inverse_power_kernel(conf, linear.mesh, name=name + "_kernel")
+    white = fft.apply_kernel(fft.r2c(linear, conf, name=name + "_r2c"), kernel,
+                             name=name + "_whiten")
+    return mtf.reduce_sum(fft.abs2(white, name=name + "_abs2"), name=name)
+
+
+def cross_power(a, b, conf, edges=None, name="cross_power"):
+    r"""Auto and cross power spectra of two real fields (distributed).
+
+    Parameters
+    ----------
+    a, b : mtf.Tensor
+        Real fields ``[x, y, z]`` [dimensionless].
+    conf : SimConfig
+    edges : array_like, optional
+        Shell edges [h/Mpc]; default :func:`flowpm_mtf.power.default_edges`.
+    name : str, optional
+
+    Returns
+    -------
+    k : mtf.Tensor
+        Mean ``|k|`` per shell [h/Mpc], float64 ``[kbin]``.
+    p_ab, p_aa, p_bb : mtf.Tensor
+        :math:`V \langle \mathrm{Re}(a_{\mathbf k}^* b_{\mathbf k})\rangle`,
+        :math:`V\langle|a_{\mathbf k}|^2\rangle`, :math:`V\langle|b_{\mathbf k}|^2\rangle`
+        per shell [(Mpc/h)^3], dtype of ``a``, ``[kbin]``; the estimator and
+        mode counting of :func:`flowpm_mtf.power.power_spectrum`.
+    n_modes : mtf.Tensor
+        Modes per shell (full complex spectrum), float64 ``[kbin]``.
+
+    Notes
+    -----
+    The cross-correlation is :math:`r = P_{ab} / \sqrt{P_{aa} P_{bb}}` and the
+    transfer function :math:`T = \sqrt{P_{bb} / P_{aa}}`.
+    """
+    for t, what in ((a, "a"), (b, "b")):
+        if t.shape != fft.real_shape(conf):
+            raise ValueError("cross_power: %s must have the shape %s, got %s"
+                             % (what, fft.real_shape(conf), t.shape))
+    edges = power.default_edges(conf) if edges is None else np.asarray(edges, np.float64)
+    n_bins = edges.size - 1
+    volume = float(np.prod(conf.box_size))
+    bins, knorm = power.bin_index(conf, a.mesh, edges, name=name + "_bins")
+    ak = fft.r2c(a, conf, name=name + "_r2c_a")
+    bk = fft.r2c(b, conf, name=name + "_r2c_b")
+    re_ab = mtf.slicewise(lambda u, v: tf.math.real(tf.math.conj(u) * v), [ak, bk],
+                          output_shape=ak.shape, output_dtype=a.dtype,
+                          splittable_dims=ak.shape.dims, name=name + "_re_ab")
+    n_modes = power.binned_sum(mtf.ones(a.mesh, knorm.shape, tf.float64), bins, n_bins,
+                               name=name + "_modes")
+    safe = mtf.maximum(n_modes, 1.0)
+    k_mean = power.binned_sum(knorm, bins, n_bins, name=name + "_ksum") / safe
+    scale = mtf.cast(volume / safe, a.dtype)
+    out = [power.binned_sum(v, bins, n_bins, name=name + "_" + s) * scale
+           for v, s in ((re_ab, "ab"), (fft.abs2(ak), "aa"), (fft.abs2(bk), "bb"))]
+    return (k_mean, *out, n_modes)
+
+
+def loss_terms(linear, observed, conf, rconf, kernel=None):
+    r"""The reconstruction loss :math:`\mathcal L = (\chi^2 + {\rm prior}) / N` and its terms.
+
+    Parameters
+    ----------
+    linear : mtf.Tensor
+        Trial linear field at a = 1, real ``[x, y, z]`` [dimensionless].
+    observed : mtf.Tensor
+        Data, ``1 + delta`` on ``[x, y, z]`` [dimensionless].
+    conf : SimConfig
+    rconf : ReconConfig
+        ``forward`` and :attr:`ReconConfig.likelihood_sigma` are used.
+    kernel : mtf.Tensor, optional
+        :func:`inverse_power_kernel` (built here if None).
+
+    Returns
+    -------
+    loss, chi2, prior : mtf.Tensor
+        Real scalars [dimensionless]: :math:`\mathcal L`,
+        :math:`\sum_x (d - F(s))^2 / \sigma^2` and :func:`prior_chi2`.
+    """
+    for t, what in ((linear, "linear"), (observed, "observed")):
+        if t.shape != fft.real_shape(conf):
+            raise ValueError("%s field must have the shape %s, got %s"
+                             % (what, fft.real_shape(conf), t.shape))
+    model = forward_model(linear, conf, rconf.forward)
+    chi2 = mtf.reduce_sum(mtf.square(observed - model), name="chi2") * float(
+        1.0 / rconf.likelihood_sigma**2)
+    prior = prior_chi2(linear, conf, kernel)
+    return (chi2 + prior) * float(1.0 / conf.n_cells), chi2, prior
+
+
+# ----------------------------------------------------------------------------- Adam
+@dataclasses.dataclass
+class AdamState:
+    """Mesh TF variables of Adam (``mtf.get_variable`` outputs): step count, moments."""
+
+    step: mtf.Tensor
+    m: mtf.Tensor
+    v: mtf.Tensor
+
+
+def adam_update(var, grad, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8,
+                name="adam"):
+    r"""One Adam step (with bias correction) on a distributed Mesh TF variable.
+
+    .. math::
+
+        t &\leftarrow t + 1, \quad
+        m \leftarrow \beta_1 m + (1 - \beta_1) g, \quad
+        v \leftarrow \beta_2 v + (1 - \beta_2) g^2, \\
+        x &\leftarrow x - \eta\, \frac{m / (1 - \beta_1^t)}
+                                        {\sqrt{v / (1 - \beta_2^t)} + \epsilon}.
+
+    Parameters
+    ----------
+    var : mtf.Tensor
+        The parameters: the output of ``mtf.get_variable`` (any shape and
+        layout; real floating dtype).
+    grad : mtf.Tensor
+        :math:`g = \partial\mathcal L / \partial x`, shape of ``var``.
+    learning_rate : float
+        :math:`\eta` [units of ``var`` per step].
+    beta1, beta2, epsilon : float
+    name : str, optional
+
+    Returns
+    -------
+    ops : list of mtf.Operation
+        Assignments of ``var``, ``m``, ``v`` and ``t`` (run together, once per
+        step). Every new value is computed from the values before the step.
+    state : AdamState
+        The optimiser's variables (``m``, ``v`` laid out like ``var``;
+        ``step`` a replicated scalar), initialised to zero.
+    """
+    if grad.shape != var.shape:
+        raise ValueError("adam_update: gradient shape %s differs from the variable's %s"
+                         % (grad.shape, var.shape))
+    if not isinstance(var.operation, mtf.Variable):
+        raise ValueError("adam_update: %s is not a Mesh TF variable" % (var,))
+    dtype = var.dtype
+    mesh = var.mesh
+    zeros = tf.zeros_initializer()
+    m = mtf.get_variable(mesh, name + "_m", var.shape, dtype=dtype, initializer=zeros,
+                         trainable=False)
+    v = mtf.get_variable(mesh, name + "_v", var.shape, dtype=dtype, initializer=zeros,
+                         trainable=False)
+    step = mtf.get_variable(mesh, name + "_step", mtf.Shape([]), dtype=dtype,
+                            initializer=zeros, trainable=False)
+    t = step + 1.0
+    m_new = m * beta1 + grad * (1.0 - beta1)
+    v_new = v * beta2 + mtf.square(grad) * (1.0 - beta2)
+    bias1 = 1.0 - mtf.exp(t * float(np.log(beta1))) if beta1 > 0 else None
+    bias2 = 1.0 - mtf.exp(t * float(np.log(beta2))) if beta2 > 0 else None
+    m_hat = m_new / bias1 if bias1 is not None else m_new
+    v_hat = v_new / bias2 if bias2 is not None else v_new
+    x_new = var - m_hat / (mtf.sqrt(v_hat) + epsilon) * float(learning_rate)
+    ops = [mtf.assign(var, x_new, name=name + "_assign_x"),
+           mtf.assign(m, m_new, name=name + "_assign_m"),
+           mtf.assign(v, v_new, name=name + "_assign_v"),
+           mtf.assign(step, t, name=name + "_assign_step")]
+    return ops, AdamState(step, m, v)
+
+
+# ----------------------------------------------------------------------------- graph
+class ReconstructionGraph:
+    """The Mesh TF graph of a reconstruction: data, variables, loss, Adam, diagnostics.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    rconf : ReconConfig
+    mesh : mtf.Mesh
+    observed : numpy.ndarray or mtf.Tensor, optional
+        The data, ``1 + delta`` of shape ``conf.nc`` (numpy; embedded in the
+        graph as a constant, so meant for small meshes) or an mtf tensor on
+        ``[x, y, z]``. Default: simulated from ``truth`` with the forward
+        model plus noise of standard deviation ``rconf.noise`` (seed
+        ``conf.seed + NOISE_SEED_OFFSET``).
+    truth : mtf.Tensor, optional
+        True linear field ``[x, y, z]`` for the diagnostics (and the data
+        when ``observed`` is None); default
+        :func:`flowpm_mtf.ics.linear_field` with ``conf.seed`` when
+        ``observed`` is None, no diagnostics otherwise.
+
+    Attributes
+    ----------
+    observe_op : mtf.Operation
+        Stores the data in the ``observed`` variable: run once, first.
+    step_ops : list of mtf.Operation
+        One Adam step (run once per iteration).
+    loss, chi2, prior : mtf.Tensor
+        Scalars at the current field, before the step: :math:`\\mathcal L`,
+        and the two un-normalised terms [dimensionless].
+    linear, observed : mtf.Tensor
+        Variables (``mtf.get_variable`` outputs) on ``[x, y, z]``: the
+        reconstructed linear field (initialised to zero) and the data.
+    k, r, transfer, n_modes : mtf.Tensor or None
+        Cross-correlation and transfer function of ``linear`` against
+        ``truth`` per shell (None without a truth).
+
+    Raises
+    ------
+    ValueError
+        At graph construction, if ``observed`` or ``truth`` do not have the
+        mesh shape of ``conf``.
+    """
+
+    def __init__(self, conf, rconf, mesh, observed=None, truth=None):
+        self.conf, self.rconf = conf, rconf
+        shape = fft.real_shape(conf)
+        dtype = conf.tf_dtype
+        if truth is not None and truth.shape != shape:
+            raise ValueError("truth must have the shape %s, got %s" % (shape, truth.shape))
+        if observed is None:
+            truth = ics.linear_field(conf, mesh, name="truth") if truth is None else truth
+            data = forward_model(truth, conf, rconf.forward)
+            if rconf.noise > 0:
+                noise = noise_mod.white_noise(mesh, shape, conf.seed + NOISE_SEED_OFFSET, dtype,
+                                              name="observation_noise")
+                data = data + noise * float(rconf.noise)
+        elif isinstance(observed, mtf.Tensor):
+            if observed.shape != shape:
+                raise ValueError("observed field must have the shape %s, got %s"
+                                 % (shape, observed.shape))
+            data = observed
+        else:
+            arr = np.asarray(observed)
+            if arr.shape != tuple(conf.nc):
+                raise ValueError("observed field must have the shape nc=%s, got %s"
+                                 % (tuple(conf.nc), arr.shape))
+            if not np.all(np.isfinite(arr)):
+                raise ValueError("observed field has non-finite values")
+            data = mtf.import_tf_tensor(mesh, tf.constant(arr.astype(conf.np_dtype)), shape,
+                                        name="observed_input")
+        zeros = tf.zeros_initializer()
+        self.observed = mtf.get_variable(mesh, "observed", shape, dtype=dtype,
+                                         initializer=zeros, trainable=False)
+        self.observe_op = mtf.assign(self.observed, data, name="observe")
+        self.linear = mtf.get_variable(mesh, "linear", shape, dtype=dtype, initializer=zeros,
+                                       trainable=True)
+        s = self.linear
+        self.loss, self.chi2, self.prior = loss_terms(s, self.observed, conf, rconf)
+        grad = mtf.gradients([self.loss], [s])[0]
+        self.step_ops, self.adam = adam_update(self.linear, grad, rconf.learning_rate,
+                                               rconf.beta1, rconf.beta2, rconf.epsilon)
+        self.truth = truth
+        self.k = self.r = self.transfer = self.n_modes = None
+        if truth is not None:
+            self.k, p_tr, p_tt, p_rr, self.n_modes = cross_power(truth, s, conf)
+            tiny = np.finfo(conf.np_dtype).tiny
+            self.r = p_tr / mtf.sqrt(mtf.maximum(p_tt * p_rr, tiny))
+            self.transfer = mtf.sqrt(p_rr / mtf.maximum(p_tt, tiny))
+
+
+# ----------------------------------------------------------------------------- the job
+def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None,
+        plot=True):
+    """Build and run one reconstruction; write its outputs (rank 0).
+
+    Parameters
+    ----------
+    conf : SimConfig
+    rconf : ReconConfig
+    mesh_impl : mtf.MeshImpl
+    session_config : tf.ConfigProto
+    out_dir : str
+    rank : int
+        This process's rank; rank 0 writes the outputs.
+    gather_stats : callable, optional
+        ``f(value) -> list`` over ranks (e.g. an MPI allgather), for the peak
+        memory per rank.
+    plot : bool
+        Write ``reconstruction.png``.
+
+    Returns
+    -------
+    dict
+        The summary written to ``summary.json`` (config, settings, ``loss``
+        per iteration, timings [s], peak memory [MB], r(k) and T(k)).
+
+    Outputs
+    -------
+    reconstruction.h5
+        ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
+        ``observed`` (1 + delta), ``loss``, ``chi2``, ``prior`` per iteration
+        (before each step, plus the final value); attributes: config,
+        settings (JSON), versions.
+    reconstruction.txt
+        k [h/Mpc], r(k), T(k), number of modes.
+    summary.json, reconstruction.png
+    """
+    from .simulate import peak_memory_mb
+
+    timings = {}
+    t0 = time.perf_counter()
+    tf.disable_eager_execution()
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        rg = ReconstructionGraph(conf, rconf, mesh)
+        lowering = mtf.Lowering(graph, {mesh: mesh_impl})
+        observe = lowering.lowered_operation(rg.observe_op)
+        step = tf.group([lowering.lowered_operation(op) for op in rg.step_ops])
+        scalars = {n: lowering.export_to_tf_tensor(getattr(rg, n))
+                   for n in ("loss", "chi2", "prior")}
+        fields = {"truth": lowering.export_to_tf_tensor(rg.truth),
+                  "reconstruction": lowering.export_to_tf_tensor(rg.linear),
+                  "observed": lowering.export_to_tf_tensor(rg.observed)}
+        spectra = {n: lowering.export_to_tf_tensor(getattr(rg, n))
+                   for n in ("k", "r", "transfer", "n_modes")}
+        copy_masters = lowering.copy_masters_to_slices()
+        timings["graph_build_s"] = time.perf_counter() - t0
+        log.info("graph built in %.1f s (mesh %s, grid %s, forward %s, %d iterations)",
+                 timings["graph_build_s"], "x".join(map(str, conf.nc)),
+                 "x".join(map(str, conf.grid)), rconf.forward, rconf.iterations)
+        history = {"loss": [], "chi2": [], "prior": []}
+        with tf.Session(config=session_config) as sess:
+            t = time.perf_counter()
+            sess.run(tf.global_variables_initializer())
+            sess.run(copy_masters)
+            sess.run(observe)
+            timings["observe_s"] = time.perf_counter() - t
+            log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
+                     rconf.likelihood_sigma, timings["observe_s"])
+            t_opt = time.perf_counter()
+            for i in range(rconf.iterations):
+                vals, _ = sess.run([scalars, step])
+                for n in history:
+                    history[n].append(float(vals[n]))
+                if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
+                    log.info("iteration %d/%d: loss %.6g (chi2/N %.4g, prior/N %.4g), "
+                             "%.3f s/iteration", i + 1, rconf.iterations, vals["loss"],
+                             vals["chi2"] / conf.n_cells, vals["prior"] / conf.n_cells,
+                             (time.perf_counter() - t_opt) / (i + 1))
+            timings["optimise_s"] = time.perf_counter() - t_opt
+            timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
+            t = time.perf_counter()
+            res = sess.run({**fields, **spectra, "final": scalars})
+            timings["gather_s"] = time.perf_counter() - t
+    for n in history:
+        history[n].append(float(res["final"][n]))
+    keep = res["n_modes"] > 0
+    k, r, tk, modes = (res[n][keep] for n in ("k", "r", "transfer", "n_modes"))
+    mem = peak_memory_mb()
+    mem_all = gather_stats(mem) if gather_stats is not None else [mem]
+    timings["total_s"] = time.perf_counter() - t0
+    summary = {"config": conf.to_dict(), "reconstruction": rconf.to_dict(),
+               "likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
+               "chi2": history["chi2"], "prior": history["prior"],
+               "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist(),
+               "timings": timings, "peak_memory_mb_per_rank": mem_all,
+               "versions": io.versions()}
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        _write_h5(os.path.join(out_dir, "reconstruction.h5"), conf, rconf, res, history)
+        header = ("flowpm-mtf reconstruct: cross-correlation r(k) = P_tr / sqrt(P_t P_r) and "
+                  "transfer function T(k) = sqrt(P_r / P_t) of the reconstructed (r) vs true "
+                  "(t) linear field\ncolumns: k [h/Mpc], r, T, modes\nconfig: %s\nsettings: %s"
+                  % (conf.to_json(), json.dumps(rconf.to_dict())))
+        np.savetxt(os.path.join(out_dir, "reconstruction.txt"), np.column_stack([k, r, tk, modes]),
+                   fmt=["%.6e", "%.6f", "%.6f", "%d"], header=header)
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, default=float)
+        if plot:
+            reconstruction_plot(os.path.join(out_dir, "reconstruction.png"), conf,
+                                res["truth"], res["reconstruction"], res["observed"],
+                                k, r, tk, history["loss"])
+        log.info("wrote %s: loss %.4g -> %.4g in %d iterations (%.3f s/iteration), total %.1f s",
+                 out_dir, history["loss"][0], history["loss"][-1], rconf.iterations,
+                 timings["per_iteration_s"], timings["total_s"])
+    return summary
+
+
+def _write_h5(path, conf, rconf, res, history):
+    import h5py
+
+    tmp = "%s.tmp-%d" % (path, os.getpid())
+    with h5py.File(tmp, "w") as f:
+        for n in ("truth", "reconstruction", "observed"):
+            f.create_dataset(n, data=res[n])
+        for n, v in history.items():
+            f.create_dataset(n, data=np.asarray(v, np.float64))
+        f["truth"].attrs["units"] = "linear density contrast at a=1"
+        f["reconstruction"].attrs["units"] = "linear density contrast at a=1"
+        f["observed"].attrs["units"] = "1 + delta at a_end (CIC), with noise"
+        f["loss"].attrs["description"] = ("(chi2 + prior) / N before each iteration, then the "
+                                          "final value")
+        f.attrs["config"] = conf.to_json()
+        f.attrs["reconstruction"] = json.dumps(rconf.to_dict())
+        f.attrs["versions"] = json.dumps(io.versions())
+    os.replace(tmp, path)
+
+
+def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss):
+    """Slices of the true and reconstructed linear fields and the data; r(k), T(k), loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
+    depth = max(1, conf.nc[2] // 8)
+    ext = [0, conf.box_size[0], 0, conf.box_size[1]]
+    vmax = float(np.abs(truth[:, :, :depth].mean(axis=2)).max())
+    for ax, field, title in ((axes[0, 0], truth, "true linear field"),
+                             (axes[0, 1], recon, "reconstructed linear field")):
+        ax.imshow(field[:, :, :depth].mean(axis=2).T, origin="lower", cmap="RdBu_r",
+                  vmin=-vmax, vmax=vmax, extent=ext)
+        ax.set_title("%s (slab of %d cells)" % (title, depth))
+        ax.set_xlabel("x [Mpc/h]")
+        ax.set_ylabel("y [Mpc/h]")
+    axes[0, 2].imshow(np.log10(np.maximum(observed[:, :, :depth].mean(axis=2), 1e-2)).T,
+                      origin="lower", cmap="magma", extent=ext)
+    axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
+    axes[1, 0].semilogx(k, r, "o-", ms=3)
+    axes[1, 0].axhline(1.0, color="k", lw=0.5)
+    axes[1, 0].set_ylim(min(0.0, float(np.min(r))), 1.05)
+    axes[1, 0].set_xlabel("k [h/Mpc]")
+    axes[1, 0].set_ylabel("r(k)")
+    axes[1, 0].set_title("cross-correlation, reconstructed vs true")
+    axes[1, 1].semilogx(k, tk, "o-", ms=3)
+    axes[1, 1].axhline(1.0, color="k", lw=0.5)
+    axes[1, 1].set_xlabel("k [h/Mpc]")
+    axes[1, 1].set_ylabel("T(k)")
+    axes[1, 1].set_title("transfer function sqrt(P_r / P_t)")
+    axes[1, 2].semilogy(np.arange(len(loss)), loss)
+    axes[1, 2].set_xlabel("iteration")
+    axes[1, 2].set_ylabel("(chi2 + prior) / N")
+    axes[1, 2].set_title("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
