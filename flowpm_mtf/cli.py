@@ -7,6 +7,12 @@ simulate
     ``snapshot.h5``, ``power.txt``, ``summary.json`` and ``overview.png`` in
     ``--out`` (see :mod:`flowpm_mtf.simulate`). Default: 64^3 particles and
     mesh, 200 Mpc/h, 2LPT, a = 0.1 -> 1.0 in 10 steps.
+reconstruct
+    Reconstruction of the initial linear field from the observed final density
+    of a truth simulation, by Adam on a distributed Mesh TF variable
+    (``reconstruction.h5``, ``reconstruction.txt``, ``summary.json``,
+    ``reconstruction.png``; see :mod:`flowpm_mtf.reconstruct`). Default: 32^3,
+    200 Mpc/h, 2LPT forward model to a = 1, 200 iterations.
 fft-demo
     Distributed 3D FFT round trip on the process grid, checked against
     ``numpy.fft`` on the gathered field; prints the error and the timing.
@@ -209,6 +215,27 @@ def cmd_simulate(args):
                         plot=not args.no_plot)
 
 
+# ----------------------------------------------------------------------------- reconstruct
+RECONSTRUCT_DEFAULTS = {"nc": 32, "box_size": 200.0, "lpt_order": 2, "a_start": 0.1,
+                        "a_end": 1.0, "n_steps": 5, "halo_size": 8, "dtype": "float32"}
+
+
+def cmd_reconstruct(args):
+    """Run the reconstruction job (see :mod:`flowpm_mtf.reconstruct`)."""
+    from . import reconstruct
+
+    conf = build_config(args, RECONSTRUCT_DEFAULTS)
+    rconf = reconstruct.ReconConfig(iterations=args.iterations,
+                                    learning_rate=args.learning_rate, noise=args.noise,
+                                    forward=args.forward, log_every=args.log_every)
+    log.info("config: %s; reconstruction: %s", json.dumps(conf.to_dict()),
+             json.dumps(rconf.to_dict()))
+    impl = make_mesh_impl(conf, args.backend)
+    return reconstruct.run(conf, rconf, impl, session_config(conf, args.backend), args.out,
+                           rank=world()[0], gather_stats=_allgather_fn(args.backend),
+                           plot=not args.no_plot)
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     from .logs import setup_logging
@@ -219,6 +246,17 @@ def main(argv=None):
     add_config_arguments(p)
     p.add_argument("--no-plot", action="store_true", help="skip overview.png")
     p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser("reconstruct", help="reconstruct the initial field by gradient descent")
+    add_config_arguments(p)
+    p.add_argument("--iterations", type=int, default=200, help="Adam iterations")
+    p.add_argument("--learning-rate", type=float, default=0.1, help="Adam step size")
+    p.add_argument("--noise", type=float, default=0.1,
+                   help="std. dev. of the Gaussian noise added to the observed 1+delta per cell")
+    p.add_argument("--forward", choices=("lpt", "nbody"), default="lpt",
+                   help="forward model: LPT to a_end, or LPT + FastPM N-body")
+    p.add_argument("--log-every", type=int, default=10, help="log the loss every K iterations")
+    p.add_argument("--no-plot", action="store_true", help="skip reconstruction.png")
+    p.set_defaults(func=cmd_reconstruct)
     p = sub.add_parser("fft-demo", help="distributed FFT round trip checked against numpy")
     add_config_arguments(p)
     p.add_argument("--repeats", type=int, default=5)
