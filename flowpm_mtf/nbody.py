@@ -29,7 +29,7 @@ from .gravity import density, pm_forces
 from .kernels import make_kernels
 from .lpt import State, lpt_init
 
-__all__ = ["default_stages", "nbody", "forward"]
+__all__ = ["default_stages", "nbody", "kdk_step", "step_factors", "forward"]
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,31 @@ def nbody(state, conf, stages=None, snapshot_a=None):
     return final, [snaps[i] for i in snap_idx]
 
 
-def kdk_step(state, conf, a0, a1, kernels=None):
+def step_factors(conf, a0, a1):
+    """The three time-integration factors of a kick-drift-kick step ``a0 -> a1``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    a0, a1 : float
+        Scale factors of the step [dimensionless], ``a0 < a1``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[K(a0, a0, ah), Delta(a0, ah, a1), K(ah, a1, a1)]`` with
+        ``ah = sqrt(a0 a1)``, dtype ``conf.dtype`` (first kick [1/H0 units of
+        dp/dF], drift [dx/dp], second kick).
+    """
+    cosmo = conf.cosmology
+    ah = float(np.sqrt(a0 * a1))
+    return np.array([cosmo_mod.kick_factor(cosmo, a0, a0, ah),
+                     cosmo_mod.drift_factor(cosmo, a0, ah, a1),
+                     cosmo_mod.kick_factor(cosmo, ah, a1, a1)], dtype=np.float64
+                    ).astype(conf.np_dtype)
+
+
+def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
     """One FastPM kick-drift-kick step from ``a0`` to ``a1``.
 
     Parameters
@@ -139,6 +163,11 @@ def kdk_step(state, conf, a0, a1, kernels=None):
         Scale factors of the step [dimensionless], ``a0 < a1``.
     kernels : optional
         From :func:`make_kernels` (built once per graph if given).
+    factors : sequence of 3 scalars, optional
+        Instead of ``a0, a1``: the factors of :func:`step_factors`, as floats or
+        as scalar (shape ``[]``) mtf tensors. With tensors (e.g. imported
+        placeholders) one lowered step serves every step of a run, fed with
+        each step's factors (see :class:`flowpm_mtf.simulate.SimulationGraph`).
 
     Returns
     -------
@@ -146,16 +175,21 @@ def kdk_step(state, conf, a0, a1, kernels=None):
         At ``a1``, with the forces evaluated at the new positions (one PM force
         evaluation per step).
     """
+    if factors is None:
+        if a0 is None or a1 is None:
+            raise ValueError("kdk_step needs a0 and a1, or factors")
+        factors = [v.item() for v in step_factors(conf, a0, a1)]
+    elif len(factors) != 3:
+        raise ValueError("kdk_step: factors must be (kick, drift, kick), got %d values"
+                         % len(factors))
     if kernels is None:
         kernels = make_kernels(conf, state.positions.mesh)
-    cosmo = conf.cosmology
-    dt = conf.np_dtype
+    kick0, drift, kick1 = factors
     x, p, f = state
-    ah = float(np.sqrt(a0 * a1))
-    p = p + f * np.asarray(cosmo_mod.kick_factor(cosmo, a0, a0, ah), dt).item()
-    x = x + p * np.asarray(cosmo_mod.drift_factor(cosmo, a0, ah, a1), dt).item()
+    p = p + f * kick0
+    x = x + p * drift
     f = pm_forces(x, conf, kernels)
-    p = p + f * np.asarray(cosmo_mod.kick_factor(cosmo, ah, a1, a1), dt).item()
+    p = p + f * kick1
     return State(x, p, f)
 
 

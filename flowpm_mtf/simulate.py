@@ -65,10 +65,16 @@ class SimulationGraph:
                              initializer=tf.zeros_initializer())
             for name in ("positions", "momenta", "forces")])
         self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables, init)]
-        self.step_ops = []
-        for a0, a1 in zip(self.stages[:-1], self.stages[1:]):
-            new = nbody.kdk_step(self.variables, conf, a0, a1, kernels)
-            self.step_ops.append([mtf.assign(v, t) for v, t in zip(self.variables, new)])
+        # One step for all steps: the time-integration factors are fed per run
+        # (lowering ten copies of the step tripled the graph-build time, and TF
+        # paid its first-run graph optimisation once per copy).
+        self.factors = tf.placeholder(conf.tf_dtype, [3], name="step_factors")
+        fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
+        new = nbody.kdk_step(self.variables, conf, kernels=kernels,
+                             factors=mtf.unstack(fac, fac.shape.dims[0]))
+        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
+        self.step_factors = [nbody.step_factors(conf, a0, a1)
+                             for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
         x, p, _ = self.variables
         self.rho = painting.paint_field(x, conf)
         self.k, self.pk, self.modes = power.power_spectrum(self.rho - 1.0, conf,
@@ -110,8 +116,7 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
         sim = SimulationGraph(conf, mesh)
         lowering = mtf.Lowering(graph, {mesh: mesh_impl})
         init_op = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
-        step_ops = [tf.group([lowering.lowered_operation(op) for op in ops])
-                    for ops in sim.step_ops]
+        step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
         fetch = {name: lowering.export_to_tf_tensor(getattr(sim, name))
                  for name in ("rho", "k", "pk", "modes", "position", "momentum")}
         copy_masters = lowering.copy_masters_to_slices()
@@ -127,11 +132,11 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
             log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order,
                      conf.a_start, timings["ics_s"])
             steps = []
-            for i, op in enumerate(step_ops):
+            for i, factors in enumerate(sim.step_factors):
                 t = time.perf_counter()
-                sess.run(op)
+                sess.run(step_op, {sim.factors: factors})
                 steps.append(time.perf_counter() - t)
-                log.info("step %d/%d to a=%.4f in %.2f s (elapsed %.1f s)", i + 1, len(step_ops),
+                log.info("step %d/%d to a=%.4f in %.2f s (elapsed %.1f s)", i + 1, conf.n_steps,
                          sim.stages[i + 1], steps[-1], time.perf_counter() - t0)
             timings["steps_s"] = steps
             timings["nbody_s"] = float(sum(steps))

@@ -220,3 +220,32 @@ def test_invalid_stages_and_snapshots():
             nbody.nbody(state, conf, stages=[0.1, 0.5, 0.3])
         with pytest.raises(ValueError, match="at least one"):
             nbody.nbody(state, conf, stages=[])
+
+
+# The job lowers one step and feeds each step's factors; nbody() unrolls the steps
+# with the factors as constants. Same float64 operations in the same order: only
+# the rounding of the factors' route through a placeholder could differ (none).
+JOB_VS_UNROLLED_ATOL = 1e-9  # [cells]
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
+def test_simulation_job_equals_unrolled_nbody(tmp_path):
+    """simulate.run (one lowered step fed with per-step factors) == nbody.forward."""
+    import h5py
+    from flowpm_mtf import ics, simulate
+
+    conf = conf_for((2, 1), dtype="float64", order=2, n_steps=3)
+
+    def build(mesh):
+        final, _ = nbody.forward(ics.linear_field(conf, mesh), conf)
+        return {"x": lpt.particles_to_lattice_order(painting.to_global(final.positions, conf),
+                                                    conf)}
+
+    ref = NH.flat(H.run("placement", conf, build)["x"])
+    impl = H.make_impl("placement", conf)
+    simulate.run(conf, impl, H.session_config("placement", conf), str(tmp_path), plot=False)
+    with h5py.File(tmp_path / "snapshot.h5", "r") as f:
+        pos = f["position"][...] / np.asarray(conf.cell_size)
+    d = np.abs(pos - ref % np.asarray(conf.nc))
+    d = np.minimum(d, np.asarray(conf.nc) - d)  # periodic wrap
+    assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
