@@ -1,0 +1,465 @@
+"""Benchmark of the default simulation: time per step split into paint / FFT /
+readout / communication, graph-build time, peak memory and bytes per particle,
+on 1, 2 and 4 ranks, against single-process FlowPM (``flowpm.tfpm``).
+
+Three modes::
+
+    # one measurement under MPI (HvdSimdMeshImpl), one JSON record
+    mpirun -np 2 python scripts/bench_sim.py run --nc 64 --json rec.json
+    # single-device FlowPM 0.1.1 on the same configuration, one JSON record
+    python scripts/bench_sim.py flowpm --nc 64 --json rec.json
+    # everything: launches the runs above, merges them into
+    # results/bench_sim.json and results/bench_sim.md
+    python scripts/bench_sim.py all --sizes 64 128 --ranks 1 2 4
+
+What is measured (``run``)
+--------------------------
+1. The default simulation (``flowpm-mtf simulate``'s graph: 2LPT at a = 0.1,
+   10 kick-drift-kick steps to a = 1, 200 Mpc/h box, halo scaled with the
+   mesh so that it stays 25 Mpc/h): graph build + lowering [s], ICs [s], every
+   step [s], peak resident memory per rank after the run [MB].
+2. On the final particle state, each part of one step as its own operation,
+   median of ``--repeats`` after one warm-up:
+
+   ``step``      a whole kick-drift-kick step (one PM force);
+   ``paint``     CIC paint + halo reduce (the density of the force);
+   ``fft``       forward r2c + gradient/Laplace kernels + batched inverse c2r
+                 of the three force components, all-to-all transposes included;
+   ``readout``   halo fill + CIC readout of the three components;
+   ``comm_halo`` the halo exchanges of a step alone (one reduce, three fills);
+   ``comm_fft``  the all-to-all transposes of a step alone (2 for r2c, 2 for
+                 the batched c2r) on complex blocks of the same shapes.
+
+   ``other = step - paint - fft - readout`` (kick/drift updates, escape
+   checks) and ``comm = comm_halo + comm_fft``; ``compute = step - comm``.
+3. Bytes this rank receives per step (``HvdSimdMeshImpl.comm_bytes_received``
+   of the lowered step: exact, counted from the collectives' shapes).
+
+Oversubscription: on a machine with fewer cores than ranks the ranks share
+cores; times then measure the implementation's total work, not its scaling.
+"""
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+log = logging.getLogger("bench_sim")
+
+DEFAULT = {"box_size": 200.0, "lpt_order": 2, "a_start": 0.1, "a_end": 1.0, "n_steps": 10,
+           "dtype": "float32"}
+HALO_PER_64 = 8  # halo [cells] at 64^3 in 200 Mpc/h (25 Mpc/h); scaled with the mesh
+
+
+def peak_mb():
+    """Peak resident memory of this process [MB]."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def median_time(fn, repeats, warmup=1):
+    """Median wall time [s] of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sim_config(nc, grid, steps):
+    from flowpm_mtf.config import SimConfig
+
+    return SimConfig.from_dict(dict(DEFAULT, nc=nc, grid=grid, n_steps=steps,
+                                    halo_size=max(1, HALO_PER_64 * nc // 64)))
+
+
+# ----------------------------------------------------------------------------- run (MPI)
+def _fetchable(tensors):
+    """One scalar per tensor: a data dependency that makes TF compute it (a
+    ``tf.group`` would be pruned by Grappler)."""
+    import tensorflow.compat.v1 as tf
+
+    return [tf.reshape(t, [-1])[0] for t in tensors]
+
+
+def _phase_graphs(conf, impl, slices, particle_shape):
+    """Lower each part of one step on the given local slices; returns
+    ``{phase: (fetches, received_bytes_tensor)}``."""
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+
+    from hvd_mesh_impl import export_local_slice
+    from flowpm_mtf import fft, gravity, halo, lpt, nbody, painting
+    from flowpm_mtf.kernels import neg_gradient_potential, unstack_xyz
+
+    variables = {k: tf.Variable(v, trainable=False, name="bench_" + k) for k, v in slices.items()}
+    shapes = {}
+    a0, a1 = nbody.default_stages(conf)[-2:]
+
+    def lowered(build):
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        inputs = {k: mtf.import_laid_out_tensor(mesh, impl.LaidOutTensor([v]), shapes[k])
+                  for k, v in variables.items()}
+        outs = build(mesh, inputs)
+        before = impl.comm_bytes_received()
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        nbytes = impl.comm_bytes_received() - before
+        return _fetchable([export_local_slice(lowering, t) for t in outs]), nbytes
+
+    pshape = mtf.Shape([mtf.Dimension(d.name, d.size) for d in particle_shape.dims])
+    for k in ("positions", "momenta", "forces"):
+        shapes[k] = pshape
+    shapes["rho"] = fft.real_shape(conf)
+
+    def step(mesh, t):
+        kernels = nbody.make_kernels(conf, mesh)
+        new = nbody.kdk_step(lpt.State(t["positions"], t["momenta"], t["forces"]), conf, a0, a1,
+                             kernels)
+        return list(new)
+
+    def paint(mesh, t):
+        return [gravity.density(t["positions"], conf)]
+
+    def fft_phase(mesh, t):
+        kernels = nbody.make_kernels(conf, mesh)
+        return [neg_gradient_potential(fft.r2c(t["rho"], conf), conf, kernels)]
+
+    def readout(mesh, t):
+        return [painting.readout_field(t["rho"] * float(d + 1), t["positions"], conf)
+                for d in range(3)]
+
+    def comm_halo(mesh, t):
+        padded = halo.pad_blocks(halo.to_blocks(t["rho"], conf), conf)
+        out = [halo.halo_reduce(padded, conf)]
+        out += [halo.halo_fill(padded * float(d + 1), conf) for d in range(3)]
+        return out
+
+    phases = {"step": lowered(step), "paint": lowered(paint), "fft": lowered(fft_phase),
+              "readout": lowered(readout), "comm_halo": lowered(comm_halo)}
+    phases["comm_fft"] = _alltoall_graph(conf, impl)
+    return phases
+
+
+def _alltoall_graph(conf, impl):
+    """The four all-to-alls of a step's FFTs on complex blocks of the same shapes:
+    r2c (col: split z, gather y; row: split y, gather x) on one field, and the
+    batched c2r of the three force components (the same two, backwards)."""
+    import tensorflow.compat.v1 as tf
+
+    (p, q), (nx, ny, nz) = conf.grid, conf.nc
+    cdt = tf.complex64 if conf.dtype == "float32" else tf.complex128
+    block = tf.Variable(tf.complex(tf.ones([nx // p, ny // q, nz], conf.tf_dtype),
+                                   tf.zeros([nx // p, ny // q, nz], conf.tf_dtype)),
+                        trainable=False, name="bench_cblock")
+    assert block.dtype.base_dtype == cdt
+    before = impl.comm_bytes_received()
+    lo = impl.LaidOutTensor([block])
+    fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q]
+    batched = tf.stack([fwd.tensor_list[0]] * 3)                  # [3, nx, ny/P, nz/Q]
+    back = impl.alltoall(impl.alltoall(impl.LaidOutTensor([batched]), 0, 1, 2), 1, 2, 3)
+    nbytes = impl.comm_bytes_received() - before
+    return _fetchable(back.tensor_list), nbytes
+
+
+def cmd_run(args):
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+    from mpi4py import MPI
+
+    from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice, runtime
+    from flowpm_mtf.simulate import SimulationGraph
+
+    tf.disable_eager_execution()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    grid = args.grid or _default_grid(size)
+    conf = sim_config(args.nc, grid, args.steps)
+    if conf.n_ranks != size:
+        raise ValueError("grid %s needs %d ranks, the job has %d" % (grid, conf.n_ranks, size))
+    rec = {"nc": args.nc, "ranks": size, "grid": list(grid), "halo": conf.halo_size,
+           "n_steps": conf.n_steps, "dtype": conf.dtype, "box_size": conf.box_size[0],
+           "backend": "HvdSimdMeshImpl"}
+    impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    # 1. The simulation, as the main job runs it.
+    with tf.Graph().as_default():
+        comm.Barrier()
+        t0 = time.perf_counter()
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        sim = SimulationGraph(conf, mesh)
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        init_op = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
+        step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
+        local = {k: export_local_slice(lowering, v)
+                 for k, v in zip(("positions", "momenta", "forces"), sim.variables)}
+        local["rho"] = export_local_slice(lowering, sim.rho)
+        particle_shape = sim.variables.positions.shape
+        copy_masters = lowering.copy_masters_to_slices()
+        rec["graph_build_s"] = time.perf_counter() - t0
+        with tf.Session(config=runtime.session_config()) as sess:
+            sess.run(tf.global_variables_initializer())
+            sess.run(copy_masters)
+            comm.Barrier()
+            t = time.perf_counter()
+            sess.run(init_op)
+            rec["ics_s"] = time.perf_counter() - t
+            steps = []
+            for factors in sim.step_factors:
+                t = time.perf_counter()
+                sess.run(step_op, {sim.factors: factors})
+                steps.append(time.perf_counter() - t)
+            rec["steps_s"] = steps
+            slices = sess.run(local)
+    rec["peak_memory_mb_sim"] = comm.allgather(peak_mb())
+    log.info("%d^3 on %d rank(s): build %.1f s, ICs %.2f s, median step %.2f s",
+             args.nc, size, rec["graph_build_s"], rec["ics_s"], statistics.median(steps))
+    # 2. The parts of one step, on the final state.
+    with tf.Graph().as_default():
+        # A new MeshImpl: its byte counters belong to the previous tf.Graph.
+        impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+        phases = _phase_graphs(conf, impl, slices, particle_shape)
+        with tf.Session(config=runtime.session_config()) as sess:
+            sess.run(tf.global_variables_initializer())
+            times, nbytes = {}, {}
+            for name, (fetch, nb) in phases.items():
+                comm.Barrier()
+                times[name] = median_time(lambda: sess.run(fetch), args.repeats)
+                nbytes[name] = int(sess.run(nb))
+    rec["phase_s"] = {k: max(comm.allgather(v)) for k, v in times.items()}  # slowest rank
+    rec["received_bytes_per_rank"] = {k: comm.allgather(v) for k, v in nbytes.items()}
+    rec["peak_memory_mb"] = comm.allgather(peak_mb())
+    n = int(np.prod(conf.nc))
+    rec["n_particles"] = n
+    rec["bytes_per_particle"] = sum(rec["peak_memory_mb_sim"]) * 2**20 / n
+    rec["repeats"] = args.repeats
+    if rank == 0:
+        _write(args.json, rec)
+    return rec
+
+
+def _default_grid(n):
+    q = int(n ** 0.5)
+    while n % q:
+        q -= 1
+    return (n // q, q)
+
+
+# ----------------------------------------------------------------------------- flowpm (reference)
+def cmd_flowpm(args):
+    """FlowPM 0.1.1 ``flowpm.tfpm``: the same ICs/steps in one process, one device."""
+    import tensorflow.compat.v1 as tf
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    import nbody_harness as NH  # FlowPM 0.1.1's growth-table quirk (see its docstring)
+    import flowpm.tfpm as tfpm
+    from flowpm_mtf.nbody import default_stages
+
+    tf.disable_eager_execution()
+    conf = sim_config(args.nc, (1, 1), args.steps)
+    cosmo = NH.flowpm_cosmo("ours")
+    linear = NH.linear_field_numpy(conf).astype(np.float32)[None]
+    stages = np.asarray(default_stages(conf), np.float32)
+    threads = os.cpu_count()
+    cfg = tf.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=2)
+    rec = {"nc": args.nc, "ranks": 1, "grid": [1, 1], "n_steps": conf.n_steps,
+           "dtype": "float32", "box_size": conf.box_size[0], "backend": "flowpm.tfpm 0.1.1"}
+    with tf.Graph().as_default():
+        t0 = time.perf_counter()
+        lin = tf.constant(linear)
+        state = tfpm.lpt_init(lin, float(stages[0]), order=conf.lpt_order, cosmology=cosmo)
+        state_in = tf.placeholder(tf.float32, [3, 1, conf.nc[0] * conf.nc[1] * conf.nc[2], 3])
+        one = tfpm.nbody(state_in, stages[-2:], list(conf.nc), cosmology=cosmo)
+        full = tfpm.nbody(state, stages, list(conf.nc), cosmology=cosmo)
+        rec["graph_build_s"] = time.perf_counter() - t0
+        with tf.Session(config=cfg) as sess:
+            t = time.perf_counter()
+            st = sess.run(state)
+            rec["ics_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            fin = sess.run(full)
+            rec["nbody_total_s"] = time.perf_counter() - t
+            # tfpm.nbody over two stages = one force at the start + one KDK step;
+            # the force at the start is part of FlowPM's per-call cost.
+            step = median_time(lambda: sess.run(tf.reshape(one, [-1])[0], {state_in: fin}),
+                               args.repeats)
+    rec["steps_s"] = [rec["nbody_total_s"] / conf.n_steps] * conf.n_steps
+    rec["phase_s"] = {"step": step}
+    rec["peak_memory_mb"] = [peak_mb()]
+    rec["peak_memory_mb_sim"] = [peak_mb()]
+    rec["n_particles"] = int(np.prod(conf.nc))
+    rec["bytes_per_particle"] = peak_mb() * 2**20 / rec["n_particles"]
+    rec["repeats"] = args.repeats
+    del st
+    _write(args.json, rec)
+    return rec
+
+
+def _write(path, rec):
+    if path:
+        with open(path, "w") as f:
+            json.dump(rec, f, indent=1)
+    else:
+        json.dump(rec, sys.stdout, indent=1)
+
+
+# ----------------------------------------------------------------------------- all (driver)
+def _clean_env():
+    """The environment without an enclosing MPI job's variables (nested mpirun fails)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
+
+
+def _launch(cmd, timeout):
+    log.info("running: %s", " ".join(cmd))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
+    if proc.returncode != 0:
+        raise RuntimeError("%s failed (%d):\n%s" % (" ".join(cmd), proc.returncode,
+                                                    proc.stderr[-3000:]))
+    return time.perf_counter() - t
+
+
+def cmd_all(args):
+    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
+    if os.geteuid() == 0:
+        mpirun.insert(1, "--allow-run-as-root")
+    records = []
+    tmp = tempfile.mkdtemp(prefix="bench_sim")
+    for nc in args.sizes:
+        jobs = [("flowpm", None)] if not args.no_flowpm else []
+        jobs += [("run", n) for n in args.ranks]
+        for kind, n in jobs:
+            path = os.path.join(tmp, "%s_%d_%s.json" % (kind, nc, n))
+            common = ["--nc", str(nc), "--steps", str(args.steps), "--repeats",
+                      str(args.repeats), "--json", path]
+            if kind == "flowpm":
+                cmd = [sys.executable, __file__, "flowpm"] + common
+            else:
+                cmd = mpirun + ["-np", str(n), sys.executable, __file__, "run"] + common
+            wall = _launch(cmd, args.timeout)
+            with open(path) as f:
+                rec = json.load(f)
+            rec["wall_s"] = wall
+            records.append(rec)
+            log.info("%s", summary_line(rec))
+    result = {"machine": machine_info(), "command": " ".join(sys.argv), "records": records,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_sim.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "bench_sim.md"), "w") as f:
+        f.write(markdown(result))
+    log.info("wrote %s", os.path.join(args.out, "bench_sim.{json,md}"))
+    return result
+
+
+def machine_info():
+    import psutil
+
+    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "load_avg_1min_at_end": os.getloadavg()[0]}
+
+
+def step_median(rec):
+    return statistics.median(rec["steps_s"])
+
+
+def summary_line(rec):
+    return "%s %d^3 on %d: step %.3f s, build %.1f s, peak %.0f MB/rank" % (
+        rec["backend"], rec["nc"], rec["ranks"], step_median(rec), rec["graph_build_s"],
+        max(rec["peak_memory_mb_sim"]))
+
+
+def markdown(result):
+    """The Markdown tables of a merged result."""
+    rows = ["# Simulation benchmark (`scripts/bench_sim.py`)", "",
+            "Machine: %(cpus)d cores, %(memory_gb)s GB, %(platform)s, Python %(python)s; "
+            "1-min load average at the end %(load_avg_1min_at_end).1f." % result["machine"],
+            "Date: %s. Command: `%s`." % (result["date"], result["command"]), "",
+            "Default simulation: 2LPT at a=0.1, 10 KDK steps to a=1, 200 Mpc/h, float32, "
+            "halo 25 Mpc/h. More ranks than cores means oversubscription: the ranks share the "
+            "cores, so times add up the work of all ranks instead of showing speed-up.", "",
+            "## Per step, and totals", "",
+            "| mesh | backend | ranks | grid | step [s] | vs flowpm.tfpm | graph build [s] | "
+            "ICs [s] | peak mem/rank [MB] | bytes/particle | received/rank/step [MB] |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ref = {r["nc"]: step_median(r) for r in result["records"] if r["backend"].startswith("flowpm")}
+    for r in result["records"]:
+        recv = r.get("received_bytes_per_rank", {}).get("step")
+        rows.append("| %d^3 | %s | %d | %s | %.3f | %s | %.1f | %.2f | %.0f | %.0f | %s |" % (
+            r["nc"], r["backend"], r["ranks"], "x".join(map(str, r["grid"])), step_median(r),
+            "%.2f" % (step_median(r) / ref[r["nc"]]) if r["nc"] in ref else "-",
+            r["graph_build_s"], r["ics_s"], max(r["peak_memory_mb_sim"]),
+            r["bytes_per_particle"], "%.1f" % (max(recv) / 2**20) if recv else "-"))
+    rows += ["", "flowpm.tfpm: median over the run's total (nbody_total_s / steps); its "
+             "graph build excludes the growth table (precomputed).", "",
+             "## One step, split (HvdSimdMeshImpl; median of repeated runs of each part on the "
+             "final particle state; slowest rank)", "",
+             "| mesh | ranks | grid | step [ms] | paint [ms] | FFT [ms] | readout [ms] | "
+             "other [ms] | comm: halo [ms] | comm: all-to-all [ms] | comm share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        ph = r["phase_s"]
+        if "paint" not in ph:
+            continue
+        other = ph["step"] - ph["paint"] - ph["fft"] - ph["readout"]
+        comm = ph["comm_halo"] + ph["comm_fft"]
+        rows.append("| %d^3 | %d | %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f%% |"
+                    % (r["nc"], r["ranks"], "x".join(map(str, r["grid"])), 1e3 * ph["step"],
+                       1e3 * ph["paint"], 1e3 * ph["fft"], 1e3 * ph["readout"], 1e3 * other,
+                       1e3 * ph["comm_halo"], 1e3 * ph["comm_fft"],
+                       100 * comm / ph["step"]))
+    rows += ["", "paint includes its halo reduce, readout its halo fills, FFT its all-to-alls; "
+             "the comm columns time those exchanges alone. 'other' = step - paint - FFT - "
+             "readout (kick/drift updates, escape checks; negative when the parts overlap less "
+             "inside a step than alone).", ""]
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    for name in ("run", "flowpm"):
+        p = sub.add_parser(name)
+        p.add_argument("--nc", type=int, default=64)
+        p.add_argument("--steps", type=int, default=10)
+        p.add_argument("--repeats", type=int, default=5)
+        p.add_argument("--json", help="output record (default: stdout)")
+        if name == "run":
+            p.add_argument("--grid", type=lambda s: tuple(int(v) for v in s.split("x")))
+    p = sub.add_parser("all")
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--no-flowpm", action="store_true")
+    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bench_sim: %(message)s")
+    logging.getLogger("tensorflow").setLevel(logging.WARNING)  # Mesh TF's lowering counters
+    if args.mode == "run":
+        from hvd_mesh_impl import runtime
+
+        runtime.install_abort_on_exception()
+    {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all}[args.mode](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
