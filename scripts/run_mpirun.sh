@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# flowpm-mtf under plain mpirun (Open MPI), one rank per GPU (or per core share on CPUs).
+#
+#   NP=8 bash scripts/run_mpirun.sh                        # simulate, 8 ranks, this host
+#   NP=16 HOSTFILE=hosts.txt GPUS_PER_NODE=8 bash scripts/run_mpirun.sh --nc 1024
+#   NP=4 COMMAND=bench GRID=2x2 NC=128 bash scripts/run_mpirun.sh   # one benchmark record
+#
+# Environment: NP (ranks, default 2), HOSTFILE (Open MPI hostfile; default: this host),
+# GPUS_PER_NODE (ranks per node with a hostfile), VENV (default <repo>/.venv), COMMAND
+# (simulate | fft-demo | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
+# arguments go to the sub-command.
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+VENV="${VENV:-$REPO/.venv}"
+NP="${NP:-2}"
+COMMAND="${COMMAND:-simulate}"
+OUT="${OUT:-out/mpirun}"
+
+MPIRUN=(mpirun -np "$NP" --bind-to none)
+[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
+if [ -n "${HOSTFILE:-}" ]; then
+  MPIRUN+=(--hostfile "$HOSTFILE" --map-by "ppr:${GPUS_PER_NODE:-1}:node")
+else
+  MPIRUN+=(--oversubscribe)
+fi
+# Forward the variables that matter to every rank (-x): thread counts, TF/NCCL/Horovod.
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}" TF_FORCE_GPU_ALLOW_GROWTH=true
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+for v in TF_CPP_MIN_LOG_LEVEL TF_FORCE_GPU_ALLOW_GROWTH OMP_NUM_THREADS PATH LD_LIBRARY_PATH \
+         FLOWPM_MTF_INTRA_THREADS FLOWPM_MTF_INTER_THREADS NCCL_DEBUG NCCL_SOCKET_IFNAME \
+         NCCL_IB_HCA HOROVOD_FUSION_THRESHOLD HOROVOD_CYCLE_TIME; do
+  [ -n "${!v:-}" ] && MPIRUN+=(-x "$v")
+done
+
+NC_ARGS=(); [ -n "${NC:-}" ] && NC_ARGS=(--nc "$NC")
+GRID_ARGS=(); [ -n "${GRID:-}" ] && GRID_ARGS=(--grid "$GRID")
+case "$COMMAND" in
+  simulate|fft-demo)
+    exec "${MPIRUN[@]}" "$VENV/bin/flowpm-mtf" "$COMMAND" "${NC_ARGS[@]}" "${GRID_ARGS[@]}" \
+      --out "$OUT" "$@" ;;
+  bench)
+    if [ -z "${GRID:-}" ] || [ -z "${NC:-}" ]; then
+      echo "COMMAND=bench needs NC and GRID" >&2; exit 2
+    fi
+    mkdir -p "$OUT"
+    exec "${MPIRUN[@]}" "$VENV/bin/python" scripts/bench_compare.py --backend hvd --size "$NC" \
+      --grid "$GRID" --record "$OUT/bench_hvd_${NC}_${GRID}.json" "$@" ;;
+  *) echo "unknown COMMAND=$COMMAND (simulate, fft-demo or bench)" >&2; exit 2 ;;
+esac

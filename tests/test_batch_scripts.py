@@ -1,0 +1,143 @@
+"""Batch and launch scripts: syntax (bash -n), shellcheck when installed, and what the
+Slurm templates and launchers actually run (with stand-ins for srun/mpirun on PATH)."""
+import glob
+import os
+import re
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = sorted(glob.glob(os.path.join(REPO, "slurm", "*.sbatch")))
+SHELL = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")))
+# Scripts of the batch/launch issue: held to shellcheck's default severity (style
+# notes included); every other script must be free of shellcheck errors.
+OWN = SBATCH + [os.path.join(REPO, "scripts", f) for f in ("run_mpirun.sh", "run_horovodrun.sh")]
+# Things a portable template must not contain: absolute site paths and fixed accounts.
+SITE_PATTERNS = (r"/(home|scratch|gpfs|lustre|project|projects|work|sw|apps)/",
+                 r"^#SBATCH\s+--(account|partition|qos)\b", r"^#SBATCH\s+-[Ap]\b")
+
+
+def _ids(paths):
+    return [os.path.relpath(p, REPO) for p in paths]
+
+
+def test_templates_exist():
+    names = {os.path.basename(p) for p in SBATCH}
+    assert {"single_node_multi_gpu.sbatch", "multi_node.sbatch"} <= names
+    for f in ("run_mpirun.sh", "run_horovodrun.sh"):
+        assert os.path.exists(os.path.join(REPO, "scripts", f))
+
+
+@pytest.mark.parametrize("path", SBATCH + SHELL, ids=_ids(SBATCH + SHELL))
+def test_bash_syntax(path):
+    proc = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", SBATCH + SHELL, ids=_ids(SBATCH + SHELL))
+def test_shellcheck(path):
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    severity = [] if path in OWN else ["--severity=error"]
+    proc = subprocess.run([exe, "--shell=bash", *severity, path], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=_ids(SBATCH))
+def test_sbatch_template_is_portable(path):
+    text = open(path).read()
+    directives = re.findall(r"^#SBATCH\s+--([a-z-]+)", text, flags=re.M)
+    for required in ("nodes", "gpus-per-node", "ntasks-per-node", "time"):
+        assert required in directives, "missing #SBATCH --%s" % required
+    for pat in SITE_PATTERNS:
+        assert not re.search(pat, text, flags=re.M), "site-specific content: %s" % pat
+    assert "SLURM_SUBMIT_DIR" in text and "VENV" in text and re.search(r"\bsrun\b", text)
+
+
+def _stub(bindir, name):
+    """An executable ``name`` that records its arguments (one per line) and exits 0."""
+    path = os.path.join(bindir, name)
+    with open(path, "w") as f:
+        f.write('#!/usr/bin/env bash\nprintf "%%s\\n" "$@" > "%s.args"\n' % path)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
+    return path + ".args"
+
+
+@pytest.fixture
+def fake_env(tmp_path):
+    """A PATH with stand-ins for srun/mpirun and a fake venv (activate, flowpm-mtf)."""
+    bindir = tmp_path / "bin"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    bindir.mkdir()
+    (venv / "bin" / "activate").write_text("# fake venv\n")
+    for exe in ("flowpm-mtf", "python", "horovodrun"):
+        _stub(str(venv / "bin"), exe)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMIX_"))}
+    env.update(PATH="%s:%s" % (bindir, env.get("PATH", "")), VENV=str(venv))
+    return env, bindir, venv, tmp_path
+
+
+@pytest.mark.parametrize("name", ["single_node_multi_gpu.sbatch", "multi_node.sbatch"])
+def test_sbatch_runs_one_rank_per_gpu_with_srun(fake_env, name):
+    env, bindir, _, tmp = fake_env
+    args_file = _stub(str(bindir), "srun")
+    env.update(SLURM_SUBMIT_DIR=str(tmp), SLURM_NTASKS="8", SLURM_JOB_ID="123",
+               SLURM_JOB_NUM_NODES="2", SLURM_CPUS_PER_TASK="4", NC="128", GRID="4x2")
+    proc = subprocess.run(["bash", os.path.join(REPO, "slurm", name), "--halo", "4"],
+                          cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(args_file).read().split("\n")
+    assert "--ntasks=8" in argv and "--kill-on-bad-exit=1" in argv
+    # every task sees the node's GPUs: the backend picks the local rank's
+    assert not any(a.startswith(("--gpus-per-task", "--gpu-bind")) for a in argv)
+    i = argv.index("simulate")
+    assert argv[i - 1].endswith("flowpm-mtf")
+    tail = argv[i:]
+    for pair in (["--nc", "128"], ["--grid", "4x2"], ["--out", "out/slurm-123"],
+                 ["--halo", "4"]):
+        assert any(tail[j:j + 2] == pair for j in range(len(tail))), (pair, tail)
+    assert os.path.isdir(tmp / "out" / "slurm-123")
+
+
+def test_sbatch_bench_mode_needs_a_grid(fake_env):
+    env, bindir, _, tmp = fake_env
+    _stub(str(bindir), "srun")
+    env.update(SLURM_SUBMIT_DIR=str(tmp), SLURM_NTASKS="4", SLURM_JOB_ID="7", COMMAND="bench")
+    path = os.path.join(REPO, "slurm", "single_node_multi_gpu.sbatch")
+    proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs GRID" in proc.stderr
+    env["GRID"] = "2x2"
+    proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(os.path.join(str(bindir), "srun.args")).read().split("\n")
+    assert "scripts/bench_compare.py" in argv and argv[argv.index("--grid") + 1] == "2x2"
+
+
+def test_mpirun_launcher(fake_env):
+    env, bindir, venv, tmp = fake_env
+    args_file = _stub(str(bindir), "mpirun")
+    env.update(NP="4", GRID="2x2", OUT=str(tmp / "o"))
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "run_mpirun.sh"), "--steps", "3"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(args_file).read().split("\n")
+    assert argv[argv.index("-np") + 1] == "4"
+    assert str(venv / "bin" / "flowpm-mtf") in argv
+    assert argv[argv.index("--grid") + 1] == "2x2" and "--steps" in argv
+    assert "OMP_NUM_THREADS" in argv  # forwarded with -x
+
+
+def test_horovodrun_launcher(fake_env):
+    env, _, venv, tmp = fake_env
+    env.update(NP="2", COMMAND="fft-demo", OUT=str(tmp / "o"))
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "run_horovodrun.sh"),
+                           "--nc", "16"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(str(venv / "bin" / "horovodrun.args")).read().split("\n")
+    assert "--mpi" in argv and argv[argv.index("-np") + 1] == "2"
+    assert argv[argv.index("-H") + 1] == "localhost:2" and "fft-demo" in argv
