@@ -26,6 +26,8 @@ need_apt=()
 command -v mpicc >/dev/null 2>&1 || need_apt+=(libopenmpi-dev openmpi-bin)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++   >/dev/null 2>&1 || need_apt+=(g++)
+[ -f /usr/include/fftw3.h ]        || need_apt+=(libfftw3-dev)  # mpi4py-fft (benchmark reference)
+command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck) # tests/test_batch_scripts.py
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
     log "missing system packages: ${need_apt[*]}; install them (needs root) and re-run"; exit 1

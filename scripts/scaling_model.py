@@ -1,0 +1,418 @@
+"""Scaling model of flowpm_mtf: communication, memory and time per rank.
+
+Reads ``results/bench/bench_compare.json`` (from ``scripts/bench_compare.py``),
+checks the model against the measurements, and writes the generated tables into
+``docs/scaling.md`` between the markers ``<!-- BEGIN GENERATED -->`` and
+``<!-- END GENERATED -->`` (the prose around them is kept).
+
+Notation (one rank of a P x Q process grid, N = P Q, cubic mesh of nc^3 cells,
+one particle per cell, halo h, b bytes per real, 2 b per complex):
+
+* local complex field  C = 2 b nc^3 / N
+* padded block         px = nc/P + 2h, py = nc/Q + 2h, nz = nc
+* a_P = 1 if P > 1 else 0 (likewise a_Q): a trivial mesh axis moves nothing.
+
+Communication per rank (bytes *received*; "recv" counts as
+``HvdSimdMeshImpl.comm_bytes_received``, i.e. an alltoall's own piece included;
+"wire" only what arrives from other ranks):
+
+* one 3D FFT of F fields: one alltoall per non-trivial axis, each of F C bytes;
+  wire: F C ((P-1)/P + (Q-1)/Q);
+* one halo fill or reduce: 2 shifts per non-trivial axis of an h-cell slab:
+  2 h nz b (py a_P + px a_Q);
+* one N-body step (one PM force): FFT of 1 field + inverse FFT of 3, 1 halo
+  reduce (painting) + 3 halo fills (readout), 4 scalar int32 allreduces (escape
+  checks);
+* 2LPT initial conditions (with the linear field): 16 FFT-fields, no halo.
+
+Usage::
+
+    python scripts/scaling_model.py [--json results/bench/bench_compare.json]
+                                    [--doc docs/scaling.md]
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+# FFT-fields (complex fields passing through one 3D transform) per workload.
+FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 16, "nbody_step": 4}
+# Halo operations (fill or reduce) of one real field per workload.
+HALO_OPS = {"fft": 0, "halo": 2, "lpt": 0, "nbody_step": 4}
+# Scalar int32 allreduces (particle escape checks) per workload.
+SCALAR_REDUCES = {"fft": 0, "halo": 0, "lpt": 0, "nbody_step": 4}
+# Collective calls per N-body step: 2 alltoalls per FFT direction pair and axis,
+# 2 shifts per halo op and axis, 4 allreduces (latency term).
+STEP_COLLECTIVES = lambda P, Q: 2 * ((P > 1) + (Q > 1)) + 4 * 2 * ((P > 1) + (Q > 1)) + 4 * (P * Q > 1)  # noqa
+
+# ------------------------------------------------------------------ GPU assumptions
+# None of these is measured here (no GPU on this machine): they are stated inputs.
+GPU = {
+    "A100-40GB": {"mem_gb": 40.0, "hbm_gbs": 1555.0},
+    "A100-80GB": {"mem_gb": 80.0, "hbm_gbs": 2039.0},
+}
+GPU_FFT_FLOPS = 2.0e12        # effective cuFFT rate on large 3D c2c, fp32 [flop/s] (assumed)
+GPU_PART_BYTES = 600.0        # HBM bytes touched per particle per step (assumed: CIC
+#                               paint 8 scatter-adds + 3x8 gathers, state r/w, index math)
+GPU_HBM_EFFICIENCY = 0.3      # fraction of peak HBM bandwidth reached by scatter/gather
+NVLINK_GBS = 25.0             # per-GPU all-to-all bandwidth inside a node [GB/s] (stated)
+IB_GBS = 12.5                 # per-GPU InfiniBand HDR bandwidth between nodes [GB/s]
+GPUS_PER_NODE = 8
+LATENCY_S = 30e-6             # per collective call (NCCL/MPI small-message latency)
+TF_OVERHEAD_GB = 1.5          # CUDA context + TF runtime per GPU (assumed)
+FIELD_WORKSET = 10.0          # live padded/complex field buffers per rank, in units of one
+#                               complex local field (fitted value replaces it when present)
+# Multiplicative headroom for TF's allocator fragmentation when sizing the largest run.
+GPU_HEADROOM = 0.8
+
+
+# ============================================================================ communication
+def comm_bytes(workload, nc, grid, halo, itemsize=4):
+    """Bytes one rank receives in one run of a workload.
+
+    Parameters
+    ----------
+    workload : str
+        ``fft``, ``halo``, ``lpt`` or ``nbody_step``.
+    nc : int
+        Mesh cells per side [cells].
+    grid : (int, int)
+        Process grid (P, Q).
+    halo : int
+        Halo size [cells].
+    itemsize : int
+        Bytes per real value (4 for float32).
+
+    Returns
+    -------
+    dict
+        ``recv`` (Horovod accounting, as ``comm_bytes_received``), ``wire`` (from
+        other ranks only), and ``by_kind`` (recv bytes per collective kind) [bytes].
+    """
+    P, Q = grid
+    n = P * Q
+    aP, aQ = int(P > 1), int(Q > 1)
+    c = 2 * itemsize * nc**3 // n
+    px, py = nc // P + 2 * halo, nc // Q + 2 * halo
+    f, hops, sred = FFT_FIELDS[workload], HALO_OPS[workload], SCALAR_REDUCES[workload]
+    alltoall = f * c * (aP + aQ)
+    alltoall_wire = f * c * ((P - 1) / P + (Q - 1) / Q)
+    receive = hops * 2 * halo * nc * itemsize * (py * aP + px * aQ)
+    allreduce = sred * 4 if n > 1 else 0
+    allreduce_wire = sred * 2.0 * (n - 1) / n * 4 if n > 1 else 0.0
+    return {"recv": alltoall + receive + allreduce,
+            "wire": alltoall_wire + receive + allreduce_wire,
+            "by_kind": {"alltoall": alltoall, "allconcat": 0, "allreduce": allreduce,
+                        "receive": receive}}
+
+
+def measured_vs_predicted_hvd(rec):
+    """(measured, predicted) recv bytes of an hvd record, largest rank.
+
+    ``comm_bytes_received`` covers every collective of the graph: for the
+    N-body step that includes the 2LPT initialisation of the state variables
+    (and their master copies, which use allconcat/broadcast and are left out).
+    """
+    kinds = ("alltoall", "receive", "allreduce")
+    meas = max(sum(m[k] for k in kinds) for m in rec["hvd_comm_bytes_received_per_rank"])
+    pred = comm_bytes(rec["workload"], rec["nc"], rec["grid"], rec["halo"])
+    total = sum(pred["by_kind"][k] for k in kinds)
+    if rec["workload"] == "nbody_step":
+        lpt = comm_bytes("lpt", rec["nc"], rec["grid"], rec["halo"])
+        total += sum(lpt["by_kind"][k] for k in kinds)
+    return meas, total
+
+
+# ============================================================================ memory
+def memory_terms(nc, n, halo, grid=None, itemsize=4):
+    """Memory terms of one rank [bytes].
+
+    Returns
+    -------
+    dict
+        ``state_slices``: positions, momenta, forces of nc^3/N particles (3
+        components each); ``state_masters``: the full-size master copies Mesh TF
+        keeps of every mtf variable on every rank (``HvdSimdMeshImpl``, as used by
+        ``flowpm-mtf simulate``); ``field``: one local complex field (the unit of
+        the FFT/painting working set).
+    """
+    state = 9 * itemsize * nc**3
+    return {"state_slices": state / n, "state_masters": float(state),
+            "field": 2.0 * itemsize * nc**3 / n}
+
+
+def fit_memory(records):
+    """Least-squares fit of peak RSS of the hvd nbody_step runs.
+
+    Model: ``RSS = M0 + A * state_masters + B * (state_slices + field)`` per rank.
+
+    Returns
+    -------
+    dict
+        ``M0_mb``, ``A``, ``B`` and the rows used (nc, grid, measured, predicted [MB]).
+    """
+    rows = [r for r in records if r["backend"] == "hvd" and r["workload"] == "nbody_step"]
+    if len(rows) < 3:
+        return None
+    X, y = [], []
+    for r in rows:
+        t = memory_terms(r["nc"], r["n"], r["halo"])
+        X.append([1.0, t["state_masters"] / 2**20, (t["state_slices"] + t["field"]) / 2**20])
+        y.append(r["rss_max_mb"])
+    X, y = np.array(X), np.array(y)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    pred = X @ coef
+    return {"M0_mb": float(coef[0]), "A": float(coef[1]), "B": float(coef[2]),
+            "rows": [(r["nc"], tuple(r["grid"]), float(m), float(p))
+                     for r, m, p in zip(rows, y, pred)]}
+
+
+def gpu_memory_per_rank(nc, n, halo, fit, masters_on_device):
+    """Predicted device memory of one GPU rank [bytes] (see :func:`fit_memory`)."""
+    t = memory_terms(nc, n, halo)
+    b = fit["B"] if fit else FIELD_WORKSET
+    mem = TF_OVERHEAD_GB * 2**30 + b * (t["state_slices"] + t["field"])
+    if masters_on_device:
+        mem += (fit["A"] if fit else 1.0) * t["state_masters"]
+    return mem
+
+
+def largest_nc(n, mem_gb, halo, fit, masters_on_device, step=64):
+    """Largest nc (multiple of ``step`` divisible by the grid) that fits on n GPUs."""
+    P, Q = _grid(n)
+    best = None
+    nc = step
+    while nc <= 16384:
+        if nc % P == 0 and nc % Q == 0 and nc // max(P, Q) > halo:
+            if gpu_memory_per_rank(nc, n, halo, fit, masters_on_device) <= GPU_HEADROOM * mem_gb * 2**30:
+                best = nc
+            else:
+                break
+        nc += step
+    return best
+
+
+def _grid(n):
+    """The most square (P, Q), P >= Q, P Q = n (as ``flowpm_mtf.cli.default_grid``)."""
+    q = int(math.isqrt(n))
+    while n % q:
+        q -= 1
+    return n // q, q
+
+
+# ============================================================================ time
+def fft_flops(nc, fields=1):
+    """Flops of ``fields`` complex 3D FFTs of nc^3 points (5 N log2 N)."""
+    npts = nc**3
+    return fields * 5.0 * npts * math.log2(npts)
+
+
+def calibrate_cpu(records, nc_cal):
+    """CPU rates of the hvd backend at nc = ``nc_cal`` per grid.
+
+    Returns
+    -------
+    dict
+        {grid: {"t_fft_field", "t_halo_op", "t_per_particle"}}: time of one
+        FFT-field, of one halo op, and of the remaining particle work per particle
+        in the N-body step [s].
+    """
+    by = {(r["backend"], r["workload"], r["nc"], tuple(r["grid"])): r for r in records}
+    cal = {}
+    for (b, wl, nc, g), r in by.items():
+        if b != "hvd" or wl != "nbody_step" or nc != nc_cal:
+            continue
+        t_fft = by[("hvd", "fft", nc, g)]["median_s"] / FFT_FIELDS["fft"]
+        t_halo = by[("hvd", "halo", nc, g)]["median_s"] / HALO_OPS["halo"]
+        rest = r["median_s"] - FFT_FIELDS["nbody_step"] * t_fft - HALO_OPS["nbody_step"] * t_halo
+        npart = nc**3 / (g[0] * g[1])
+        cal[g] = {"t_fft_field": t_fft, "t_halo_op": t_halo,
+                  "t_per_particle": max(rest, 0.0) / npart}
+    return cal
+
+
+def predict_cpu_step(nc, grid, halo, cal, nc_cal):
+    """CPU step time at ``nc`` scaled from the calibration at ``nc_cal`` [s]:
+    FFT time by flops, halo time by slab volume, particle time by particle count."""
+    c = cal[tuple(grid)]
+    t_fft = c["t_fft_field"] * fft_flops(nc) / fft_flops(nc_cal)
+    vol = lambda m: comm_bytes("halo", m, grid, halo)["recv"] or m**2  # noqa: E731
+    t_halo = c["t_halo_op"] * vol(nc) / vol(nc_cal)
+    npart = nc**3 / (grid[0] * grid[1])
+    return (FFT_FIELDS["nbody_step"] * t_fft + HALO_OPS["nbody_step"] * t_halo
+            + c["t_per_particle"] * npart)
+
+
+def gpu_step_time(nc, n, halo, gpu):
+    """Predicted time of one N-body step on n GPUs [s] and its parts."""
+    P, Q = _grid(n)
+    npart = nc**3 / n
+    bw = (NVLINK_GBS if n <= GPUS_PER_NODE else IB_GBS) * 1e9
+    wire = comm_bytes("nbody_step", nc, (P, Q), halo)["wire"]
+    t_comm = wire / bw + STEP_COLLECTIVES(P, Q) * LATENCY_S
+    t_fft = fft_flops(nc, FFT_FIELDS["nbody_step"]) / n / GPU_FFT_FLOPS
+    t_part = npart * GPU_PART_BYTES / (GPU[gpu]["hbm_gbs"] * 1e9 * GPU_HBM_EFFICIENCY)
+    return {"total": t_comm + t_fft + t_part, "comm": t_comm, "fft": t_fft, "particles": t_part}
+
+
+# ============================================================================ report
+def _fmt_bytes(b):
+    return "%.3f" % (b / 2**20)
+
+
+def tables(data):
+    """The generated Markdown (str)."""
+    records = data["records"]
+    meta = data.get("meta", {})
+    out = ["_Generated by `python scripts/scaling_model.py` from `results/bench/bench_compare.json`"
+           " (%s; %s)._" % (meta.get("machine", "?"), meta.get("date", "?")), ""]
+    # ---- communication
+    out += ["### Communication per rank: predicted vs measured", "",
+            "Bytes received by the largest rank in one run. *measured*: "
+            "`HvdSimdMeshImpl.comm_bytes_received` (run-time sizes, Horovod accounting: an "
+            "alltoall's own piece included) for hvd rows; *counted* for the placement "
+            "backends (lowering-time count of the same collectives). *wire* excludes the "
+            "rank's own piece.", "",
+            "| workload | nc | grid | halo | backend | predicted recv [MB] | measured/counted "
+            "recv [MB] | predicted wire [MB] | counted wire [MB] |", "|---|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for r in sorted(records, key=lambda r: (r["workload"], r["nc"], r["grid"], r["backend"])):
+        if r["backend"] == "mpi4py-fft" or "bytes" not in r:
+            continue
+        p = comm_bytes(r["workload"], r["nc"], r["grid"], r["halo"])
+        label = r["backend"]
+        if r["backend"] == "hvd":
+            meas, pred = measured_vs_predicted_hvd(r)
+            p = dict(p, recv=pred)
+            label = "hvd (measured)" + (" *" if r["workload"] == "nbody_step" else "")
+        else:
+            meas = r["bytes"]["recv_max"]
+        worst = max(worst, abs(meas - p["recv"]) / max(p["recv"], 1))
+        out.append("| %s | %d | %s | %d | %s | %s | %s | %s | %s |" % (
+            r["workload"], r["nc"], "x".join(map(str, r["grid"])), r["halo"], label,
+            _fmt_bytes(p["recv"]), _fmt_bytes(meas), _fmt_bytes(p["wire"]),
+            _fmt_bytes(r["bytes"]["wire_max"])))
+    out += ["", "\\* nbody_step on hvd: `comm_bytes_received` covers the whole graph, i.e. the "
+            "step plus the 2LPT initialisation of its variables (alltoall, receive and "
+            "allreduce kinds; the variables' master/slice copies excluded); predicted = "
+            "step + lpt.", "",
+            "Largest relative difference predicted vs measured/counted: %.2e." % worst, ""]
+    # ---- memory
+    fit = fit_memory(records)
+    out += ["### Memory per rank: fit and check (hvd, N-body step graph)", ""]
+    if fit:
+        out += ["Fit: RSS = %.0f MB + %.2f x (full-size mtf variable masters, 9 b nc^3) + "
+                "%.1f x (particle state slices 9 b nc^3/N + one complex field 2 b nc^3/N)."
+                % (fit["M0_mb"], fit["A"], fit["B"]), "",
+                "| nc | grid | measured peak RSS [MB] | model [MB] | rel. diff |",
+                "|---|---|---|---|---|"]
+        for nc, g, m, p in fit["rows"]:
+            out.append("| %d | %dx%d | %.0f | %.0f | %+.1f%% |" % (nc, g[0], g[1], m, p,
+                                                                   100 * (p - m) / m))
+        out.append("")
+    else:
+        out += ["(fewer than 3 hvd nbody_step records: no fit)", ""]
+    # ---- CPU time
+    sizes = sorted({r["nc"] for r in records if r["backend"] == "hvd"})
+    if len(sizes) >= 2:
+        nc_cal = sizes[0]
+        cal = calibrate_cpu(records, nc_cal)
+        out += ["### Time per N-body step on this CPU: predicted vs measured (hvd)", "",
+                "Calibrated at nc = %d on each grid (time of one FFT-field and one halo op "
+                "from the fft/halo workloads, particle work per particle from the rest of "
+                "the step), then scaled: FFT by 5 N log2 N, halos by slab volume, particle "
+                "work by particle count." % nc_cal, "",
+                "| nc | grid | measured [ms] | predicted [ms] | rel. diff |", "|---|---|---|---|---|"]
+        for r in sorted(records, key=lambda r: (r["nc"], r["grid"])):
+            if r["backend"] != "hvd" or r["workload"] != "nbody_step" or r["nc"] == nc_cal:
+                continue
+            if tuple(r["grid"]) not in cal:
+                continue
+            p = predict_cpu_step(r["nc"], r["grid"], r["halo"], cal, nc_cal)
+            out.append("| %d | %s | %.1f | %.1f | %+.0f%% |" % (
+                r["nc"], "x".join(map(str, r["grid"])), 1e3 * r["median_s"], 1e3 * p,
+                100 * (p - r["median_s"]) / r["median_s"]))
+        out.append("")
+    # ---- GPU extrapolation
+    halo = 8
+    out += ["### Largest mesh (nc^3 particles and cells) on N GPUs", "",
+            "Halo %d, float32, 80%% of device memory usable; memory model from the fit above "
+            "(TF/CUDA overhead %.1f GB assumed instead of the CPU M0). *as is*: the "
+            "full-size master copies of the mtf variables (positions, momenta, forces) on "
+            "every rank, as `flowpm-mtf simulate` builds them now; *slices only*: masters "
+            "kept on the host or not created." % (halo, TF_OVERHEAD_GB), "",
+            "| N GPUs | grid | 40 GB as is | 40 GB slices only | 80 GB as is | "
+            "80 GB slices only |", "|---|---|---|---|---|---|"]
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        row = [str(n), "%dx%d" % _grid(n)]
+        for gb in (40.0, 80.0):
+            for masters in (True, False):
+                nc = largest_nc(n, gb, halo, fit, masters)
+                row.append("%d^3" % nc if nc else "-")
+        out.append("| " + " | ".join(row) + " |")
+    out += ["", "### Expected time per N-body step on A100-80GB", "",
+            "Assumed (untested here): cuFFT %.1f TFLOP/s effective on 3D c2c; particle work "
+            "%.0f HBM bytes per particle at %.0f%% of peak HBM bandwidth; %.1f GB/s per GPU "
+            "all-to-all inside a node of %d GPUs (NVLink), %.1f GB/s per GPU between nodes "
+            "(InfiniBand HDR); %.0f us per collective." % (
+                GPU_FFT_FLOPS / 1e12, GPU_PART_BYTES, 100 * GPU_HBM_EFFICIENCY, NVLINK_GBS,
+                GPUS_PER_NODE, IB_GBS, LATENCY_S * 1e6), "",
+            "Rows marked *largest*: the largest mesh of the table above (80 GB, slices only); "
+            "the others: a fixed 1024^3 mesh on more GPUs (strong scaling).", "",
+            "| N GPUs | nc | case | wire MB/rank/step | comm [ms] | FFT [ms] | particles [ms] | "
+            "total [ms] |", "|---|---|---|---|---|---|---|---|"]
+    cases = [(n, largest_nc(n, 80.0, halo, fit, False), "largest")
+             for n in (1, 8, 64, 512, 1024)]
+    cases += [(n, 1024, "1024^3") for n in (8, 64, 512)]
+    for n, nc, case in cases:
+        if nc is None:
+            continue
+        P, Q = _grid(n)
+        t = gpu_step_time(nc, n, halo, "A100-80GB")
+        wire = comm_bytes("nbody_step", nc, (P, Q), halo)["wire"]
+        out.append("| %d | %d | %s | %.0f | %.1f | %.1f | %.1f | %.1f |" % (
+            n, nc, case, wire / 2**20, 1e3 * t["comm"], 1e3 * t["fft"], 1e3 * t["particles"],
+            1e3 * t["total"]))
+    out.append("")
+    return "\n".join(out)
+
+
+def write_doc(doc, text):
+    """Replace the generated block of ``doc`` (appended if the markers are missing)."""
+    old = open(doc).read() if os.path.exists(doc) else ""
+    block = "%s\n%s\n%s" % (BEGIN, text, END)
+    if BEGIN in old and END in old:
+        head, rest = old.split(BEGIN, 1)
+        new = head + block + rest.split(END, 1)[1]
+    else:
+        new = old + ("\n" if old else "") + block + "\n"
+    with open(doc, "w") as f:
+        f.write(new)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=os.path.join(REPO, "results", "bench", "bench_compare.json"))
+    ap.add_argument("--doc", default=os.path.join(REPO, "docs", "scaling.md"))
+    ap.add_argument("--print", action="store_true", help="print instead of writing the doc")
+    args = ap.parse_args(argv)
+    with open(args.json) as f:
+        data = json.load(f)
+    text = tables(data)
+    if args.print:
+        print(text)
+    else:
+        write_doc(args.doc, text)
+        print("wrote the generated tables of %s" % args.doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

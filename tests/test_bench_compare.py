@@ -1,0 +1,211 @@
+"""scripts/bench_compare.py (smoke run of every backend) and scripts/scaling_model.py.
+
+The smoke run starts its own MPI jobs and TF cluster, so it runs in the 1-rank pass
+only; the scaling-model unit tests are pure Python and run in every pass.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+# The smoke run: 4 backends x 4 workloads at 16^3 on a 1x2 grid, one timed run each;
+# about 100 s on a loaded 2-core machine. A hang is cut off here.
+SMOKE_TIMEOUT_S = 600
+# mpi4py-fft round trip in complex64 on O(1) values: float32 round-off (~1e-7 x log N).
+FFT_ROUND_TRIP_TOL = 1e-5
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sm = _load("scaling_model")
+bc = _load("bench_compare")
+
+
+# ============================================================================ smoke run
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("bench"))
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_compare.py"),
+                           "--backend", "all", "--smoke", "--out", out],
+                          capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+                          env=bc.clean_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(os.path.join(out, "bench_compare.json")) as f:
+        data = json.load(f)
+    return out, data
+
+
+@pytest.mark.single_process
+def test_smoke_json_schema(smoke):
+    out, data = smoke
+    recs = data["records"]
+    assert {"machine", "date", "command", "versions"} <= set(data["meta"])
+    got = {(r["backend"], r["workload"]) for r in recs}
+    want = {(b, w) for b in bc.MESH_BACKENDS for w in bc.WORKLOADS} | {("mpi4py-fft", "fft")}
+    assert got == want
+    for r in recs:
+        assert r["nc"] == 16 and r["grid"] == [1, 2] and r["n"] == 2
+        assert len(r["times_s"]) == 1 and r["median_s"] > 0 and r["first_run_s"] > 0
+        assert r["build_s"] > 0
+        assert r["rss_max_mb"] > 0 and len(r["rss_mb"]) == len(r["rss_roles"])
+        assert r["bytes"]["wire_max"] > 0  # every workload communicates on a 1x2 grid
+    cluster = [r for r in recs if r["backend"] == "cluster"]
+    for r in cluster:  # master + 2 workers, each with its own peak memory
+        assert r["rss_roles"] == ["master", "worker 0", "worker 1"]
+    for r in recs:
+        if r["backend"] == "hvd":
+            assert len(r["rss_mb"]) == 2
+    ref = [r for r in recs if r["backend"] == "mpi4py-fft"][0]
+    assert ref["round_trip_max_abs_error"] < FFT_ROUND_TRIP_TOL
+    md = open(os.path.join(out, "bench_compare.md")).read()
+    assert md.count("\n| ") == len(recs) + 1  # header + one row per record
+    for png in ("bench_time.png", "bench_memory.png"):
+        assert os.path.getsize(os.path.join(out, png)) > 1000
+
+
+@pytest.mark.single_process
+def test_smoke_counted_bytes_equal_horovod_measurement(smoke):
+    """The lowering-time count equals HvdSimdMeshImpl.comm_bytes_received on every rank."""
+    _, data = smoke
+    for r in data["records"]:
+        if r["backend"] == "hvd":
+            assert r["hvd_comm_bytes_received_per_rank"] == r["counted_all_per_rank"], r["workload"]
+
+
+@pytest.mark.single_process
+def test_smoke_bytes_match_the_model(smoke):
+    """Model = measured (hvd) = counted (placement, cluster) exactly, per workload."""
+    _, data = smoke
+    for r in data["records"]:
+        if r["backend"] == "mpi4py-fft":
+            continue
+        pred = sm.comm_bytes(r["workload"], r["nc"], r["grid"], r["halo"])
+        assert r["bytes"]["recv_max"] == pred["recv"], (r["backend"], r["workload"])
+        assert r["bytes"]["by_kind"] == pred["by_kind"], (r["backend"], r["workload"])
+        assert r["bytes"]["wire_max"] == pytest.approx(pred["wire"], rel=1e-12)
+        if r["backend"] == "hvd":
+            meas, pred_total = sm.measured_vs_predicted_hvd(r)
+            assert meas == pred_total, r["workload"]
+
+
+@pytest.mark.single_process
+def test_scaling_model_runs_on_smoke_json(smoke, tmp_path):
+    out, _ = smoke
+    doc = tmp_path / "scaling.md"
+    doc.write_text("# prose kept\n")
+    assert sm.main(["--json", os.path.join(out, "bench_compare.json"), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# prose kept\n") and sm.BEGIN in text and sm.END in text
+    assert "Largest relative difference predicted vs measured/counted: 0.00e+00" in text
+
+
+# ============================================================================ model units
+def test_fft_bytes_by_hand():
+    # 16^3 on 1x2: one alltoall per FFT on 'col', each moving the local complex64 slice
+    # of 16*8*16 values (8 bytes); forward + inverse = 2 alltoalls.
+    p = sm.comm_bytes("fft", 16, (1, 2), 2)
+    assert p["recv"] == 2 * 16 * 8 * 16 * 8 and p["wire"] == p["recv"] / 2
+    # 2x2: two axes, each alltoall keeps 1/2 of the data local.
+    p = sm.comm_bytes("fft", 32, (2, 2), 8)
+    assert p["recv"] == 2 * 2 * (32**3 // 4) * 8 and p["wire"] == p["recv"] / 2
+    assert sm.comm_bytes("nbody_step", 64, (1, 1), 8)["recv"] == 0  # one rank: no traffic
+
+
+def test_halo_bytes_by_hand():
+    # 2x1, nc 32, h 4: fill along x moves 2 slabs of h x (py = 32 + 8) x nz=32 floats; the
+    # y axis is not split. fill + reduce = 2 ops.
+    p = sm.comm_bytes("halo", 32, (2, 1), 4)
+    assert p["by_kind"]["receive"] == 2 * 2 * 4 * 40 * 32 * 4 and p["by_kind"]["alltoall"] == 0
+    # 2x2: x slabs h x py x nz plus y slabs px x h x nz, px = py = 16 + 8.
+    p = sm.comm_bytes("halo", 32, (2, 2), 4)
+    assert p["recv"] == 2 * 2 * 4 * 32 * 4 * (24 + 24)
+
+
+def test_step_bytes_scale_with_ranks():
+    """FFT volume per rank falls as 1/N; the halo volume falls only as 1/sqrt(N)."""
+    f = [sm.comm_bytes("fft", 512, g, 8)["wire"] for g in ((2, 2), (8, 8))]
+    h = [sm.comm_bytes("halo", 512, g, 8)["wire"] for g in ((2, 2), (8, 8))]
+    assert f[1] / f[0] == pytest.approx((1 / 16) * (7 / 8 * 2) / (1 / 2 * 2))
+    assert 0.2 < h[1] / h[0] < 0.3  # (64 + 16) / (256 + 16) ~ 0.29
+
+
+def test_memory_fit_recovers_known_coefficients():
+    truth = (400.0, 1.5, 7.0)
+    recs = []
+    for nc in (32, 64, 128):
+        for grid in ((1, 2), (2, 2), (4, 2)):
+            n = grid[0] * grid[1]
+            t = sm.memory_terms(nc, n, 8)
+            rss = truth[0] + truth[1] * t["state_masters"] / 2**20 + truth[2] * (
+                t["state_slices"] + t["field"]) / 2**20
+            recs.append({"backend": "hvd", "workload": "nbody_step", "nc": nc, "n": n,
+                         "grid": list(grid), "halo": 8, "rss_max_mb": rss})
+    fit = sm.fit_memory(recs)
+    assert (fit["M0_mb"], fit["A"], fit["B"]) == pytest.approx(truth, rel=1e-8)
+    assert sm.fit_memory(recs[:2]) is None
+
+
+def test_largest_mesh_grows_with_memory_and_ranks():
+    fit = {"M0_mb": 400.0, "A": 1.0, "B": 8.0}
+    small = sm.largest_nc(8, 40.0, 8, fit, masters_on_device=False)
+    assert small == sm.largest_nc(8, 40.0, 8, fit, False)
+    assert sm.largest_nc(8, 80.0, 8, fit, False) > small
+    assert sm.largest_nc(64, 40.0, 8, fit, False) > small
+    # the full-size masters on every rank cap the size whatever N is
+    capped = [sm.largest_nc(n, 40.0, 8, fit, True) for n in (64, 256, 1024)]
+    assert max(capped) - min(capped) <= 128
+    nc = sm.largest_nc(64, 40.0, 8, fit, False)
+    assert sm.gpu_memory_per_rank(nc, 64, 8, fit, False) <= sm.GPU_HEADROOM * 40 * 2**30
+    assert sm.gpu_memory_per_rank(nc + 64, 64, 8, fit, False) > sm.GPU_HEADROOM * 40 * 2**30
+
+
+def test_gpu_step_time_parts():
+    t1 = sm.gpu_step_time(512, 8, 8, "A100-80GB")
+    t2 = sm.gpu_step_time(1024, 64, 8, "A100-80GB")
+    assert t1["total"] == pytest.approx(t1["comm"] + t1["fft"] + t1["particles"])
+    assert t2["comm"] > t1["comm"]  # inter-node bandwidth is lower than NVLink
+    assert t2["particles"] == pytest.approx(t1["particles"])  # same particles per rank
+
+
+def test_write_doc_replaces_only_the_generated_block(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text("intro\n%s\nold\n%s\noutro\n" % (sm.BEGIN, sm.END))
+    sm.write_doc(str(doc), "new table")
+    assert doc.read_text() == "intro\n%s\nnew table\n%s\noutro\n" % (sm.BEGIN, sm.END)
+
+
+def test_driver_rejects_bad_configuration(tmp_path):
+    with pytest.raises(ValueError, match="does not divide"):
+        bc.main(["--sizes", "30", "--grids", "4x4", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bc.main(["--repeats", "3", "--out", str(tmp_path)])
+    assert not os.listdir(tmp_path)  # nothing ran
+
+
+def test_counter_on_a_placement_mesh():
+    """CommCounter on PlacementMeshImpl: a 2x2 FFT round trip, per device."""
+    import tensorflow.compat.v1 as tf
+
+    tf.disable_eager_execution()
+    import mesh_tensorflow as mtf
+
+    conf = bc.make_conf(16, (2, 2), 2)
+    with tf.Graph().as_default():
+        impl = mtf.placement_mesh_impl.PlacementMeshImpl(conf.mesh_shape, conf.layout_rules,
+                                                         [""] * 4)
+        counter = bc.CommCounter(impl)
+        bc.build_workload("fft", conf, impl, [""] * 4)
+    recv, wire = counter.totals(timed_only=True)
+    pred = sm.comm_bytes("fft", 16, (2, 2), 2)
+    assert np.all(recv == pred["recv"]) and np.allclose(wire, pred["wire"])
