@@ -351,6 +351,13 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
     def comm_bytes_received(self, kind=None):
         """Bytes this rank receives in the collectives lowered so far.
 
+        Horovod's accounting: the size of each collective's result on this rank.
+        For ``alltoall`` and ``allconcat`` that includes the rank's own piece
+        (the bytes from other ranks are ``(n - 1) / n`` of it on an axis of
+        ``n`` ranks); ``allreduce`` counts the reduced tensor once (a ring
+        algorithm moves ``2 (n - 1) / n`` times that); ``receive`` (shift)
+        counts only the slice that comes from another rank.
+
         Parameters
         ----------
         kind : str, optional

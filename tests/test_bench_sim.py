@@ -1,0 +1,67 @@
+"""scripts/bench_sim.py in a tiny configuration: the record is complete and its
+communication counts are consistent (a step moves exactly the bytes of its parts)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_mpi_jobs import clean_env
+
+pytestmark = pytest.mark.single_process
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "bench_sim.py")
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    import shutil
+
+    out = tmp_path_factory.mktemp("bench_sim") / "rec.json"
+    cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", "2", sys.executable, SCRIPT, "run",
+           "--nc", "16", "--steps", "1", "--repeats", "1", "--json", str(out)]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_record_complete(record):
+    assert record["ranks"] == 2 and record["grid"] == [2, 1] and record["nc"] == 16
+    assert len(record["steps_s"]) == 1 and record["graph_build_s"] > 0
+    for phase in ("step", "paint", "fft", "readout", "comm_halo", "comm_fft"):
+        assert record["phase_s"][phase] > 0, phase
+    assert len(record["peak_memory_mb"]) == 2 and min(record["peak_memory_mb"]) > 100
+
+
+def test_step_bytes_are_the_sum_of_its_parts(record):
+    b = {k: v[0] for k, v in record["received_bytes_per_rank"].items()}
+    for k, v in record["received_bytes_per_rank"].items():
+        assert len(v) == 2 and v[0] == v[1], (k, v)  # both ranks of a 2x1 grid alike
+    # the kick/drift updates communicate nothing
+    assert b["step"] == b["paint"] + b["fft"] + b["readout"]
+    # the FFT's all-to-alls on grid 2x1: one transpose on the row axis for r2c and one
+    # for the batched c2r of the 3 components; each all-to-all's result is a whole
+    # complex64 block (Horovod's accounting, the rank's own half included)
+    block = 16 * 16 * 16 // 2 * 8
+    assert b["fft"] == b["comm_fft"] == (1 + 3) * block
+    # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
+    # both margins of h cells x (ny + 2h) x nz float32; paint = one reduce plus the
+    # int32 escape-count allreduce (4 bytes received), readout = three fills (+ 4 each)
+    h = record["halo"]
+    halo = 2 * h * (16 + 2 * h) * 16 * 4
+    assert b["paint"] == halo + 4
+    assert b["readout"] == 3 * (halo + 4)
+    assert b["comm_halo"] == 4 * halo
+
+def test_markdown_table(record):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import bench_sim
+
+    md = bench_sim.markdown({"machine": bench_sim.machine_info(), "command": "test",
+                             "date": "now", "records": [record]})
+    assert "| 16^3 | HvdSimdMeshImpl | 2 | 2x1 |" in md
+    assert md.count("\n| 16^3 |") == 2  # both tables
