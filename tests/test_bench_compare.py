@@ -141,7 +141,7 @@ def test_step_bytes_scale_with_ranks():
 
 
 def test_memory_fit_recovers_known_coefficients():
-    truth = (400.0, 1.5, 7.0)
+    truth = (400.0, sm.MASTER_COPIES, 7.0)
     recs = []
     for nc in (32, 64, 128):
         for grid in ((1, 2), (2, 2), (4, 2)):
@@ -153,7 +153,7 @@ def test_memory_fit_recovers_known_coefficients():
                          "grid": list(grid), "halo": 8, "rss_max_mb": rss})
     fit = sm.fit_memory(recs)
     assert (fit["M0_mb"], fit["A"], fit["B"]) == pytest.approx(truth, rel=1e-8)
-    assert sm.fit_memory(recs[:2]) is None
+    assert sm.fit_memory(recs[:3]) is None  # one mesh size: B is not constrained
 
 
 def test_largest_mesh_grows_with_memory_and_ranks():
