@@ -1,0 +1,313 @@
+"""Lensing (flowpm_mtf.lensing): density planes against a numpy 2D CIC, the Born sum on
+an analytic plane, the same convergence map on every process grid, finite-difference
+gradient of a convergence loss with respect to the initial field, the flat-sky C_ell
+estimator, and bad input."""
+import mesh_tensorflow as mtf
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+from scipy.interpolate import RegularGridInterpolator
+
+import fpm_harness as H
+import nbody_harness as NH
+from flowpm_mtf import cosmology as C
+from flowpm_mtf import fft, lensing as L, lpt, painting
+from flowpm_mtf.config import SimConfig
+
+# Painting and interpolation in float64 compared with numpy implementations of the same
+# sums: round-off only (~1e-16 per term, a few hundred terms).
+NUMPY_RTOL = 1e-12
+# Distributed vs one block, float64: the same operations up to the order of the FFT,
+# halo and all-reduce sums (round-off ~1e-15), amplified by 2 N-body steps (test_nbody).
+LAYOUT_RTOL = 1e-10
+# Central differences in float64 (as test_nbody.py): step 1e-6 of the field amplitude,
+# truncation ~1e-12, rounding ~1e-10 relative. The shell membership is a step function
+# of z: a particle crossing a shell edge within +-eps would give O(1) (probability ~1e-4).
+FD_EPS = 1e-6
+FD_RTOL = 1e-6
+# Distances from astropy (independent integrator) vs ours: both converge to ~1e-10.
+ASTROPY_RTOL = 1e-7
+
+
+# ----------------------------------------------------------------------------- configs
+def plane_conf(grid=(1, 1)):
+    """Non-cubic mesh and box (x, y, z differ) so that axis mix-ups show."""
+    return SimConfig(nc=(16, 8, 16), box_size=(160.0, 80.0, 96.0), grid=grid, halo_size=2,
+                     a_start=0.5, a_end=1.0, n_steps=1, dtype="float64")
+
+
+PLANE_LCONF = L.LensingConfig(z_source=(0.1, 0.05), field_deg=10.0, field_npix=12, n_planes=4)
+
+
+def forward_conf(grid=(1, 1)):
+    return SimConfig(nc=16, box_size=160.0, grid=grid, halo_size=3, a_start=0.7, a_end=1.0,
+                     n_steps=1, lpt_order=2, dtype="float64")
+
+
+# 2 shells of 146 Mpc/h to z = 0.1 (the second one crosses the box replica at 160 Mpc/h);
+# a second source at z = 0.07 lies inside the second shell.
+FORWARD_LCONF = L.LensingConfig(z_source=(0.1, 0.07), field_deg=12.0, field_npix=12,
+                                n_planes=2)
+
+
+# ----------------------------------------------------------------------------- planes
+def numpy_plane(pos, conf, geom, index):
+    """2D CIC of the particles of shell ``index`` (global positions [cells], numpy)."""
+    nx, ny, nz = conf.nc
+    cz = conf.cell_size[2]
+    r_lo, width = geom.r_edges[index] / cz, geom.width[index] / cz
+    sel = np.mod(pos[:, 2] - r_lo, nz) < width
+    out = np.zeros((nx, ny))
+    x, y = pos[sel, 0], pos[sel, 1]
+    i, j = np.floor(x).astype(int), np.floor(y).astype(int)
+    tx, ty = x - i, y - j
+    for di, wx in ((0, 1 - tx), (1, tx)):
+        for dj, wy in ((0, 1 - ty), (1, ty)):
+            np.add.at(out, ((i + di) % nx, (j + dj) % ny), wx * wy)
+    return out / width
+
+
+@pytest.mark.parametrize("case", [c for c in H.cases(single=True) if c[0] != "placement"],
+                         ids=H.case_id)
+def test_density_planes_match_numpy(case):
+    """Each shell's plane equals a numpy 2D CIC of the particles whose line-of-sight
+    distance z + n Lz (any replica n) is in the shell, normalised to 1 + delta."""
+    conf = plane_conf(case[1])
+    geom = L.geometry(conf, PLANE_LCONF)
+    rng = np.random.RandomState(5)
+    disp = np.zeros(conf.nc + (3,))
+    disp[..., :2] = rng.uniform(-1.5, 1.5, conf.nc + (2,))     # within the 2-cell halo
+    disp[..., 2] = rng.uniform(-40.0, 40.0, conf.nc)           # any replica along z
+    q = np.indices(conf.nc).reshape(3, -1).T
+
+    def build(mesh):
+        d = mtf.import_tf_tensor(mesh, tf.constant(disp),
+                                 fft.real_shape(conf) + mtf.Shape([mtf.Dimension("xyz", 3)]))
+        x = painting.lattice(conf, mesh) + lpt.field_to_particles(d, conf)
+        return {"p%d" % i: L.density_plane(x, conf, geom, i) for i in range(geom.n_planes)}
+
+    out = H.run(case[0], conf, build)
+    pos = q + disp.reshape(-1, 3)
+    total = 0.0
+    for i in range(geom.n_planes):
+        ref = numpy_plane(pos, conf, geom, i)
+        assert H.rel_err(out["p%d" % i], ref) < NUMPY_RTOL, i
+        assert 0.5 < out["p%d" % i].mean() < 1.5                 # ~1 + delta
+        total += out["p%d" % i].sum() * geom.width[i] / conf.cell_size[2]
+    # Every particle is in exactly one shell per box depth of lightcone: the shells
+    # cover 293 Mpc/h = 3.05 box depths, so the total count is ~3.05 N.
+    n = np.prod(conf.nc)
+    assert abs(total / n - geom.r_edges[-1] / conf.box_size[2]) < 0.1
+
+
+# ----------------------------------------------------------------------------- Born
+def test_geometry_against_astropy():
+    """Plane scale factors and source distances with astropy's (independent) distances."""
+    from astropy.cosmology import FlatLambdaCDM
+
+    conf = forward_conf()
+    geom = L.geometry(conf, FORWARD_LCONF)
+    cosmo = conf.cosmology
+    astro = FlatLambdaCDM(H0=100.0, Om0=cosmo.Omega_m, Tcmb0=0.0)
+    chi_s = astro.comoving_distance(np.asarray(FORWARD_LCONF.z_source)).value
+    np.testing.assert_allclose(geom.chi_source, chi_s, rtol=ASTROPY_RTOL)
+    np.testing.assert_allclose(astro.comoving_distance(1.0 / geom.a - 1.0).value, geom.r,
+                               rtol=ASTROPY_RTOL)
+    np.testing.assert_allclose(geom.r_edges[-1], chi_s.max(), rtol=1e-12)
+    stages, idx = L.lightcone_stages(conf, geom)
+    np.testing.assert_allclose(stages[idx], geom.a, rtol=1e-12)
+    assert stages[0] == conf.a_start and np.all(np.diff(stages) > 0)
+
+
+@pytest.mark.parametrize("randomize", [False, True], ids=["plain", "randomized"])
+@pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)
+def test_born_analytic_plane(case, randomize):
+    """One plane holding A cos(2 pi m x/Lx + px) cos(2 pi n y/Ly + py), the others a
+    constant (removed by the mean subtraction): kappa = coefficient x the bilinear
+    interpolation of the plane at r theta (scipy, to round-off), which is the continuous
+    sinusoid to within the bilinear interpolation error (kd)^2/8 per axis. Randomized:
+    the ray hits the plane at its shift + flipped (and maybe transposed) r theta."""
+    conf = forward_conf(case[1])
+    lconf = L.LensingConfig(z_source=(0.1, 0.04), field_deg=12.0, field_npix=10, n_planes=2,
+                            randomize=randomize)
+    geom = L.geometry(conf, lconf)
+    k_plane, amp, (m, n), (px, py) = 1, 0.7, (1, 2), (0.3, -1.1)
+    lx, ly = conf.box_size[:2]
+    xg = np.arange(conf.nc[0]) * conf.cell_size[0]
+    yg = np.arange(conf.nc[1]) * conf.cell_size[1]
+
+    def wave(x, y):
+        return amp * np.cos(2 * np.pi * m * x / lx + px) * np.cos(2 * np.pi * n * y / ly + py)
+
+    planes = [np.full(conf.nc[:2], 1.0 + 0.25 * i) for i in range(geom.n_planes)]
+    planes[k_plane] = planes[k_plane] + wave(xg[:, None], yg[None, :])
+
+    def build(mesh):
+        shape = mtf.Shape([mtf.Dimension("x", conf.nc[0]), mtf.Dimension("y", conf.nc[1])])
+        ps = [mtf.import_tf_tensor(mesh, tf.constant(p), shape) for p in planes]
+        return {"kappa": L.born_convergence(ps, conf, geom)}
+
+    kappa = H.run(case[0], conf, build)["kappa"]
+    assert kappa.shape == (2, 10, 10)
+    # coefficient from its definition, with distances from the geometry
+    r, a, w = geom.r[k_plane], geom.a[k_plane], geom.width[k_plane]
+    om = conf.cosmology.Omega_m
+    coef = 1.5 * om * (100.0 / C.C_KMS)**2 * w * r / a * (1 - r / geom.chi_source[0])
+    assert geom.chi_source[1] < r                        # second source: in front of the plane
+    np.testing.assert_array_equal(kappa[1], 0.0)
+    # exact bilinear interpolation of the (periodically extended) grid with scipy
+    xe = np.append(xg, lx)
+    ye = np.append(yg, ly)
+    grid_vals = np.pad(wave(xg[:, None], yg[None, :]), ((0, 1), (0, 1)), mode="wrap")
+    (sx, sy), (fx, fy) = geom.shift[k_plane], geom.flip[k_plane]
+    if randomize:
+        assert np.any(geom.shift != 0) and geom.transpose.dtype == bool
+    ti, tj = np.meshgrid(geom.theta, geom.theta, indexing="ij")   # ray (i, j) = (theta_x, theta_y)
+    if geom.transpose[k_plane]:
+        px_, py_ = 0.5 * lx + sx + fy * r * tj, 0.5 * ly + sy + fx * r * ti
+    else:
+        px_, py_ = 0.5 * lx + sx + fx * r * ti, 0.5 * ly + sy + fy * r * tj
+    pts = np.stack([np.mod(px_, lx), np.mod(py_, ly)], -1).reshape(-1, 2)
+    interp = RegularGridInterpolator((xe, ye), grid_vals, method="linear")(pts)
+    expect = coef * interp.reshape(10, 10)
+    assert H.rel_err(kappa[0], expect) < NUMPY_RTOL
+    # the continuous sinusoid, to within the interpolation error bound
+    exact = coef * wave(px_, py_)
+    kd = [2 * np.pi * m * conf.cell_size[0] / lx, 2 * np.pi * n * conf.cell_size[1] / ly]
+    bound = abs(coef) * amp * sum(v**2 / 8 for v in kd)
+    assert np.max(np.abs(kappa[0] - exact)) <= bound
+    assert np.max(np.abs(exact)) > 5 * bound               # the map is mostly signal
+
+
+# ----------------------------------------------------------------------------- forward model
+def _forward_build(conf, lin0, weight):
+    geom = L.geometry(conf, FORWARD_LCONF)
+
+    def build(mesh):
+        phs = {}
+        lin = H.placeholder_input(mesh, phs, "lin", lin0, fft.real_shape(conf))
+        kappa, planes, final = L.lightcone_forward(lin, conf, geom)
+        w = mtf.import_tf_tensor(mesh, tf.constant(weight), kappa.shape)
+        loss = mtf.reduce_sum(w * kappa)
+        grad = mtf.gradients([loss], [lin])[0]
+        disp = painting.to_global(final.positions, conf) - painting.to_global(
+            painting.lattice(conf, mesh), conf)
+        return {"kappa": kappa, "loss": loss, "grad": grad,
+                "disp": mtf.reduce_max(mtf.abs(disp))}, phs
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def forward_inputs():
+    conf = forward_conf()
+    lin0 = NH.linear_field_numpy(conf, seed=11)
+    rng = np.random.RandomState(12)
+    weight = rng.randn(2, 12, 12)
+    direction = rng.randn(*conf.nc) * np.std(lin0)
+    return lin0, weight, direction
+
+
+@pytest.fixture(scope="module")
+def forward_reference(forward_inputs):
+    """One block on a 1-processor mesh: kappa and its gradient, plus the FD losses."""
+    lin0, weight, direction = forward_inputs
+    conf = forward_conf()
+    feeds = [{"lin": lin0}, {"lin": lin0 + FD_EPS * direction},
+             {"lin": lin0 - FD_EPS * direction}]
+    return H.run("single", conf, _forward_build(conf, lin0, weight), feeds=feeds)
+
+
+def test_gradient_finite_differences(forward_inputs, forward_reference):
+    """d(sum w kappa)/d(linear field) through LPT, 2 KDK steps, the planes and the Born
+    sum, float64, against central differences along a random direction."""
+    _, _, direction = forward_inputs
+    r0, rp, rm = forward_reference
+    assert 0.1 < r0["disp"] < forward_conf().halo_size - 1      # moved, none escaped
+    assert np.std(r0["kappa"][0]) > 0 and np.std(r0["kappa"][1]) > 0
+    fd = (rp["loss"] - rm["loss"]) / (2 * FD_EPS)
+    an = float(np.sum(r0["grad"] * direction))
+    assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
+
+
+LAYOUT_CASES = [c for c in H.cases(single=True) if c[0] != "placement"]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=H.case_id)
+def test_layout_independent(case, forward_inputs, forward_reference):
+    """The same kappa maps and gradient on every process grid of this world size
+    (HvdSimdMeshImpl: 1x1; 2x1 and 1x2; 2x2) and with 2 x 2 blocks on one processor,
+    as one block (float64)."""
+    lin0, weight, _ = forward_inputs
+    conf = forward_conf(case[1])
+    out = H.run(case[0], conf, _forward_build(conf, lin0, weight), feeds=[{"lin": lin0}])[0]
+    ref = forward_reference[0]
+    assert H.rel_err(out["kappa"], ref["kappa"]) < LAYOUT_RTOL
+    assert H.rel_err(out["grad"], ref["grad"]) < LAYOUT_RTOL
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_kappa_power_white_noise():
+    """White noise of variance s^2 on pixels of solid angle dOmega has C_ell = s^2 dOmega,
+    with and without the edge taper (normalised by the mean squared window)."""
+    rng = np.random.RandomState(3)
+    n, fov, sigma = 64, 4.0, 0.02
+    n_maps = 20
+    cl = 0.0
+    for _ in range(n_maps):
+        ell, c, modes = L.kappa_power_spectrum(sigma * rng.randn(n, n), fov,
+                                               taper=0.1 if _ % 2 else 0.0)
+        cl = cl + c / n_maps
+    expect = sigma**2 * (np.deg2rad(fov) / n)**2
+    ok = modes > 0
+    # Gaussian scatter of a bin average over modes/2 independent complex modes per map
+    sigma_rel = np.sqrt(2.0 / (modes[ok] * n_maps))
+    assert np.all(np.abs(cl[ok] / expect - 1) < 5 * sigma_rel), (cl[ok] / expect, sigma_rel)
+    assert abs(np.sum(cl[ok] * modes[ok]) / np.sum(modes[ok]) / expect - 1) < 0.01
+    lf = 2 * np.pi / np.deg2rad(fov)
+    assert np.all(np.diff(ell[ok]) > 0) and 0.5 < ell[ok][0] / lf < 2.5   # first bin
+
+
+def test_limber_single_plane_power():
+    """limber_cl for a power-law P(k): the sum of coef_i^2 P(ell/r_i) / (width r_i^2)."""
+    conf = forward_conf()
+    geom = L.geometry(conf, FORWARD_LCONF)
+    k = np.logspace(-3, 2, 200)
+    tables = [(k, 1e3 * k**-1.5)] * geom.n_planes
+    ell = np.array([100.0, 300.0])
+    got = L.limber_cl(ell, conf, geom, tables, source=0, interpolation=False)
+    pref = 1.5 * conf.cosmology.Omega_m / C.RH**2
+    exp = sum(pref**2 * geom.width[i] * (1 - geom.r[i] / geom.chi_source[0])**2 / geom.a[i]**2
+              * 1e3 * (ell / geom.r[i])**-1.5 for i in range(geom.n_planes))
+    np.testing.assert_allclose(got, exp, rtol=1e-12)
+    # through the interpolation: P itself at k << Nyquist, suppressed (with images) near it
+    low = L.interpolated_power(np.array([0.01]), conf, tables[0])
+    np.testing.assert_allclose(low, 1e3 * 0.01**-1.5, rtol=5e-3)   # window 1 - (k d)^2/6
+    knyq = np.pi / conf.cell_size[0]
+    ratio = L.interpolated_power(np.array([knyq]), conf, tables[0]) / (1e3 * knyq**-1.5)
+    assert 0.1 < ratio[0] < 0.6                             # ~ (2/pi)^4 along an axis
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input():
+    conf = forward_conf()
+    with pytest.raises(ValueError, match="n_planes must be a positive integer, got 0"):
+        L.LensingConfig(n_planes=0)
+    with pytest.raises(ValueError, match="z_source"):
+        L.LensingConfig(z_source=(1.0, -0.5))
+    with pytest.raises(ValueError, match="field_deg must be positive"):
+        L.LensingConfig(field_deg=0.0)
+    with pytest.raises(ValueError, match="z_source=2 is beyond the simulated lightcone"):
+        L.geometry(conf, L.LensingConfig(z_source=2.0, n_planes=40))
+    with pytest.raises(ValueError, match="field_deg=60 is wider than the box allows"):
+        L.geometry(conf, L.LensingConfig(z_source=0.1, field_deg=60.0, n_planes=2))
+    with pytest.raises(ValueError, match="thicker than the box.*use n_planes >= 2"):
+        L.geometry(conf, L.LensingConfig(z_source=0.1, field_deg=5.0, n_planes=1))
+    with pytest.raises(ValueError, match="later than a_end"):
+        L.geometry(conf.replace(a_end=0.9), L.LensingConfig(z_source=0.1, n_planes=2))
+    geom = L.geometry(conf, FORWARD_LCONF)
+    with tf.Graph().as_default():
+        mesh = mtf.Mesh(mtf.Graph(), "mesh")
+        shape = mtf.Shape([mtf.Dimension("x", 16), mtf.Dimension("y", 16)])
+        with pytest.raises(ValueError, match="expected 2 planes, got 1"):
+            L.born_convergence([mtf.zeros(mesh, shape)], conf, geom)
