@@ -58,9 +58,9 @@ from . import fft, gravity, ics, io, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 
-__all__ = ["ReconConfig", "FORWARD_MODELS", "forward_model", "inverse_power_kernel",
-           "prior_chi2", "loss_terms", "cross_power", "AdamState", "adam_update", "ReconstructionGraph",
-           "run", "reconstruction_plot"]
+__all__ = ["ReconConfig", "FORWARD_MODELS", "NOISE_SEED_OFFSET", "NOISELESS_SIGMA",
+           "forward_model", "inverse_power_kernel", "prior_chi2", "loss_terms", "cross_power",
+           "AdamState", "adam_update", "ReconstructionGraph", "run", "reconstruction_plot"]
 
 log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
 
