@@ -13,6 +13,11 @@ reconstruct
     (``reconstruction.h5``, ``reconstruction.txt``, ``summary.json``,
     ``reconstruction.png``; see :mod:`flowpm_mtf.reconstruct`). Default: 32^3,
     200 Mpc/h, 2LPT forward model to a = 1, 200 iterations.
+lensing
+    Lightcone N-body with density planes and Born convergence maps
+    (``kappa.h5``, ``kappa_power.txt``, ``summary.json``, ``kappa.png``; see
+    :mod:`flowpm_mtf.lensing_job`). Default: 64^3, 256 Mpc/h, 2LPT at a = 0.2,
+    z_s = 1, 12 planes, 5 deg field, 128^2 pixels.
 fft-demo
     Distributed 3D FFT round trip on the process grid, checked against
     ``numpy.fft`` on the gathered field; prints the error and the timing.
@@ -236,6 +241,32 @@ def cmd_reconstruct(args):
                            plot=not args.no_plot)
 
 
+# ----------------------------------------------------------------------------- lensing
+def parse_floats(text):
+    """``"0.5,1.0"`` -> (0.5, 1.0)."""
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated numbers, got %r" % text)
+
+
+def cmd_lensing(args):
+    """Run the lensing job (see :mod:`flowpm_mtf.lensing_job`)."""
+    from . import lensing, lensing_job
+
+    conf = build_config(args, lensing_job.LENSING_DEFAULTS)
+    fields = dict(lensing_job.LENSING_CONFIG_DEFAULTS)
+    for key in ("z_source", "field_deg", "field_npix", "n_planes"):
+        if getattr(args, key) is not None:
+            fields[key] = getattr(args, key)
+    lconf = lensing.LensingConfig(**fields)
+    log.info("config: %s; lensing: %s", json.dumps(conf.to_dict()), json.dumps(lconf.to_dict()))
+    impl = make_mesh_impl(conf, args.backend)
+    return lensing_job.run(conf, lconf, impl, session_config(conf, args.backend), args.out,
+                           rank=world()[0], gather_stats=_allgather_fn(args.backend),
+                           plot=not args.no_plot)
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     from .logs import setup_logging
@@ -257,6 +288,14 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=10, help="log the loss every K iterations")
     p.add_argument("--no-plot", action="store_true", help="skip reconstruction.png")
     p.set_defaults(func=cmd_reconstruct)
+    p = sub.add_parser("lensing", help="lightcone density planes and Born convergence maps")
+    add_config_arguments(p)
+    p.add_argument("--z-source", type=parse_floats, help="source redshift(s), e.g. 1.0 or 0.5,1")
+    p.add_argument("--field-deg", type=float, help="side of the field of view [deg]")
+    p.add_argument("--field-npix", type=int, help="pixels per side of the convergence map")
+    p.add_argument("--n-planes", type=int, help="number of lens planes (shells)")
+    p.add_argument("--no-plot", action="store_true", help="skip kappa.png")
+    p.set_defaults(func=cmd_lensing)
     p = sub.add_parser("fft-demo", help="distributed FFT round trip checked against numpy")
     add_config_arguments(p)
     p.add_argument("--repeats", type=int, default=5)
