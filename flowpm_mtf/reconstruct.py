@@ -543,6 +543,15 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     reconstruction.txt
         k [h/Mpc], r(k), T(k), number of modes.
     summary.json, reconstruction.png
+
+    Raises
+    ------
+    ValueError
+        At graph construction, on every rank (see :class:`ReconstructionGraph`).
+    tf.errors.InvalidArgumentError
+        If a trial field displaces particles beyond the halo
+        (:mod:`flowpm_mtf.painting`), on every rank at once; lower the
+        learning rate or raise ``conf.halo_size``.
     """
     from .simulate import peak_memory_mb
 
