@@ -64,7 +64,15 @@ def padded_shape(conf):
                       mtf.Dimension(cfg.Z, nz)])
 
 
-def _check_shape(t, shape, what):
+def _check_shape(t, shape, what, trailing=False):
+    """``t`` with the dimensions of ``shape`` in that order (transposed if needed).
+
+    With ``trailing``, dimensions of ``t`` that are not in ``shape`` are allowed
+    and kept after them (e.g. a vector component ``xyz``).
+    """
+    if trailing:
+        extra = [d for d in t.shape.dims if d not in shape.dims]
+        shape = mtf.Shape(shape.dims + extra)
     if t.shape != shape:
         if set(t.shape.dims) == set(shape.dims):
             return mtf.transpose(t, shape)
@@ -72,25 +80,32 @@ def _check_shape(t, shape, what):
     return t
 
 
+def _extra_dims(t, shape):
+    """Dimensions of ``t`` after the leading ``shape`` (see ``_check_shape``)."""
+    return t.shape.dims[shape.ndims:]
+
+
 def to_blocks(field, conf):
-    """Field ``[x, y, z]`` -> blocks ``[bx, by, sx, sy, z]`` (local reshape).
+    """Field ``[x, y, z, ...]`` -> blocks ``[bx, by, sx, sy, z, ...]`` (local reshape).
 
     Parameters
     ----------
     field : mtf.Tensor
-        Real-space field, shape ``[x, y, z]``.
+        Real-space field, shape ``[x, y, z]`` optionally followed by unsplit
+        dimensions (e.g. ``xyz``), which are kept last.
     conf : SimConfig
 
     Returns
     -------
     mtf.Tensor
     """
-    field = _check_shape(field, real_shape(conf), "to_blocks")
+    field = _check_shape(field, real_shape(conf), "to_blocks", trailing=True)
+    extra = _extra_dims(field, real_shape(conf))
     b = block_shape(conf)
     # [bx, sx, by, sy, z] keeps each split dimension at the same position in the
     # flattened order as x and y, so the reshape is local.
-    inter = mtf.Shape([b.dims[0], b.dims[2], b.dims[1], b.dims[3], b.dims[4]])
-    return mtf.transpose(mtf.reshape(field, inter), b)
+    inter = mtf.Shape([b.dims[0], b.dims[2], b.dims[1], b.dims[3], b.dims[4]] + extra)
+    return mtf.transpose(mtf.reshape(field, inter), mtf.Shape(b.dims + extra))
 
 
 def from_blocks(blocks, conf):
@@ -102,14 +117,16 @@ def from_blocks(blocks, conf):
 
 
 def pad_blocks(blocks, conf):
-    """Blocks ``[bx, by, sx, sy, z]`` -> padded ``[bx, by, px, py, z]`` with zero margins.
+    """Blocks ``[bx, by, sx, sy, z, ...]`` -> padded ``[bx, by, px, py, z, ...]``
+    with zero margins (trailing unsplit dimensions are kept).
 
     Use :func:`halo_fill` afterwards to fill the margins.
     """
     h = conf.halo_size
-    blocks = _check_shape(blocks, block_shape(conf), "pad_blocks")
+    blocks = _check_shape(blocks, block_shape(conf), "pad_blocks", trailing=True)
+    extra = _extra_dims(blocks, block_shape(conf))
     t = mtf.pad(mtf.pad(blocks, [h, h], cfg.SX), [h, h], cfg.SY)
-    return mtf.reshape(t, padded_shape(conf))
+    return mtf.reshape(t, mtf.Shape(padded_shape(conf).dims + extra))
 
 
 def unpad_blocks(padded, conf):
@@ -122,7 +139,8 @@ def unpad_blocks(padded, conf):
 
 
 def field_to_padded(field, conf, fill=True):
-    """Field ``[x, y, z]`` -> padded blocks, margins filled (or zero if ``fill`` is False)."""
+    """Field ``[x, y, z, ...]`` -> padded blocks, margins filled (or zero if ``fill`` is
+    False); trailing unsplit dimensions are kept."""
     padded = pad_blocks(to_blocks(field, conf), conf)
     return halo_fill(padded, conf) if fill else padded
 
@@ -165,7 +183,8 @@ def halo_fill(padded, conf):
     Parameters
     ----------
     padded : mtf.Tensor
-        Padded blocks ``[bx, by, px, py, z]``; the margins' values are ignored.
+        Padded blocks ``[bx, by, px, py, z]``, optionally followed by unsplit
+        dimensions (all exchanged at once); the margins' values are ignored.
     conf : SimConfig
 
     Returns
@@ -174,7 +193,7 @@ def halo_fill(padded, conf):
         Same shape; inner cells unchanged, margins = the neighbours' cells.
     """
     h = conf.halo_size
-    padded = _check_shape(padded, padded_shape(conf), "halo_fill")
+    padded = _check_shape(padded, padded_shape(conf), "halo_fill", trailing=True)
     if h == 0:
         return padded
     for block_dim, pad_dim, s in _axes(conf):

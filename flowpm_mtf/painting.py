@@ -312,8 +312,11 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     Parameters
     ----------
     mesh : mtf.Tensor
-        Padded blocks ``[bx, by, px, py, z]``; only the inner cells are used
-        (the margins are overwritten by :func:`~flowpm_mtf.halo.halo_fill`).
+        Padded blocks ``[bx, by, px, py, z]``, optionally followed by unsplit
+        component dimensions (e.g. ``xyz``: the three force components are read
+        with one stencil, one escape check and one halo exchange); only the
+        inner cells are used (the margins are overwritten by
+        :func:`~flowpm_mtf.halo.halo_fill`).
     positions : mtf.Tensor
         Block-local positions ``[bx, by, <particle dims>, xyz]`` [cells].
     conf : SimConfig
@@ -322,7 +325,7 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     Returns
     -------
     mtf.Tensor
-        ``[bx, by, <particle dims>]``, dtype of ``mesh``.
+        ``[bx, by, <particle dims>, <component dims>]``, dtype of ``mesh``.
 
     Raises
     ------
@@ -333,16 +336,22 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
-    mesh = _check_shape(mesh, padded_shape(conf), name)
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    extra = mesh.shape.dims[5:]
+    if any(d in positions.shape.dims[:-1] for d in extra):
+        raise ValueError("%s: the mesh's component dimensions %s clash with the particle "
+                         "dimensions %s" % (name, extra, positions.shape.dims[:-1]))
+    n_comp = int(np.prod([d.size for d in extra]))
     # Check before the halo exchange, so that no rank enters a collective alone.
     mesh = halo_fill(_assert_none_escaped(mesh, escaped_count(positions, conf), "cic_readout"),
                      conf)
-    out_shape = mtf.Shape(positions.shape.dims[:-1])
+    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
 
     def fn(m, pos):
         idx, kernel = _stencil(_local_particles(pos), conf)
-        vals = tf.reduce_sum(tf.gather(tf.reshape(m, [-1]), idx) * kernel, axis=-1)
-        return tf.reshape(vals, pos.shape.as_list()[:-1])
+        rows = tf.gather(tf.reshape(m, [-1, n_comp]), idx)     # [nbx, nby, n, 8, C]
+        vals = tf.reduce_sum(rows * kernel[..., None], axis=-2)
+        return tf.reshape(vals, pos.shape.as_list()[:-1] + [d.size for d in extra])
 
     return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
                          output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
