@@ -25,8 +25,9 @@ What is measured (``run``)
    ``paint``     CIC paint + halo reduce (the density of the force);
    ``fft``       forward r2c + gradient/Laplace kernels + batched inverse c2r
                  of the three force components, all-to-all transposes included;
-   ``readout``   halo fill + CIC readout of the three components;
-   ``comm_halo`` the halo exchanges of a step alone (one reduce, three fills);
+   ``readout``   halo fill + CIC readout of the three components (one pass);
+   ``comm_halo`` the halo exchanges of a step alone (one reduce of the density,
+                 one fill of the three force components);
    ``comm_fft``  the all-to-all transposes of a step alone (2 for r2c, 2 for
                  the batched c2r) on complex blocks of the same shapes.
 
@@ -102,6 +103,7 @@ def _phase_graphs(conf, impl, slices, particle_shape):
     import tensorflow.compat.v1 as tf
 
     from hvd_mesh_impl import export_local_slice
+    from flowpm_mtf import config as cfg
     from flowpm_mtf import fft, gravity, halo, lpt, nbody, painting
     from flowpm_mtf.kernels import neg_gradient_potential, unstack_xyz
 
@@ -138,14 +140,16 @@ def _phase_graphs(conf, impl, slices, particle_shape):
         kernels = nbody.make_kernels(conf, mesh)
         return [neg_gradient_potential(fft.r2c(t["rho"], conf), conf, kernels)]
 
+    def three(field):  # a [x, y, z, xyz] field, as the force's gradient
+        return mtf.stack([field * float(d + 1) for d in range(3)], cfg.XYZ, axis=3)
+
     def readout(mesh, t):
-        return [painting.readout_field(t["rho"] * float(d + 1), t["positions"], conf)
-                for d in range(3)]
+        return [painting.readout_field(three(t["rho"]), t["positions"], conf)]
 
     def comm_halo(mesh, t):
-        padded = halo.pad_blocks(halo.to_blocks(t["rho"], conf), conf)
-        out = [halo.halo_reduce(padded, conf)]
-        out += [halo.halo_fill(padded * float(d + 1), conf) for d in range(3)]
+        out = [halo.halo_reduce(halo.pad_blocks(halo.to_blocks(t["rho"], conf), conf), conf)]
+        out += [halo.halo_fill(halo.pad_blocks(halo.to_blocks(three(t["rho"]), conf), conf),
+                               conf)]
         return out
 
     phases = {"step": lowered(step), "paint": lowered(paint), "fft": lowered(fft_phase),

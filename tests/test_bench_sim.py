@@ -50,11 +50,12 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
     assert b["fft"] == b["comm_fft"] == (1 + 3) * block
     # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
     # both margins of h cells x (ny + 2h) x nz float32; paint = one reduce plus the
-    # int32 escape-count allreduce (4 bytes received), readout = three fills (+ 4 each)
+    # int32 escape-count allreduce (4 bytes received), readout = one fill of the three
+    # force components (+ 4)
     h = record["halo"]
     halo = 2 * h * (16 + 2 * h) * 16 * 4
     assert b["paint"] == halo + 4
-    assert b["readout"] == 3 * (halo + 4)
+    assert b["readout"] == 3 * halo + 4
     assert b["comm_halo"] == 4 * halo
 
 def test_markdown_table(record):
