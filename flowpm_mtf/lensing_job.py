@@ -75,10 +75,15 @@ class LensingGraph:
                              trainable=False, initializer=tf.zeros_initializer())
             for name in ("positions", "momenta", "forces")])
         self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables, init)]
-        self.step_ops = []
-        for a0, a1 in zip(self.stages[:-1], self.stages[1:]):
-            new = nbody.kdk_step(self.variables, conf, a0, a1, kernels)
-            self.step_ops.append([mtf.assign(v, t) for v, t in zip(self.variables, new)])
+        # One lowered step for all stages, fed with each step's factors (as
+        # flowpm_mtf.simulate.SimulationGraph).
+        self.factors = tf.placeholder(conf.tf_dtype, [3], name="step_factors")
+        fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
+        new = nbody.kdk_step(self.variables, conf, kernels=kernels,
+                             factors=mtf.unstack(fac, fac.shape.dims[0]))
+        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
+        self.step_factors = [nbody.step_factors(conf, a0, a1)
+                             for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
         x = self.variables.positions
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
@@ -137,7 +142,8 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
             return tf.group([lowering.lowered_operation(op) for op in ops])
 
         init_op = lowered(g.init_ops)
-        step_ops = [lowered(ops) for ops in g.step_ops]
+        step_op = lowered(g.step_ops)
+        n_steps = len(g.step_factors)
         plane_ops = {j: lowered(ops) for j, ops in g.plane_ops.items()}
         fetch_pk = {name: lowering.export_to_tf_tensor(getattr(g, name))
                     for name in ("k", "pk", "modes")}
@@ -146,7 +152,7 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
         copy_masters = lowering.copy_masters_to_slices()
         timings["graph_build_s"] = time.perf_counter() - t0
         log.info("graph built in %.1f s: %d steps to a=%.4f, %d planes to z=%g, mesh %s, grid %s",
-                 timings["graph_build_s"], len(step_ops), g.stages[-1], geom.n_planes,
+                 timings["graph_build_s"], n_steps, g.stages[-1], geom.n_planes,
                  geom.z_source.max(), "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
         plane_pk = {}
         with tf.Session(config=session_config) as sess:
@@ -161,7 +167,7 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
             for j in range(len(g.stages)):
                 t = time.perf_counter()
                 if j > 0:
-                    sess.run(step_ops[j - 1])
+                    sess.run(step_op, {g.factors: g.step_factors[j - 1]})
                 t_step = time.perf_counter() - t
                 if j in plane_ops:
                     sess.run(plane_ops[j])
@@ -172,7 +178,7 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
                     steps.append(time.perf_counter() - t)
                     names = np.nonzero(g.plane_stage == j)[0]
                     log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j,
-                             len(step_ops), g.stages[j], steps[-1],
+                             n_steps, g.stages[j], steps[-1],
                              ", plane %s at r=%s Mpc/h" % (",".join(map(str, names)), ",".join(
                                  "%.0f" % geom.r[i] for i in names)) if names.size else "",
                              time.perf_counter() - t0)
