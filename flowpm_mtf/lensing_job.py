@@ -38,9 +38,9 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import gravity, ics, io, lensing, lpt, nbody, painting, power
+from . import io, lensing
 from .logs import rank0_only
-from .simulate import peak_memory_mb
+from .simulate import SimulationGraph, peak_memory_mb
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -52,8 +52,10 @@ LENSING_CONFIG_DEFAULTS = {"z_source": (1.0,), "field_deg": 5.0, "field_npix": 1
 """LensingConfig defaults of ``flowpm-mtf lensing``: 12 shells of 192 Mpc/h."""
 
 
-class LensingGraph:
-    """The mtf graph of a lensing run: state and plane variables, step and plane assignments.
+class LensingGraph(SimulationGraph):
+    """The mtf graph of a lensing run: the simulation's state and step
+    (:class:`flowpm_mtf.simulate.SimulationGraph` on the lightcone's stages),
+    plus plane variables, plane assignments and the Born maps.
 
     Parameters
     ----------
@@ -63,27 +65,9 @@ class LensingGraph:
     """
 
     def __init__(self, conf, geom, mesh):
-        self.conf, self.geom = conf, geom
-        self.stages, self.plane_stage = lensing.lightcone_stages(conf, geom)
-        linear = ics.linear_field(conf, mesh)
-        kernels = nbody.make_kernels(conf, mesh)
-        init = lpt.lpt_init(linear, conf, a=self.stages[0])
-        init = lpt.State(init.positions, init.momenta,
-                         gravity.pm_forces(init.positions, conf, kernels))
-        self.variables = lpt.State(*[
-            mtf.get_variable(mesh, name, init.positions.shape, dtype=conf.tf_dtype,
-                             trainable=False, initializer=tf.zeros_initializer())
-            for name in ("positions", "momenta", "forces")])
-        self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables, init)]
-        # One lowered step for all stages, fed with each step's factors (as
-        # flowpm_mtf.simulate.SimulationGraph).
-        self.factors = tf.placeholder(conf.tf_dtype, [3], name="step_factors")
-        fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
-        new = nbody.kdk_step(self.variables, conf, kernels=kernels,
-                             factors=mtf.unstack(fac, fac.shape.dims[0]))
-        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
-        self.step_factors = [nbody.step_factors(conf, a0, a1)
-                             for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
+        self.geom = geom
+        stages, self.plane_stage = lensing.lightcone_stages(conf, geom)
+        super().__init__(conf, mesh, stages)
         x = self.variables.positions
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
@@ -94,9 +78,6 @@ class LensingGraph:
         for i, j in enumerate(self.plane_stage):
             self.plane_ops.setdefault(int(j), []).append(
                 mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i)))
-        rho = painting.paint_field(x, conf)
-        self.k, self.pk, self.modes = power.power_spectrum(rho - 1.0, conf,
-                                                           deconvolve_cic=False)
         self.kappa = lensing.born_convergence(self.planes, conf, geom)
 
 
@@ -206,7 +187,7 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     mem_all = gather_stats(mem) if gather_stats is not None else [mem]
     timings["total_s"] = time.perf_counter() - t0
     summary = {"config": conf.to_dict(), "lensing": lconf.to_dict(), "timings": timings,
-               "n_stages": int(len(g.stages)), "stages": g.stages.tolist(),
+               "n_stages": int(len(g.stages)), "stages": list(g.stages),
                "peak_memory_mb_per_rank": mem_all, "versions": io.versions(),
                "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
     if rank == 0:

@@ -48,14 +48,28 @@ class SimulationGraph:
     ----------
     conf : SimConfig
     mesh : mtf.Mesh
+    stages : sequence of float, optional
+        Scale factors of the N-body stages (default
+        :func:`flowpm_mtf.nbody.default_stages`); the ICs are set up at the first.
+
+    Attributes
+    ----------
+    variables : lpt.State
+        Positions, momenta, forces as mtf variables.
+    init_ops, step_ops : list of mtf.Operation
+        The IC assignments, and the assignments of one KDK step whose factors
+        are fed through the placeholder ``factors``: ``step_factors[i]`` for
+        step ``i`` (``stages[i] -> stages[i + 1]``).
+    rho, k, pk, modes, position, momentum : mtf.Tensor
+        Outputs of the current state.
     """
 
-    def __init__(self, conf, mesh):
+    def __init__(self, conf, mesh, stages=None):
         self.conf = conf
-        self.stages = nbody.default_stages(conf)
+        self.stages = nbody.default_stages(conf) if stages is None else [float(a) for a in stages]
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
-        init = lpt.lpt_init(linear, conf, a=conf.a_start)
+        init = lpt.lpt_init(linear, conf, a=self.stages[0])
         # As nbody.nbody: the first kick uses the PM force at the LPT positions.
         init = lpt.State(init.positions, init.momenta,
                          gravity.pm_forces(init.positions, conf, kernels))

@@ -105,7 +105,7 @@ def _phase_graphs(conf, impl, slices, particle_shape):
     from hvd_mesh_impl import export_local_slice
     from flowpm_mtf import config as cfg
     from flowpm_mtf import fft, gravity, halo, lpt, nbody, painting
-    from flowpm_mtf.kernels import neg_gradient_potential, unstack_xyz
+    from flowpm_mtf.kernels import neg_gradient_potential
 
     variables = {k: tf.Variable(v, trainable=False, name="bench_" + k) for k, v in slices.items()}
     shapes = {}
@@ -185,12 +185,13 @@ def cmd_run(args):
     from mpi4py import MPI
 
     from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice, runtime
+    from flowpm_mtf.cli import default_grid
     from flowpm_mtf.simulate import SimulationGraph
 
     tf.disable_eager_execution()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    grid = args.grid or _default_grid(size)
+    grid = args.grid or default_grid(size)
     conf = sim_config(args.nc, grid, args.steps)
     if conf.n_ranks != size:
         raise ValueError("grid %s needs %d ranks, the job has %d" % (grid, conf.n_ranks, size))
@@ -254,13 +255,6 @@ def cmd_run(args):
     if rank == 0:
         _write(args.json, rec)
     return rec
-
-
-def _default_grid(n):
-    q = int(n ** 0.5)
-    while n % q:
-        q -= 1
-    return (n // q, q)
 
 
 # ----------------------------------------------------------------------------- flowpm (reference)
