@@ -352,6 +352,25 @@ def _timed_runs(sess, fetch, warmup, repeats, barrier=None, reduce_max=None):
     return first, [one() for _ in range(repeats)]
 
 
+def code_state():
+    """Which code was measured: git commit, whether the package sources differ from it,
+    and the structure of the PM force (readouts per force, see scripts/scaling_model.py).
+    Other engineers edit the same tree, so every record carries this."""
+    sys.path.insert(0, HERE)
+    from scaling_model import readout_calls_per_force
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--", "flowpm_mtf", "hvd_mesh_impl")),
+            "readouts_per_force": readout_calls_per_force()}
+
+
 def _record(args, backend, workload, conf, build_s, first, times, rss, roles, counter,
             n_procs, extra=None):
     recv, wire = counter.totals(timed_only=True) if counter is not None else (None, None)
@@ -361,7 +380,8 @@ def _record(args, backend, workload, conf, build_s, first, times, rss, roles, co
            "times_s": times, "median_s": statistics.median(times), "min_s": min(times),
            "build_s": build_s, "first_run_s": first,
            "rss_mb": rss, "rss_roles": roles, "rss_max_mb": max(rss),
-           "rss_scope": "workload" if len(args.workloads) == 1 else "cumulative"}
+           "rss_scope": "workload" if len(args.workloads) == 1 else "cumulative",
+           "code": code_state()}
     if counter is not None:
         rec["bytes"] = {"recv_per_rank": [int(v) for v in recv],
                         "wire_per_rank": [float(v) for v in wire],
@@ -571,6 +591,7 @@ def run_mpi4py_fft(args):
            "first_run_s": first, "rss_mb": rss, "rss_roles": ["rank %d" % r for r in
                                                              range(comm.Get_size())],
            "rss_max_mb": max(rss), "rss_scope": "workload", "round_trip_max_abs_error": err,
+           "code": code_state(),
            "bytes": {"wire_max": float(wire), "source": "analytic (2 transposes per direction)"}}
     if comm.Get_rank() == 0:
         _write(args.record, [rec])

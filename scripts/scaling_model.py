@@ -21,8 +21,9 @@ Communication per rank (bytes *received*; "recv" counts as
 * one halo fill or reduce: 2 shifts per non-trivial axis of an h-cell slab:
   2 h nz b (py a_P + px a_Q);
 * one N-body step (one PM force): FFT of 1 field + inverse FFT of 3, 1 halo
-  reduce (painting) + 3 halo fills (readout), 4 scalar int32 allreduces (escape
-  checks);
+  reduce (painting) + halo fills of the 3 force components (in 1 or 3 readout
+  calls, see :func:`readout_calls_per_force`), one scalar int32 allreduce per
+  painting/readout call (escape checks);
 * 2LPT initial conditions (with the linear field): 16 FFT-fields, no halo.
 
 Usage::
@@ -44,13 +45,34 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 # FFT-fields (complex fields passing through one 3D transform) per workload.
 FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 16, "nbody_step": 4}
-# Halo operations (fill or reduce) of one real field per workload.
+
+
+def readout_calls_per_force():
+    """CIC readouts per PM force in ``flowpm_mtf.gravity.pm_forces``: 3 when the force
+    components are read out one by one (``unstack_xyz``), 1 when the 3-component
+    field is read out at once. Each readout does one halo fill and one escape check."""
+    import inspect
+
+    from flowpm_mtf import gravity
+
+    return 3 if "unstack_xyz(" in inspect.getsource(gravity.pm_forces) else 1
+
+
+READOUTS = readout_calls_per_force()
+# Halo field-ops (fill or reduce of one real field) per workload: the step paints
+# once (reduce) and fills the 3 force components (in 1 or 3 calls, same bytes).
 HALO_OPS = {"fft": 0, "halo": 2, "lpt": 0, "nbody_step": 4}
-# Scalar int32 allreduces (particle escape checks) per workload.
-SCALAR_REDUCES = {"fft": 0, "halo": 0, "lpt": 0, "nbody_step": 4}
-# Collective calls per N-body step: 2 alltoalls per FFT direction pair and axis,
-# 2 shifts per halo op and axis, 4 allreduces (latency term).
-STEP_COLLECTIVES = lambda P, Q: 2 * ((P > 1) + (Q > 1)) + 4 * 2 * ((P > 1) + (Q > 1)) + 4 * (P * Q > 1)  # noqa
+# Scalar int32 allreduces (particle escape checks: painting + each readout).
+SCALAR_REDUCES = {"fft": 0, "halo": 0, "lpt": 0, "nbody_step": 1 + READOUTS}
+
+
+def STEP_COLLECTIVES(P, Q):  # noqa: N802 (a table, like the constants above)
+    """Collective calls per N-body step (latency term): 2 alltoalls per split axis
+    (forward, batched inverse), 2 shifts per split axis for each halo call (1 reduce
+    + READOUTS fills), one allreduce per escape check."""
+    axes = (P > 1) + (Q > 1)
+    return 2 * axes + (1 + READOUTS) * 2 * axes + SCALAR_REDUCES["nbody_step"] * (P * Q > 1)
+
 
 # ------------------------------------------------------------------ GPU assumptions
 # None of these is measured here (no GPU on this machine): they are stated inputs.
@@ -76,7 +98,7 @@ GPU_HEADROOM = 0.8
 
 
 # ============================================================================ communication
-def comm_bytes(workload, nc, grid, halo, itemsize=4):
+def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None):
     """Bytes one rank receives in one run of a workload.
 
     Parameters
@@ -91,6 +113,9 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4):
         Halo size [cells].
     itemsize : int
         Bytes per real value (4 for float32).
+    readouts : int, optional
+        CIC readout calls per PM force (default: as in the installed code,
+        :data:`READOUTS`); each adds one escape-check allreduce.
 
     Returns
     -------
@@ -104,6 +129,8 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4):
     c = 2 * itemsize * nc**3 // n
     px, py = nc // P + 2 * halo, nc // Q + 2 * halo
     f, hops, sred = FFT_FIELDS[workload], HALO_OPS[workload], SCALAR_REDUCES[workload]
+    if workload == "nbody_step" and readouts is not None:
+        sred = 1 + readouts
     alltoall = f * c * (aP + aQ)
     alltoall_wire = f * c * ((P - 1) / P + (Q - 1) / Q)
     receive = hops * 2 * halo * nc * itemsize * (py * aP + px * aQ)
@@ -115,6 +142,11 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4):
                         "receive": receive}}
 
 
+def record_readouts(rec):
+    """Readouts per force of the code a benchmark record measured (None: unknown)."""
+    return rec.get("code", {}).get("readouts_per_force")
+
+
 def measured_vs_predicted_hvd(rec):
     """(measured, predicted) recv bytes of an hvd record, largest rank.
 
@@ -124,7 +156,8 @@ def measured_vs_predicted_hvd(rec):
     """
     kinds = ("alltoall", "receive", "allreduce")
     meas = max(sum(m[k] for k in kinds) for m in rec["hvd_comm_bytes_received_per_rank"])
-    pred = comm_bytes(rec["workload"], rec["nc"], rec["grid"], rec["halo"])
+    pred = comm_bytes(rec["workload"], rec["nc"], rec["grid"], rec["halo"],
+                      readouts=record_readouts(rec))
     total = sum(pred["by_kind"][k] for k in kinds)
     if rec["workload"] == "nbody_step":
         lpt = comm_bytes("lpt", rec["nc"], rec["grid"], rec["halo"])
@@ -299,7 +332,7 @@ def tables(data):
     for r in sorted(records, key=lambda r: (r["workload"], r["nc"], r["grid"], r["backend"])):
         if r["backend"] == "mpi4py-fft" or "bytes" not in r:
             continue
-        p = comm_bytes(r["workload"], r["nc"], r["grid"], r["halo"])
+        p = comm_bytes(r["workload"], r["nc"], r["grid"], r["halo"], readouts=record_readouts(r))
         label = r["backend"]
         if r["backend"] == "hvd":
             meas, pred = measured_vs_predicted_hvd(r)

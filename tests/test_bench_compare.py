@@ -90,6 +90,7 @@ def test_smoke_bytes_match_the_model(smoke):
     for r in data["records"]:
         if r["backend"] == "mpi4py-fft":
             continue
+        assert r["code"]["readouts_per_force"] == sm.READOUTS
         pred = sm.comm_bytes(r["workload"], r["nc"], r["grid"], r["halo"])
         assert r["bytes"]["recv_max"] == pred["recv"], (r["backend"], r["workload"])
         assert r["bytes"]["by_kind"] == pred["by_kind"], (r["backend"], r["workload"])
