@@ -2,7 +2,7 @@
 readout / communication, graph-build time, peak memory and bytes per particle,
 on 1, 2 and 4 ranks, against single-process FlowPM (``flowpm.tfpm``).
 
-Three modes::
+Modes::
 
     # one measurement under MPI (HvdSimdMeshImpl), one JSON record
     mpirun -np 2 python scripts/bench_sim.py run --nc 64 --json rec.json
@@ -11,6 +11,8 @@ Three modes::
     # everything: launches the runs above, merges them into
     # results/bench_sim.json and results/bench_sim.md
     python scripts/bench_sim.py all --sizes 64 128 --ranks 1 2 4
+    # rewrite the Markdown from the JSON
+    python scripts/bench_sim.py render
 
 What is measured (``run``)
 --------------------------
@@ -367,6 +369,13 @@ def cmd_all(args):
     return result
 
 
+def cmd_render(args):
+    with open(os.path.join(args.out, "bench_sim.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(args.out, "bench_sim.md"), "w") as f:
+        f.write(markdown(result))
+
+
 def machine_info():
     import psutil
 
@@ -435,8 +444,9 @@ def markdown(result):
                        100 * comm / ph["step"]))
     rows += ["", "paint includes its halo reduce, readout its halo fills, FFT its all-to-alls; "
              "the comm columns time those exchanges alone. 'other' = step - paint - FFT - "
-             "readout (kick/drift updates, escape checks; negative when the parts overlap less "
-             "inside a step than alone).", ""]
+             "readout: kick/drift updates minus what the parts share inside a step (TF merges "
+             "the identical CIC stencil and escape-check subgraphs of paint and readout, which "
+             "the parts alone each compute), hence negative.", ""]
     return "\n".join(rows) + "\n"
 
 
@@ -451,6 +461,8 @@ def main(argv=None):
         p.add_argument("--json", help="output record (default: stdout)")
         if name == "run":
             p.add_argument("--grid", type=lambda s: tuple(int(v) for v in s.split("x")))
+    p = sub.add_parser("render", help="rewrite bench_sim.md from bench_sim.json")
+    p.add_argument("--out", default=os.path.join(REPO, "results"))
     p = sub.add_parser("all")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -468,7 +480,7 @@ def main(argv=None):
         from hvd_mesh_impl import runtime
 
         runtime.install_abort_on_exception()
-    {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all}[args.mode](args)
+    {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all, "render": cmd_render}[args.mode](args)
     return 0
 
 

@@ -25,13 +25,19 @@ def world_rank():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``single_process`` launch their own mpirun: run them on 1 rank only."""
+    """On more than one rank, skip the tests marked ``single_process`` (they launch
+    their own mpirun) and ``rank_independent`` (no mesh: the 1-rank pass covers them)."""
     if world()[1] > 1:
-        skip = pytest.mark.skip(reason="launches its own MPI job; runs in the 1-rank pass")
+        reasons = {"single_process": "launches its own MPI job; runs in the 1-rank pass",
+                   "rank_independent": "does not depend on the rank count; runs in the "
+                                       "1-rank pass"}
         for item in items:
-            if "single_process" in item.keywords:
-                item.add_marker(skip)
+            for marker, reason in reasons.items():
+                if marker in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=reason))
+                    break
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_process: test that starts its own mpirun")
+    config.addinivalue_line("markers", "rank_independent: test without a Mesh TF mesh")

@@ -19,6 +19,9 @@ import tensorflow.compat.v1 as tf
 from conftest import world
 from flowpm_mtf import cosmology as C
 
+# numpy/scipy/FlowPM only, no mesh: the same on every rank count
+pytestmark = pytest.mark.rank_independent
+
 # --- named tolerances -------------------------------------------------------------
 # legacy_background integrates the same ODEs with odeint (rtol 1.5e-8, atol 0) in
 # float64; we integrate with DOP853 at rtol 1e-11. Observed differences <= 6e-8.
