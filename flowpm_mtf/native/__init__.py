@@ -1,0 +1,105 @@
+"""Native TensorFlow custom ops for the CPU (C++ sources in this folder).
+
+Each ``<name>.cc`` here is compiled into ``lib<name>.so`` by
+``python -m flowpm_mtf.native.build`` (run by ``scripts/setup_env.sh``); a stamp
+file beside the library records the source hash and the TensorFlow version it
+was built for, so a library built for other sources or another TensorFlow is
+never loaded.
+
+:func:`load` returns the loaded op module, or ``None`` when the library is
+missing or stale. The environment variable ``FLOWPM_MTF_NATIVE`` chooses:
+
+``auto`` (default)
+    use the native op when it is built, else the TensorFlow path (logged once);
+``0``
+    never use native ops (pure TensorFlow; e.g. to compare the two paths);
+``require``
+    raise if a native op is missing or stale (the test suite sets this, so CI
+    checks that set-up built them).
+
+Native ops are CPU kernels: on a GPU the TensorFlow ops (cuFFT, GPU kernels) stay
+the path, chosen by the callers from the device of the computation.
+"""
+import hashlib
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_cache = {}
+
+
+def mode():
+    """``"auto"``, ``"0"`` or ``"require"`` from ``FLOWPM_MTF_NATIVE``."""
+    value = os.environ.get("FLOWPM_MTF_NATIVE", "auto").strip().lower()
+    if value not in ("auto", "0", "require"):
+        raise ValueError("FLOWPM_MTF_NATIVE must be auto, 0 or require, got %r" % value)
+    return value
+
+
+def source_path(name):
+    """Path of the C++ source ``<name>.cc``."""
+    return os.path.join(HERE, name + ".cc")
+
+
+def library_path(name):
+    """Path of the built library ``lib<name>.so``."""
+    return os.path.join(HERE, "lib%s.so" % name)
+
+
+def expected_stamp(name):
+    """The stamp a library built from the current source for this TF must carry."""
+    import tensorflow as tf
+
+    with open(source_path(name), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return "%s tf-%s" % (digest, tf.__version__)
+
+
+def load(name):
+    """Load the op library ``lib<name>.so``, or ``None`` if not usable.
+
+    Parameters
+    ----------
+    name : str
+        Stem of the source file (``fft_ops`` for ``fft_ops.cc``).
+
+    Returns
+    -------
+    module or None
+        The module returned by ``tf.load_op_library``.
+
+    Raises
+    ------
+    RuntimeError
+        With ``FLOWPM_MTF_NATIVE=require``, if the library is missing or stale.
+    """
+    if name in _cache:
+        return _cache[name]
+    m = mode()
+    lib = None
+    if m != "0":
+        path = library_path(name)
+        reason = None
+        if not os.path.exists(path):
+            reason = "%s is not built" % path
+        else:
+            try:
+                with open(path + ".stamp") as f:
+                    stamp = f.read().strip()
+            except OSError:
+                stamp = None
+            if stamp != expected_stamp(name):
+                reason = "%s is stale (built for other sources or another TensorFlow)" % path
+        if reason is not None:
+            if m == "require":
+                raise RuntimeError("%s; run: python -m flowpm_mtf.native.build" % reason)
+            log.warning("%s: using the TensorFlow path (build with "
+                        "python -m flowpm_mtf.native.build)", reason)
+        else:
+            import tensorflow as tf
+
+            lib = tf.load_op_library(path)
+    _cache[name] = lib
+    return lib

@@ -1,0 +1,78 @@
+"""Build the native ops: ``python -m flowpm_mtf.native.build [name ...]``.
+
+Compiles every ``*.cc`` of this folder (or the named ones) into ``lib<name>.so``
+with TensorFlow's compile and link flags. Extra libraries are declared in the
+source by a line ``// LINK: -lfftw3f -lfftw3``. The library is written under a
+temporary name and renamed, then its stamp is written (see
+:func:`flowpm_mtf.native.expected_stamp`); an up-to-date library is not rebuilt,
+so the command is idempotent and cheap.
+"""
+import glob
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from . import HERE, expected_stamp, library_path, source_path
+
+log = logging.getLogger(__name__)
+
+CXXFLAGS = ["-std=c++17", "-shared", "-fPIC", "-O3"]
+
+
+def link_flags(source):
+    """The ``// LINK:`` flags declared in ``source``."""
+    flags = []
+    with open(source) as f:
+        for line in f:
+            m = re.match(r"\s*//\s*LINK:\s*(.*)$", line)
+            if m:
+                flags += shlex.split(m.group(1))
+    return flags
+
+
+def build(name, force=False):
+    """Compile ``<name>.cc`` into ``lib<name>.so`` unless it is up to date.
+
+    Returns
+    -------
+    bool
+        True if the library was (re)built.
+    """
+    import tensorflow as tf
+
+    out = library_path(name)
+    stamp = expected_stamp(name)
+    if not force and os.path.exists(out) and os.path.exists(out + ".stamp"):
+        with open(out + ".stamp") as f:
+            if f.read().strip() == stamp:
+                return False
+    src = source_path(name)
+    tmp = "%s.tmp-%d" % (out, os.getpid())
+    cmd = (["g++"] + CXXFLAGS + [src, "-o", tmp] + tf.sysconfig.get_compile_flags()
+           + tf.sysconfig.get_link_flags() + link_flags(src))
+    log.info("building %s: %s", os.path.basename(out), " ".join(cmd))
+    try:
+        subprocess.run(cmd, check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    with open(out + ".stamp", "w") as f:
+        f.write(stamp + "\n")
+    return True
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="[native.build] %(message)s")
+    names = (argv if argv is not None else sys.argv[1:]) or sorted(
+        os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(HERE, "*.cc")))
+    for name in names:
+        log.info("%s: %s", name, "built" if build(name) else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
