@@ -16,7 +16,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import gravity, ics, io, lpt, nbody, painting, power, timeloop
+from .. import ics, io, lpt, nbody, painting, power, timeloop
 from ..logs import rank0_only
 from . import runner
 
