@@ -89,11 +89,9 @@ def add_config_arguments(ap):
     ap.add_argument("--backend", choices=("hvd", "placement"), default="hvd")
 
 
-def build_config(args, defaults=None):
-    """SimConfig from defaults, then ``--config`` file, then command-line flags."""
-    from .config import SimConfig
-
-    fields = dict(defaults or {})
+def explicit_fields(args):
+    """Config fields set by ``--config`` or a command-line flag (not by defaults)."""
+    fields = {}
     if args.config:
         with open(args.config) as f:
             fields.update(json.load(f))
@@ -102,6 +100,15 @@ def build_config(args, defaults=None):
         val = getattr(args, key, None)
         if val is not None:
             fields[key] = val
+    return fields
+
+
+def build_config(args, defaults=None):
+    """SimConfig from defaults, then ``--config`` file, then command-line flags."""
+    from .config import SimConfig
+
+    fields = dict(defaults or {})
+    fields.update(explicit_fields(args))
     if "grid" not in fields or fields["grid"] is None:
         fields["grid"] = default_grid(world()[1]) if args.backend == "hvd" else (1, 1)
     conf = SimConfig.from_dict(fields)
@@ -200,6 +207,46 @@ SIMULATE_DEFAULTS = {"nc": 64, "box_size": 200.0, "lpt_order": 2, "a_start": 0.1
                      "n_steps": 10, "dtype": "float32"}
 
 
+def make_comm(backend):
+    """The job's comm object: ``mpi4py.MPI.COMM_WORLD`` (hvd), or one process (placement)."""
+    if backend == "hvd":
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    from .h5dist import SelfComm
+
+    return SelfComm()
+
+
+def resume_config(args, defaults):
+    """The config of the checkpointed run in ``args.resume`` (command line may change the grid).
+
+    Raises
+    ------
+    ResumeError
+        No valid checkpoint, or a flag that contradicts it.
+    """
+    from . import checkpoint
+    from .config import SimConfig
+    from .errors import ResumeError
+
+    found = checkpoint.candidates(args.resume)
+    if not found:
+        raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
+                          "to write checkpoints, or start a new run)"
+                          % (args.resume, checkpoint.checkpoint_root(args.resume)))
+    overrides = explicit_fields(args)
+    if overrides.get("grid") is None:
+        overrides["grid"] = default_grid(world()[1]) if args.backend == "hvd" else \
+            tuple(found[0][1]["grid"])
+    conf = checkpoint.check_resume_config(found[0][1], overrides, SimConfig.from_dict)
+    n = world()[1]
+    if args.backend == "hvd" and conf.n_ranks != n:
+        raise ResumeError("the process grid %s needs %d ranks but the job has %d; launch with "
+                          "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
+    return conf
+
+
 def _allgather_fn(backend):
     if backend != "hvd":
         return None
@@ -212,12 +259,28 @@ def cmd_simulate(args):
     """Run the simulation main job (see :mod:`flowpm_mtf.simulate`)."""
     from . import simulate
 
-    conf = build_config(args, SIMULATE_DEFAULTS)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        from .errors import ConfigError
+
+        raise ConfigError("--checkpoint-every takes a number of steps >= 1, got %d"
+                          % args.checkpoint_every)
+    if args.resume:
+        if args.out not in (None, args.resume):
+            from .errors import ResumeError
+
+            raise ResumeError("--resume %s writes its outputs there; drop --out %s"
+                              % (args.resume, args.out))
+        args.out = args.resume
+        conf = resume_config(args, SIMULATE_DEFAULTS)
+    else:
+        conf = build_config(args, SIMULATE_DEFAULTS)
+        if args.out is None:
+            args.out = "out/sim"
     log.info("config: %s", json.dumps(conf.to_dict()))
     impl = make_mesh_impl(conf, args.backend)
     return simulate.run(conf, impl, session_config(conf, args.backend), args.out,
-                        rank=world()[0], gather_stats=_allgather_fn(args.backend),
-                        plot=not args.no_plot)
+                        plot=not args.no_plot, comm=make_comm(args.backend),
+                        checkpoint_every=args.checkpoint_every, resume=bool(args.resume))
 
 
 # ----------------------------------------------------------------------------- reconstruct
@@ -276,7 +339,13 @@ def main(argv=None):
     p = sub.add_parser("simulate", help="LPT + FastPM N-body simulation (the main job)")
     add_config_arguments(p)
     p.add_argument("--no-plot", action="store_true", help="skip overview.png")
-    p.set_defaults(func=cmd_simulate)
+    p.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="write a checkpoint into OUT/checkpoint every K steps (SIGTERM always "
+                        "checkpoints and exits 0)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR from its newest valid checkpoint (outputs go "
+                        "to DIR; the grid may differ, other settings must match)")
+    p.set_defaults(func=cmd_simulate, out=None)
     p = sub.add_parser("reconstruct", help="reconstruct the initial field by gradient descent")
     add_config_arguments(p)
     p.add_argument("--iterations", type=int, default=200, help="Adam iterations")
@@ -310,7 +379,14 @@ def main(argv=None):
         from hvd_mesh_impl import runtime
 
         runtime.install_abort_on_exception()  # one failing rank ends the job
-    args.func(args)
+    from .errors import FlowpmError
+
+    try:
+        args.func(args)
+    except FlowpmError as exc:  # one line, no traceback, non-zero exit on every rank
+        if world()[0] == 0:
+            sys.stderr.write("flowpm-mtf: error: %s\n" % exc)
+        return 1
     return 0
 
 

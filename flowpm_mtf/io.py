@@ -30,7 +30,8 @@ import numpy as np
 from .logs import detect_rank
 
 __all__ = ["SNAPSHOT_FORMAT", "DEFAULT_UNITS", "versions", "to_jsonable", "write_snapshot",
-           "read_snapshot", "write_power", "read_power"]
+           "read_snapshot", "write_power", "read_power", "lagrangian_ids", "particle_part",
+           "write_snapshot_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = "flowpm_mtf.snapshot/1"
 #: Units recorded for each dataset unless the caller overrides them.
 DEFAULT_UNITS = {"position": "Mpc/h", "velocity": "km/s",
-                 "density": "dimensionless (rho / mean rho)"}
+                 "density": "dimensionless (rho / mean rho)",
+                 "id": "Lagrangian index, row-major over the particle grid"}
 
 _DISTRIBUTIONS = {  # key in versions() -> distribution names, first found wins
     "tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly"),
@@ -193,7 +195,7 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
 
 
 def read_snapshot(path):
-    """Read a snapshot written by :func:`write_snapshot`.
+    """Read a snapshot written by :func:`write_snapshot` or :func:`write_snapshot_distributed`.
 
     Parameters
     ----------
@@ -202,15 +204,19 @@ def read_snapshot(path):
     Returns
     -------
     dict
-        ``position``, ``velocity``, ``density`` (ndarrays, or ``None`` when absent),
+        ``position``, ``velocity``, ``density``, ``id`` (ndarrays, or ``None`` when
+        absent),
         ``config`` and ``versions`` (dicts decoded from JSON), ``units`` (dict of
         dataset -> units string) and ``attrs`` (all raw file attributes).
     """
     import h5py
 
-    out = {"position": None, "velocity": None, "density": None, "units": {}}
+    from . import h5dist
+
+    out = {"position": None, "velocity": None, "density": None, "id": None, "units": {}}
+    h5dist.check_sources(path)  # a distributed snapshot with a missing part is an error
     with h5py.File(os.fspath(path), "r") as f:
-        for name in ("position", "velocity", "density"):
+        for name in ("position", "velocity", "density", "id"):
             if name in f:
                 out[name] = f[name][()]
                 units = f[name].attrs.get("units")
@@ -296,3 +302,114 @@ def read_power(path):
     data = np.loadtxt(path, comments="#", ndmin=2)
     modes = data[:, 2] if data.shape[1] > 2 else None
     return data[:, 0], data[:, 1], modes, header
+
+
+# ============================================================================= distributed
+# Snapshots written by every rank (its own slices) as one logical file; see
+# flowpm_mtf.h5dist for the layout (per-rank part files + HDF5 virtual datasets).
+
+def lagrangian_ids(conf, block):
+    """Global ids of the lattice particles of one block, in their in-block order.
+
+    The id of a particle is its Lagrangian (initial lattice) index, row-major
+    over the particle grid ``conf.nc``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    block : (int, int)
+        Block index ``(bx, by)`` on the process grid.
+
+    Returns
+    -------
+    ndarray
+        int64 ``[sx * sy * nz]``.
+    """
+    sx, sy, nz = conf.block_shape
+    _, ny, _ = conf.nc
+    i = np.arange(sx, dtype=np.int64)[:, None, None] + block[0] * sx
+    j = np.arange(sy, dtype=np.int64)[None, :, None] + block[1] * sy
+    k = np.arange(nz, dtype=np.int64)[None, None, :]
+    return ((i * ny + j) * nz + k).reshape(-1)
+
+
+def particle_part(conf, block, positions, momenta, a, ids=None, valid=None):
+    """Snapshot rows (Mpc/h, km/s, id) of one block's particles, in float64.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    block : (int, int)
+        Block index ``(bx, by)``.
+    positions, momenta : array_like
+        ``[..., 3]`` block-local positions [cells] and canonical momenta
+        ``p = a^3 E dx/da`` [cells] (H0 = 1) of the block's particles.
+    a : float
+        Scale factor of the state.
+    ids : array_like, optional
+        Particle ids (default: :func:`lagrangian_ids`, the particles in lattice
+        order).
+    valid : array_like of bool, optional
+        Mask of the particles to keep (fixed-capacity buffers).
+
+    Returns
+    -------
+    dict
+        ``position`` [n, 3] in [0, box) [Mpc/h], ``velocity`` [n, 3] peculiar
+        [km/s] (``v = H0 p / a``), ``id`` [n] int64.
+    """
+    from . import h5dist
+
+    cell = np.asarray(conf.cell_size, np.float64)
+    origin = np.array([block[0] * conf.block_shape[0], block[1] * conf.block_shape[1], 0],
+                      np.float64)
+    x = np.asarray(positions, np.float64).reshape(-1, 3)
+    p = np.asarray(momenta, np.float64).reshape(-1, 3)
+    ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids, np.int64).reshape(-1)
+    if valid is not None:
+        keep = np.asarray(valid, bool).reshape(-1)
+        x, p, ids = x[keep], p[keep], ids[keep]
+    return {"position": h5dist.Rows(((x + origin) * cell) % np.asarray(conf.box_size)),
+            "velocity": h5dist.Rows(p * cell * 100.0 / a),
+            "id": h5dist.Rows(ids)}
+
+
+def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
+    """Write a snapshot from every rank's slices (collective over ``comm``).
+
+    The result opens with plain h5py exactly as a :func:`write_snapshot` file
+    (plus the ``id`` dataset); see :mod:`flowpm_mtf.h5dist`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    comm : object
+        mpi4py-like communicator (``flowpm_mtf.h5dist.SelfComm`` in one process).
+    parts : dict
+        ``pnum -> {"position", "velocity", "id": h5dist.Rows, "density": h5dist.Block}``
+        for the slices this process holds (see :func:`particle_part`).
+    attrs : dict or config object, optional
+        Stored as JSON in the ``config`` attribute.
+    units : dict, optional
+        Overrides of :data:`DEFAULT_UNITS`.
+
+    Returns
+    -------
+    str
+        ``path`` on every rank.
+    """
+    from . import h5dist
+
+    all_units = dict(DEFAULT_UNITS, **(units or {}))
+    vers = versions()
+    file_attrs = {"format": SNAPSHOT_FORMAT,
+                  "config": json.dumps(to_jsonable(attrs if attrs is not None else {}),
+                                       sort_keys=True),
+                  "versions": json.dumps(vers, sort_keys=True)}
+    file_attrs.update({"version." + k: v for k, v in vers.items()})
+    names = set()
+    for items in parts.values():
+        names.update(items)
+    return h5dist.write_distributed(path, comm, parts, attrs=file_attrs,
+                                    dataset_attrs={n: {"units": all_units[n]} for n in names
+                                                   if n in all_units})
