@@ -167,7 +167,9 @@ def owns_slice(mesh_impl, shape, pnum):
 
     Replicated copies (mesh axes the tensor is not split over) are written once.
     """
-    coord = mesh_impl.pnum_to_processor_coordinates(pnum)
+    import mesh_tensorflow as mtf
+
+    coord = mtf.pnum_to_processor_coordinates(mesh_impl.shape, pnum)
     layout = mesh_impl.tensor_layout(shape)
     split_axes = {a for a in layout.tensor_axis_to_mesh_axis if a is not None}
     return all(c == 0 for i, c in enumerate(coord) if i not in split_axes)
