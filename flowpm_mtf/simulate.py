@@ -47,6 +47,49 @@ def peak_memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def current_memory_mb():
+    """Current resident memory of this process [MB] (``/proc/self/statm``; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2.0**20
+    except (OSError, ValueError, IndexError):
+        return peak_memory_mb()
+
+
+def _phase_peak_mb():
+    """Peak RSS [MB] since the last :func:`_reset_phase_peak` (``VmHWM``), or ``None``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _reset_phase_peak():
+    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _mark(marks, label):
+    """Record the RSS [MB] at a phase boundary: current, the phase's peak, the run's peak.
+
+    ``phase_peak`` is the peak since the previous mark (the kernel's counter is
+    reset at every mark); it falls back to the cumulative peak where that is
+    not possible.
+    """
+    phase = _phase_peak_mb()
+    marks[label] = {"rss": current_memory_mb(), "peak": peak_memory_mb(),
+                    "phase_peak": phase if phase is not None else peak_memory_mb()}
+    _reset_phase_peak()
+
+
 class SimulationGraph:
     """The mtf graph of a simulation: variables, IC and step assignments, outputs.
 
@@ -145,6 +188,10 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
     dict
         The summary written to ``summary.json`` (``"stopped": True`` and no
         outputs if SIGTERM ended the run early after a checkpoint).
+        ``memory_phases_mb_per_rank``: per rank, the current and peak RSS [MB]
+        at the phase boundaries ``start`` (imports done), ``graph`` (graph
+        built and lowered, variables initialised), ``ics`` (initial conditions
+        or restored state), ``steps`` and ``output``.
     """
     if comm is None:
         comm = h5dist.SelfComm()
@@ -153,7 +200,8 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
     else:
         gather_stats = comm.allgather
         rank = comm.rank
-    timings = {}
+    timings, marks = {}, {}
+    _mark(marks, "start")
     t0 = time.perf_counter()
     tf.disable_eager_execution()
     with tf.Graph().as_default():
@@ -190,6 +238,7 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
             t = time.perf_counter()
             sess.run(tf.global_variables_initializer())
             sess.run(copy_masters)
+            _mark(marks, "graph")
             start = 0
             if resume:
                 manifest, parts = checkpoint.load(out_dir, comm, conf, blocks)
@@ -208,6 +257,7 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
                 timings["ics_s"] = time.perf_counter() - t
                 log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order,
                          conf.a_start, timings["ics_s"])
+            _mark(marks, "ics")
             steps, stopped = [], False
             with checkpoint.StopRequest(comm) as stop:
                 for i in range(start, len(sim.step_factors)):
@@ -233,6 +283,7 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
                         break
             timings["steps_s"] = steps
             timings["nbody_s"] = float(sum(steps))
+            _mark(marks, "steps")
             if stopped:
                 return {"config": conf.to_dict(), "timings": timings, "stopped": True,
                         "step": done}
@@ -254,10 +305,12 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
     slab = h5dist.gather_slab(comm, [(r[:, :, :depth].mean(axis=2), b[:2])
                                      for (_, _, b), r in zip(rho_slices, rho)], conf.nc[:2])
     timings["write_s"] = time.perf_counter() - t
+    _mark(marks, "output")
     mem = peak_memory_mb()
     mem_all = gather_stats(mem)
     timings["total_s"] = time.perf_counter() - t0
     summary = {"config": conf.to_dict(), "timings": timings, "peak_memory_mb_per_rank": mem_all,
+               "memory_phases_mb_per_rank": gather_stats(marks),
                "n_particles": n, "versions": io.versions(),
                "bytes_per_particle_peak": max(mem_all) * 2**20 * len(mem_all) / n}
     if resume:
