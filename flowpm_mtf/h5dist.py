@@ -237,7 +237,7 @@ def _agree(comm, error, what):
             what, r, " (and %d other ranks)" % (len(bad) - 1) if len(bad) > 1 else "", e))
 
 
-def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None):
+def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, small=None):
     """Write one logical HDF5 file from the parts held by every process.
 
     Collective over ``comm``: every rank calls it with the parts it holds (an
@@ -252,13 +252,16 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None):
         mpi4py-like communicator (``rank``, ``size``, ``allgather``); see
         :class:`SelfComm`.
     parts : dict
-        ``pnum -> {name: Rows or Block}`` for the parts this process holds.
-        Every part must hold the same names.
+        ``pnum -> {name: Rows or Block}`` for the parts this process holds. A
+        name may be missing from some parts (e.g. a Block only some hold).
     attrs : dict, optional
         Attributes of the logical file (strings/numbers; also written into the
         part files).
     dataset_attrs : dict, optional
         ``name -> {attr: value}`` (e.g. units).
+    small : dict, optional
+        ``name -> array`` of small replicated data (maps, spectra, histories)
+        that rank 0 writes directly into ``path`` (not virtual).
 
     Returns
     -------
@@ -299,7 +302,7 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None):
     error = None
     if comm.rank == 0:
         try:
-            _write_virtual(path, all_meta, attrs, dataset_attrs)
+            _write_virtual(path, all_meta, attrs, dataset_attrs, small)
         except Exception as exc:
             error = "%s: %s" % (type(exc).__name__, exc)
     _agree(comm, error, "writing %s" % path)
@@ -309,22 +312,23 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None):
     return path
 
 
-def _write_virtual(path, all_meta, attrs, dataset_attrs):
+def _write_virtual(path, all_meta, attrs, dataset_attrs, small=None):
     import h5py
 
     pnums = sorted(all_meta)
-    if not pnums:
-        raise ValueError("no parts to write")
-    names = list(all_meta[pnums[0]]["datasets"])
+    names = []
     for p in pnums:
-        if list(all_meta[p]["datasets"]) != names:
-            raise ValueError("part %d holds %s, part %d holds %s" % (
-                p, list(all_meta[p]["datasets"]), pnums[0], names))
+        names += [n for n in all_meta[p]["datasets"] if n not in names]
     tmp = "%s.tmp-%d" % (path, os.getpid())
     try:
         with h5py.File(tmp, "w") as f:
+            for name, value in (small or {}).items():
+                dset = f.create_dataset(name, data=np.asarray(value))
+                for k, v in (dataset_attrs or {}).get(name, {}).items():
+                    dset.attrs[k] = v
             for name in names:
-                infos = [(p, all_meta[p]["datasets"][name]) for p in pnums]
+                infos = [(p, all_meta[p]["datasets"][name]) for p in pnums
+                         if name in all_meta[p]["datasets"]]
                 kind, dtype = infos[0][1]["kind"], np.dtype(infos[0][1]["dtype"])
                 if any(i["kind"] != kind or np.dtype(i["dtype"]) != dtype for _, i in infos):
                     raise ValueError("dataset %s: parts differ in kind or dtype" % name)

@@ -14,7 +14,9 @@ Outputs (written by rank 0 into ``out_dir``)
 --------------------------------------------
 kappa.h5
     ``kappa`` [n_source, npix, npix] (``kappa[s, i, j]`` at ``theta[i], theta[j]``),
-    ``theta`` [npix] [rad], ``planes`` [n_planes, NX, NY] (1 + delta),
+    ``theta`` [npix] [rad], ``planes`` [n_planes, NX, NY] (1 + delta; a
+    virtual dataset over the per-rank blocks in ``kappa.parts/``, see
+    :mod:`flowpm_mtf.h5dist`: no rank gathers a plane),
     ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk`` [n_planes, nbins]
     [(Mpc/h)^3] (3D P(k) of the particles at each plane's scale factor, CIC
     window not deconvolved, empty bins dropped to 0); attributes: ``config``
@@ -38,7 +40,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import io, lensing
+from . import h5dist, io, lensing
 from .logs import rank0_only
 from .simulate import SimulationGraph, peak_memory_mb
 
@@ -81,7 +83,8 @@ class LensingGraph(SimulationGraph):
         self.kappa = lensing.born_convergence(self.planes, conf, geom)
 
 
-def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plot=True):
+def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plot=True,
+        *, comm=None):
     """Build, run and write one lensing simulation.
 
     Parameters
@@ -91,12 +94,13 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     mesh_impl : mtf.MeshImpl
     session_config : tf.ConfigProto
     out_dir : str
-    rank : int
-        This process's rank; rank 0 writes the outputs.
-    gather_stats : callable, optional
-        ``f(value) -> list`` over ranks (peak memory).
+    rank, gather_stats :
+        Unused (kept for compatibility); see ``comm``.
     plot : bool
         Write ``kappa.png``.
+    comm : object, optional
+        mpi4py-like communicator over the job's processes (default: this
+        process alone); every rank writes its plane blocks, rank 0 the rest.
 
     Returns
     -------
@@ -110,6 +114,7 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
         :func:`flowpm_mtf.lensing.geometry`).
     """
     geom = lensing.geometry(conf, lconf)   # every rank raises the same error here
+    comm = h5dist.SelfComm() if comm is None else comm
     timings = {}
     t0 = time.perf_counter()
     tf.disable_eager_execution()
@@ -126,10 +131,12 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
         step_op = lowered(g.step_ops)
         n_steps = len(g.step_factors)
         plane_ops = {j: lowered(ops) for j, ops in g.plane_ops.items()}
-        fetch_pk = {name: lowering.export_to_tf_tensor(getattr(g, name))
+        # replicated (reduced) values and this process's plane slices: no full-size gather
+        fetch_pk = {name: h5dist.replicated_value(lowering, getattr(g, name))
                     for name in ("k", "pk", "modes")}
-        fetch = {"kappa": lowering.export_to_tf_tensor(g.kappa),
-                 "planes": [lowering.export_to_tf_tensor(p) for p in g.planes]}
+        plane_slices = [h5dist.local_slices(lowering, p) for p in g.planes]
+        fetch = {"kappa": h5dist.replicated_value(lowering, g.kappa),
+                 "planes": [[t for _, t, _ in s] for s in plane_slices]}
         copy_masters = lowering.copy_masters_to_slices()
         timings["graph_build_s"] = time.perf_counter() - t0
         log.info("graph built in %.1f s: %d steps to a=%.4f, %d planes to z=%g, mesh %s, grid %s",
@@ -171,7 +178,11 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
             res = sess.run(fetch)
             timings["born_s"] = time.perf_counter() - t
     kappa = np.asarray(res["kappa"], np.float64)
-    planes = np.stack(res["planes"]).astype(np.float64)
+    # per held slice: the planes [n_planes, sx, sy] of its (x, y) block
+    plane_parts = {p: h5dist.Block(np.stack([res["planes"][i][j] for i in range(geom.n_planes)]
+                                            ).astype(np.float64),
+                                   (0,) + tuple(begin), (geom.n_planes,) + tuple(conf.nc[:2]))
+                   for j, (p, _, begin) in enumerate(plane_slices[0])}
     keep = plane_pk[0]["modes"] > 0
     plane_k = np.stack([plane_pk[i]["k"][keep] for i in range(geom.n_planes)])
     plane_p = np.stack([plane_pk[i]["pk"][keep] for i in range(geom.n_planes)]).astype(np.float64)
@@ -183,17 +194,17 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     limber = np.stack([lensing.limber_cl(ell[ok], conf, geom, list(zip(plane_k, plane_p)), s)
                        for s in range(geom.n_source)])
     ell, n_modes = ell[ok], n_modes[ok]
+    os.makedirs(out_dir, exist_ok=True)
+    write_kappa(os.path.join(out_dir, "kappa.h5"), comm, kappa, plane_parts, plane_k, plane_p,
+                conf, lconf, geom)
     mem = peak_memory_mb()
-    mem_all = gather_stats(mem) if gather_stats is not None else [mem]
+    mem_all = comm.allgather(mem)
     timings["total_s"] = time.perf_counter() - t0
     summary = {"config": conf.to_dict(), "lensing": lconf.to_dict(), "timings": timings,
                "n_stages": int(len(g.stages)), "stages": list(g.stages),
                "peak_memory_mb_per_rank": mem_all, "versions": io.versions(),
                "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        write_kappa(os.path.join(out_dir, "kappa.h5"), kappa, planes, plane_k, plane_p, conf,
-                    lconf, geom)
+    if comm.rank == 0:
         write_kappa_power(os.path.join(out_dir, "kappa_power.txt"), ell, measured, limber,
                           n_modes, geom)
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -205,30 +216,25 @@ def run(conf, lconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     return summary
 
 
-def write_kappa(path, kappa, planes, plane_k, plane_pk, conf, lconf, geom):
-    """Write ``kappa.h5`` (see the module docstring); temporary name, then rename."""
-    import h5py
+def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom):
+    """Write ``kappa.h5`` (see the module docstring); collective over ``comm``.
 
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("kappa", data=kappa).attrs["units"] = "dimensionless"
-            f.create_dataset("theta", data=geom.theta).attrs["units"] = "rad"
-            f.create_dataset("planes", data=planes).attrs["units"] = "1 + delta (shell average)"
-            f.create_dataset("plane_k", data=plane_k).attrs["units"] = "h/Mpc"
-            f.create_dataset("plane_pk", data=plane_pk).attrs["units"] = "(Mpc/h)^3"
-            f.attrs["format"] = "flowpm_mtf.kappa/1"
-            f.attrs["config"] = conf.to_json()
-            f.attrs["lensing"] = json.dumps(lconf.to_dict(), sort_keys=True)
-            f.attrs["geometry"] = json.dumps(geom.to_dict(), sort_keys=True)
-            f.attrs["z_source"] = geom.z_source
-            f.attrs["field_deg"] = geom.field_deg
-            f.attrs["plane_r"] = geom.r
-            f.attrs["versions"] = json.dumps(io.versions(), sort_keys=True)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    The maps and spectra (small, replicated) are written by rank 0; the planes
+    ``[n_planes, NX, NY]`` are a virtual dataset over the per-rank blocks
+    (``plane_parts``: ``pnum -> h5dist.Block``) in ``kappa.parts/`` (see
+    :mod:`flowpm_mtf.h5dist`).
+    """
+    attrs = {"format": "flowpm_mtf.kappa/1", "config": conf.to_json(),
+             "lensing": json.dumps(lconf.to_dict(), sort_keys=True),
+             "geometry": json.dumps(geom.to_dict(), sort_keys=True),
+             "z_source": geom.z_source, "field_deg": geom.field_deg, "plane_r": geom.r,
+             "versions": json.dumps(io.versions(), sort_keys=True)}
+    units = {"kappa": "dimensionless", "theta": "rad", "planes": "1 + delta (shell average)",
+             "plane_k": "h/Mpc", "plane_pk": "(Mpc/h)^3"}
+    h5dist.write_distributed(path, comm, {p: {"planes": b} for p, b in plane_parts.items()},
+                             attrs=attrs, dataset_attrs={k: {"units": v} for k, v in units.items()},
+                             small={"kappa": kappa, "theta": geom.theta, "plane_k": plane_k,
+                                    "plane_pk": plane_pk})
 
 
 def write_kappa_power(path, ell, measured, limber, n_modes, geom):

@@ -54,7 +54,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
-from . import fft, gravity, ics, io, lpt, nbody, power
+from . import fft, gravity, h5dist, ics, io, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 
@@ -509,8 +509,8 @@ class ReconstructionGraph:
 
 # ----------------------------------------------------------------------------- the job
 def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None,
-        plot=True):
-    """Build and run one reconstruction; write its outputs (rank 0).
+        plot=True, *, comm=None):
+    """Build and run one reconstruction; write its outputs (no rank gathers a field).
 
     Parameters
     ----------
@@ -519,13 +519,13 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     mesh_impl : mtf.MeshImpl
     session_config : tf.ConfigProto
     out_dir : str
-    rank : int
-        This process's rank; rank 0 writes the outputs.
-    gather_stats : callable, optional
-        ``f(value) -> list`` over ranks (e.g. an MPI allgather), for the peak
-        memory per rank.
+    rank, gather_stats :
+        Unused (kept for compatibility); see ``comm``.
     plot : bool
         Write ``reconstruction.png``.
+    comm : object, optional
+        mpi4py-like communicator over the job's processes (default: this
+        process alone); every rank writes its field blocks, rank 0 the rest.
 
     Returns
     -------
@@ -537,7 +537,9 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     -------
     reconstruction.h5
         ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
-        ``observed`` (1 + delta), ``loss``, ``chi2``, ``prior`` per iteration
+        ``observed`` (1 + delta; the fields are virtual datasets over the
+        per-rank blocks in ``reconstruction.parts/``, see
+        :mod:`flowpm_mtf.h5dist`), ``loss``, ``chi2``, ``prior`` per iteration
         (before each step, plus the final value); attributes: config,
         settings (JSON), versions.
     reconstruction.txt
@@ -555,6 +557,7 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
     """
     from .simulate import peak_memory_mb
 
+    comm = h5dist.SelfComm() if comm is None else comm
     timings = {}
     t0 = time.perf_counter()
     tf.disable_eager_execution()
@@ -565,12 +568,14 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
         lowering = mtf.Lowering(graph, {mesh: mesh_impl})
         observe = lowering.lowered_operation(rg.observe_op)
         step = tf.group([lowering.lowered_operation(op) for op in rg.step_ops])
-        scalars = {n: lowering.export_to_tf_tensor(getattr(rg, n))
+        # reduced values are replicated; fields: this process's slices only (no gather)
+        scalars = {n: h5dist.replicated_value(lowering, getattr(rg, n))
                    for n in ("loss", "chi2", "prior")}
-        fields = {"truth": lowering.export_to_tf_tensor(rg.truth),
-                  "reconstruction": lowering.export_to_tf_tensor(rg.linear),
-                  "observed": lowering.export_to_tf_tensor(rg.observed)}
-        spectra = {n: lowering.export_to_tf_tensor(getattr(rg, n))
+        field_slices = {"truth": h5dist.local_slices(lowering, rg.truth),
+                        "reconstruction": h5dist.local_slices(lowering, rg.linear),
+                        "observed": h5dist.local_slices(lowering, rg.observed)}
+        fields = {n: [t for _, t, _ in sl] for n, sl in field_slices.items()}
+        spectra = {n: h5dist.replicated_value(lowering, getattr(rg, n))
                    for n in ("k", "r", "transfer", "n_modes")}
         copy_masters = lowering.copy_masters_to_slices()
         timings["graph_build_s"] = time.perf_counter() - t0
@@ -605,8 +610,19 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
         history[n].append(float(res["final"][n]))
     keep = res["n_modes"] > 0
     k, r, tk, modes = (res[n][keep] for n in ("k", "r", "transfer", "n_modes"))
+    os.makedirs(out_dir, exist_ok=True)
+    parts = {}
+    for name, sl in field_slices.items():
+        for (p, _, begin), value in zip(sl, res[name]):
+            parts.setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
+    _write_h5(os.path.join(out_dir, "reconstruction.h5"), comm, conf, rconf, parts, history)
+    depth = max(1, conf.nc[2] // 8)
+    slabs = {name: h5dist.gather_slab(comm, [(v[:, :, :depth].mean(axis=2), b[:2])
+                                             for (_, _, b), v in zip(sl, res[name])],
+                                      conf.nc[:2])
+             for name, sl in field_slices.items()}
     mem = peak_memory_mb()
-    mem_all = gather_stats(mem) if gather_stats is not None else [mem]
+    mem_all = comm.allgather(mem)
     timings["total_s"] = time.perf_counter() - t0
     summary = {"config": conf.to_dict(), "reconstruction": rconf.to_dict(),
                "likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
@@ -614,9 +630,7 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
                "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist(),
                "timings": timings, "peak_memory_mb_per_rank": mem_all,
                "versions": io.versions()}
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _write_h5(os.path.join(out_dir, "reconstruction.h5"), conf, rconf, res, history)
+    if comm.rank == 0:
         header = ("flowpm-mtf reconstruct: cross-correlation r(k) = P_tr / sqrt(P_t P_r) and "
                   "transfer function T(k) = sqrt(P_r / P_t) of the reconstructed (r) vs true "
                   "(t) linear field\ncolumns: k [h/Mpc], r, T, modes\nconfig: %s\nsettings: %s"
@@ -627,53 +641,52 @@ def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=No
             json.dump(summary, f, indent=1, default=float)
         if plot:
             reconstruction_plot(os.path.join(out_dir, "reconstruction.png"), conf,
-                                res["truth"], res["reconstruction"], res["observed"],
-                                k, r, tk, history["loss"])
+                                slabs["truth"], slabs["reconstruction"], slabs["observed"],
+                                k, r, tk, history["loss"], depth)
         log.info("wrote %s: loss %.4g -> %.4g in %d iterations (%.3f s/iteration), total %.1f s",
                  out_dir, history["loss"][0], history["loss"][-1], rconf.iterations,
                  timings["per_iteration_s"], timings["total_s"])
     return summary
 
 
-def _write_h5(path, conf, rconf, res, history):
-    import h5py
-
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with h5py.File(tmp, "w") as f:
-        for n in ("truth", "reconstruction", "observed"):
-            f.create_dataset(n, data=res[n])
-        for n, v in history.items():
-            f.create_dataset(n, data=np.asarray(v, np.float64))
-        f["truth"].attrs["units"] = "linear density contrast at a=1"
-        f["reconstruction"].attrs["units"] = "linear density contrast at a=1"
-        f["observed"].attrs["units"] = "1 + delta at a_end (CIC), with noise"
-        f["loss"].attrs["description"] = ("(chi2 + prior) / N before each iteration, then the "
-                                          "final value")
-        f.attrs["config"] = conf.to_json()
-        f.attrs["reconstruction"] = json.dumps(rconf.to_dict())
-        f.attrs["versions"] = json.dumps(io.versions())
-    os.replace(tmp, path)
+def _write_h5(path, comm, conf, rconf, parts, history):
+    """``reconstruction.h5``: the fields as virtual datasets over the per-rank blocks in
+    ``reconstruction.parts/`` (:mod:`flowpm_mtf.h5dist`), the histories written by rank 0."""
+    units = {"truth": "linear density contrast at a=1",
+             "reconstruction": "linear density contrast at a=1",
+             "observed": "1 + delta at a_end (CIC), with noise"}
+    dattrs = {n: {"units": u} for n, u in units.items()}
+    dattrs["loss"] = {"description": "(chi2 + prior) / N before each iteration, then the "
+                                     "final value"}
+    h5dist.write_distributed(
+        path, comm, parts, dataset_attrs=dattrs,
+        small={n: np.asarray(v, np.float64) for n, v in history.items()},
+        attrs={"config": conf.to_json(), "reconstruction": json.dumps(rconf.to_dict()),
+               "versions": json.dumps(io.versions())})
 
 
-def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss):
-    """Slices of the true and reconstructed linear fields and the data; r(k), T(k), loss."""
+def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss, depth):
+    """Slabs of the true and reconstructed linear fields and the data; r(k), T(k), loss.
+
+    ``truth``, ``recon``, ``observed`` are ``[NX, NY]`` means over the first
+    ``depth`` cells along z (:func:`flowpm_mtf.h5dist.gather_slab`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 8))
-    depth = max(1, conf.nc[2] // 8)
     ext = [0, conf.box_size[0], 0, conf.box_size[1]]
-    vmax = float(np.abs(truth[:, :, :depth].mean(axis=2)).max())
+    vmax = float(np.abs(truth).max())
     for ax, field, title in ((axes[0, 0], truth, "true linear field"),
                              (axes[0, 1], recon, "reconstructed linear field")):
-        ax.imshow(field[:, :, :depth].mean(axis=2).T, origin="lower", cmap="RdBu_r",
+        ax.imshow(field.T, origin="lower", cmap="RdBu_r",
                   vmin=-vmax, vmax=vmax, extent=ext)
         ax.set_title("%s (slab of %d cells)" % (title, depth))
         ax.set_xlabel("x [Mpc/h]")
         ax.set_ylabel("y [Mpc/h]")
-    axes[0, 2].imshow(np.log10(np.maximum(observed[:, :, :depth].mean(axis=2), 1e-2)).T,
+    axes[0, 2].imshow(np.log10(np.maximum(observed, 1e-2)).T,
                       origin="lower", cmap="magma", extent=ext)
     axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
     axes[1, 0].semilogx(k, r, "o-", ms=3)
