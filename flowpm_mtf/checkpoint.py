@@ -49,7 +49,7 @@ import signal
 import numpy as np
 
 from .errors import ResumeError
-from .h5dist import _agree
+from .h5dist import _agree, collective
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "checkpoint_root", "step_dir", "save", "candidates",
            "read_manifest", "load", "StopRequest", "check_resume_config", "resume_command"]
@@ -143,8 +143,8 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
         except OSError as exc:
             error = "%s: %s" % (type(exc).__name__, exc)
     _agree(comm, error, "creating checkpoint directory %s" % tmp)
-    files, error = {}, None
-    try:
+    def write_parts():
+        files = {}
         for pnum, arrays in parts.items():
             name = _part_name(pnum)
             path = os.path.join(tmp, name)
@@ -160,34 +160,27 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
             files[name] = {"pnum": int(pnum), "block": [int(b) for b in arrays["block"]],
                            "n": int(np.asarray(arrays["id"]).size),
                            "size": os.path.getsize(path), "sha256": _sha256(path)}
-    except Exception as exc:
-        error = "%s: %s" % (type(exc).__name__, exc)
-    _agree(comm, error, "writing checkpoint %s" % final)
-    all_files = {}
-    for f in comm.allgather(files):
-        all_files.update(f)
-    error = None
-    if comm.rank == 0:
-        try:
-            manifest = {"format": FORMAT, "step": int(step), "a": float(a),
-                        "config": config, "grid": [int(g) for g in grid],
-                        "files": all_files, "n_particles": sum(v["n"] for v in all_files.values())}
-            manifest.update(extra or {})
-            mpath = os.path.join(tmp, "manifest.json")
-            with open(mpath, "w") as fh:
-                json.dump(manifest, fh, indent=1, sort_keys=True)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            if os.path.exists(final):  # the same step written again (e.g. after a resume)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(checkpoint_root(out_dir))
-            for old in _step_dirs(out_dir)[max(1, int(keep)):]:
-                shutil.rmtree(old, ignore_errors=True)
-        except Exception as exc:
-            error = "%s: %s" % (type(exc).__name__, exc)
-    _agree(comm, error, "publishing checkpoint %s" % final)
+        return files
+
+    def publish(all_files):
+        manifest = {"format": FORMAT, "step": int(step), "a": float(a),
+                    "config": config, "grid": [int(g) for g in grid],
+                    "files": all_files, "n_particles": sum(v["n"] for v in all_files.values())}
+        manifest.update(extra or {})
+        mpath = os.path.join(tmp, "manifest.json")
+        with open(mpath, "w") as fh:
+            json.dump(manifest, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # the same step written again (e.g. after a resume)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(checkpoint_root(out_dir))
+        for old in _step_dirs(out_dir)[max(1, int(keep)):]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    collective(comm, write_parts, publish, "writing checkpoint %s" % final)
     log.info("checkpoint after step %d (a=%.4f) written to %s", step, a, final)
     return final
 

@@ -237,6 +237,50 @@ def _agree(comm, error, what):
             what, r, " (and %d other ranks)" % (len(bad) - 1) if len(bad) > 1 else "", e))
 
 
+def collective(comm, local, root, what):
+    """Run ``local()`` on every rank, then ``root(merged)`` on rank 0; errors reach every rank.
+
+    Parameters
+    ----------
+    comm : object
+        mpi4py-like communicator.
+    local : callable
+        ``() -> dict`` of this rank's results (e.g. the files it wrote).
+    root : callable
+        ``(merged dict of all ranks) -> None``, run on rank 0 only.
+    what : str
+        What is being done, for the error message.
+
+    Returns
+    -------
+    dict
+        The merged results, on every rank.
+
+    Raises
+    ------
+    FlowpmError
+        On every rank if ``local`` failed on any rank or ``root`` failed (one
+        line naming the rank), never a hang.
+    """
+    mine, error = {}, None
+    try:
+        mine = local()
+    except Exception as exc:  # reported on every rank below
+        error = "%s: %s" % (type(exc).__name__, exc)
+    _agree(comm, error, what)
+    merged = {}
+    for m in comm.allgather(mine):
+        merged.update(m)
+    error = None
+    if comm.rank == 0:
+        try:
+            root(merged)
+        except Exception as exc:
+            error = "%s: %s" % (type(exc).__name__, exc)
+    _agree(comm, error, what)
+    return merged
+
+
 def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, small=None):
     """Write one logical HDF5 file from the parts held by every process.
 
@@ -275,8 +319,9 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
     """
     path = os.fspath(path)
     base = os.path.dirname(os.path.abspath(path))
-    meta, error = {}, None
-    try:
+
+    def write_parts():
+        meta = {}
         os.makedirs(os.path.dirname(part_path(path, 0)), exist_ok=True)
         for pnum, items in parts.items():
             data = {name: item.data for name, item in items.items()}
@@ -293,19 +338,11 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
                                     "begin": getattr(item, "begin", None),
                                     "global": getattr(item, "shape", None)}
                              for name, item in items.items()}}
-    except Exception as exc:  # reported on every rank below, never a hang
-        error = "%s: %s" % (type(exc).__name__, exc)
-    _agree(comm, error, "writing the parts of %s" % path)
-    all_meta = {}
-    for m in comm.allgather(meta):
-        all_meta.update(m)
-    error = None
-    if comm.rank == 0:
-        try:
-            _write_virtual(path, all_meta, attrs, dataset_attrs, small)
-        except Exception as exc:
-            error = "%s: %s" % (type(exc).__name__, exc)
-    _agree(comm, error, "writing %s" % path)
+        return meta
+
+    all_meta = collective(comm, write_parts,
+                          lambda meta: _write_virtual(path, meta, attrs, dataset_attrs, small),
+                          "writing %s" % path)
     if comm.rank == 0:
         log.info("wrote %s (%d parts in %s)", path, len(all_meta),
                  os.path.basename(os.path.dirname(part_path(path, 0))))
