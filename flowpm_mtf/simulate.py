@@ -200,6 +200,15 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
     else:
         gather_stats = comm.allgather
         rank = comm.rank
+    # SIGTERM is recorded from here on (also during graph build and ICs) and acted on at
+    # the first step boundary all ranks agree on.
+    with checkpoint.StopRequest(comm) as stop:
+        return _run(conf, mesh_impl, session_config, out_dir, rank, gather_stats, plot, comm,
+                    checkpoint_every, resume, keep_checkpoints, stop)
+
+
+def _run(conf, mesh_impl, session_config, out_dir, rank, gather_stats, plot, comm,
+         checkpoint_every, resume, keep_checkpoints, stop):
     timings, marks = {}, {}
     _mark(marks, "start")
     t0 = time.perf_counter()
@@ -259,28 +268,27 @@ def run(conf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None, plo
                          conf.a_start, timings["ics_s"])
             _mark(marks, "ics")
             steps, stopped = [], False
-            with checkpoint.StopRequest(comm) as stop:
-                for i in range(start, len(sim.step_factors)):
+            for i in range(start, len(sim.step_factors)):
+                t = time.perf_counter()
+                sess.run(step_op, {sim.factors: sim.step_factors[i]})
+                steps.append(time.perf_counter() - t)
+                log.info("step %d/%d to a=%.4f in %.2f s (elapsed %.1f s)", i + 1,
+                         conf.n_steps, sim.stages[i + 1], steps[-1], time.perf_counter() - t0)
+                done = i + 1
+                stopped = stop.agreed() and done < conf.n_steps
+                if done < conf.n_steps and (stopped or (
+                        checkpoint_every and done % int(checkpoint_every) == 0)):
                     t = time.perf_counter()
-                    sess.run(step_op, {sim.factors: sim.step_factors[i]})
-                    steps.append(time.perf_counter() - t)
-                    log.info("step %d/%d to a=%.4f in %.2f s (elapsed %.1f s)", i + 1,
-                             conf.n_steps, sim.stages[i + 1], steps[-1], time.perf_counter() - t0)
-                    done = i + 1
-                    stopped = stop.agreed() and done < conf.n_steps
-                    if done < conf.n_steps and (stopped or (
-                            checkpoint_every and done % int(checkpoint_every) == 0)):
-                        t = time.perf_counter()
-                        checkpoint.save(out_dir, comm, done, sim.stages[done], conf.to_dict(),
-                                        _state_parts(conf, fetch_state(sess)), grid=conf.grid,
-                                        keep=keep_checkpoints)
-                        timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
-                    if stopped:
-                        log.warning("stopped by signal after step %d/%d; checkpoint in %s; "
-                                    "continue with: %s", done, conf.n_steps,
-                                    checkpoint.step_dir(out_dir, done),
-                                    checkpoint.resume_command(out_dir))
-                        break
+                    checkpoint.save(out_dir, comm, done, sim.stages[done], conf.to_dict(),
+                                    _state_parts(conf, fetch_state(sess)), grid=conf.grid,
+                                    keep=keep_checkpoints)
+                    timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
+                if stopped:
+                    log.warning("stopped by signal after step %d/%d; checkpoint in %s; "
+                                "continue with: %s", done, conf.n_steps,
+                                checkpoint.step_dir(out_dir, done),
+                                checkpoint.resume_command(out_dir))
+                    break
             timings["steps_s"] = steps
             timings["nbody_s"] = float(sum(steps))
             _mark(marks, "steps")
