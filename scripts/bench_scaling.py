@@ -233,13 +233,19 @@ def breakdown(rec):
 
 # ----------------------------------------------------------------------------- model
 def fit_model(records):
-    """Least-squares fit peak_rank [MB] = M0 + a n_local + b v_local over the non-floor runs."""
+    """Non-negative least-squares fit peak_rank [MB] = M0 + a n_local + b v_local.
+
+    Over the successful non-floor runs; ``a`` [bytes per particle], ``b`` [bytes per
+    padded cell] and M0 [MB] are constrained to be >= 0.
+    """
+    from scipy.optimize import nnls
+
     rows = [r for r in records.values() if r["ok"] and r["kind"] != "floor"]
     if len(rows) < 3:
         return None
     A = np.array([[1.0, r["n_local"] / MB, r["padded_cells_local"] / MB] for r in rows])
     y = np.array([max(r["peak_mb_per_rank"]) for r in rows])
-    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+    coef, _ = nnls(A, y)
     pred = A @ coef
     return {"M0_mb": float(coef[0]), "bytes_per_particle": float(coef[1]),
             "bytes_per_padded_cell": float(coef[2]),
@@ -298,7 +304,7 @@ def render(data, quick):
         ref = recs.get(ref_name)
         for r in sorted(rows, key=lambda r: r["ranks"]):
             if not r["ok"]:
-                lines.append("| %s | %d | %s | %s | %.2fM | failed: %s | | | |" % (
+                lines.append("| %s | %d | %s | %s | %.3gM | failed: %s | | | |" % (
                     r["name"], r["ranks"], "x".join(map(str, r["grid"])),
                     "x".join(map(str, r["nc"])), r["n_local"] / 1e6, r["error"][:80]))
                 continue
@@ -309,7 +315,7 @@ def render(data, quick):
                     ratio = "%.2f" % (a / above(ref))
                 elif not above_floor:
                     ratio = "%.2f" % (max(r["peak_mb_per_rank"]) / max(ref["peak_mb_per_rank"]))
-            lines.append("| %s | %d | %s | %s | %.2fM | %s | %s | %s | %s |" % (
+            lines.append("| %s | %d | %s | %s | %.3gM | %s | %s | %s | %s |" % (
                 r["name"], r["ranks"], "x".join(map(str, r["grid"])),
                 "x".join(map(str, r["nc"])), r["n_local"] / 1e6,
                 _fmt_range(r["peak_mb_per_rank"]), "-" if a is None else "%.0f" % a, ratio,
@@ -375,8 +381,8 @@ DOC_BEGIN = "<!-- BEGIN BENCH-SCALING -->"
 DOC_END = "<!-- END BENCH-SCALING -->"
 
 
-def update_doc(md):
-    doc = os.path.join(REPO, "docs", "scaling.md")
+def update_doc(md, doc=os.path.join(REPO, "docs", "scaling.md")):
+    """Replace the BENCH-SCALING section of ``doc`` (appended if absent) by ``md``."""
     with open(doc) as f:
         text = f.read()
     block = "%s\n%s%s" % (DOC_BEGIN, md, DOC_END)
