@@ -36,7 +36,7 @@ gradient comes from ``mtf.gradients`` through the forward model. The
 trajectory does not depend on the process grid beyond the order of
 floating-point sums.
 
-The job (:func:`run`, ``flowpm-mtf reconstruct``) makes a truth from
+The job (:mod:`flowpm_mtf.jobs.reconstruct`, ``flowpm-mtf reconstruct``) makes a truth from
 ``conf.seed``, observes its final density with Gaussian noise
 (:mod:`flowpm_mtf.noise`, seed ``conf.seed + NOISE_SEED_OFFSET``: the same data
 on every process grid), optimises from :math:`s = 0` and writes
@@ -44,23 +44,20 @@ on every process grid), optimises from :math:`s = 0` and writes
 ``reconstruction.png``.
 """
 import dataclasses
-import json
 import logging
-import os
-import time
 
 import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
-from . import fft, gravity, h5dist, ics, io, lpt, nbody, power
+from . import fft, gravity, ics, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 
 __all__ = ["ReconConfig", "FORWARD_MODELS", "NOISE_SEED_OFFSET", "NOISELESS_SIGMA",
            "forward_model", "inverse_power_kernel", "prior_chi2", "loss_terms", "cross_power",
-           "AdamState", "adam_update", "ReconstructionGraph", "run", "reconstruction_plot"]
+           "AdamState", "adam_update", "ReconstructionGraph"]
 
 log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
 
@@ -113,7 +110,7 @@ class ReconConfig:
     iterations: int = 200
     learning_rate: float = 0.1
     noise: float = 0.1
-    forward: str = "lpt"
+    forward: str = dataclasses.field(default="lpt", metadata={"choices": FORWARD_MODELS})
     sigma: float = None
     beta1: float = 0.9
     beta2: float = 0.999
@@ -505,205 +502,3 @@ class ReconstructionGraph:
             tiny = np.finfo(conf.np_dtype).tiny
             self.r = p_tr / mtf.sqrt(mtf.maximum(p_tt * p_rr, tiny))
             self.transfer = mtf.sqrt(p_rr / mtf.maximum(p_tt, tiny))
-
-
-# ----------------------------------------------------------------------------- the job
-def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None,
-        plot=True, *, comm=None):
-    """Build and run one reconstruction; write its outputs (no rank gathers a field).
-
-    Parameters
-    ----------
-    conf : SimConfig
-    rconf : ReconConfig
-    mesh_impl : mtf.MeshImpl
-    session_config : tf.ConfigProto
-    out_dir : str
-    rank, gather_stats :
-        Unused (kept for compatibility); see ``comm``.
-    plot : bool
-        Write ``reconstruction.png``.
-    comm : object, optional
-        mpi4py-like communicator over the job's processes (default: this
-        process alone); every rank writes its field blocks, rank 0 the rest.
-
-    Returns
-    -------
-    dict
-        The summary written to ``summary.json`` (config, settings, ``loss``
-        per iteration, timings [s], peak memory [MB], r(k) and T(k)).
-
-    Outputs
-    -------
-    reconstruction.h5
-        ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
-        ``observed`` (1 + delta; the fields are virtual datasets over the
-        per-rank blocks in ``reconstruction.parts/``, see
-        :mod:`flowpm_mtf.h5dist`), ``loss``, ``chi2``, ``prior`` per iteration
-        (before each step, plus the final value); attributes: config,
-        settings (JSON), versions.
-    reconstruction.txt
-        k [h/Mpc], r(k), T(k), number of modes.
-    summary.json, reconstruction.png
-
-    Raises
-    ------
-    ValueError
-        At graph construction, on every rank (see :class:`ReconstructionGraph`).
-    tf.errors.InvalidArgumentError
-        If a trial field displaces particles beyond the halo
-        (:mod:`flowpm_mtf.painting`), on every rank at once; lower the
-        learning rate or raise ``conf.halo_size``.
-    """
-    from .simulate import peak_memory_mb
-
-    comm = h5dist.SelfComm() if comm is None else comm
-    timings = {}
-    t0 = time.perf_counter()
-    tf.disable_eager_execution()
-    with tf.Graph().as_default():
-        graph = mtf.Graph()
-        mesh = mtf.Mesh(graph, "mesh")
-        rg = ReconstructionGraph(conf, rconf, mesh)
-        lowering = mtf.Lowering(graph, {mesh: mesh_impl})
-        observe = lowering.lowered_operation(rg.observe_op)
-        step = tf.group([lowering.lowered_operation(op) for op in rg.step_ops])
-        # reduced values are replicated; fields: this process's slices only (no gather)
-        scalars = {n: h5dist.replicated_value(lowering, getattr(rg, n))
-                   for n in ("loss", "chi2", "prior")}
-        field_slices = {"truth": h5dist.local_slices(lowering, rg.truth),
-                        "reconstruction": h5dist.local_slices(lowering, rg.linear),
-                        "observed": h5dist.local_slices(lowering, rg.observed)}
-        fields = {n: [t for _, t, _ in sl] for n, sl in field_slices.items()}
-        spectra = {n: h5dist.replicated_value(lowering, getattr(rg, n))
-                   for n in ("k", "r", "transfer", "n_modes")}
-        copy_masters = lowering.copy_masters_to_slices()
-        timings["graph_build_s"] = time.perf_counter() - t0
-        log.info("graph built in %.1f s (mesh %s, grid %s, forward %s, %d iterations)",
-                 timings["graph_build_s"], "x".join(map(str, conf.nc)),
-                 "x".join(map(str, conf.grid)), rconf.forward, rconf.iterations)
-        history = {"loss": [], "chi2": [], "prior": []}
-        with tf.Session(config=session_config) as sess:
-            t = time.perf_counter()
-            sess.run(tf.global_variables_initializer())
-            sess.run(copy_masters)
-            sess.run(observe)
-            timings["observe_s"] = time.perf_counter() - t
-            log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
-                     rconf.likelihood_sigma, timings["observe_s"])
-            t_opt = time.perf_counter()
-            for i in range(rconf.iterations):
-                vals, _ = sess.run([scalars, step])
-                for n in history:
-                    history[n].append(float(vals[n]))
-                if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
-                    log.info("iteration %d/%d: loss %.6g (chi2/N %.4g, prior/N %.4g), "
-                             "%.3f s/iteration", i + 1, rconf.iterations, vals["loss"],
-                             vals["chi2"] / conf.n_cells, vals["prior"] / conf.n_cells,
-                             (time.perf_counter() - t_opt) / (i + 1))
-            timings["optimise_s"] = time.perf_counter() - t_opt
-            timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
-            t = time.perf_counter()
-            res = sess.run({**fields, **spectra, "final": scalars})
-            timings["gather_s"] = time.perf_counter() - t
-    for n in history:
-        history[n].append(float(res["final"][n]))
-    keep = res["n_modes"] > 0
-    k, r, tk, modes = (res[n][keep] for n in ("k", "r", "transfer", "n_modes"))
-    os.makedirs(out_dir, exist_ok=True)
-    parts = {}
-    for name, sl in field_slices.items():
-        for (p, _, begin), value in zip(sl, res[name]):
-            parts.setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
-    _write_h5(os.path.join(out_dir, "reconstruction.h5"), comm, conf, rconf, parts, history)
-    depth = max(1, conf.nc[2] // 8)
-    slabs = {name: h5dist.gather_slab(comm, [(v[:, :, :depth].mean(axis=2), b[:2])
-                                             for (_, _, b), v in zip(sl, res[name])],
-                                      conf.nc[:2])
-             for name, sl in field_slices.items()}
-    mem = peak_memory_mb()
-    mem_all = comm.allgather(mem)
-    timings["total_s"] = time.perf_counter() - t0
-    summary = {"config": conf.to_dict(), "reconstruction": rconf.to_dict(),
-               "likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
-               "chi2": history["chi2"], "prior": history["prior"],
-               "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist(),
-               "timings": timings, "peak_memory_mb_per_rank": mem_all,
-               "versions": io.versions()}
-    if comm.rank == 0:
-        header = ("flowpm-mtf reconstruct: cross-correlation r(k) = P_tr / sqrt(P_t P_r) and "
-                  "transfer function T(k) = sqrt(P_r / P_t) of the reconstructed (r) vs true "
-                  "(t) linear field\ncolumns: k [h/Mpc], r, T, modes\nconfig: %s\nsettings: %s"
-                  % (conf.to_json(), json.dumps(rconf.to_dict())))
-        np.savetxt(os.path.join(out_dir, "reconstruction.txt"), np.column_stack([k, r, tk, modes]),
-                   fmt=["%.6e", "%.6f", "%.6f", "%d"], header=header)
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=float)
-        if plot:
-            reconstruction_plot(os.path.join(out_dir, "reconstruction.png"), conf,
-                                slabs["truth"], slabs["reconstruction"], slabs["observed"],
-                                k, r, tk, history["loss"], depth)
-        log.info("wrote %s: loss %.4g -> %.4g in %d iterations (%.3f s/iteration), total %.1f s",
-                 out_dir, history["loss"][0], history["loss"][-1], rconf.iterations,
-                 timings["per_iteration_s"], timings["total_s"])
-    return summary
-
-
-def _write_h5(path, comm, conf, rconf, parts, history):
-    """``reconstruction.h5``: the fields as virtual datasets over the per-rank blocks in
-    ``reconstruction.parts/`` (:mod:`flowpm_mtf.h5dist`), the histories written by rank 0."""
-    units = {"truth": "linear density contrast at a=1",
-             "reconstruction": "linear density contrast at a=1",
-             "observed": "1 + delta at a_end (CIC), with noise"}
-    dattrs = {n: {"units": u} for n, u in units.items()}
-    dattrs["loss"] = {"description": "(chi2 + prior) / N before each iteration, then the "
-                                     "final value"}
-    h5dist.write_distributed(
-        path, comm, parts, dataset_attrs=dattrs,
-        small={n: np.asarray(v, np.float64) for n, v in history.items()},
-        attrs={"config": conf.to_json(), "reconstruction": json.dumps(rconf.to_dict()),
-               "versions": json.dumps(io.versions())})
-
-
-def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss, depth):
-    """Slabs of the true and reconstructed linear fields and the data; r(k), T(k), loss.
-
-    ``truth``, ``recon``, ``observed`` are ``[NX, NY]`` means over the first
-    ``depth`` cells along z (:func:`flowpm_mtf.h5dist.gather_slab`).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
-    ext = [0, conf.box_size[0], 0, conf.box_size[1]]
-    vmax = float(np.abs(truth).max())
-    for ax, field, title in ((axes[0, 0], truth, "true linear field"),
-                             (axes[0, 1], recon, "reconstructed linear field")):
-        ax.imshow(field.T, origin="lower", cmap="RdBu_r",
-                  vmin=-vmax, vmax=vmax, extent=ext)
-        ax.set_title("%s (slab of %d cells)" % (title, depth))
-        ax.set_xlabel("x [Mpc/h]")
-        ax.set_ylabel("y [Mpc/h]")
-    axes[0, 2].imshow(np.log10(np.maximum(observed, 1e-2)).T,
-                      origin="lower", cmap="magma", extent=ext)
-    axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
-    axes[1, 0].semilogx(k, r, "o-", ms=3)
-    axes[1, 0].axhline(1.0, color="k", lw=0.5)
-    axes[1, 0].set_ylim(min(0.0, float(np.min(r))), 1.05)
-    axes[1, 0].set_xlabel("k [h/Mpc]")
-    axes[1, 0].set_ylabel("r(k)")
-    axes[1, 0].set_title("cross-correlation, reconstructed vs true")
-    axes[1, 1].semilogx(k, tk, "o-", ms=3)
-    axes[1, 1].axhline(1.0, color="k", lw=0.5)
-    axes[1, 1].set_xlabel("k [h/Mpc]")
-    axes[1, 1].set_ylabel("T(k)")
-    axes[1, 1].set_title("transfer function sqrt(P_r / P_t)")
-    axes[1, 2].semilogy(np.arange(len(loss)), loss)
-    axes[1, 2].set_xlabel("iteration")
-    axes[1, 2].set_ylabel("(chi2 + prior) / N")
-    axes[1, 2].set_title("loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
