@@ -331,41 +331,49 @@ def load(out_dir, comm, conf, blocks):
         checkpoint_root(out_dir), " (tried %s)" % ", ".join(tried) if tried else ""))
 
 
-def check_resume_config(manifest, overrides, conf_from_dict):
-    """Reject command-line settings that contradict the checkpoint.
+def check_resume_config(manifest, overrides, makers):
+    """Reject settings that contradict the checkpoint; return the resumed run's configs.
 
     Parameters
     ----------
     manifest : dict
+        Its ``config`` holds the saved configs, section key -> dict (e.g.
+        ``{"config": SimConfig fields, "simulate": ...}``).
     overrides : dict
-        Config fields given explicitly on the command line / in ``--config``.
-    conf_from_dict : callable
-        ``dict -> SimConfig`` (normalises values for the comparison).
+        Section key -> {field: value} set explicitly (command line, ``--config``).
+    makers : dict
+        Section key -> ``dict -> config instance`` (normalises values for the
+        comparison, e.g. ``nc=64`` and ``nc=[64, 64, 64]`` agree).
 
     Returns
     -------
-    SimConfig
-        The checkpoint's config, with the re-sliceable fields (the grid) of
-        ``overrides`` applied.
+    dict
+        Section key -> config instance: the checkpoint's, with the re-sliceable
+        fields (:data:`RESLICEABLE_FIELDS`: the grid) of ``overrides`` applied.
 
     Raises
     ------
     ResumeError
         Naming the first field that differs.
     """
-    saved = dict(manifest["config"])
-    base = conf_from_dict(saved)
-    for key, value in sorted(overrides.items()):
-        if key in RESLICEABLE_FIELDS or value is None:
-            continue
-        mine = conf_from_dict(dict(saved, **{key: value})).to_dict()
-        if mine != base.to_dict():
-            raise ResumeError("--resume: %s=%s contradicts the checkpoint's %s=%s (step %d); "
-                              "drop the option or start a new run with --overwrite"
-                              % (key, json.dumps(value), key, json.dumps(saved.get(key)),
-                                 manifest["step"]))
-    keep = {k: v for k, v in overrides.items() if k in RESLICEABLE_FIELDS and v is not None}
-    return conf_from_dict(dict(saved, **keep))
+    out = {}
+    for key, make in makers.items():
+        saved = dict(manifest["config"].get(key, {}))
+        base = make(saved).to_dict()
+        keep = {}
+        for name, value in sorted(overrides.get(key, {}).items()):
+            if value is None:
+                continue
+            if name in RESLICEABLE_FIELDS:
+                keep[name] = value
+                continue
+            if make(dict(saved, **{name: value})).to_dict() != base:
+                raise ResumeError("--resume: %s=%s contradicts the checkpoint's %s=%s (step %d); "
+                                  "drop the option or start a new run with --overwrite"
+                                  % (name, json.dumps(value), name, json.dumps(saved.get(name)),
+                                     manifest["step"]))
+        out[key] = make(dict(saved, **keep))
+    return out
 
 
 def resume_command(out_dir, command="simulate"):

@@ -138,16 +138,17 @@ def test_reslice_to_another_grid(old, new):
 @pytest.mark.rank_independent
 def test_resume_config_contradictions():
     conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=4)
-    manifest = {"config": conf.to_dict(), "step": 2}
-    same = checkpoint.check_resume_config(manifest, {"nc": [8, 8, 4], "grid": (1, 2)},
-                                          SimConfig.from_dict)
+    manifest = {"config": {"config": conf.to_dict()}, "step": 2}
+    makers = {"config": SimConfig.from_dict}
+    same = checkpoint.check_resume_config(
+        manifest, {"config": {"nc": [8, 8, 4], "grid": (1, 2)}}, makers)["config"]
     assert same.grid == (1, 2) and same.nc == NC
     with pytest.raises(ResumeError, match="n_steps=6 contradicts the checkpoint's n_steps=4"):
-        checkpoint.check_resume_config(manifest, {"n_steps": 6}, SimConfig.from_dict)
+        checkpoint.check_resume_config(manifest, {"config": {"n_steps": 6}}, makers)
     with pytest.raises(ResumeError, match="nc=8 contradicts"):
-        checkpoint.check_resume_config(manifest, {"nc": 8}, SimConfig.from_dict)
+        checkpoint.check_resume_config(manifest, {"config": {"nc": 8}}, makers)
     with pytest.raises(ResumeError, match="seed"):
-        checkpoint.check_resume_config(manifest, {"seed": 1}, SimConfig.from_dict)
+        checkpoint.check_resume_config(manifest, {"config": {"seed": 1}}, makers)
 
 
 def test_sigterm_on_one_rank_is_agreed_by_all():
