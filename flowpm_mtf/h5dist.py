@@ -55,7 +55,7 @@ import numpy as np
 
 from .errors import FlowpmError
 
-__all__ = ["Rows", "Block", "SelfComm", "local_slices", "held_pnums", "owns_slice",
+__all__ = ["Rows", "Block", "local_slices", "held_pnums", "owns_slice",
            "replicated_value", "part_path", "write_distributed", "check_sources",
            "gather_slab"]
 
@@ -105,25 +105,6 @@ class Block:
             if b < 0 or b + n > s:
                 raise ValueError("Block %s at %s does not fit in %s"
                                  % (self.data.shape, self.begin, self.shape))
-
-
-class SelfComm:
-    """The comm object of a single process (mpi4py's lower-case API, trivially)."""
-
-    rank = 0
-    size = 1
-
-    def bcast(self, obj, root=0):
-        return obj
-
-    def allgather(self, obj):
-        return [obj]
-
-    def allreduce(self, obj, op=None):
-        return obj
-
-    def barrier(self):
-        return None
 
 
 # ----------------------------------------------------------------------------- local slices
@@ -294,7 +275,7 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
         The logical file (``.h5``).
     comm : object
         mpi4py-like communicator (``rank``, ``size``, ``allgather``); see
-        :class:`SelfComm`.
+        :class:`flowpm_mtf.backend.SerialComm` for one process.
     parts : dict
         ``pnum -> {name: Rows or Block}`` for the parts this process holds. A
         name may be missing from some parts (e.g. a Block only some hold).

@@ -625,7 +625,7 @@ def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
     ----------
     path : str or os.PathLike
     comm : object
-        mpi4py-like communicator (``flowpm_mtf.h5dist.SelfComm`` in one process).
+        mpi4py-like communicator (``flowpm_mtf.backend.SerialComm`` in one process).
     parts : dict
         ``pnum -> {"position", "velocity", "id": h5dist.Rows, "density": h5dist.Block}``
         for the slices this process holds (see :func:`particle_part`).

@@ -12,7 +12,7 @@ import pytest
 from flowpm_mtf import checkpoint, io
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import ResumeError
-from flowpm_mtf.h5dist import SelfComm
+from flowpm_mtf.backend import SerialComm as SelfComm
 
 NC = (8, 8, 4)
 # Re-slicing re-expresses float32 block-local positions relative to another block origin

@@ -12,6 +12,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 from flowpm_mtf import h5dist, io
+from flowpm_mtf.backend import SerialComm
 from flowpm_mtf.errors import FlowpmError
 from mtf_harness import hvd_config, hvd_impl, mesh_id, placement_config, placement_impl
 
@@ -160,7 +161,7 @@ def test_distributed_snapshot_reads_like_a_serial_one():
         pos_all[bx] = pos
         parts[bx]["density"] = h5dist.Block(np.full((2, 6, 4), bx, np.float64), (2 * bx, 0, 0),
                                             conf.nc)
-    io.write_snapshot_distributed(os.path.join(d, "snapshot.h5"), h5dist.SelfComm(), parts,
+    io.write_snapshot_distributed(os.path.join(d, "snapshot.h5"), SerialComm(), parts,
                                   attrs=conf)
     snap = io.read_snapshot(os.path.join(d, "snapshot.h5"))
     assert sorted(snap["id"]) == list(range(6 * 6 * 4))
