@@ -405,8 +405,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         Parameters
         ----------
         kind : str, optional
-            One of ``"allreduce"``, ``"allconcat"``, ``"alltoall"``, ``"receive"``,
-            ``"broadcast"``; default all.
+            One of ``"allreduce"``, ``"allconcat"``, ``"alltoall"``, ``"receive"``;
+            default all.
 
         Returns
         -------

@@ -22,7 +22,8 @@ records the initializer. ``mtf.Lowering`` creates the masters first for every
 mesh whose implementation does not declare ``slice_only_variables = True``
 (Mesh TF's ``PlacementMeshImpl`` and ``SimdMeshImpl`` need them), so that
 :class:`~hvd_mesh_impl.HvdSimdMeshImpl` can initialise each rank's slice
-without a full-size master, initializer op or broadcast in the TF graph. The master, when created, is the same ``tf.get_variable`` call
+without a full-size master, initializer op or broadcast in the TF graph. The
+master, when created, is the same ``tf.get_variable`` call
 in the variable scope, graph and device of the ``mtf.get_variable`` call.
 Autostacked variables (``mtf.StackedVariable``) keep their members and read
 their masters lazily too.

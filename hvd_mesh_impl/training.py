@@ -16,8 +16,8 @@ _ASSIGN_TYPES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp
 _REF_ASSIGN_TYPES = ("Assign", "AssignAdd", "AssignSub")
 
 
-def _closure(ops):
-    """Every op the given ops depend on (data and control inputs), the ops included."""
+def ancestors(ops):
+    """Every TF op the given ops depend on (data and control inputs), the ops included."""
     seen, stack = set(), list(ops)
     while stack:
         op = stack.pop()
@@ -71,7 +71,7 @@ def ordered_update_op(lowering, update_ops, name="ordered_update"):
     """
     tf_ops = [lowering.lowered_operation(op) if isinstance(op, mtf.Operation) else op
               for op in update_ops]
-    for op in _closure(tf_ops):
+    for op in ancestors(tf_ops):
         if op.type in _REF_ASSIGN_TYPES:
             raise TypeError("ordered_update_op: %s assigns a reference variable; use resource "
                             "variables (use_resource=True)" % op.name)
@@ -82,7 +82,7 @@ def ordered_update_op(lowering, update_ops, name="ordered_update"):
         present = set(op.control_inputs)
         for read in reads:
             if read in present or any(o.type in _ASSIGN_TYPES + _REF_ASSIGN_TYPES
-                                      for o in _closure([read])):
+                                      for o in ancestors([read])):
                 continue
             op._add_control_input(read)  # pylint: disable=protected-access
     return tf.group(tf_ops, name=name)

@@ -38,18 +38,6 @@ COMPONENT_AXIS_MAX = 8
 CIC_CORNERS = 8
 
 
-def _ancestors_tf(ops):
-    seen, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return seen
-
-
 def _sites(shape):
     """Grid sites or particles a TF tensor covers (see the module docstring)."""
     if len(shape) <= 1:
@@ -63,6 +51,7 @@ def test_simulation_graph_holds_only_the_ranks_share(grid):
     from flowpm_mtf.config import SimConfig
     from flowpm_mtf.simulate import SimulationGraph
     from hvd_mesh_impl import HvdSimdMeshImpl
+    from hvd_mesh_impl.training import ancestors
 
     conf = SimConfig.from_dict({"nc": NC, "grid": grid, "halo_size": HALO, "n_steps": 2,
                                 "box_size": 200.0})
@@ -77,7 +66,7 @@ def test_simulation_graph_holds_only_the_ranks_share(grid):
         bad = []
         padded = (NC // grid[0] + 2 * HALO) * (NC // grid[1] + 2 * HALO) * NC
         assert padded < NC**3  # a full-size field would be caught
-        for op in _ancestors_tf(roots):
+        for op in ancestors(roots):
             for t in op.outputs:
                 if not t.shape.is_fully_defined():
                     continue
