@@ -49,7 +49,7 @@ def _sites(shape):
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "x".join(map(str, g)))
 def test_simulation_graph_holds_only_the_ranks_share(grid):
     from flowpm_mtf.config import SimConfig
-    from flowpm_mtf.simulate import SimulationGraph
+    from flowpm_mtf.jobs.nbody_run import SimulationGraph
     from hvd_mesh_impl import HvdSimdMeshImpl
     from hvd_mesh_impl.training import ancestors
 
