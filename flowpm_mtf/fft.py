@@ -58,13 +58,14 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.mtf_compat import enable_complex_gradients
+from hvd_mesh_impl.mtf_compat import enable_complex_gradients, enable_lazy_masters
 
 from . import config as cfg
 
 log = logging.getLogger(__name__)
 
 enable_complex_gradients()
+enable_lazy_masters()  # no full-size master variables in the TF graph (see mtf_compat)
 
 _UNITS = ("h/Mpc", "grid")
 
