@@ -36,6 +36,17 @@ op is not built (the test suite sets it).
 
 This is a *full complex* (c2c) transform of the real field cast to complex:
 the k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum).
+A real-to-complex transform would halve the FFT work, the all-to-all bytes and
+the complex buffers, but its half axis (``kz``, ``nc[2] // 2 + 1`` modes, from
+the first, local transform) is rarely divisible by ``Q``. Two designs, neither
+done yet: (a) a ``kz`` dimension padded to a multiple of ``Q`` (zero modes;
+the k-space shape then depends on the grid, and every sum over k-space --
+power spectra, priors, ``real_vdot``, kernel gradients -- counts the modes
+``0 < kz < nc[2] / 2`` twice and the padding zero times); (b) the layout
+``kx`` on ``col``, ``ky`` on ``row``, ``kz`` local (half axis), with the padding
+internal to the operation and a third, half-size all-to-all (0.75x the bytes).
+Both change the k-space contract of every caller (kernels, power, ics, lpt,
+reconstruct, the fft-demo), so they belong in one change with those modules.
 
 Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
 ---------------------------------------------------------------------------
@@ -159,7 +170,7 @@ def _axis(t, axis):
     return axis % ndims
 
 
-def fft_along(t, axis, inverse=False):
+def fft_along(t, axis, inverse=False, normalized=None):
     """1D complex FFT along one axis: ``numpy.fft.fft`` / ``numpy.fft.ifft``.
 
     Parameters
@@ -168,8 +179,10 @@ def fft_along(t, axis, inverse=False):
         complex64 or complex128.
     axis : int
     inverse : bool
-        False: ``sum_k t[k] exp(-2 pi i j k / n)``; True: the inverse, with
-        the factor ``1 / n``.
+        False: ``sum_k t[k] exp(-2 pi i j k / n)``; True: the sum with
+        ``exp(+2 pi i j k / n)``.
+    normalized : bool, optional
+        Multiply by ``1 / n``; default: ``inverse`` (numpy's convention).
 
     Returns
     -------
@@ -181,13 +194,20 @@ def fft_along(t, axis, inverse=False):
     On the CPU (see :func:`uses_native`) this is the FFTW op
     ``FlowpmFftC2c``, whose gradient (registered below) is the adjoint: the
     transform of the opposite sign with the same normalisation. Elsewhere it is
-    ``tf.signal.fft`` / ``ifft`` (moving ``axis`` last).
+    ``tf.signal.fft`` / ``ifft`` (moving ``axis`` last), times ``n`` or ``1 / n``
+    when ``normalized`` is not numpy's convention.
     """
     axis = _axis(t, axis)
+    inverse = bool(inverse)
+    normalized = inverse if normalized is None else bool(normalized)
     if uses_native(t):
-        return native.load("fft_ops").flowpm_fft_c2c(t, axis=axis, inverse=bool(inverse),
-                                                     normalized=bool(inverse))
-    return _along(tf.signal.ifft if inverse else tf.signal.fft, t, axis)
+        return native.load("fft_ops").flowpm_fft_c2c(t, axis=axis, inverse=inverse,
+                                                     normalized=normalized)
+    y = _along(tf.signal.ifft if inverse else tf.signal.fft, t, axis)
+    if normalized != inverse:
+        n = tf.compat.dimension_value(t.shape[axis])
+        y = y * tf.constant(1.0 / n if normalized else float(n), t.dtype)
+    return y
 
 
 def rfft_along(t, axis):
@@ -372,9 +392,26 @@ class FFT3DOperation(mtf.Operation):
                 "z and kx unsplit (see SimConfig.layout_rules)"
                 % (self.name, self._in_dims, in_axes, self._out_dims, out_axes))
         cdtype = _complex_of(x.dtype)
+        # Per-stage normalisation and the factor left for the end: TF's ifft
+        # divides by n at every stage, so y = s * (its result); the native op
+        # can scale by 1/n inside each stage at no extra pass, so a factor of
+        # 1/N (r2c, grad c2r) or 1 (c2r, grad r2c) relative to the unnormalised
+        # transform costs no multiplication at all.
+        stage = {}
+
+        def choose(t):
+            if not stage:
+                unnorm = self._scale / self._n if self._inverse else self._scale
+                if not uses_native(t):
+                    stage.update(normalized=self._inverse, factor=self._scale)
+                elif np.isclose(unnorm, 1.0 / self._n, rtol=1e-12, atol=0):
+                    stage.update(normalized=True, factor=1.0)
+                else:
+                    stage.update(normalized=False, factor=unnorm)
+            return stage
 
         def one_d(t, axis):
-            return fft_along(t, axis, self._inverse)
+            return fft_along(t, axis, self._inverse, normalized=choose(t)["normalized"])
 
         def first(t):
             t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
@@ -385,7 +422,8 @@ class FFT3DOperation(mtf.Operation):
 
         def last(t):
             t = one_d(t, pos[0] if not self._inverse else pos[2])
-            t = t * tf.constant(self._scale, cdtype) if self._scale != 1.0 else t
+            factor = choose(t)["factor"]
+            t = t * tf.constant(factor, cdtype) if factor != 1.0 else t
             return tf.math.real(t) if self._real_output else t
 
         def exchange(t, mesh_axis, split, concat):

@@ -109,7 +109,8 @@ def test_native_matches_numpy(n, dtype):
 
 @needs_native
 def test_native_equals_tensorflow_path(monkeypatch):
-    """The native op and the TF fallback agree (float64, odd and even lengths)."""
+    """The native op and the TF fallback agree (float64, odd and even lengths, both
+    normalisations in both directions)."""
     rng = np.random.RandomState(7)
     x = rng.randn(6, 30, 7) + 1j * rng.randn(6, 30, 7)
     r = rng.randn(6, 30, 7)
@@ -120,7 +121,9 @@ def test_native_equals_tensorflow_path(monkeypatch):
             n = x.shape[axis]
             h = tf.constant(np.take(x, range(n // 2 + 1), axis=axis))
             out += [fft.fft_along(tf.constant(x), axis), fft.rfft_along(tf.constant(r), axis),
-                    fft.irfft_along(h, n, axis)]
+                    fft.irfft_along(h, n, axis),
+                    fft.fft_along(tf.constant(x), axis, inverse=False, normalized=True),
+                    fft.fft_along(tf.constant(x), axis, inverse=True, normalized=False)]
         return out
 
     with tf.Graph().as_default(), tf.device("/cpu:0"):
