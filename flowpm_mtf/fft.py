@@ -210,6 +210,67 @@ def fft_along(t, axis, inverse=False, normalized=None):
     return y
 
 
+def fft_of_real_along(t, axis, normalized=False):
+    """All ``n`` modes of the FFT of a real tensor along one axis: ``numpy.fft.fft(t)``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        float32 or float64.
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n``.
+
+    Returns
+    -------
+    tf.Tensor
+        complex64 or complex128, same shape as ``t``.
+
+    Notes
+    -----
+    Native: one real-to-complex FFT (half the work of a complex one) whose
+    upper half is written as the complex conjugates of the lower, with no
+    cast of the input to complex. TensorFlow path: cast, then :func:`fft_along`.
+    """
+    axis = _axis(t, axis)
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_r2c(t, Tcomplex=_complex_of(t.dtype),
+                                                     axis=axis, normalized=bool(normalized),
+                                                     full=True)
+    return fft_along(tf.cast(t, _complex_of(t.dtype)), axis, False, normalized)
+
+
+def ifft_real_part_along(t, axis, normalized=True):
+    """Real part of the inverse FFT along one axis: ``numpy.fft.ifft(t).real``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128 (any, not necessarily Hermitian).
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n`` (numpy's convention); False: the unnormalised sum.
+
+    Returns
+    -------
+    tf.Tensor
+        float32 or float64, same shape as ``t``.
+
+    Notes
+    -----
+    Native: one complex-to-real FFT of the Hermitian part
+    ``(t_k + conj(t_{n-k})) / 2`` (half the work, no complex output buffer).
+    TensorFlow path: :func:`fft_along` then the real part.
+    """
+    axis = _axis(t, axis)
+    if uses_native(t):
+        n = tf.compat.dimension_value(t.shape[axis])
+        return native.load("fft_ops").flowpm_fft_c2r(t, Treal=_real_of(t.dtype), n=n,
+                                                     axis=axis, normalized=bool(normalized),
+                                                     full=True)
+    return tf.math.real(fft_along(t, axis, True, normalized))
+
+
 def rfft_along(t, axis):
     """Real-to-complex 1D FFT along one axis: ``numpy.fft.rfft``.
 
@@ -279,7 +340,10 @@ def _half_weights(n, ndims, axis, dtype, interior):
 #        grad x_j = c Re sum_k dy_k e^(+2 pi i jk/n) = c2r(w dy), w = 1 at k = 0 and
 #        k = n/2, 1/2 elsewhere (c2r counts the other modes twice);
 #   c2r: y_j = c (Re x_0 + 2 Re sum_{0<k<n/2} x_k e^(+...) + Re x_{n/2} (-1)^j):
-#        grad x = w' r2c(dy), w' = 1 at k = 0 and k = n/2, 2 elsewhere.
+#        grad x = w' r2c(dy), w' = 1 at k = 0 and k = n/2, 2 elsewhere;
+#   full r2c (all n modes of a real input) and full c2r (y = c Re sum_k x_k e^(+...)):
+#        each other's adjoint, grad x_j = c Re sum_k dy_k e^(+...) = c2r_full(dy) and
+#        grad x_k = c sum_j dy_j e^(-...) = r2c_full(dy).
 # Tested by dot-product and finite-difference tests in tests/test_native_fft.py.
 @tf.RegisterGradient("FlowpmFftC2c")
 def _c2c_grad(op, dy):
@@ -292,18 +356,22 @@ def _c2c_grad(op, dy):
 def _r2c_grad(op, dy):
     axis, x = op.get_attr("axis"), op.inputs[0]
     n = tf.compat.dimension_value(x.shape[axis])
+    kw = dict(Treal=x.dtype, n=n, axis=axis, normalized=op.get_attr("normalized"))
+    if op.get_attr("full"):
+        return native.load("fft_ops").flowpm_fft_c2r(dy, full=True, **kw)
     w = _half_weights(n, x.shape.ndims, axis, dy.dtype, 0.5)
-    return native.load("fft_ops").flowpm_fft_c2r(
-        dy * w, Treal=x.dtype, n=n, axis=axis, normalized=op.get_attr("normalized"))
+    return native.load("fft_ops").flowpm_fft_c2r(dy * w, **kw)
 
 
 @tf.RegisterGradient("FlowpmFftC2r")
 def _c2r_grad(op, dy):
     axis, n = op.get_attr("axis"), op.get_attr("n")
     x = op.inputs[0]
+    kw = dict(Tcomplex=x.dtype, axis=axis, normalized=op.get_attr("normalized"))
+    if op.get_attr("full"):
+        return native.load("fft_ops").flowpm_fft_r2c(dy, full=True, **kw)
     w = _half_weights(n, x.shape.ndims, axis, x.dtype, 2.0)
-    return w * native.load("fft_ops").flowpm_fft_r2c(
-        dy, Tcomplex=x.dtype, axis=axis, normalized=op.get_attr("normalized"))
+    return w * native.load("fft_ops").flowpm_fft_r2c(dy, **kw)
 
 
 # ----------------------------------------------------------------------------- FFT op
@@ -414,17 +482,25 @@ class FFT3DOperation(mtf.Operation):
             return fft_along(t, axis, self._inverse, normalized=choose(t)["normalized"])
 
         def first(t):
+            axis = pos[2] if not self._inverse else pos[0]
+            if not t.dtype.is_complex and not self._inverse:  # r2c: no cast, half the work
+                return fft_of_real_along(t, axis, normalized=choose(t)["normalized"])
             t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
-            return one_d(t, pos[2] if not self._inverse else pos[0])
+            return one_d(t, axis)
 
         def middle(t):
             return one_d(t, pos[1])
 
         def last(t):
-            t = one_d(t, pos[0] if not self._inverse else pos[2])
+            axis = pos[0] if not self._inverse else pos[2]
+            real_out = self._real_output and self._inverse  # c2r: half the work
+            if real_out:
+                t = ifft_real_part_along(t, axis, normalized=choose(t)["normalized"])
+            else:
+                t = one_d(t, axis)
             factor = choose(t)["factor"]
-            t = t * tf.constant(factor, cdtype) if factor != 1.0 else t
-            return tf.math.real(t) if self._real_output else t
+            t = t * tf.constant(factor, t.dtype) if factor != 1.0 else t
+            return tf.math.real(t) if self._real_output and not real_out else t
 
         def exchange(t, mesh_axis, split, concat):
             if mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1:

@@ -26,6 +26,7 @@ FD_RTOL = 1e-6
 
 LENGTHS = [192, 96, 30, 7]  # non-powers of two with factors 2, 3, 5, 7
 COMPLEX = {"float32": np.complex64, "float64": np.complex128}
+NAMES = ["fft", "ifft", "rfft", "irfft", "fft_of_real", "ifft_real"]
 
 
 def have_native():
@@ -83,7 +84,8 @@ def test_gpu_device_keeps_tensorflow_ops():
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("n", LENGTHS)
 def test_native_matches_numpy(n, dtype):
-    """c2c forward/inverse, r2c, c2r along every axis against numpy.fft."""
+    """c2c forward/inverse, r2c, c2r (half and full spectrum) along every axis
+    against numpy.fft."""
     rng = np.random.RandomState(n)
     fetches, refs = [], []
     with tf.Graph().as_default(), tf.device("/cpu:0"):
@@ -94,17 +96,19 @@ def test_native_matches_numpy(n, dtype):
             h = np.take(x, range(n // 2 + 1), axis=axis)  # not Hermitian
             xt, rt, ht = tf.constant(x), tf.constant(r), tf.constant(h)
             fetches += [fft.fft_along(xt, axis), fft.fft_along(xt, axis, inverse=True),
-                        fft.rfft_along(rt, axis), fft.irfft_along(ht, n, axis)]
-            x64, h64 = x.astype(np.complex128), h.astype(np.complex128)
+                        fft.rfft_along(rt, axis), fft.irfft_along(ht, n, axis),
+                        fft.fft_of_real_along(rt, axis), fft.ifft_real_part_along(xt, axis)]
+            x64, h64, r64 = x.astype(np.complex128), h.astype(np.complex128), r.astype(np.float64)
             refs += [np.fft.fft(x64, axis=axis), np.fft.ifft(x64, axis=axis),
-                     np.fft.rfft(r.astype(np.float64), axis=axis),
-                     np.fft.irfft(h64, n, axis=axis)]
-            assert all(f.op.type.startswith("FlowpmFft") for f in fetches[-4:])
+                     np.fft.rfft(r64, axis=axis), np.fft.irfft(h64, n, axis=axis),
+                     np.fft.fft(r64, axis=axis), np.fft.ifft(x64, axis=axis).real]
+            assert all(f.op.type.startswith("FlowpmFft") for f in fetches[-len(NAMES):])
         out = run(fetches)
     for i, (o, ref) in enumerate(zip(out, refs)):
-        assert o.dtype == (dtype if i % 4 == 3 else COMPLEX[dtype])
+        name = NAMES[i % len(NAMES)]
+        assert o.dtype == (dtype if name in ("irfft", "ifft_real") else COMPLEX[dtype])
         assert o.shape == ref.shape
-        assert rel_err(o, ref) < RTOL[dtype], (i // 4, ["fft", "ifft", "rfft", "irfft"][i % 4])
+        assert rel_err(o, ref) < RTOL[dtype], (i // len(NAMES), name)
 
 
 @needs_native
@@ -123,7 +127,9 @@ def test_native_equals_tensorflow_path(monkeypatch):
             out += [fft.fft_along(tf.constant(x), axis), fft.rfft_along(tf.constant(r), axis),
                     fft.irfft_along(h, n, axis),
                     fft.fft_along(tf.constant(x), axis, inverse=False, normalized=True),
-                    fft.fft_along(tf.constant(x), axis, inverse=True, normalized=False)]
+                    fft.fft_along(tf.constant(x), axis, inverse=True, normalized=False),
+                    fft.fft_of_real_along(tf.constant(r), axis, normalized=True),
+                    fft.ifft_real_part_along(tf.constant(x), axis, normalized=False)]
         return out
 
     with tf.Graph().as_default(), tf.device("/cpu:0"):
@@ -159,7 +165,9 @@ def test_native_gradients_adjoint(n):
                 ("fft", lambda t: fft.fft_along(t, 1), x_c, y_c),
                 ("ifft", lambda t: fft.fft_along(t, 1, inverse=True), x_c, y_c),
                 ("rfft", lambda t: fft.rfft_along(t, 1), x_r, y_h),
-                ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r)):
+                ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r),
+                ("fft_of_real", lambda t: fft.fft_of_real_along(t, 1), x_r, y_c),
+                ("ifft_real", lambda t: fft.ifft_real_part_along(t, 1), x_c, y_r)):
             xt, yt = tf.constant(x), tf.constant(y)
             ax = fn(xt)
             # loss = <A x, y> (real inner product): its gradient is A^T y
@@ -175,23 +183,25 @@ def test_native_gradients_adjoint(n):
 
 
 @needs_native
-@pytest.mark.parametrize("op", ["fft", "ifft", "rfft", "irfft"])
+@pytest.mark.parametrize("op", NAMES)
 def test_native_gradients_finite_difference(op):
     """Quadratic losses sum(w |A x|^2) (a real weight w): tf.gradients against central
     differences at a few elements, real and imaginary parts separately (float64)."""
     n = 6
     rng = np.random.RandomState(11)
     m = n // 2 + 1
-    if op in ("fft", "ifft"):
+    if op in ("fft", "ifft", "ifft_real"):
         x0 = rng.randn(3, n) + 1j * rng.randn(3, n)
-    elif op == "rfft":
+    elif op in ("rfft", "fft_of_real"):
         x0 = rng.randn(3, n)
     else:  # including the imaginary parts of the zero and Nyquist modes (ignored)
         x0 = rng.randn(3, m) + 1j * rng.randn(3, m)
     fn = {"fft": lambda t: fft.fft_along(t, 1),
           "ifft": lambda t: fft.fft_along(t, 1, inverse=True),
           "rfft": lambda t: fft.rfft_along(t, 1),
-          "irfft": lambda t: fft.irfft_along(t, n, 1)}[op]
+          "irfft": lambda t: fft.irfft_along(t, n, 1),
+          "fft_of_real": lambda t: fft.fft_of_real_along(t, 1),
+          "ifft_real": lambda t: fft.ifft_real_part_along(t, 1)}[op]
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         xp = tf.placeholder(tf.as_dtype(x0.dtype), x0.shape)
         y = fn(xp)
@@ -204,7 +214,7 @@ def test_native_gradients_finite_difference(op):
         with tf.Session() as sess:
             grad = sess.run(g, {xp: x0})
             parts = ["re", "im"] if np.iscomplexobj(x0) else ["re"]
-            for idx in [(0, 0), (1, m - 1), (2, 1)]:
+            for idx in [(0, 0), (1, x0.shape[1] - 1), (2, 1)]:
                 for part in parts:
                     d = np.zeros_like(x0)
                     d[idx] = FD_EPS if part == "re" else 1j * FD_EPS

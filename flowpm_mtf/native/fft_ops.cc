@@ -1,6 +1,6 @@
 // Local 1D FFTs along one axis of a batched array, on the CPU, with FFTW.
 //
-// LINK: -lfftw3f -lfftw3
+// LINK: -lfftw3f_threads -lfftw3_threads -lfftw3f -lfftw3 -lpthread
 //
 // Ops (the Python side, gradients included, is flowpm_mtf/fft.py):
 //
@@ -112,11 +112,21 @@ struct Fftw<double> {
 };
 
 // ---------------------------------------------------------------- plan cache
-// (kind, precision, sign, n, inner, outer_count, inner_count, in % 64, out % 64, in-place)
-typedef std::tuple<int, int, int, i64, i64, i64, i64, int, int, bool> PlanKey;
+// (kind, precision, sign, n, in_len, out_len, inner, outer_count, inner_count, in % 64,
+//  out % 64, in-place)
+typedef std::tuple<int, int, int, i64, i64, i64, i64, i64, i64, int, int, bool> PlanKey;
 
+// Guards the plan cache and every call of our FFTW planner. Other code in the
+// process (e.g. mpi4py-fft, numpy extensions linking FFTW) may plan at the same
+// time: fftw_make_planner_thread_safe (FFTW >= 3.3.5) makes FFTW serialise
+// all planner calls of the process too.
 std::mutex& planner_mutex() {
   static std::mutex m;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    fftw_make_planner_thread_safe();
+    fftwf_make_planner_thread_safe();
+  });
   return m;
 }
 
@@ -192,7 +202,8 @@ void* make_plan(int kind, int sign, const Piece& p, In* in, Out* out, bool in_pl
 template <typename R, typename In, typename Out>
 void* get_plan(int kind, int sign, const Piece& p, In* in, Out* out) {
   bool in_place = static_cast<void*>(in) == static_cast<void*>(out);
-  PlanKey key(kind, Fftw<R>::kPrecision, sign, p.n, p.inner, p.outer_count, p.inner_count,
+  PlanKey key(kind, Fftw<R>::kPrecision, sign, p.n, p.in_len, p.out_len, p.inner,
+              p.outer_count, p.inner_count,
               static_cast<int>(reinterpret_cast<uintptr_t>(in) % 64),
               static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64), in_place);
   std::lock_guard<std::mutex> lock(planner_mutex());
@@ -230,6 +241,23 @@ constexpr i64 kPanelBytes = 1 << 17;
 // Below this many values the thread pool costs more than it saves.
 constexpr i64 kMinParallel = 1 << 15;
 
+// Variants of the real transforms along the axis (the layouts of in/out):
+//   kHalf: r2c writes / c2r reads the n // 2 + 1 non-negative frequencies;
+//   kFull: r2c writes all n modes (the upper half as the complex conjugates of
+//          the lower: the DFT of a real input); c2r reads n modes and returns
+//          Re(inverse DFT), computed as the c2r of the Hermitian part
+//          (x_k + conj(x_{n-k})) / 2, k <= n // 2.
+enum RealLayout { kHalf = 0, kFull = 1 };
+
+template <typename T>
+T conj_of(const T& v) {
+  return v;
+}
+template <typename R>
+std::complex<R> conj_of(const std::complex<R>& v) {
+  return std::conj(v);
+}
+
 // The transform of `kind` along the middle axis of in [outer, in_len, inner]
 // into out [outer, out_len, inner] (transform length n), times 1/n when
 // `normalized`. Returns false if FFTW could not plan.
@@ -243,10 +271,15 @@ constexpr i64 kMinParallel = 1 << 15;
 // result out.
 template <typename R, typename In, typename Out>
 bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out* out, i64 outer,
-                   i64 n, i64 in_len, i64 out_len, i64 inner, bool normalized) {
+                   i64 n, i64 in_len, i64 out_len, i64 inner, bool normalized,
+                   int layout = kHalf) {
   typedef Fftw<R> F;
+  typedef std::complex<R> Cx;
   In* in = const_cast<In*>(in_c);  // FFTW's signature; the input is never written (see kinds)
   const R s = R(1) / R(n);
+  const i64 m = n / 2 + 1;
+  const bool fill = layout == kFull && kind == kR2C;   // write the upper half
+  const bool fold = layout == kFull && kind == kC2R;   // Hermitian part first
   std::atomic<bool> ok(true);
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   i64 threads = workers->num_threads;
@@ -259,15 +292,35 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 q = begin; q < end; ++q) {
         const i64 o0 = q * chunk, oc = std::min(chunk, outer - o0);
-        Piece p{n, in_len, out_len, 1, oc, 1};
         In* pin = in + o0 * in_len;
         Out* pout = out + o0 * out_len;
-        void* plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
-        if (!plan) {
-          ok = false;
-          return;
+        if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
+          Cx* buf = static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m));
+          const Cx* src = reinterpret_cast<const Cx*>(pin);
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = 0; k < m; ++k)
+              buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
+          Piece p{n, m, n, 1, oc, 1};
+          void* plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
+          if (plan)
+            F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+          F::free(buf);
+          if (!plan) {
+            ok = false;
+            return;
+          }
+        } else {
+          Piece p{n, in_len, out_len, 1, oc, 1};
+          void* plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
+          if (!plan) {
+            ok = false;
+            return;
+          }
+          F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
         }
-        F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
+        if (fill)
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
         if (normalized)
           for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
       }
@@ -285,24 +338,40 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   const i64 blocks = (inner + block - 1) / block;
   const i64 units = outer * blocks;
   const int panel_kind = kind == kC2R ? kC2RDestroy : kind;
+  const i64 buf_in_len = fold ? m : in_len;  // rows FFTW reads
   const bool same_buffer = kind == kC2C;
   auto work = [&](int64_t begin, int64_t end) {
-    In* buf_in = static_cast<In*>(F::malloc(sizeof(In) * in_len * block));
+    In* buf_in = static_cast<In*>(F::malloc(sizeof(In) * buf_in_len * block));
     Out* buf_out =
         same_buffer ? reinterpret_cast<Out*>(buf_in)
                     : static_cast<Out*>(F::malloc(sizeof(Out) * out_len * block));
     for (i64 u = begin; u < end && ok; ++u) {
       const i64 o = u / blocks, b0 = (u % blocks) * block, bc = std::min(block, inner - b0);
       const In* src = in + o * in_len * inner + b0;
-      for (i64 j = 0; j < in_len; ++j)
-        std::memcpy(buf_in + j * block, src + j * inner, sizeof(In) * bc);
-      Piece p{n, in_len, out_len, block, 1, bc};
+      if (fold) {
+        for (i64 k = 0; k < m; ++k) {
+          const In* a = src + k * inner;
+          const In* b = src + ((n - k) % n) * inner;
+          In* row = buf_in + k * block;
+          for (i64 i = 0; i < bc; ++i) row[i] = R(0.5) * (a[i] + conj_of(b[i]));
+        }
+      } else {
+        for (i64 j = 0; j < in_len; ++j)
+          std::memcpy(buf_in + j * block, src + j * inner, sizeof(In) * bc);
+      }
+      Piece p{n, buf_in_len, out_len, block, 1, bc};
       void* plan = get_plan<R>(panel_kind, sign, p, fw<R>(buf_in), fw<R>(buf_out));
       if (!plan) {
         ok = false;
         break;
       }
       F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf_in), fw<R>(buf_out));
+      if (fill)
+        for (i64 k = m; k < n; ++k) {
+          Out* row = buf_out + k * block;
+          const Out* mirror = buf_out + (n - k) * block;
+          for (i64 i = 0; i < bc; ++i) row[i] = conj_of(mirror[i]);
+        }
       Out* dst = out + o * out_len * inner + b0;
       for (i64 j = 0; j < out_len; ++j) {
         Out* row = buf_out + j * block;
@@ -370,6 +439,7 @@ class R2COp : public OpKernel {
   explicit R2COp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+    OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -379,7 +449,7 @@ class R2COp : public OpKernel {
     if (!ctx->status().ok()) return;
     const i64 n = x.dim_size(axis_);
     OP_REQUIRES(ctx, n >= 1, InvalidArgument("r2c: the transform length must be >= 1"));
-    const i64 m = n / 2 + 1;
+    const i64 m = full_ ? n : n / 2 + 1;
     TensorShape os = x.shape();
     os.set_dim(axis_, m);
     Tensor* y = nullptr;
@@ -388,13 +458,13 @@ class R2COp : public OpKernel {
     Geometry g = geometry(x.shape(), axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kR2C, 0, x.flat<R>().data(), y->flat<Cx>().data(), g.outer,
-                                 n, n, m, g.inner, normalized_),
+                                 n, n, m, g.inner, normalized_, full_ ? kFull : kHalf),
                 plan_failed("r2c"));
   }
 
  private:
   int axis_;
-  bool normalized_;
+  bool normalized_, full_;
 };
 
 // ---------------------------------------------------------------- c2r
@@ -405,6 +475,7 @@ class C2ROp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
     OP_REQUIRES_OK(c, c->GetAttr("n", &n_));
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+    OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
     OP_REQUIRES(c, n_ >= 1, InvalidArgument("c2r: the transform length n must be >= 1"));
   }
 
@@ -413,10 +484,11 @@ class C2ROp : public OpKernel {
     const Tensor& x = ctx->input(0);
     checked_axis(ctx, axis_, x.shape());
     if (!ctx->status().ok()) return;
-    const i64 n = n_, m = n_ / 2 + 1;
+    const i64 n = n_, m = full_ ? n_ : n_ / 2 + 1;
     OP_REQUIRES(ctx, x.dim_size(axis_) == m,
                 InvalidArgument("c2r: axis ", axis_, " has length ", x.dim_size(axis_),
-                                ", expected n // 2 + 1 = ", m, " for n = ", n));
+                                ", expected ", full_ ? "n = " : "n // 2 + 1 = ", m,
+                                " for n = ", n));
     TensorShape os = x.shape();
     os.set_dim(axis_, n);
     Tensor* y = nullptr;
@@ -425,14 +497,14 @@ class C2ROp : public OpKernel {
     Geometry g = geometry(x.shape(), axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kC2R, 0, x.flat<Cx>().data(), y->flat<R>().data(), g.outer,
-                                 n, m, n, g.inner, normalized_),
+                                 n, m, n, g.inner, normalized_, full_ ? kFull : kHalf),
                 plan_failed("c2r"));
   }
 
  private:
   int axis_;
   ::tensorflow::int64 n_;
-  bool normalized_;
+  bool normalized_, full_;
 };
 
 // ---------------------------------------------------------------- registration
@@ -467,9 +539,12 @@ REGISTER_OP("FlowpmFftR2c")
     .Attr("Tcomplex: {complex64, complex128}")
     .Attr("axis: int")
     .Attr("normalized: bool")
+    .Attr("full: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int axis;
+      bool full;
       TF_RETURN_IF_ERROR(axis_attr(c, &axis));
+      TF_RETURN_IF_ERROR(c->GetAttr("full", &full));
       if (!c->RankKnown(c->input(0))) {
         c->set_output(0, c->UnknownShape());
         return ::tensorflow::OkStatus();
@@ -477,12 +552,13 @@ REGISTER_OP("FlowpmFftR2c")
       ShapeHandle out;
       DimensionHandle d = c->Dim(c->input(0), axis);
       DimensionHandle m = c->UnknownDim();
-      if (c->ValueKnown(d)) m = c->MakeDim(c->Value(d) / 2 + 1);
+      if (c->ValueKnown(d)) m = c->MakeDim(full ? c->Value(d) : c->Value(d) / 2 + 1);
       TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), axis, m, &out));
       c->set_output(0, out);
       return ::tensorflow::OkStatus();
     })
-    .Doc("Real-to-complex 1D FFT along `axis` (numpy.fft.rfft), times 1/n when `normalized`.");
+    .Doc("Real-to-complex 1D FFT along `axis` (numpy.fft.rfft; with `full`, all n modes: "
+         "numpy.fft.fft of the real input), times 1/n when `normalized`.");
 
 REGISTER_OP("FlowpmFftC2r")
     .Input("x: Tcomplex")
@@ -492,6 +568,7 @@ REGISTER_OP("FlowpmFftC2r")
     .Attr("n: int")
     .Attr("axis: int")
     .Attr("normalized: bool")
+    .Attr("full: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       int axis;
       ::tensorflow::int64 n;
@@ -506,7 +583,8 @@ REGISTER_OP("FlowpmFftC2r")
       c->set_output(0, out);
       return ::tensorflow::OkStatus();
     })
-    .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`).");
+    .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`; with "
+         "`full`, n input modes: numpy.fft.ifft(x).real).");
 
 #define REGISTER(R, C)                                                                    \
   REGISTER_KERNEL_BUILDER(                                                                \
