@@ -5,11 +5,16 @@ other benchmark drivers (e.g. ``scripts/bench_peers.py``). No Horovod here: the
 caller passes the Mesh TF ``MeshImpl`` (and for mpi4py-fft an mpi4py
 communicator).
 
-Every function returns a dict of wall times [s]: ``first_s`` (first run,
-including TensorFlow's and FFTW's one-time set-up), ``times_s`` (the timed runs),
-``median_s`` and ``min_s``. With a ``reduce_max`` callable (e.g.
+The ``*_runner`` functions set a round trip up and return a :class:`Runner`;
+:func:`interleaved` times several runners in turns (A B C A B C ...), so that
+on a loaded machine they see the same load and their ratio is meaningful; the
+``time_*`` functions time one. Times are dicts [s]: ``first_s`` (first run,
+including TensorFlow's and FFTW's one-time set-up), ``times_s`` (the timed
+runs), ``median_s`` and ``min_s``. With a ``reduce_max`` callable (e.g.
 ``lambda t: max(comm.allgather(t))``) each run's time is the slowest rank's.
 """
+import collections
+import contextlib
 import statistics
 import time
 
@@ -54,14 +59,53 @@ def timed_runs(fn, warmup=1, repeats=5, barrier=None, reduce_max=None):
     return _summary(first, [one() for _ in range(repeats)])
 
 
-def time_mtf_roundtrip(conf, mesh_impl, devices=("",), session_config=None, warmup=1,
-                       repeats=5, barrier=None, reduce_max=None, init_hook=None):
-    """Time ``c2r(r2c(field))`` of :mod:`flowpm_mtf.fft` on ``mesh_impl``.
+Runner = collections.namedtuple("Runner", ["run", "info"])
+Runner.__doc__ = """A set-up round trip: ``run()`` does one; ``info`` is a dict of facts."""
+
+
+def interleaved(runners, warmup=1, repeats=5, barrier=None, reduce_max=None):
+    """Time several :class:`Runner` objects in turns.
+
+    Parameters
+    ----------
+    runners : dict of str to Runner
+    warmup, repeats, barrier, reduce_max
+        See :func:`timed_runs`; every round runs each runner once, in order.
+
+    Returns
+    -------
+    dict of str to dict
+        Per runner: its ``info`` plus ``first_s``, ``times_s``, ``median_s``, ``min_s`` [s].
+    """
+    def one(runner):
+        if barrier is not None:
+            barrier()
+        t0 = time.perf_counter()
+        runner.run()
+        dt = time.perf_counter() - t0
+        return reduce_max(dt) if reduce_max is not None else dt
+
+    first = {k: one(r) for k, r in runners.items()}
+    for _ in range(max(0, warmup - 1)):
+        for r in runners.values():
+            one(r)
+    times = {k: [] for k in runners}
+    for _ in range(repeats):
+        for k, r in runners.items():
+            times[k].append(one(r))
+    return {k: _summary(first[k], times[k], **r.info) for k, r in runners.items()}
+
+
+@contextlib.contextmanager
+def mtf_roundtrip_runner(conf, mesh_impl, devices=("",), session_config=None):
+    """Context manager: a :class:`Runner` of ``c2r(r2c(field))`` of :mod:`flowpm_mtf.fft`.
 
     The field's slices are TF variables (N(0, 1), ``conf.dtype``) created on
     ``devices`` (one per slice this process builds: ``[""]`` for an SPMD impl
     such as ``HvdSimdMeshImpl``), so no full-size array is fed; one element of
     every output slice is fetched (a data dependency on the whole transform).
+    The graph is built and the session opened on entry (the caller's ranks must
+    enter together: variable initialisation may communicate).
 
     Parameters
     ----------
@@ -70,17 +114,13 @@ def time_mtf_roundtrip(conf, mesh_impl, devices=("",), session_config=None, warm
         Built for ``conf.mesh_shape`` and ``conf.layout_rules``.
     devices : sequence of str
     session_config : tf.ConfigProto, optional
-    warmup, repeats, barrier, reduce_max
-        See :func:`timed_runs`.
-    init_hook : callable, optional
-        ``init_hook(sess)`` after the variables are initialised (e.g. a barrier).
 
-    Returns
-    -------
-    dict
-        Times (see :func:`timed_runs`) plus ``build_s`` (graph and lowering) [s],
-        ``native`` (whether the local FFTs used the native op) and
-        ``max_abs_error`` of the round trip on this process's slices.
+    Yields
+    ------
+    Runner
+        ``info``: ``build_s`` (graph and lowering) [s], ``native`` (whether the
+        local FFTs use the native op), ``max_abs_error`` of the round trip on
+        this process's slices.
     """
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
@@ -114,16 +154,15 @@ def time_mtf_roundtrip(conf, mesh_impl, devices=("",), session_config=None, warm
         build_s = time.perf_counter() - t0
         with tf.Session(config=session_config) as sess:
             sess.run(tf.global_variables_initializer())
-            if init_hook is not None:
-                init_hook(sess)
-            res = timed_runs(lambda: sess.run(fetch), warmup, repeats, barrier, reduce_max)
-            max_err = float(sess.run(err))
-    res.update(build_s=build_s, native=native, max_abs_error=max_err)
-    return res
+            info = {"build_s": build_s, "native": native,
+                    "max_abs_error": float(sess.run(err))}
+            yield Runner(lambda: sess.run(fetch), info)
 
 
-def time_mpi4py_fft_roundtrip(comm, nc, grid, real=False, single=True, warmup=1, repeats=5):
-    """Time ``backward(forward(u))`` of ``mpi4py_fft.PFFT`` (FFTW) on a P x Q pencil grid.
+@contextlib.contextmanager
+def mpi4py_fft_roundtrip_runner(comm, nc, grid, real=False, single=True):
+    """Context manager: a :class:`Runner` of ``backward(forward(u))`` of ``mpi4py_fft.PFFT``
+    (FFTW) on a P x Q pencil grid.
 
     Parameters
     ----------
@@ -138,13 +177,12 @@ def time_mpi4py_fft_roundtrip(comm, nc, grid, real=False, single=True, warmup=1,
         False: complex-to-complex transform of the field cast to complex.
     single : bool
         float32/complex64 (True) or float64/complex128.
-    warmup, repeats : int
 
-    Returns
-    -------
-    dict
-        Times of the slowest rank (see :func:`timed_runs`), ``build_s`` (plan set-up) [s]
-        and ``max_abs_error`` of the round trip (all ranks).
+    Yields
+    ------
+    Runner
+        ``info``: ``build_s`` (plan set-up, slowest rank) [s] and
+        ``max_abs_error`` of one round trip (all ranks).
     """
     from mpi4py import MPI
     from mpi4py_fft import PFFT, newDistArray
@@ -170,8 +208,23 @@ def time_mpi4py_fft_roundtrip(comm, nc, grid, real=False, single=True, warmup=1,
         plan.forward(u, uh)
         plan.backward(uh, v)
 
-    res = timed_runs(run, warmup, repeats, comm.Barrier, lambda dt: max(comm.allgather(dt)))
+    run()
     err = comm.allreduce(float(np.max(np.abs(v - u))), op=MPI.MAX)
-    plan.destroy()
-    res.update(build_s=build_s, max_abs_error=err)
-    return res
+    try:
+        yield Runner(run, {"build_s": build_s, "max_abs_error": err})
+    finally:
+        plan.destroy()
+
+
+def time_mtf_roundtrip(conf, mesh_impl, devices=("",), session_config=None, warmup=1,
+                       repeats=5, barrier=None, reduce_max=None):
+    """Time :func:`mtf_roundtrip_runner` alone (see :func:`timed_runs`)."""
+    with mtf_roundtrip_runner(conf, mesh_impl, devices, session_config) as r:
+        return interleaved({"ours": r}, warmup, repeats, barrier, reduce_max)["ours"]
+
+
+def time_mpi4py_fft_roundtrip(comm, nc, grid, real=False, single=True, warmup=1, repeats=5):
+    """Time :func:`mpi4py_fft_roundtrip_runner` alone, slowest rank (see :func:`timed_runs`)."""
+    with mpi4py_fft_roundtrip_runner(comm, nc, grid, real, single) as r:
+        return interleaved({"mpi4py-fft": r}, warmup, repeats, comm.Barrier,
+                           lambda dt: max(comm.allgather(dt)))["mpi4py-fft"]
