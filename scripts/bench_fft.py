@@ -83,7 +83,7 @@ def mpirun(n):
     return cmd
 
 
-def drive(args):
+def drive(args, save=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", PYTHONPATH=REPO,
@@ -109,6 +109,8 @@ def drive(args):
                     os.remove(rec)
                 rows.append(row)
                 print("[bench_fft]   " + summary_line(row), flush=True)
+                if save is not None:  # after every row: a killed run keeps what it measured
+                    save(rows)
     return rows
 
 
@@ -179,18 +181,21 @@ def main(argv=None):
         args.grid = tuple(int(v) for v in args.grid.split("x"))
         worker(args)
         return 0
-    rows = drive(args)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "host": platform.node(), "cores": os.cpu_count(), "warmup": args.warmup,
-            "repeats": args.repeats, "load_note": args.load_note,
-            "load_average": os.getloadavg()}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_fft.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    md = markdown(rows, meta)
-    with open(os.path.join(args.out, "bench_fft.md"), "w") as f:
-        f.write(md)
-    print(md)
+    def save(rows):
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
+                    "%Y-%m-%d %H:%M UTC"),
+                "host": platform.node(), "cores": os.cpu_count(), "warmup": args.warmup,
+                "repeats": args.repeats, "load_note": args.load_note,
+                "load_average": os.getloadavg()}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_fft.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        md = markdown(rows, meta)
+        with open(os.path.join(args.out, "bench_fft.md"), "w") as f:
+            f.write(md)
+        return md
+
+    print(save(drive(args, save)))
     return 0
 
 
