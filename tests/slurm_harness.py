@@ -89,6 +89,17 @@ def _alive(pid):
     return True
 
 
+def marked_pids(value=None):
+    """Pids of the processes with :data:`MARKER` (equal to ``value`` when given), not this one."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            marker = _marker_of(int(name))
+            if marker and (value is None or marker == value):
+                pids.append(int(name))
+    return pids
+
+
 def kill_leftovers():
     """SIGKILL the processes of test clusters whose owner process is gone.
 
@@ -98,18 +109,13 @@ def kill_leftovers():
         The pids that were signalled.
     """
     killed, dirs = [], set()
-    me = os.getpid()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        value = _marker_of(int(name))
-        if not value or ":" not in value:
-            continue
-        owner, cluster_dir = value.split(":", 1)
+    for pid in marked_pids():
+        value = _marker_of(pid) or ""
+        owner, _, cluster_dir = value.partition(":")
         if owner.isdigit() and not _alive(int(owner)):
             try:
-                os.kill(int(name), signal.SIGKILL)
-                killed.append(int(name))
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
             except ProcessLookupError:
                 pass
             dirs.add(cluster_dir)
@@ -135,6 +141,9 @@ def _parse_show(text):
 
 class SlurmCluster:
     """One-node Slurm (munged + slurmctld + slurmd) in its own temporary directory.
+
+    Use as a context manager (``with SlurmCluster() as cluster:``): started on entry,
+    stopped on exit, also when the block raises.
 
     Parameters
     ----------
@@ -303,6 +312,19 @@ class SlurmCluster:
             out.append("== %s\n%s" % (name, "\n".join(lines)))
         return "\n".join(out)
 
+    def __enter__(self):
+        """Start the cluster (stopped again if that fails)."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
     # ------------------------------------------------------------------ tear-down
     def stop(self):
         """Cancel all jobs, stop the daemons (TERM, then KILL) and remove the directory."""
@@ -325,11 +347,9 @@ class SlurmCluster:
                 p.kill()
                 p.wait()
         # job steps or stray tasks of this cluster that outlived slurmd
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) != os.getpid() \
-                    and _marker_of(int(name)) == self.env[MARKER]:
-                try:
-                    os.kill(int(name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in marked_pids(self.env[MARKER]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.root, ignore_errors=True)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from slurm_harness import SlurmCluster, unavailable_reason
+from slurm_harness import MARKER, SlurmCluster, kill_leftovers, marked_pids, unavailable_reason
 
 pytestmark = pytest.mark.single_process
 
@@ -42,20 +42,18 @@ JOB_TIMEOUT_S = 420
 CPU_NODE = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00")
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    """The running test cluster (skips with the reason when it cannot run here)."""
+def skip_unless_slurm_can_run():
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    cluster = SlurmCluster()
-    try:
-        cluster.start()
-    except Exception:
-        cluster.stop()
-        raise
-    yield cluster
-    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The running test cluster (skips with the reason when it cannot run here)."""
+    skip_unless_slurm_can_run()
+    with SlurmCluster() as cluster:
+        yield cluster
 
 
 def job_env(cluster, **extra):
@@ -137,9 +135,43 @@ def reference(slurm, tmp_path_factory):
     return out, finished(slurm, job_id, log)
 
 
+def test_leftovers_of_a_dead_test_process_are_killed(tmp_path):
+    """The guard ends processes marked by a test process that is gone, and only those."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names an owner that no longer exists
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    orphan = subprocess.Popen(sleeper, env=dict(os.environ, **{MARKER: "%d:%s" % (
+        dead.pid, tmp_path / "flowpm-mtf-slurm-gone")}))
+    alive = subprocess.Popen(sleeper, env=dict(os.environ, **{MARKER: "%d:%s" % (
+        os.getpid(), tmp_path / "flowpm-mtf-slurm-mine")}))
+    try:
+        t_end = time.monotonic() + 10  # the environment is readable once exec is done
+        while {orphan.pid, alive.pid} - set(marked_pids()) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        killed = kill_leftovers()
+        assert orphan.pid in killed and alive.pid not in killed
+        assert orphan.wait(timeout=10) == -9 and alive.poll() is None
+    finally:
+        for p in (orphan, alive):
+            p.kill()
+            p.wait()
+
+
+def test_cluster_stops_without_leftovers():
+    """start() then stop(): no daemon of the cluster survives, its directory is gone."""
+    skip_unless_slurm_can_run()
+    with SlurmCluster() as cluster:
+        pids = [p.pid for p in cluster.procs.values()]
+        assert len(pids) == 3 and set(pids) <= set(marked_pids(cluster.env[MARKER]))
+    assert marked_pids(cluster.env[MARKER]) == []
+    assert all(p.poll() is not None for p in cluster.procs.values())
+    assert not os.path.exists(cluster.root)
+
+
 def test_pmix_is_the_mpi_plugin_here(slurm):
     """srun offers PMIx, the interface Debian's Open MPI was built for (ext3x component)."""
-    plugins = slurm.run(["srun", "--mpi=list"]).stdout + slurm.run(["srun", "--mpi=list"]).stderr
+    proc = slurm.run(["srun", "--mpi=list"])
+    plugins = proc.stdout + proc.stderr
     assert "pmix" in plugins, plugins
 
 
