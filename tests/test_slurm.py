@@ -33,9 +33,9 @@ MULTI = os.path.join(REPO, "slurm", "multi_node.sbatch")
 NC = 16
 HALO = 4
 #: Steps of the reference and the preempted run: the loop must last long enough for the
-#: SIGTERM to arrive in it (a few ms per step at 16^3, plus the checkpoints).
-STEPS = 60
-CHECKPOINT_EVERY = 3
+#: SIGTERM to arrive in it: 10-20 ms per step at 16^3 plus the checkpoints, i.e. seconds.
+STEPS = 200
+CHECKPOINT_EVERY = 10
 #: Seconds a tiny job may take on this loaded 2-core machine before it counts as hung.
 JOB_TIMEOUT_S = 420
 #: sbatch options that fit the GPU templates to this CPU-only node.
