@@ -37,7 +37,7 @@ PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scan
 #: (``SlurmdParameters=config_overrides``), i.e. oversubscribed.
 MIN_CPUS = 4
 #: Seconds to wait for the daemons to come up / for running jobs to end at shutdown.
-START_TIMEOUT_S = 60
+START_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 30
 #: Job states after which a job does not change any more.
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",

@@ -38,6 +38,9 @@ STEPS = 200
 CHECKPOINT_EVERY = 10
 #: Seconds a tiny job may take on this loaded 2-core machine before it counts as hung.
 JOB_TIMEOUT_S = 420
+#: pytest-timeout limit of a test that runs up to two jobs (CI's --timeout 600 is per test;
+#: each job is bounded by JOB_TIMEOUT_S on its own).
+two_jobs_timeout = pytest.mark.timeout(2 * JOB_TIMEOUT_S + 120)
 #: sbatch options that fit the GPU templates to this CPU-only node.
 CPU_NODE = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00")
 
@@ -175,12 +178,14 @@ def test_pmix_is_the_mpi_plugin_here(slurm):
     assert "pmix" in plugins, plugins
 
 
+@two_jobs_timeout
 def test_single_node_template(reference):
     out, text = reference
     check_srun_started_ranks(text, 2)
     check_run(out, 2, STEPS)
 
 
+@two_jobs_timeout
 def test_multi_node_template_on_one_node(slurm, tmp_path):
     out = str(tmp_path / "out-multi")
     job_id, log = submit(slurm, MULTI, out, tmp_path, ntasks=4, STEPS=2)
@@ -215,6 +220,7 @@ def _wait_for(pattern, log, cluster, job_id, timeout=JOB_TIMEOUT_S):
     pytest.fail("%r did not appear in %s within %d s" % (pattern, log, timeout))
 
 
+@two_jobs_timeout
 def test_preempted_run_resumes_bit_identical(slurm, reference, tmp_path):
     reason = _has_checkpointing()
     if reason:
@@ -246,6 +252,7 @@ def test_preempted_run_resumes_bit_identical(slurm, reference, tmp_path):
             "%s differs from the uninterrupted run's (stopped after step %d)" % (name, steps[-1])
 
 
+@two_jobs_timeout
 def test_horovodrun_launcher_for_real(tmp_path):
     """scripts/run_horovodrun.sh, 2 ranks on localhost (horovodrun --mpi: with Gloo alone
     every process would be an MPI singleton and HvdSimdMeshImpl refuses the mismatch)."""
