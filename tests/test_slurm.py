@@ -1,7 +1,7 @@
 """The batch scripts on a real Slurm, a preempted run that resumes, and horovodrun for real.
 
 A private one-node Slurm 22.05 cluster (:mod:`slurm_harness`: munged, slurmctld and
-slurmd in a temporary directory, stopped at the end of the session) runs the templates
+slurmd in a temporary directory, stopped at the end of this module) runs the templates
 ``slurm/*.sbatch`` exactly as they are in the repository; only sbatch command-line options
 adapt them to this CPU-only node (``--gpus-per-node=0``, ranks per node, one CPU per
 task). srun starts the ranks through PMIx (Debian's Open MPI 4.1 is built against PMIx
@@ -46,6 +46,7 @@ CPU_NODE = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00")
 
 
 def skip_unless_slurm_can_run():
+    """Skip (with the reason) where no test cluster can run."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -66,7 +67,7 @@ def job_env(cluster, **extra):
     return env
 
 
-def submit(cluster, template, out, log_dir, ntasks, wait=True, **env):
+def submit(cluster, template, out, log_dir, ntasks, **env):
     """sbatch ``template`` unchanged (options on the command line) from the repository.
 
     Returns
