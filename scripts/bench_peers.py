@@ -17,7 +17,7 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
 
 ``ours``
     ``mpirun -np R``: the simulation graph of ``flowpm-mtf simulate``
-    (:class:`flowpm_mtf.simulate.SimulationGraph`: 2LPT at a = 0.1, FastPM
+    (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`: 2LPT at a = 0.1, FastPM
     kick-drift-kick steps, 200 Mpc/h, float32, halo 25 Mpc/h as
     ``scripts/bench_sim.py``) with ``HvdSimdMeshImpl``: graph build [s]; ICs
     (white noise, 2LPT, the first PM force) on their first run, as a job runs
@@ -101,6 +101,15 @@ def _write(path, rec):
 
 
 # ----------------------------------------------------------------------------- ours (MPI)
+def simulation_graph_class():
+    """The simulation graph of ``flowpm-mtf simulate``, in the current or an older tree."""
+    try:
+        from flowpm_mtf.jobs.nbody_run import SimulationGraph
+    except ImportError:  # before the jobs package (e.g. a --baseline revision)
+        from flowpm_mtf.simulate import SimulationGraph
+    return SimulationGraph
+
+
 def cmd_ours(args):
     import mesh_tensorflow as mtf
     import numpy as np
@@ -111,9 +120,9 @@ def cmd_ours(args):
     from bench_sim import sim_config  # noqa: E402  (the configuration of bench_sim)
     from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice, runtime
     from flowpm_mtf import fft
-    from flowpm_mtf.simulate import SimulationGraph
 
     tf.disable_eager_execution()
+    SimulationGraph = simulation_graph_class()
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
     conf = sim_config(args.nc, default_grid(size), args.steps)
@@ -274,11 +283,9 @@ def _build_graph(conf, impl):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf.simulate import SimulationGraph
-
     graph = mtf.Graph()
     mesh = mtf.Mesh(graph, "mesh")
-    sim = SimulationGraph(conf, mesh)
+    sim = simulation_graph_class()(conf, mesh)
     lowering = mtf.Lowering(graph, {mesh: impl})
     tf.group([lowering.lowered_operation(op) for op in sim.init_ops + sim.step_ops])
 
