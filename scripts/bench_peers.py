@@ -492,20 +492,21 @@ def markdown(result):
                  "step`: jitted `pm_forces` / a jitted KDK step around it (1 process, all "
                  "cores); `ICs`: white noise + 2LPT + first force, first run (as a job) and "
                  "warm; `FFT rt`: distributed r2c + c2r round trip; ns/particle: step time "
-                 "per particle.", "",
+                 "per particle; `load`: the machine's 1-minute load average when the record was "
+                 "written.", "",
                  "CPU columns: process CPU time (all threads, summed over ranks; MPI waits "
                  "busy-poll), robust on a loaded machine where wall times are not.", "",
                  "| mesh | code | ranks | step | step / JaxPM force | step / JaxPM step | "
                  "step CPU | CPU: step / JaxPM force | "
                  "ICs (first run) | ICs warm | ICs / step | ICs CPU / step CPU | FFT rt | "
-                 "FFT rt / mpi4py-fft | ns/particle | peak MB/rank | build |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "FFT rt / mpi4py-fft | ns/particle | peak MB/rank | build | load |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ours:
             j = jax.get(r["nc"], {})
             f = mfft.get((r["nc"], r["ranks"]), {})
             ratio = lambda a, b: a / b if a and b else None  # noqa: E731
             rows.append("| %d³ | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
-                        "| %s | %s | %s |"
+                        "| %s | %s | %s | %s |"
                         % (r["nc"], r.get("code", "current"), r["ranks"], _fmt(r["step_s"]),
                            _fmt(ratio(r["step_s"], j.get("force_s")), 2),
                            _fmt(ratio(r["step_s"], j.get("step_s")), 2),
@@ -517,7 +518,8 @@ def markdown(result):
                            _fmt(r["fft_roundtrip_s"]),
                            _fmt(ratio(r["fft_roundtrip_s"], f.get("fft_roundtrip_s")), 2),
                            _fmt(_ns_per_particle(r["step_s"], r["nc"])),
-                           _fmt(max(r["peak_memory_mb"]), 4), _fmt(r["graph_build_s"])))
+                           _fmt(max(r["peak_memory_mb"]), 4), _fmt(r["graph_build_s"]),
+                           _fmt(r.get("load_avg_1min"), 2)))
         rows += ["", "| mesh | JaxPM force | JaxPM step | force CPU | step CPU | "
                  "ns/particle (force) | peak MB | mpi4py-fft rt (ranks) |",
                  "|---|---|---|---|---|---|---|---|"]
