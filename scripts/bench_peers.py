@@ -69,6 +69,8 @@ JAXPM_PKGS = ["jaxpm==0.1.6", "packaging"]
 BUILD_NC_PER_RANK = 16
 
 
+# peak_mb and median_time repeat flowpm_mtf.jobs.runner's on purpose: the ``ours`` run
+# also imports the tree of a --baseline revision, which may predate flowpm_mtf.jobs.
 def peak_mb():
     """Peak resident memory of this process [MB]."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
