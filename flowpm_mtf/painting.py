@@ -139,25 +139,18 @@ def from_global(positions, conf):
 _NATIVE_DTYPES = (tf.float32, tf.float64)
 
 
-def _gpus_visible():
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 def _native_ops(*tensors):
     """The native CIC op module if it serves these local tensors, else None.
 
     None when the library is not usable (see :func:`flowpm_mtf.native.load`),
-    for dtypes other than float32/float64, and on a GPU: a tensor placed on a
-    GPU, or placed nowhere while a GPU is visible (TF would place the op there).
+    for dtypes other than float32/float64, and on a GPU
+    (:func:`flowpm_mtf.native.runs_on_cpu`).
     """
     lib = native.load("cic_ops")
     if lib is None:
         return None
     for t in tensors:
-        if t.dtype not in _NATIVE_DTYPES:
-            return None
-        dev = (t.device or "").upper()
-        if "GPU" in dev or (not dev and _gpus_visible()):
+        if t.dtype not in _NATIVE_DTYPES or not native.runs_on_cpu(t):
             return None
     return lib
 
