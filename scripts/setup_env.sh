@@ -37,6 +37,16 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+# Slurm 22.05 + munge for tests/test_slurm.py, which starts a private one-node cluster
+# (its own config, key and ports; the packages' system services are not used). Optional:
+# only as root; without them those tests are skipped with the reason.
+have_slurm() { for b in slurmctld slurmd sbatch srun munged; do command -v "$b" >/dev/null || return 1; done; }
+if [ "$(id -u)" -eq 0 ] && ! have_slurm; then
+  log "installing Slurm and munge (tests/test_slurm.py)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
+    || log "could not install Slurm: tests/test_slurm.py will be skipped"
+fi
 
 # Native CPU ops (flowpm_mtf/native/*.cc, e.g. the FFTW FFT): compiled against this
 # venv's TensorFlow; a stamp per library makes this a no-op (well under a second)
