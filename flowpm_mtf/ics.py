@@ -38,9 +38,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import config as cfg
 from . import cosmology as cosmo_mod
-from . import fft
+from . import fft, layout
 from . import noise as noise_mod
 
 __all__ = ["k_range", "power_function", "linear_amplitude", "linear_modes", "linear_field",
@@ -50,11 +49,6 @@ log = logging.getLogger(__name__)
 
 # Points at which a generic P(k) callable is probed at graph-build time.
 _N_PROBE = 64
-
-
-def _axis_k(conf):
-    """Wavenumbers along each axis, ``2 pi fftfreq(n, d=cell)`` [h/Mpc] (float64)."""
-    return [2.0 * np.pi * np.fft.fftfreq(n, d=d) for n, d in zip(conf.nc, conf.cell_size)]
 
 
 def k_range(conf):
@@ -78,7 +72,7 @@ def k_range(conf):
     ValueError
         If the mesh has a single cell (no non-zero mode).
     """
-    ks = _axis_k(conf)
+    ks = layout.axis_k(conf)
     nonzero = [np.abs(k[k != 0]).min() for k in ks if np.any(k != 0)]
     if not nonzero:
         raise ValueError("the mesh nc=%r has no non-zero wave vector" % (conf.nc,))
@@ -203,9 +197,7 @@ def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
     pk = power_function(conf, power, a)
     factor = conf.n_cells / float(np.prod(conf.box_size))
     np_dtype = conf.np_dtype
-    kvecs = [mtf.import_tf_tensor(mesh, tf.constant(k, tf.float64),
-                                  mtf.Shape([mtf.Dimension(n, s)]), name="%s_%s" % (name, n))
-             for k, n, s in zip(_axis_k(conf), cfg.K_DIMS, conf.nc)]
+    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
     shape = fft.k_shape(conf)
 
     def fn(kx, ky, kz):

@@ -166,6 +166,15 @@ def atomic_path(path):
             os.remove(tmp)
 
 
+def _write_on_rank0(path, rank, write):
+    """``write(tmp)`` through :func:`atomic_path` on rank 0; the path there, else None."""
+    if not _is_writer(rank):
+        return None
+    with atomic_path(path) as tmp:
+        write(tmp)
+    return os.fspath(path)
+
+
 def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
     """Write an HDF5 file of datasets and file attributes (rank 0 only), atomically.
 
@@ -176,21 +185,18 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
         Datasets in creation order, each with its attributes (e.g. ``units``).
     attrs : dict, optional
         File attributes (strings, numbers or arrays).
-    compression : str, optional
-        h5py compression filter for the datasets.
-    rank : int, optional
-        Rank of this process (default: from the launcher's environment).
+    compression, rank : optional
+        h5py compression filter of every dataset; this process's rank (as
+        :func:`write_snapshot`).
 
     Returns
     -------
     str or None
-        The path written, on rank 0; ``None`` elsewhere.
+        ``path`` on the writing rank (0), else ``None``.
     """
     import h5py
 
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             for name, value, dattrs in datasets:
                 dset = f.create_dataset(name, data=value, compression=compression)
@@ -198,7 +204,8 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
                     dset.attrs[key] = v
             for key, v in (attrs or {}).items():
                 f.attrs[key] = v
-    return os.fspath(path)
+
+    return _write_on_rank0(path, rank, write)
 
 
 def write_table(path, columns, header, fmt="%.17g", rank=None):
@@ -220,11 +227,8 @@ def write_table(path, columns, header, fmt="%.17g", rank=None):
     str or None
         The path written, on rank 0; ``None`` elsewhere.
     """
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
-        np.savetxt(tmp, np.column_stack(columns), header=header, fmt=fmt)
-    return os.fspath(path)
+    return _write_on_rank0(path, rank, lambda tmp: np.savetxt(
+        tmp, np.column_stack(columns), header=header, fmt=fmt))
 
 
 def write_json(path, obj, rank=None):
@@ -235,12 +239,11 @@ def write_json(path, obj, rank=None):
     str or None
         The path written, on rank 0; ``None`` elsewhere.
     """
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
+    def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, default=float)
-    return os.fspath(path)
+
+    return _write_on_rank0(path, rank, write)
 
 
 def write_summary(path, summary, rank=None):

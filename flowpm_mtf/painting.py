@@ -75,6 +75,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
+from . import layout
 from . import native
 from .halo import (_check_shape, field_to_padded, halo_fill, halo_reduce, halo_reduce_plane,
                    padded_shape, padded_to_field)
@@ -99,17 +100,14 @@ def lattice(conf, mesh):
         ``[bx, by, npart, xyz]`` with ``npart = sx * sy * nz``, positions
         ``(i, j, k)`` [cells] in C order (k fastest); dtype ``conf.dtype``.
     """
-    sx, sy, nz = conf.block_shape
-    dims = [mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy), mtf.Dimension(cfg.Z, nz)]
+    dims = layout.block_cell_dims(conf)
     cell = mtf.Shape(dims)
     # built from ranges (no large graph constant); all dimensions here are local
     axes = [mtf.broadcast(mtf.range(mesh, d, dtype=conf.tf_dtype), cell) for d in dims]
-    npart = mtf.Dimension(cfg.NPART, sx * sy * nz)
+    bx, by, npart = layout.particle_dims(conf)
     xyz = mtf.Dimension(cfg.XYZ, 3)
     base = mtf.reshape(mtf.stack(axes, cfg.XYZ, axis=3), mtf.Shape([npart, xyz]))
-    P, Q = conf.grid
-    return mtf.broadcast(base, mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
-                                          npart, xyz]))
+    return mtf.broadcast(base, mtf.Shape([bx, by, npart, xyz]))
 
 
 def block_origins(conf, mesh):
@@ -503,8 +501,7 @@ def readout_field(field, positions, conf):
 
 
 # ----------------------------------------------------------------------------- 2D planes
-PLANE_PX, PLANE_PY = "ppx", "ppy"
-"""Padded 2D block dimensions of a plane being painted (:func:`cic_paint_plane`)."""
+PLANE_PX, PLANE_PY = layout.PLANE_PX, layout.PLANE_PY
 _OFFSETS_2D = np.array([[0, 0], [1, 0], [0, 1], [1, 1]])
 
 
@@ -543,10 +540,10 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     h = conf.halo_size
     if h < 1:
         raise ValueError("density_plane: CIC needs halo_size >= 1, got %d" % h)
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
+    sx, sy, nz = conf.block_shape
     px, py = sx + 2 * h, sy + 2 * h
-    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
-    padded = mtf.Shape([bx, by, mtf.Dimension(PLANE_PX, px), mtf.Dimension(PLANE_PY, py)])
+    padded = layout.padded_plane_shape(conf)
+    bx, by = padded.dims[:2]
 
     def fn(m, pos):
         pos = _local_particles(pos)                               # [nbx, nby, n, 3]
@@ -578,9 +575,8 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     painted = _assert_none_escaped(painted, escaped_count(positions, conf), name)
     painted = halo_reduce_plane(painted, conf, (PLANE_PX, PLANE_PY))
     inner = mtf.slice(mtf.slice(painted, h, sx, PLANE_PX), h, sy, PLANE_PY)
-    dsx, dsy = mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy)
+    dsx, dsy, _ = layout.block_cell_dims(conf)
     inner = mtf.reshape(inner, mtf.Shape([bx, by, dsx, dsy]))
     # [bx, sx, by, sy] keeps x and y split at their positions: a local reshape
     inner = mtf.transpose(inner, mtf.Shape([bx, dsx, by, dsy]))
-    return mtf.reshape(inner, mtf.Shape([mtf.Dimension(n, s) for n, s in
-                                         zip(cfg.REAL_DIMS[:2], conf.nc[:2])]))
+    return mtf.reshape(inner, layout.plane_shape(conf))
