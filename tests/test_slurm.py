@@ -199,6 +199,7 @@ def _has_checkpointing():
     """None when ``flowpm-mtf simulate`` has --checkpoint-every and --resume, else why not."""
     exe = os.path.join(sys.prefix, "bin", "flowpm-mtf")
     proc = subprocess.run([exe, "simulate", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, "%s simulate --help failed:\n%s" % (exe, proc.stderr[-3000:])
     missing = [f for f in ("--checkpoint-every", "--resume") if f not in proc.stdout]
     if missing:
         return ("flowpm-mtf simulate has no %s: the checkpoint/resume/SIGTERM feature "
