@@ -276,8 +276,8 @@ class SlurmCluster:
     # ------------------------------------------------------------------ use
     def run(self, argv, check=True, timeout=60, **kw):
         """Run a Slurm client command against this cluster (text output captured)."""
-        proc = subprocess.run(argv, env=kw.pop("env", self.env), capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        env = kw.pop("env", None) or self.env
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
         if check and proc.returncode != 0:
             raise RuntimeError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
                                                        proc.stderr.strip()))
