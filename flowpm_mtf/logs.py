@@ -55,11 +55,19 @@ def detect_size(environ=None):
 def _from_launcher(environ):
     """(rank, size) from the first launcher of :data:`RANK_ENV_VARS` that set a rank."""
     environ = os.environ if environ is None else environ
+
+    def number(name):
+        value = environ.get(name, "").strip()
+        return int(value) if value.isdigit() else None
+
+    # A launcher that sets both wins: srun --mpi=pmix sets PMIX_RANK without a
+    # PMIX_SIZE, so its size comes from SLURM_NTASKS further down the list.
     for rank_name, size_name in zip(RANK_ENV_VARS, SIZE_ENV_VARS):
-        value = environ.get(rank_name)
-        if value is not None and value.strip().lstrip("-").isdigit():
-            size = environ.get(size_name, "")
-            return int(value), int(size) if size.strip().isdigit() else 1
+        if number(rank_name) is not None and number(size_name) is not None:
+            return number(rank_name), number(size_name)
+    for rank_name in RANK_ENV_VARS:
+        if number(rank_name) is not None:
+            return number(rank_name), 1
     return 0, 1
 
 

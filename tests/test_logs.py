@@ -82,3 +82,14 @@ def test_rank0_only(fresh_root):
     loud.info("from rank 0")
     text = stream.getvalue()
     assert "from rank 0" in text and "from rank 1" not in text
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1)),
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"}, (3, 4)),
+    # srun --mpi=pmix: PMIX_RANK but no PMIX_SIZE; the size is Slurm's task count
+    ({"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (1, 2)),
+    ({"PMIX_RANK": "2"}, (2, 1)),
+])
+def test_detect_rank_and_size(env, expected):
+    assert (logs.detect_rank(env), logs.detect_size(env)) == expected
