@@ -82,7 +82,17 @@ def add_config_arguments(ap):
     ap.add_argument("--a-start", type=float, help="initial scale factor")
     ap.add_argument("--lpt-order", type=int, choices=(1, 2))
     ap.add_argument("--grid", type=parse_grid, help="process grid PxQ (default: from rank count)")
-    ap.add_argument("--halo", type=int, dest="halo_size", help="halo size [cells]")
+    ap.add_argument("--halo", type=int, dest="halo_size",
+                    help="halo size [cells]; expert override (default: automatic, 1 for the "
+                         "eulerian decomposition)")
+    ap.add_argument("--decomposition", choices=("eulerian", "lagrangian"),
+                    help="particles follow the mesh (eulerian, default) or stay on their "
+                         "initial block (lagrangian)")
+    ap.add_argument("--capacity", type=int,
+                    help="particle slots per block (default: automatic)")
+    ap.add_argument("--send-capacity", type=int,
+                    help="particles a block may send to one neighbour per migration "
+                         "(default: automatic)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--dtype", choices=("float32", "float64"))
     ap.add_argument("--out", default="out", help="output directory")
@@ -98,7 +108,7 @@ def build_config(args, defaults=None):
         with open(args.config) as f:
             fields.update(json.load(f))
     for key in ("nc", "box_size", "n_steps", "a_start", "lpt_order", "grid", "halo_size",
-                "seed", "dtype"):
+                "seed", "dtype", "decomposition", "capacity", "send_capacity"):
         val = getattr(args, key, None)
         if val is not None:
             fields[key] = val
@@ -222,7 +232,7 @@ def cmd_simulate(args):
 
 # ----------------------------------------------------------------------------- reconstruct
 RECONSTRUCT_DEFAULTS = {"nc": 32, "box_size": 200.0, "lpt_order": 2, "a_start": 0.1,
-                        "a_end": 1.0, "n_steps": 5, "halo_size": 8, "dtype": "float32"}
+                        "a_end": 1.0, "n_steps": 5, "dtype": "float32"}
 
 
 def cmd_reconstruct(args):

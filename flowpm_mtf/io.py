@@ -9,6 +9,7 @@ Snapshot layout (readable with h5py alone)::
 
     /position   float [N, 3]          particle positions [Mpc/h]
     /velocity   float [N, 3]          particle velocities (units in its attribute)
+    /id         int [N]               particle ids (initial lattice index; sort by it)
     /density    float [NX, NY, NZ]    density on the mesh (units in its attribute)
     attrs:  config            JSON of the run configuration
             versions          JSON of the package versions (see :func:`versions`)
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 #: Value of the ``format`` attribute of the snapshots written here.
 SNAPSHOT_FORMAT = "flowpm_mtf.snapshot/1"
 #: Units recorded for each dataset unless the caller overrides them.
-DEFAULT_UNITS = {"position": "Mpc/h", "velocity": "km/s",
+DEFAULT_UNITS = {"position": "Mpc/h", "velocity": "km/s", "id": "initial lattice index",
                  "density": "dimensionless (rho / mean rho)"}
 
 _DISTRIBUTIONS = {  # key in versions() -> distribution names, first found wins
@@ -112,7 +113,7 @@ def _tmp_name(path):
 
 
 def write_snapshot(path, position=None, velocity=None, density=None, attrs=None, *,
-                   units=None, compression=None, rank=None):
+                   units=None, compression=None, rank=None, ids=None):
     """Write a snapshot to an HDF5 file (on rank 0 only).
 
     Parameters
@@ -135,6 +136,8 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
         h5py compression filter for the datasets (e.g. ``"gzip"``).
     rank : int, optional
         Rank of this process (default: from the launcher's environment).
+    ids : array_like, optional
+        Global particle ids (initial lattice index), shape [N]: dataset ``id``.
 
     Returns
     -------
@@ -160,6 +163,11 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
         if position is not None and data["velocity"].shape != data["position"].shape:
             raise ValueError("velocity shape %s differs from position shape %s"
                              % (data["velocity"].shape, data["position"].shape))
+    if ids is not None:
+        data["id"] = np.asarray(ids)
+        if position is not None and data["id"].shape != data["position"].shape[:1]:
+            raise ValueError("id shape %s does not match position shape %s"
+                             % (data["id"].shape, data["position"].shape))
     if density is not None:
         data["density"] = np.asarray(density)
         if data["density"].ndim != 3:
@@ -202,15 +210,15 @@ def read_snapshot(path):
     Returns
     -------
     dict
-        ``position``, ``velocity``, ``density`` (ndarrays, or ``None`` when absent),
+        ``position``, ``velocity``, ``id``, ``density`` (ndarrays, or ``None`` when absent),
         ``config`` and ``versions`` (dicts decoded from JSON), ``units`` (dict of
         dataset -> units string) and ``attrs`` (all raw file attributes).
     """
     import h5py
 
-    out = {"position": None, "velocity": None, "density": None, "units": {}}
+    out = {"position": None, "velocity": None, "id": None, "density": None, "units": {}}
     with h5py.File(os.fspath(path), "r") as f:
-        for name in ("position", "velocity", "density"):
+        for name in ("position", "velocity", "id", "density"):
             if name in f:
                 out[name] = f[name][()]
                 units = f[name].attrs.get("units")
@@ -240,6 +248,8 @@ def write_power(path, k, pk, modes=None, *, header=None, rank=None):
         Extra header text (a dict is written as JSON), e.g. the configuration.
     rank : int, optional
         Rank of this process (default: from the launcher's environment).
+    ids : array_like, optional
+        Global particle ids (initial lattice index), shape [N]: dataset ``id``.
 
     Returns
     -------

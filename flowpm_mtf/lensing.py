@@ -74,6 +74,7 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import cosmology as cosmo_mod
+from . import domain
 from .gravity import pm_forces
 from .halo import _axes as _halo_axes
 from .halo import _reduce_axis as _halo_reduce_axis
@@ -342,7 +343,7 @@ def _plane_shape(conf):
     return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.REAL_DIMS[:2], conf.nc[:2])])
 
 
-def density_plane(positions, conf, geom, index, name=None):
+def density_plane(positions, conf, geom, index, name=None, weight=None):
     """Project the particles of lens shell ``index`` onto a 2D CIC density plane.
 
     Parameters
@@ -355,6 +356,9 @@ def density_plane(positions, conf, geom, index, name=None):
     index : int
         Plane number.
     name : str, optional
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.domain.weights`:
+        0 for empty slots).
 
     Returns
     -------
@@ -382,7 +386,7 @@ def density_plane(positions, conf, geom, index, name=None):
     bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
     padded = mtf.Shape([bx, by, mtf.Dimension(PLANE_PX, px), mtf.Dimension(PLANE_PY, py)])
 
-    def fn(m, pos):
+    def fn(m, pos, w=None):
         pos = _local_particles(pos)                               # [nbx, nby, n, 3]
         nbx, nby, n, _ = pos.shape.as_list()
         # line-of-sight distance z + k nz of the replica k that reaches the shell
@@ -392,6 +396,8 @@ def density_plane(positions, conf, geom, index, name=None):
         nb = tf.floor(xy) + tf.constant(_OFFSETS_2D, pos.dtype)
         kern = 1.0 - tf.abs(xy - nb)
         kern = kern[..., 0] * kern[..., 1] * inside[..., None]    # [nbx, nby, n, 4]
+        if w is not None:
+            kern = kern * tf.reshape(w, [nbx, nby, n, 1])
         cell = tf.cast(nb, tf.int32)
         ix = tf.clip_by_value(cell[..., 0] + h, 0, px - 1)
         iy = tf.clip_by_value(cell[..., 1] + h, 0, py - 1)
@@ -404,7 +410,8 @@ def density_plane(positions, conf, geom, index, name=None):
     # painted onto an explicit zero plane, as painting.cic_paint (the isolated gradient
     # needs two inputs)
     empty = mtf.zeros(positions.mesh, padded, dtype=positions.dtype)
-    painted = mtf.slicewise(fn, [empty, positions], output_shape=padded,
+    inputs = [empty, positions] + ([weight] if weight is not None else [])
+    painted = mtf.slicewise(fn, inputs, output_shape=padded,
                             output_dtype=positions.dtype,
                             splittable_dims=positions.shape.dims[:2],
                             grad_function=_isolated_grad(fn, positions.shape.dims[:2], name),
@@ -543,13 +550,15 @@ def lightcone_forward(linear, conf, geom):
     stages, plane_stage = lightcone_stages(conf, geom)
     kernels = make_kernels(conf, linear.mesh)
     init = lpt_init(linear, conf, a=stages[0])
-    state = State(init.positions, init.momenta, pm_forces(init.positions, conf, kernels))
+    state = init._replace(forces=pm_forces(init.positions, conf, kernels,
+                                           domain.weights(init.ids, conf)))
     planes = [None] * geom.n_planes
     for j in range(stages.size):
         if j > 0:
             state = kdk_step(state, conf, stages[j - 1], stages[j], kernels)
         for i in np.nonzero(plane_stage == j)[0]:
-            planes[i] = density_plane(state.positions, conf, geom, int(i))
+            planes[i] = density_plane(state.positions, conf, geom, int(i),
+                                      weight=domain.weights(state.ids, conf))
     log.debug("lightcone_forward: %d stages, %d planes", stages.size, geom.n_planes)
     return born_convergence(planes, conf, geom), planes, state
 

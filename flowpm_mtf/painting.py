@@ -242,6 +242,11 @@ def _isolated_grad(forward_fn, splittable_dims, name):
             return tuple(tf.gradients(y, xs, grad_ys=args[n],
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO))
 
+        if n == 1:   # mtf.slicewise wants a single output unwrapped
+            grad = mtf.slicewise(lambda *a: fn(*a)[0], inputs + [dy],
+                                 output_shape=inputs[0].shape, output_dtype=inputs[0].dtype,
+                                 splittable_dims=splittable_dims, name=name + "_grad")
+            return [grad]
         grads = mtf.slicewise(fn, inputs + [dy], output_shape=[x.shape for x in inputs],
                               output_dtype=[x.dtype for x in inputs],
                               splittable_dims=splittable_dims, name=name + "_grad")
