@@ -218,7 +218,7 @@ def cmd_run(args):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = args.grid or default_grid(size)
-    from flowpm_mtf import domain, painting
+    from flowpm_mtf import domain
 
     conf = sim_config(args.nc, grid, args.steps, args.box_size, args.decomposition, args.halo)
     if conf.n_ranks != size:
@@ -244,8 +244,7 @@ def cmd_run(args):
         local = {k: export_local_slice(lowering, v)
                  for k, v in zip(("positions", "momenta", "forces", "ids"), sim.variables)}
         local["rho"] = export_local_slice(lowering, sim.rho)
-        global_x = export_local_slice(lowering, painting.to_global(sim.variables.positions,
-                                                                   conf))
+        global_x = export_local_slice(lowering, sim.position)   # global [cells]
         stats = (lowering.export_to_tf_tensor(sim.step_stats) if sim.step_stats is not None
                  else tf.no_op())
         particle_shape = sim.variables.positions.shape
@@ -380,9 +379,7 @@ def _launch(cmd, timeout):
 
 
 def cmd_all(args):
-    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
-    if os.geteuid() == 0:
-        mpirun.insert(1, "--allow-run-as-root")
+    mpirun = _mpirun()
     records = []
     tmp = tempfile.mkdtemp(prefix="bench_sim")
     for nc in args.sizes:
@@ -396,20 +393,30 @@ def cmd_all(args):
                 cmd = [sys.executable, __file__, "flowpm"] + common
             else:
                 cmd = mpirun + ["-np", str(n), sys.executable, __file__, "run"] + common
-            wall = _launch(cmd, args.timeout)
-            with open(path) as f:
-                rec = json.load(f)
-            rec["wall_s"] = wall
-            records.append(rec)
-            log.info("%s", summary_line(rec))
+            records.append(_launch_record(cmd, path, args.timeout))
+    return _write_result(args.out, "bench_sim", records, markdown)
+
+
+def _launch_record(cmd, path, timeout):
+    """Run ``cmd`` (which writes the JSON record ``path``); the record with its wall time."""
+    wall = _launch(cmd, timeout)
+    with open(path) as f:
+        rec = json.load(f)
+    rec["wall_s"] = wall
+    log.info("%s", summary_line(rec))
+    return rec
+
+
+def _write_result(out, name, records, render):
+    """Write ``out/name.json`` (records + machine) and ``out/name.md`` (``render``)."""
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "records": records,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sim.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "bench_sim.md"), "w") as f:
-        f.write(markdown(result))
-    log.info("wrote %s", os.path.join(args.out, "bench_sim.{json,md}"))
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write(render(result))
+    log.info("wrote %s", os.path.join(out, name + ".{json,md}"))
     return result
 
 
@@ -438,25 +445,15 @@ def cmd_migration(args):
             extra += ["--halo", str(halo)]
         cmd = _mpirun() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
         try:
-            wall = _launch(cmd, args.timeout)
+            records.append(_launch_record(cmd, path, args.timeout))
         except RuntimeError as exc:  # e.g. the lagrangian halo is too small: record it
-            records.append({"decomposition": decomposition, "halo": halo,
-                            "failed": str(exc).splitlines()[-1][:300]})
-            continue
-        with open(path) as f:
-            rec = json.load(f)
-        rec["wall_s"] = wall
-        records.append(rec)
-        log.info("%s", summary_line(rec))
-    result = {"machine": machine_info(), "command": " ".join(sys.argv), "records": records,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_migration.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "bench_migration.md"), "w") as f:
-        f.write(migration_markdown(result))
-    log.info("wrote %s", os.path.join(args.out, "bench_migration.{json,md}"))
-    return result
+            lines = str(exc).splitlines()
+            why = next((ln for ln in reversed(lines) if "Error" in ln and "mpirun" not in ln),
+                       lines[-1])
+            records.append({"decomposition": decomposition, "halo": halo, "failed": why[:300]})
+            if decomposition == "eulerian":
+                raise
+    return _write_result(args.out, "bench_migration", records, migration_markdown)
 
 
 def migration_markdown(result):
