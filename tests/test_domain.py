@@ -174,18 +174,20 @@ def test_migration_gradient(case):
 
 @pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
 def test_simulation_retries_with_larger_capacity(tmp_path):
-    """simulate.run with a send buffer too small for the ICs: the overflow is caught,
+    """The simulate job with a send buffer too small for the ICs: the overflow is caught,
     the job rebuilds with the capacities the error names and completes; the snapshot
     holds every particle once, sorted by id, and summary.json the load imbalance."""
     import json
 
     import h5py
-    from flowpm_mtf import simulate
+    from flowpm_mtf import jobs
+    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs.simulate import SimulateOptions
 
     conf = SimConfig(nc=16, box_size=100.0, grid=(2, 1), n_steps=2, dtype="float64",
                      send_capacity=4)
-    impl = H.make_impl("placement", conf)
-    simulate.run(conf, impl, H.session_config("placement", conf), str(tmp_path), plot=False)
+    runner.run(jobs.get("simulate"), {"config": conf, "simulate": SimulateOptions()},
+               H.backend("placement", conf), str(tmp_path), plot=False)
     with h5py.File(tmp_path / "snapshot.h5", "r") as f:
         np.testing.assert_array_equal(f["id"][...], np.arange(16**3))
         assert f["position"].shape == (16**3, 3)
