@@ -175,8 +175,9 @@ class SimConfig:
         Q ranks (mesh axis ``col``); z is never split.
     halo_size : int or None
         Halo width around each block in x and y [cells]; None (default) chooses
-        it from the decomposition: 1 (the CIC stencil) for ``"eulerian"``, where
-        particles are migrated into their block before every painting, and
+        it from the decomposition: 2 (the CIC stencil and a 1-cell margin) for
+        ``"eulerian"``, where particles are migrated into their block before
+        every painting, and
         ``min(8, block - 1)`` for ``"lagrangian"``, where particles may move up
         to about ``halo_size - 1`` cells away from their block for the whole run
         (see :mod:`flowpm_mtf.painting`). An expert override otherwise.
@@ -269,7 +270,7 @@ class SimConfig:
                              % (list(DECOMPOSITIONS), self.decomposition))
         sx, sy = self.nc[0] // P, self.nc[1] // Q
         if self.halo_size is None:
-            set_("halo_size", 1 if self.decomposition == "eulerian"
+            set_("halo_size", max(0, min(2, sx - 1, sy - 1)) if self.decomposition == "eulerian"
                  else max(0, min(8, sx - 1, sy - 1)))
         for name in ("capacity", "send_capacity"):
             v = getattr(self, name)

@@ -6,7 +6,7 @@ Each block (see :mod:`flowpm_mtf.halo`) holds its particles with positions in
 **block-local coordinates** [cells]: global position minus the block origin
 ``(i sx, j sy, 0)``. Which particles a block holds is the business of
 :mod:`flowpm_mtf.domain`: with the eulerian decomposition (default) those it
-contains, migrated after every drift (so ``halo_size = 1`` suffices); with the
+contains, migrated after every drift (so ``halo_size = 2`` suffices); with the
 lagrangian one those it started with, for the whole run. Empty slots of the
 eulerian buffers are painted with weight 0 (the ``weight`` argument). A position tensor has the shape
 ``[bx, by, <particle dims>, xyz]`` (``bx`` on ``row``, ``by`` on ``col``;

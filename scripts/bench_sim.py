@@ -79,7 +79,7 @@ def median_time(fn, repeats, warmup=1):
 
 
 def sim_config(nc, grid, steps, box_size=None, decomposition="eulerian", halo=None):
-    """The benchmark's SimConfig. Halo: ``halo`` if given; automatic (1) for the
+    """The benchmark's SimConfig. Halo: ``halo`` if given; automatic (2) for the
     eulerian decomposition; 25 Mpc/h at 200 Mpc/h (scaled with the mesh) for the
     lagrangian one."""
     from flowpm_mtf.config import SimConfig

@@ -103,10 +103,10 @@ def test_cosmology_validation():
 
 
 def test_decomposition_halo_and_capacity():
-    """Eulerian (default): automatic halo 1; lagrangian: min(8, block - 1); capacities
+    """Eulerian (default): automatic halo 2; lagrangian: min(8, block - 1); capacities
     are validated against the lattice count of a block."""
     c = SimConfig(nc=16, grid=(2, 2))
-    assert c.decomposition == "eulerian" and c.halo_size == 1
+    assert c.decomposition == "eulerian" and c.halo_size == 2
     assert c.capacity is None and c.send_capacity is None and c.particles_per_block == 1024
     assert SimConfig(nc=16, grid=(2, 2), decomposition="lagrangian").halo_size == 7
     assert SimConfig(nc=64, decomposition="lagrangian").halo_size == 8
