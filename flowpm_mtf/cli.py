@@ -50,14 +50,22 @@ def add_run_arguments(parser, job):
     group.add_argument("--config", metavar="FILE.json",
                        help="JSON file of config fields (keys = field names, or sections "
                             "%s); flags override it" % ", ".join(s.key for s in job.sections))
-    group.add_argument("--out", default=job.default_out,
-                       help="output (run) directory (default: %(default)s)")
+    group.add_argument("--out", default=None,
+                       help="output (run) directory (default: %s)" % job.default_out)
     group.add_argument("--backend", choices=BACKENDS, default="hvd",
                        help="hvd: one slice per MPI rank; placement: Mesh TF's "
                             "PlacementMeshImpl in one process (default: %(default)s)")
     group.add_argument("--no-plot", action="store_true", help="skip the figure")
     group.add_argument("--verbose", action="store_true",
                        help="show TensorFlow's C++ start-up lines (and debug output)")
+    if getattr(job, "checkpoints", False):
+        group.add_argument("--checkpoint-every", type=int, metavar="K",
+                           help="write a checkpoint into OUT/checkpoint every K steps (SIGTERM "
+                                "always checkpoints and exits 0)")
+        group.add_argument("--resume", metavar="DIR",
+                           help="continue the run in DIR from its newest valid checkpoint "
+                                "(outputs go to DIR; --grid may differ, other settings must "
+                                "match the checkpoint)")
 
 
 def build_parser(jobs):
@@ -93,6 +101,59 @@ def make_configs(job, args):
     return configs
 
 
+def explicit_values(job, args):
+    """Section key -> {field: value} set by a flag or ``--config`` (not by defaults)."""
+    from .jobs.options import job_values
+
+    given = job_values(job, args, args.config)
+    defaults = job_values(job, argparse.Namespace(), None)
+    file_keys = set()
+    if args.config:
+        with open(args.config) as fh:
+            data = json.load(fh)
+        for key, value in data.items():
+            file_keys.update(value if (key in given and isinstance(value, dict)) else [key])
+    out = {}
+    for key, values in given.items():
+        for name, value in values.items():
+            if "%s:%s" % (key, name) in vars(args) or name in file_keys or \
+                    defaults[key].get(name, object()) != value:
+                out.setdefault(key, {})[name] = value
+    return out
+
+
+def resume_configs(job, args):
+    """The configs of the checkpointed run in ``args.resume`` (the grid may change).
+
+    Raises
+    ------
+    ResumeError
+        No valid checkpoint in the directory, or an option that contradicts it.
+    """
+    from . import checkpoint
+    from .errors import ResumeError
+
+    found = checkpoint.candidates(args.resume)
+    if not found:
+        raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
+                          "to write checkpoints, or start a new run)"
+                          % (args.resume, checkpoint.checkpoint_root(args.resume)))
+    manifest = found[0][1]
+    overrides = explicit_values(job, args)
+    sim = overrides.setdefault("config", {})
+    if sim.get("grid") is None:
+        n = world()[1]
+        sim["grid"] = default_grid(n) if args.backend == "hvd" else tuple(manifest["grid"])
+    configs = checkpoint.check_resume_config(manifest, overrides,
+                                             {sec.key: sec.make for sec in job.sections})
+    n = world()[1]
+    conf = configs["config"]
+    if args.backend == "hvd" and conf.n_ranks != n:
+        raise ResumeError("the process grid %s needs %d ranks but the job has %d; launch with "
+                          "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
+    return configs
+
+
 def main(argv=None):
     """Parse the command line and run one job; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -112,12 +173,38 @@ def main(argv=None):
     if args.backend == "hvd":
         backend_mod.install_abort_on_exception()  # one failing rank ends the job
     job = registry[args.command]
-    configs = make_configs(job, args)
+    from .errors import FlowpmError
+
+    try:
+        run_job(job, args, backend_mod, runner)
+    except FlowpmError as exc:  # one line, no traceback, non-zero exit on every rank
+        if world()[0] == 0:
+            sys.stderr.write("flowpm-mtf: error: %s\n" % exc)
+        return 1
+    return 0
+
+
+def run_job(job, args, backend_mod, runner):
+    """Configs (new run, or ``--resume``), backend, then the runner."""
+    from .errors import ConfigError, ResumeError
+
+    every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
+    if every is not None and every < 1:
+        raise ConfigError("--checkpoint-every takes a number of steps >= 1, got %d" % every)
+    if resume:
+        if args.out not in (None, resume):
+            raise ResumeError("--resume %s writes its outputs there; drop --out %s"
+                              % (resume, args.out))
+        args.out = resume
+        configs = resume_configs(job, args)
+    else:
+        configs = make_configs(job, args)
+    out = args.out or job.default_out
     log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
                        for key, cfg in configs.items()))
     backend = backend_mod.make_backend(args.backend, configs["config"])
-    runner.run(job, configs, backend, args.out, plot=not args.no_plot)
-    return 0
+    return runner.run(job, configs, backend, out, plot=not args.no_plot, checkpoint_every=every,
+                      resume=bool(resume))
 
 
 if __name__ == "__main__":

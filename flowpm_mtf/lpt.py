@@ -47,7 +47,7 @@ import numpy as np
 from . import config as cfg
 from . import cosmology as cosmo_mod
 from . import domain
-from . import fft
+from . import fft, ics
 from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
 from .painting import lattice
 
@@ -199,10 +199,12 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     order = conf.lpt_order if order is None else int(order)
     if order not in (1, 2):
         raise ValueError("lpt: order must be 1 or 2, got %r" % order)
+    modes = ics.modes_of(linear)
     linear = _check_linear(linear, conf)
     if kernels is None:
         kernels = make_kernels(conf, linear.mesh)
-    delta_k = fft.r2c(linear, conf, name="lpt_r2c")
+    # The modes of ics.linear_field, when it made the field: no FFT round trip.
+    delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
 
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
