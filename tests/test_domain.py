@@ -189,7 +189,8 @@ def test_simulation_retries_with_larger_capacity(tmp_path):
     runner.run(jobs.get("simulate"), {"config": conf, "simulate": SimulateOptions()},
                H.backend("placement", conf), str(tmp_path), plot=False)
     with h5py.File(tmp_path / "snapshot.h5", "r") as f:
-        np.testing.assert_array_equal(f["id"][...], np.arange(16**3))
+        # rows grouped by rank (empty slots dropped): every id exactly once
+        np.testing.assert_array_equal(np.sort(f["id"][...]), np.arange(16**3))
         assert f["position"].shape == (16**3, 3)
     with open(tmp_path / "summary.json") as f:
         mig = json.load(f)["migration"]
