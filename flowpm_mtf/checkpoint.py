@@ -158,7 +158,8 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
             files[name] = {"pnum": int(pnum), "block": [int(b) for b in arrays["block"]],
-                           "n": int(np.asarray(arrays["id"]).size),
+                           "n": int((np.asarray(arrays["id"]) >= 0).sum()),  # valid slots
+                           "slots": int(np.asarray(arrays["id"]).size),
                            "size": os.path.getsize(path), "sha256": _sha256(path)}
         return files
 
@@ -246,32 +247,71 @@ def _read_file(path, info):
 
 
 def _reslice(path, manifest, conf, block):
-    """The state of ``block`` on ``conf.grid`` from the part files of another grid."""
+    """The state of ``block`` on ``conf`` from the part files of another grid or capacity.
+
+    Lagrangian decomposition: every particle goes to its Lagrangian block, in
+    lattice slot order (positions re-expressed relative to the new block origin,
+    unwrapped). Eulerian: to the block that contains its current position
+    (x, y wrapped into the box), in id order, the ``domain.capacity(conf) - n``
+    trailing slots empty (id -1). Every old part file is read in the eulerian
+    case (a particle may sit anywhere); the lagrangian one skips old blocks that
+    cannot hold a particle of ``block``.
+    """
+    from . import domain
+
     sx, sy, nz = conf.block_shape
-    npart = sx * sy * nz
     x0, y0 = block[0] * sx, block[1] * sy
     origin = np.array([x0, y0, 0], np.float64)
     old_conf = conf.replace(grid=tuple(manifest["grid"]))
     osx, osy, _ = old_conf.block_shape
-    out = {k: np.zeros((npart, 3), conf.np_dtype) for k in STATE_NAMES}
-    filled = np.zeros(npart, bool)
+    lagrangian = conf.decomposition == "lagrangian"
+    slots = domain.capacity(conf)
+    got = {k: [] for k in ("id", "slot") + STATE_NAMES}
     for name, info in sorted(manifest["files"].items()):
         obx, oby = info["block"]
-        if obx * osx >= x0 + sx or (obx + 1) * osx <= x0 or \
-                oby * osy >= y0 + sy or (oby + 1) * osy <= y0:
+        if lagrangian and (obx * osx >= x0 + sx or (obx + 1) * osx <= x0 or
+                           oby * osy >= y0 + sy or (oby + 1) * osy <= y0):
             continue  # no particle of this old block can be in the new one
         data = _read_file(os.path.join(path, name), info)
-        i, j, k = _lattice_coords(data["id"], conf.nc)
-        mine = (i >= x0) & (i < x0 + sx) & (j >= y0) & (j < y0 + sy)
-        idx = ((i[mine] - x0) * sy + (j[mine] - y0)) * nz + k[mine]
-        pos = data["positions"].reshape(-1, 3)[mine].astype(np.float64)
-        out["positions"][idx] = (pos + data["origin"] - origin).astype(conf.np_dtype)
+        ids = np.asarray(data["id"], np.int64).reshape(-1)
+        pos = data["positions"].reshape(-1, 3).astype(np.float64) + data["origin"]
+        valid = ids >= 0
+        if lagrangian:
+            i, j, k = _lattice_coords(ids, conf.nc)
+            mine = valid & (i >= x0) & (i < x0 + sx) & (j >= y0) & (j < y0 + sy)
+            got["slot"].append(((i[mine] - x0) * sy + (j[mine] - y0)) * nz + k[mine])
+        else:
+            pos[:, :2] %= np.asarray(conf.nc[:2], np.float64)
+            owner = np.floor(pos[:, :2] / [sx, sy]).astype(np.int64)
+            mine = valid & (owner[:, 0] == block[0]) & (owner[:, 1] == block[1])
+        got["id"].append(ids[mine])
+        got["positions"].append(pos[mine] - origin)
         for key in ("momenta", "forces"):
-            out[key][idx] = data[key].reshape(-1, 3)[mine]
-        filled[idx] = True
-    if not filled.all():
-        raise ValueError("%d particles of block %s are missing" % (npart - filled.sum(), block))
-    return out
+            got[key].append(data[key].reshape(-1, 3)[mine])
+    cat = {k: np.concatenate(v) if v else np.zeros((0,) if k in ("id", "slot") else (0, 3))
+           for k, v in got.items()}
+    n = cat["id"].size
+    if n > slots:
+        raise ValueError("block %s would hold %d particles, more than its %d slots; resume with "
+                         "--capacity %d" % (block, n, slots, n))
+    out = {k: np.zeros((slots, 3), conf.np_dtype) for k in STATE_NAMES}
+    out["id"] = np.full(slots, -1, np.int64)
+    if lagrangian:
+        dest, src = cat["slot"], np.arange(n)
+    else:
+        dest, src = np.arange(n), np.argsort(cat["id"], kind="stable")
+    out["id"][dest] = cat["id"][src]
+    for key in STATE_NAMES:
+        out[key][dest] = cat[key][src].astype(conf.np_dtype)
+    if lagrangian and n != sx * sy * nz:
+        raise ValueError("%d particles of block %s are missing" % (slots - n, block))
+    return out, n
+
+
+def _replicas(comm, blocks):
+    """How many times each block is held over the ranks (1 unless slices are replicated)."""
+    held = [p for bl in comm.allgather(sorted(blocks.values())) for p in bl]
+    return max(1, len(held) // max(1, len(set(map(tuple, held)))))
 
 
 def load(out_dir, comm, conf, blocks):
@@ -294,33 +334,46 @@ def load(out_dir, comm, conf, blocks):
     -------
     manifest : dict
     parts : dict
-        ``pnum -> {"positions", "momenta", "forces"}`` arrays of shape
-        ``[npart, 3]`` in lattice order of the block, dtype ``conf.dtype``.
+        ``pnum -> {"positions", "momenta", "forces", "id"}``: ``[slots, 3]``
+        arrays of dtype ``conf.dtype`` and ``[slots]`` ids (-1: empty slot),
+        ``slots = domain.capacity(conf)``; the same grid and capacity restore
+        the saved buffers bit for bit.
 
     Raises
     ------
     ResumeError
         On every rank, if no checkpoint is valid everywhere.
     """
+    from . import domain
+
     tried = []
+    slots = domain.capacity(conf)
     for path, manifest in candidates(out_dir):
-        error, parts = None, {}
+        error, parts, count = None, {}, 0
         try:
-            same_grid = tuple(manifest["grid"]) == tuple(conf.grid)
+            same = tuple(manifest["grid"]) == tuple(conf.grid)
             for pnum, block in blocks.items():
-                if same_grid:
-                    name = _part_name(pnum)
-                    info = manifest["files"][name]
+                name = _part_name(pnum)
+                info = manifest["files"].get(name) if same else None
+                if info is not None and info.get("slots", info["n"]) == slots:
                     if tuple(info["block"]) != tuple(block):
                         raise ValueError("%s holds block %s, expected %s"
                                          % (name, info["block"], block))
                     data = _read_file(os.path.join(path, name), info)
                     parts[pnum] = {k: data[k].reshape(-1, 3) for k in STATE_NAMES}
-                else:
-                    parts[pnum] = _reslice(path, manifest, conf, block)
+                    parts[pnum]["id"] = data["id"].reshape(-1)
+                    n = int((parts[pnum]["id"] >= 0).sum())
+                else:  # another grid or another capacity: place every particle anew
+                    parts[pnum], n = _reslice(path, manifest, conf, block)
+                count += n
         except Exception as exc:
             error = "%s: %s" % (type(exc).__name__, exc)
-        errors = [e for e in comm.allgather(error) if e]
+        gathered = comm.allgather((error, count))
+        errors = [e for e, _ in gathered if e]
+        total = sum(c for _, c in gathered)
+        if not errors and total != conf.n_particles * _replicas(comm, blocks):
+            errors = ["the checkpoint holds %d particles, expected %d"
+                      % (total, conf.n_particles)]
         if not errors:
             log.info("resuming from %s (step %d, a=%.4f, written on grid %s)", path,
                      manifest["step"], manifest["a"], "x".join(map(str, manifest["grid"])))

@@ -12,7 +12,7 @@ rules (dimension -> mesh axis) are :attr:`SimConfig.layout_rules`.
 import dataclasses
 import json
 import logging
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .layout import (BX, BY, COL, K_DIMS, KX, KY, KZ, NPART, PX, PY, REAL_DIMS, 
                      ROW, SX, SY, XYZ, X, Y, Z)
 
 _DTYPES = {"float32": "complex64", "float64": "complex128"}
+
+DECOMPOSITIONS = ("eulerian", "lagrangian")
+"""Values of :attr:`SimConfig.decomposition` (see :mod:`flowpm_mtf.domain`)."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -130,10 +133,14 @@ class SimConfig:
     grid : 2-tuple of int
         Process grid (P, Q): x is split over P ranks (mesh axis ``row``), y over
         Q ranks (mesh axis ``col``); z is never split.
-    halo_size : int
-        Halo width around each block in x and y [cells]. Particles may move up
-        to about ``halo_size - 1`` cells away from their block (see
-        :mod:`flowpm_mtf.painting`).
+    halo_size : int or None
+        Halo width around each block in x and y [cells]; None (default) chooses
+        it from the decomposition: 2 (the CIC stencil and a 1-cell margin) for
+        ``"eulerian"``, where particles are migrated into their block before
+        every painting, and
+        ``min(8, block - 1)`` for ``"lagrangian"``, where particles may move up
+        to about ``halo_size - 1`` cells away from their block for the whole run
+        (see :mod:`flowpm_mtf.painting`). An expert override otherwise.
     a_start, a_end : float
         First and last scale factor [dimensionless].
     n_steps : int
@@ -146,6 +153,20 @@ class SimConfig:
         Seed of the initial conditions (independent of the process grid).
     cosmology : Cosmology
         Cosmological parameters.
+    decomposition : {"eulerian", "lagrangian"}
+        ``"eulerian"`` (default, FastPM's): after every drift each particle
+        moves to the block that contains its current position
+        (:mod:`flowpm_mtf.domain`); ``"lagrangian"``: particles stay on the
+        block of their initial lattice site and the halo must cover their whole
+        displacement.
+    capacity : int or None
+        Particle slots per block (``"eulerian"`` only) [particles]; None chooses
+        it from the linear density contrast of a block at ``a_end``
+        (:func:`flowpm_mtf.domain.capacity`).
+    send_capacity : int or None
+        Particles a block can send to one neighbour per migration round
+        [particles]; None chooses it from the linear displacement per step
+        (:func:`flowpm_mtf.domain.send_capacity`).
 
     Raises
     ------
@@ -162,7 +183,7 @@ class SimConfig:
     nc: Tuple[int, int, int] = (64, 64, 64)
     box_size: Tuple[float, float, float] = (200.0, 200.0, 200.0)
     grid: Tuple[int, int] = (1, 1)
-    halo_size: int = dataclasses.field(default=8, metadata={"flags": ("--halo",)})
+    halo_size: Optional[int] = dataclasses.field(default=None, metadata={"flags": ("--halo",)})
     a_start: float = 0.1
     a_end: float = 1.0
     n_steps: int = dataclasses.field(default=10, metadata={"flags": ("--steps",)})
@@ -170,6 +191,10 @@ class SimConfig:
     dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(_DTYPES)})
     seed: int = 42
     cosmology: Cosmology = dataclasses.field(default_factory=Cosmology)
+    decomposition: str = dataclasses.field(default="eulerian",
+                                           metadata={"choices": DECOMPOSITIONS})
+    capacity: Optional[int] = None
+    send_capacity: Optional[int] = None
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -200,6 +225,30 @@ class SimConfig:
             if n % p:
                 raise ValueError("grid %r does not divide nc=%r: %s = %d is not a multiple of %d"
                                  % (self.grid, self.nc, what, n, p))
+        if self.decomposition not in DECOMPOSITIONS:
+            raise ValueError("decomposition must be one of %s, got %r"
+                             % (list(DECOMPOSITIONS), self.decomposition))
+        sx, sy = self.nc[0] // P, self.nc[1] // Q
+        if self.halo_size is None:
+            set_("halo_size", max(0, min(2, sx - 1, sy - 1)) if self.decomposition == "eulerian"
+                 else max(0, min(8, sx - 1, sy - 1)))
+        for name in ("capacity", "send_capacity"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError("%s must be a positive int or None (automatic), got %r"
+                                 % (name, v))
+            set_(name, int(v))
+        npb = sx * sy * self.nc[2]
+        if self.capacity is not None:
+            if self.decomposition == "lagrangian" and self.capacity != npb:
+                raise ValueError("capacity=%d: the lagrangian decomposition holds exactly the "
+                                 "%d particles of a block (leave capacity unset)"
+                                 % (self.capacity, npb))
+            if self.capacity < npb:
+                raise ValueError("capacity=%d is smaller than the %d particles a block starts "
+                                 "with" % (self.capacity, npb))
         for v, name in ((self.halo_size, "halo_size"), (self.n_steps, "n_steps"),
                         (self.lpt_order, "lpt_order"), (self.seed, "seed")):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -208,7 +257,6 @@ class SimConfig:
         set_("n_steps", int(self.n_steps))
         set_("lpt_order", int(self.lpt_order))
         set_("seed", int(self.seed))
-        sx, sy = self.nc[0] // P, self.nc[1] // Q
         if self.halo_size < 0:
             raise ValueError("halo_size must be >= 0, got %d" % self.halo_size)
         if self.halo_size >= min(sx, sy):
@@ -253,6 +301,16 @@ class SimConfig:
         """Cells of one padded block along x, y, z [cells] (z is not padded)."""
         sx, sy, nz = self.block_shape
         return (sx + 2 * self.halo_size, sy + 2 * self.halo_size, nz)
+
+    @property
+    def particles_per_block(self):
+        """Particles of one block's initial lattice, ``sx * sy * nz``."""
+        return int(np.prod(self.block_shape))
+
+    @property
+    def n_particles(self):
+        """Total number of particles (one per cell)."""
+        return self.n_cells
 
     @property
     def n_ranks(self):

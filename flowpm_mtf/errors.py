@@ -1,7 +1,8 @@
-"""Exceptions of flowpm_mtf: one line a user can act on.
+"""Exception classes of ``flowpm_mtf``: one line a user can act on.
 
-The CLI prints ``flowpm-mtf: error: <message>`` for a :class:`FlowpmError`
-(no traceback unless ``--verbose``) and exits non-zero on every rank.
+Every error raised on purpose by the library derives from :class:`FlowpmError`;
+the message names the offending value and, where one exists, the value that
+would work. The CLI prints it once as ``flowpm-mtf: error: <message>``.
 """
 
 __all__ = ["FlowpmError", "ConfigError", "RankCountError", "ParticleEscapeError",
@@ -9,32 +10,53 @@ __all__ = ["FlowpmError", "ConfigError", "RankCountError", "ParticleEscapeError"
 
 
 class FlowpmError(Exception):
-    """Base class: an error the user can fix; the message is one line."""
+    """Base class of the errors raised by ``flowpm_mtf``."""
 
 
 class ConfigError(FlowpmError, ValueError):
-    """Invalid or inconsistent configuration."""
+    """An impossible or inconsistent configuration."""
 
 
 class RankCountError(FlowpmError):
-    """The process grid does not match the number of ranks."""
+    """The number of MPI ranks does not match the process grid."""
 
 
 class ParticleEscapeError(FlowpmError):
-    """A particle left its block's halo."""
+    """Particles moved farther than the decomposition allows in one step.
+
+    Attributes
+    ----------
+    steps_needed : int or None
+        A number of time steps that would keep the motion per step in range.
+    """
+
+    def __init__(self, message, steps_needed=None):
+        super().__init__(message)
+        self.steps_needed = steps_needed
 
 
 class MemoryBudgetError(FlowpmError):
-    """The run would not fit in memory."""
+    """The run would not fit in the memory of the ranks."""
 
 
 class OutputDirError(FlowpmError):
-    """The output directory cannot be used (complete run, unfinished run, not writable)."""
+    """The output directory cannot be used (complete run, lock held, not writable)."""
 
 
 class ResumeError(FlowpmError):
-    """``--resume``: no valid checkpoint, or a config that contradicts it."""
+    """A run cannot be resumed from the given directory."""
 
 
 class CapacityError(FlowpmError):
-    """A per-rank particle buffer overflowed."""
+    """A fixed-capacity particle buffer would overflow (detected before any particle is lost).
+
+    Attributes
+    ----------
+    capacity, send_capacity : int
+        Particle slots per block and per migration send buffer that would work.
+    """
+
+    def __init__(self, message, capacity=None, send_capacity=None):
+        super().__init__(message)
+        self.capacity = capacity
+        self.send_capacity = send_capacity

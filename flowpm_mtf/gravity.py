@@ -28,7 +28,7 @@ __all__ = ["density", "pm_forces"]
 log = logging.getLogger(__name__)
 
 
-def density(positions, conf):
+def density(positions, conf, weight=None):
     """CIC density of the particles, ``1 + delta`` for one particle per cell.
 
     Parameters
@@ -36,6 +36,9 @@ def density(positions, conf):
     positions : mtf.Tensor
         Block-local positions ``[bx, by, npart, xyz]`` [cells].
     conf : SimConfig
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.domain.weights`:
+        0 for the empty slots of the eulerian decomposition).
 
     Returns
     -------
@@ -43,10 +46,11 @@ def density(positions, conf):
         Real field ``[x, y, z]``: particles per cell [dimensionless] (mean 1
         with one particle per cell).
     """
-    return padded_to_field(cic_paint(None, positions, conf, name="paint_density"), conf)
+    return padded_to_field(cic_paint(None, positions, conf, weight=weight,
+                                     name="paint_density"), conf)
 
 
-def pm_forces(positions, conf, kernels=None):
+def pm_forces(positions, conf, kernels=None, weight=None):
     r"""FastPM particle-mesh force at the particle positions.
 
     Parameters
@@ -57,6 +61,9 @@ def pm_forces(positions, conf, kernels=None):
         Uses ``conf.cosmology.Omega_m`` and the mesh/halo shapes.
     kernels : flowpm_mtf.kernels.Kernels, optional
         Reused across time steps when given (built here otherwise).
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights: the painting's particle masses, and
+        the force is multiplied by them (zero on empty slots).
 
     Returns
     -------
@@ -67,10 +74,11 @@ def pm_forces(positions, conf, kernels=None):
     """
     if kernels is None:
         kernels = make_kernels(conf, positions.mesh)
-    rho = density(positions, conf)
+    rho = density(positions, conf, weight)
     delta_k = fft.r2c(rho, conf, name="force_r2c")
     grad = neg_gradient_potential(delta_k, conf, kernels)            # [x, y, z, xyz]
     # The three components in one readout: one stencil, one halo fill.
     force = cic_readout(field_to_padded(grad, conf, fill=False), positions, conf,
                         name="force_readout")
-    return force * (1.5 * conf.cosmology.Omega_m)
+    force = force * (1.5 * conf.cosmology.Omega_m)
+    return force if weight is None else force * weight

@@ -29,6 +29,7 @@ Snapshot layout (readable with h5py alone)::
 
     /position   float [N, 3]          particle positions [Mpc/h]
     /velocity   float [N, 3]          particle velocities (units in its attribute)
+    /id         int [N]               particle ids (initial lattice index; sort by it)
     /density    float [NX, NY, NZ]    density on the mesh (units in its attribute)
     attrs:  config            JSON of the run configuration
             versions          JSON of the package versions (see :func:`versions`)
@@ -265,7 +266,7 @@ def write_summary(path, summary, rank=None):
 
 
 def write_snapshot(path, position=None, velocity=None, density=None, attrs=None, *,
-                   units=None, compression=None, rank=None):
+                   units=None, compression=None, rank=None, ids=None):
     """Write a snapshot to an HDF5 file (on rank 0 only).
 
     Parameters
@@ -288,6 +289,8 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
         h5py compression filter for the datasets (e.g. ``"gzip"``).
     rank : int, optional
         Rank of this process (default: from the launcher's environment).
+    ids : array_like, optional
+        Global particle ids (initial lattice index), shape [N]: dataset ``id``.
 
     Returns
     -------
@@ -311,6 +314,11 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
         if position is not None and data["velocity"].shape != data["position"].shape:
             raise ValueError("velocity shape %s differs from position shape %s"
                              % (data["velocity"].shape, data["position"].shape))
+    if ids is not None:
+        data["id"] = np.asarray(ids)
+        if position is not None and data["id"].shape != data["position"].shape[:1]:
+            raise ValueError("id shape %s does not match position shape %s"
+                             % (data["id"].shape, data["position"].shape))
     if density is not None:
         data["density"] = np.asarray(density)
         if data["density"].ndim != 3:
@@ -385,6 +393,8 @@ def write_power(path, k, pk, modes=None, *, header=None, rank=None):
         Extra header text (a dict is written as JSON), e.g. the configuration.
     rank : int, optional
         Rank of this process (default: from the launcher's environment).
+    ids : array_like, optional
+        Global particle ids (initial lattice index), shape [N]: dataset ``id``.
 
     Returns
     -------

@@ -73,7 +73,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import cosmology as cosmo_mod
-from . import layout, timeloop
+from . import domain, layout, timeloop
 from .kernels import make_kernels
 from .lpt import lpt_init
 from .nbody import default_stages, kdk_step
@@ -330,7 +330,7 @@ def lightcone_stages(conf, geom):
 
 
 # ----------------------------------------------------------------------------- planes
-def density_plane(positions, conf, geom, index, name=None):
+def density_plane(positions, conf, geom, index, name=None, weight=None):
     """Project the particles of lens shell ``index`` onto a 2D CIC density plane.
 
     Parameters
@@ -343,6 +343,8 @@ def density_plane(positions, conf, geom, index, name=None):
     index : int
         Plane number.
     name : str, optional
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.domain.weights`).
 
     Returns
     -------
@@ -362,7 +364,7 @@ def density_plane(positions, conf, geom, index, name=None):
     dt = conf.np_dtype
     r_lo = np.asarray(geom.r_edges[index] / cz, dt).item()        # [cells]
     width = np.asarray(geom.width[index] / cz, dt).item()         # [cells]
-    plane = cic_paint_plane(positions, conf, r_lo, width, name=name)
+    plane = cic_paint_plane(positions, conf, r_lo, width, name=name, weight=weight)
     return plane * np.asarray(1.0 / width, dt).item()
 
 
@@ -489,7 +491,8 @@ def lightcone_forward(linear, conf, geom):
 
     def paint_planes(j, a, state):
         for i in np.nonzero(plane_stage == j)[0]:
-            planes[i] = density_plane(state.positions, conf, geom, int(i))
+            planes[i] = density_plane(state.positions, conf, geom, int(i),
+                                      weight=domain.weights(state.ids, conf))
 
     state = timeloop.integrate(
         timeloop.initial_state(lpt_init(linear, conf, a=stages[0]), conf, kernels), stages,

@@ -1,8 +1,13 @@
 r"""Lagrangian perturbation theory (1LPT, 2LPT) initial conditions on the block layout.
 
 Particles start on the lattice, one per cell, at the corner of every cell
-(:func:`flowpm_mtf.painting.lattice`), and stay with their block for the whole
-run (block-local coordinates, see :mod:`flowpm_mtf.painting`).
+(:func:`flowpm_mtf.painting.lattice`), each with its global id (its lattice
+index, :func:`flowpm_mtf.domain.lattice_ids`). With the eulerian decomposition
+(default) the displaced particles then move to the block that contains them,
+into buffers of :func:`flowpm_mtf.domain.capacity` slots
+(:func:`flowpm_mtf.domain.migrate`); with the lagrangian one they stay with
+their block for the whole run (block-local coordinates, see
+:mod:`flowpm_mtf.painting`).
 
 Conventions (as ``flowpm.tfpm.lpt_init``, FlowPM 0.1.1)
 -------------------------------------------------------
@@ -42,6 +47,7 @@ import numpy as np
 from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
+from . import domain
 from . import fft, ics
 from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
 from .painting import lattice
@@ -53,7 +59,12 @@ log = logging.getLogger(__name__)
 
 
 class State(NamedTuple):
-    """Particle state; every entry is ``[bx, by, npart, xyz]``, dtype ``conf.dtype``.
+    """Particle state; vectors are ``[bx, by, npart, xyz]``, dtype ``conf.dtype``.
+
+    ``npart`` has :func:`flowpm_mtf.domain.capacity` slots per block; with the
+    lagrangian decomposition the slots are the block's lattice particles in
+    order (:func:`flowpm_mtf.painting.lattice`), with the eulerian one any
+    particles, in any order, and empty slots (id -1, zero vectors).
 
     Attributes
     ----------
@@ -65,11 +76,21 @@ class State(NamedTuple):
     forces : mtf.Tensor
         :math:`F = \\tfrac32\\Omega_m\\nabla\\nabla^{-2}\\delta` [cells]
         (so that :math:`dp/da = F / (a^2 E)`).
+    ids : mtf.Tensor or None
+        ``[bx, by, npart]`` global particle ids (the initial lattice index,
+        row-major; :func:`flowpm_mtf.domain.id_dtype`), -1 for an empty slot.
+        None means the lattice order of the lagrangian decomposition.
+    stats : mtf.Tensor or None
+        Statistics of the last migration (:data:`flowpm_mtf.domain.STATS`,
+        float64 ``[mig_stat]``), or None. Not part of the state proper: a
+        diagnostic for the jobs (load imbalance, particles moved).
     """
 
     positions: mtf.Tensor
     momenta: mtf.Tensor
     forces: mtf.Tensor
+    ids: mtf.Tensor = None
+    stats: mtf.Tensor = None
 
 
 _particle_shape = layout.particle_dims
@@ -241,13 +262,16 @@ def lpt_init(linear, conf, a=None, order=None):
     -------
     State
         ``positions`` (lattice + displacement, block-local [cells]),
-        ``momenta`` and ``forces`` (see :class:`State`), each
-        ``[bx, by, npart, xyz]``.
+        ``momenta``, ``forces`` and ``ids`` (see :class:`State`). Eulerian
+        decomposition: migrated to the blocks that contain them
+        (:func:`flowpm_mtf.domain.migrate`, with enough rounds for the
+        estimated LPT displacement); ``stats`` holds that migration's
+        statistics.
 
     Notes
     -----
-    Escapes are not checked here; the first painting (e.g. in
-    :func:`flowpm_mtf.nbody.nbody`) raises if a particle left its halo.
+    Lagrangian decomposition: escapes are not checked here; the first painting
+    (e.g. in :func:`flowpm_mtf.nbody.nbody`) raises if a particle left its halo.
     """
     a = conf.a_start if a is None else float(a)
     order = conf.lpt_order if order is None else int(order)
@@ -264,4 +288,14 @@ def lpt_init(linear, conf, a=None, order=None):
 
     dx, p, f = combine("x"), combine("p"), combine("f")
     q = lattice(conf, linear.mesh)
-    return State(q + dx, p, f)
+    ids = domain.lattice_ids(conf, linear.mesh)
+    if conf.decomposition == "lagrangian":
+        return State(q + dx, p, f, ids)
+    x, p, f = (domain.pad_particles(t, conf) for t in (q + dx, p, f))
+    ids = domain.pad_particles(ids, conf, value=-1)
+    disp = domain.lpt_displacement_cells(conf, a)
+    rounds = domain.migration_rounds(conf, disp)
+    x, (p, f), ids, stats = domain.migrate(conf, x, [p, f], ids, rounds=rounds,
+                                           send_rows=domain.send_capacity(conf, disp, lattice=True),
+                                           name="migrate_lpt")
+    return State(x, p, f, ids, stats)

@@ -26,6 +26,7 @@ import logging
 import numpy as np
 
 from . import cosmology as cosmo_mod
+from . import domain
 from . import timeloop
 from .gravity import density, pm_forces
 from .kernels import make_kernels
@@ -140,7 +141,16 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
     -------
     State
         At ``a1``, with the forces evaluated at the new positions (one PM force
-        evaluation per step).
+        evaluation per step). Eulerian decomposition: the particles are
+        migrated after the drift (:func:`flowpm_mtf.domain.migrate`), before
+        the force; ``stats`` holds the migration's statistics.
+
+    Raises
+    ------
+    tf.errors.InvalidArgumentError
+        At run time (eulerian): a particle moved more than one block in the
+        step, or a particle buffer would overflow (see
+        :func:`flowpm_mtf.domain.error_from_tf`).
     """
     if factors is None:
         if a0 is None or a1 is None:
@@ -152,12 +162,19 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
     if kernels is None:
         kernels = make_kernels(conf, state.positions.mesh)
     kick0, drift, kick1 = factors
-    x, p, f = state
+    x, p, f, ids = state.positions, state.momenta, state.forces, state.ids
     p = p + f * kick0
-    x = x + p * drift
-    f = pm_forces(x, conf, kernels)
+    dx = p * drift
+    x = x + dx
+    stats = None
+    if conf.decomposition == "eulerian":
+        if ids is None:
+            raise ValueError("kdk_step: the eulerian decomposition needs particle ids "
+                             "(see lpt.lpt_init)")
+        x, (p,), ids, stats = domain.migrate(conf, x, [p], ids, displacement=dx)
+    f = pm_forces(x, conf, kernels, domain.weights(ids, conf))
     p = p + f * kick1
-    return State(x, p, f)
+    return State(x, p, f, ids, stats)
 
 
 def forward(linear, conf, snapshot_a=None):
@@ -186,5 +203,5 @@ def forward(linear, conf, snapshot_a=None):
     state = lpt_init(linear, conf, conf.a_start, conf.lpt_order)
     out = nbody(state, conf, snapshot_a=snapshot_a)
     final, snaps = out if snapshot_a is not None else (out, None)
-    rho = density(final.positions, conf)
+    rho = density(final.positions, conf, domain.weights(final.ids, conf))
     return (final, rho) if snapshot_a is None else (final, rho, snaps)

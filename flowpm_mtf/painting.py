@@ -2,10 +2,13 @@
 
 Particles
 ---------
-Particles never change rank. Each block (see :mod:`flowpm_mtf.halo`) keeps the
-particles it started with for the whole run, with positions in **block-local
-coordinates** [cells]: global position minus the block origin
-``(i sx, j sy, 0)``. A position tensor has the shape
+Each block (see :mod:`flowpm_mtf.halo`) holds its particles with positions in
+**block-local coordinates** [cells]: global position minus the block origin
+``(i sx, j sy, 0)``. Which particles a block holds is the business of
+:mod:`flowpm_mtf.domain`: with the eulerian decomposition (default) those it
+contains, migrated after every drift (so ``halo_size = 2`` suffices); with the
+lagrangian one those it started with, for the whole run. Empty slots of the
+eulerian buffers are painted with weight 0 (the ``weight`` argument). A position tensor has the shape
 ``[bx, by, <particle dims>, xyz]`` (``bx`` on ``row``, ``by`` on ``col``;
 ``<particle dims>`` are any unsplit dimensions, e.g. ``npart`` or a particle
 lattice); weights and read-out values have the shape
@@ -505,7 +508,7 @@ PLANE_PX, PLANE_PY = layout.PLANE_PX, layout.PLANE_PY
 _OFFSETS_2D = np.array([[0, 0], [1, 0], [0, 1], [1, 1]])
 
 
-def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
+def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane", weight=None):
     """2D CIC counts on the (x, y) cells of the particles in a slab of line-of-sight distance.
 
     A particle is counted when its distance ``z + n * NZ`` (for some periodic
@@ -522,6 +525,9 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     z_lo, z_width : float
         Start and thickness of the slab along z [cells], python floats.
     name : str
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` particle weights (0 for the empty slots of the
+        eulerian decomposition, :func:`flowpm_mtf.domain.weights`).
 
     Returns
     -------
@@ -545,7 +551,7 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     padded = layout.padded_plane_shape(conf)
     bx, by = padded.dims[:2]
 
-    def fn(m, pos):
+    def fn(m, pos, w=None):
         pos = _local_particles(pos)                               # [nbx, nby, n, 3]
         nbx, nby, n, _ = pos.shape.as_list()
         # line-of-sight distance z + k nz of the replica k that reaches the slab
@@ -555,6 +561,8 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
         nb = tf.floor(xy) + tf.constant(_OFFSETS_2D, pos.dtype)
         kern = 1.0 - tf.abs(xy - nb)
         kern = kern[..., 0] * kern[..., 1] * inside[..., None]    # [nbx, nby, n, 4]
+        if w is not None:
+            kern = kern * tf.reshape(w, [nbx, nby, n, 1])
         cell = tf.cast(nb, tf.int32)
         ix = tf.clip_by_value(cell[..., 0] + h, 0, px - 1)
         iy = tf.clip_by_value(cell[..., 1] + h, 0, py - 1)
@@ -567,7 +575,8 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     # painted onto an explicit zero plane, as cic_paint (the isolated gradient needs two
     # inputs)
     empty = mtf.zeros(positions.mesh, padded, dtype=positions.dtype)
-    painted = mtf.slicewise(fn, [empty, positions], output_shape=padded,
+    inputs = [empty, positions] + ([weight] if weight is not None else [])
+    painted = mtf.slicewise(fn, inputs, output_shape=padded,
                             output_dtype=positions.dtype,
                             splittable_dims=positions.shape.dims[:2],
                             grad_function=_isolated_grad(fn, positions.shape.dims[:2], name),

@@ -50,7 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import fft, gravity, ics, layout, lpt, nbody, power
+from . import domain, fft, gravity, ics, layout, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 
@@ -176,7 +176,7 @@ def forward_model(linear, conf, forward="lpt"):
     """
     if forward == "lpt":
         state = lpt.lpt_init(linear, conf, a=conf.a_end)
-        return gravity.density(state.positions, conf)
+        return gravity.density(state.positions, conf, domain.weights(state.ids, conf))
     if forward == "nbody":
         return nbody.forward(linear, conf)[1]
     raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, forward))

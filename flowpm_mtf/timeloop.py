@@ -55,7 +55,9 @@ def initial_state(state, conf, kernels):
     lpt.State
         ``state`` with ``forces = pm_forces(positions)`` [cells].
     """
-    return state._replace(forces=pm_forces(state.positions, conf, kernels))
+    from .domain import weights
+    return state._replace(forces=pm_forces(state.positions, conf, kernels,
+                                           weights(state.ids, conf)))
 
 
 def check_stages(stages):

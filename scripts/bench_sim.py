@@ -78,11 +78,34 @@ def median_time(fn, repeats, warmup=1):
     return median(fn, repeats, warmup)
 
 
-def sim_config(nc, grid, steps):
+def sim_config(nc, grid, steps, box_size=None, decomposition="eulerian", halo=None):
+    """The benchmark's SimConfig. Halo: ``halo`` if given; automatic (2) for the
+    eulerian decomposition; 25 Mpc/h at 200 Mpc/h (scaled with the mesh) for the
+    lagrangian one."""
     from flowpm_mtf.config import SimConfig
 
-    return SimConfig.from_dict(dict(DEFAULT, nc=nc, grid=grid, n_steps=steps,
-                                    halo_size=max(1, HALO_PER_64 * nc // 64)))
+    fields = dict(DEFAULT, nc=nc, grid=grid, n_steps=steps, decomposition=decomposition)
+    if box_size is not None:
+        fields["box_size"] = box_size
+    if halo is not None:
+        fields["halo_size"] = halo
+    elif decomposition == "lagrangian":
+        fields["halo_size"] = max(1, HALO_PER_64 * nc // 64)
+    return SimConfig.from_dict(fields)
+
+
+def lagrangian_halo_needed(conf, positions, ids):
+    """Largest x/y displacement from the initial lattice site of this rank's particles
+    [cells], from local slices of global positions ``[.., 3]`` and ids (periodic)."""
+    ids = np.asarray(ids).reshape(-1)
+    valid = ids >= 0
+    x = np.asarray(positions, np.float64).reshape(-1, 3)[valid]
+    nx, ny, nz = conf.nc
+    i = ids[valid].astype(np.int64)
+    q = np.stack([i // (ny * nz), (i // nz) % ny], axis=-1)
+    n = np.array([nx, ny], np.float64)
+    d = (x[:, :2] - q + n / 2) % n - n / 2
+    return float(np.abs(d).max()) if d.size else 0.0
 
 
 # ----------------------------------------------------------------------------- run (MPI)
@@ -102,7 +125,7 @@ def _phase_graphs(conf, impl, slices, particle_shape):
 
     from hvd_mesh_impl import export_local_slice
     from flowpm_mtf import config as cfg
-    from flowpm_mtf import fft, gravity, halo, lpt, nbody, painting
+    from flowpm_mtf import domain, fft, gravity, halo, lpt, nbody, painting
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.kernels import neg_gradient_potential
 
@@ -124,16 +147,17 @@ def _phase_graphs(conf, impl, slices, particle_shape):
     pshape = mtf.Shape([mtf.Dimension(d.name, d.size) for d in particle_shape.dims])
     for k in ("positions", "momenta", "forces"):
         shapes[k] = pshape
+    shapes["ids"] = mtf.Shape(pshape.dims[:3])
     shapes["rho"] = fft.real_shape(conf)
 
     def step(mesh, t):
         kernels = nbody.make_kernels(conf, mesh)
-        new = nbody.kdk_step(lpt.State(t["positions"], t["momenta"], t["forces"]), conf, a0, a1,
-                             kernels)
-        return list(new)
+        new = nbody.kdk_step(lpt.State(t["positions"], t["momenta"], t["forces"], t["ids"]),
+                             conf, a0, a1, kernels)
+        return [x for x in new[:4]]
 
     def paint(mesh, t):
-        return [gravity.density(t["positions"], conf)]
+        return [gravity.density(t["positions"], conf, domain.weights(t["ids"], conf))]
 
     def fft_phase(mesh, t):
         kernels = nbody.make_kernels(conf, mesh)
@@ -192,12 +216,18 @@ def cmd_run(args):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = args.grid or default_grid(size)
-    conf = sim_config(args.nc, grid, args.steps)
+    from flowpm_mtf import domain
+
+    conf = sim_config(args.nc, grid, args.steps, args.box_size, args.decomposition, args.halo)
     if conf.n_ranks != size:
         raise ValueError("grid %s needs %d ranks, the job has %d" % (grid, conf.n_ranks, size))
     rec = {"nc": args.nc, "ranks": size, "grid": list(grid), "halo": conf.halo_size,
            "n_steps": conf.n_steps, "dtype": conf.dtype, "box_size": conf.box_size[0],
-           "backend": "HvdSimdMeshImpl"}
+           "backend": "HvdSimdMeshImpl", "decomposition": conf.decomposition,
+           "capacity": domain.capacity(conf), "cell_mpc_h": conf.cell_size[0]}
+    if conf.decomposition == "eulerian":
+        rec["send_capacity"] = domain.send_capacity(conf)
+        rec["migration_bytes_sent_per_rank_per_step"] = domain.bytes_per_migration(conf, 1)
     impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
     # 1. The simulation, as the main job runs it.
     with tf.Graph().as_default():
@@ -210,8 +240,11 @@ def cmd_run(args):
         init_op = runner.lowered_group(lowering, sim.init_ops)
         step_op = runner.lowered_group(lowering, sim.step_ops)
         local = {k: export_local_slice(lowering, v)
-                 for k, v in zip(("positions", "momenta", "forces"), sim.variables)}
+                 for k, v in zip(("positions", "momenta", "forces", "ids"), sim.variables)}
         local["rho"] = export_local_slice(lowering, sim.rho)
+        global_x = export_local_slice(lowering, sim.position)   # global [cells]
+        stats = (lowering.export_to_tf_tensor(sim.step_stats) if sim.step_stats is not None
+                 else tf.no_op())
         particle_shape = sim.variables.positions.shape
         rec["graph_build_s"] = time.perf_counter() - t0
         with runner.session(session_config("hvd"), lowering) as sess:
@@ -219,14 +252,24 @@ def cmd_run(args):
             t = time.perf_counter()
             sess.run(init_op)
             rec["ics_s"] = time.perf_counter() - t
-            steps = []
+            steps, mig = [], []
             for i, factors in enumerate(sim.step_factors):
                 if i == conf.n_steps - 1:  # the state the parts of the last step start from
                     slices = sess.run(local)
                 t = time.perf_counter()
-                sess.run(step_op, {sim.factors: factors})
+                mig.append(sess.run([step_op, stats], {sim.factors: factors})[1])
                 steps.append(time.perf_counter() - t)
             rec["steps_s"] = steps
+            fin = sess.run({"x": global_x, "ids": local["ids"]})
+    rec["lagrangian_halo_needed_cells"] = max(comm.allgather(
+        lagrangian_halo_needed(conf, fin["x"], fin["ids"]))) + 2   # + CIC stencil + margin
+    if conf.decomposition == "eulerian":
+        mean = conf.n_particles / conf.n_ranks
+        st = [dict(zip(domain.STATS, (float(v) for v in m))) for m in mig]
+        rec["migration"] = {"imbalance_per_step": [d["count"] / mean for d in st],
+                            "moved_max_per_step": [d["moved"] for d in st],
+                            "send_max_per_step": [d["send"] for d in st],
+                            "displacement_max_cells_per_step": [d["displacement"] for d in st]}
     rec["peak_memory_mb_sim"] = comm.allgather(peak_mb())
     log.info("%d^3 on %d rank(s): build %.1f s, ICs %.2f s, median step %.2f s",
              args.nc, size, rec["graph_build_s"], rec["ics_s"], statistics.median(steps))
@@ -330,9 +373,7 @@ def _launch(cmd, timeout):
 
 
 def cmd_all(args):
-    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
-    if os.geteuid() == 0:
-        mpirun.insert(1, "--allow-run-as-root")
+    mpirun = _mpirun()
     records = []
     tmp = tempfile.mkdtemp(prefix="bench_sim")
     for nc in args.sizes:
@@ -346,21 +387,107 @@ def cmd_all(args):
                 cmd = [sys.executable, __file__, "flowpm"] + common
             else:
                 cmd = mpirun + ["-np", str(n), sys.executable, __file__, "run"] + common
-            wall = _launch(cmd, args.timeout)
-            with open(path) as f:
-                rec = json.load(f)
-            rec["wall_s"] = wall
-            records.append(rec)
-            log.info("%s", summary_line(rec))
+            records.append(_launch_record(cmd, path, args.timeout))
+    return _write_result(args.out, "bench_sim", records, markdown)
+
+
+def _launch_record(cmd, path, timeout):
+    """Run ``cmd`` (which writes the JSON record ``path``); the record with its wall time."""
+    wall = _launch(cmd, timeout)
+    with open(path) as f:
+        rec = json.load(f)
+    rec["wall_s"] = wall
+    log.info("%s", summary_line(rec))
+    return rec
+
+
+def _write_result(out, name, records, render):
+    """Write ``out/name.json`` (records + machine) and ``out/name.md`` (``render``)."""
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "records": records,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_sim.json"), "w") as f:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "bench_sim.md"), "w") as f:
-        f.write(markdown(result))
-    log.info("wrote %s", os.path.join(args.out, "bench_sim.{json,md}"))
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write(render(result))
+    log.info("wrote %s", os.path.join(out, name + ".{json,md}"))
     return result
+
+
+def _mpirun():
+    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
+    if os.geteuid() == 0:
+        mpirun.insert(1, "--allow-run-as-root")
+    return mpirun
+
+
+def cmd_migration(args):
+    """The eulerian decomposition (migration, automatic halo) against the lagrangian one
+    with the halo it needs, same configuration, 4 ranks on 2x2."""
+    tmp = tempfile.mkdtemp(prefix="bench_migration")
+    records = []
+    common = ["--nc", str(args.nc), "--box-size", str(args.box_size), "--steps",
+              str(args.steps), "--repeats", str(args.repeats), "--grid", "2x2"]
+    halo = args.lagrangian_halo
+    for decomposition in ("eulerian", "lagrangian"):
+        path = os.path.join(tmp, decomposition + ".json")
+        extra = ["--decomposition", decomposition]
+        if decomposition == "lagrangian":
+            if halo is None:
+                halo = int(np.ceil(records[0]["lagrangian_halo_needed_cells"]))
+            halo = min(halo, args.nc // 2 - 1)
+            extra += ["--halo", str(halo)]
+        cmd = _mpirun() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
+        try:
+            records.append(_launch_record(cmd, path, args.timeout))
+        except RuntimeError as exc:  # e.g. the lagrangian halo is too small: record it
+            lines = str(exc).splitlines()
+            why = next((ln for ln in reversed(lines) if "Error" in ln and "mpirun" not in ln),
+                       lines[-1])
+            records.append({"decomposition": decomposition, "halo": halo, "failed": why[:300]})
+            if decomposition == "eulerian":
+                raise
+    return _write_result(args.out, "bench_migration", records, migration_markdown)
+
+
+def migration_markdown(result):
+    """The Markdown table of :func:`cmd_migration`'s result."""
+    rows = ["# Particle migration vs. the lagrangian halo (`scripts/bench_sim.py migration`)",
+            "", "Machine: %(cpus)d cores, %(memory_gb)s GB; 1-min load average at the end "
+            "%(load_avg_1min_at_end).1f." % result["machine"],
+            "Date: %s. Command: `%s`." % (result["date"], result["command"]), "",
+            "| decomposition | mesh, box | cell [Mpc/h] | halo [cells] | padded block / block | "
+            "capacity / lattice | step in the job [s] | warm step [s] | peak mem/rank [MB] | "
+            "imbalance max | migration sent/rank/step [MB] | most moved/rank/step | "
+            "received/rank/step [MB] |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        if "failed" in r:
+            rows.append("| %s | | | %s | | | failed: %s | | | | | | |"
+                        % (r["decomposition"], r["halo"], r["failed"].replace("|", "/")))
+            continue
+        sx = r["nc"] // r["grid"][0]
+        pad = (sx + 2 * r["halo"])**2 / sx**2
+        mig = r.get("migration")
+        recv = r.get("received_bytes_per_rank", {}).get("step")
+        lattice = r["nc"]**3 // (r["grid"][0] * r["grid"][1])
+        rows.append("| %s | %d^3, %g Mpc/h | %.2f | %d | %.2f | %.2f | %.2f | %.2f | %.0f | %s | "
+                    "%s | %s | %s |" % (
+                        r["decomposition"], r["nc"], r["box_size"], r["cell_mpc_h"], r["halo"],
+                        pad, r["capacity"] / lattice, step_median(r), r["phase_s"]["step"],
+                        max(r["peak_memory_mb_sim"]),
+                        "%.3f" % max(mig["imbalance_per_step"]) if mig else "1 (fixed)",
+                        "%.2f" % (r["migration_bytes_sent_per_rank_per_step"] / 2**20)
+                        if mig else "-",
+                        "%d" % max(mig["moved_max_per_step"]) if mig else "-",
+                        "%.1f" % (max(recv) / 2**20) if recv else "-"))
+    rows += ["", "halo: the eulerian run's is automatic (the CIC stencil); the lagrangian "
+             "run's is the largest x/y displacement from the initial lattice the eulerian run "
+             "measured at a=1, + 2 (capped at block - 1). 'migration sent' is the fixed size "
+             "of the four send buffers of a step; 'most moved' the most particles one rank "
+             "actually sent in one step; 'received' counts every collective of the lowered "
+             "step (halo, FFT, migration). Times on a shared, loaded 2-core machine: compare "
+             "rows of one invocation only.", ""]
+    return "\n".join(rows) + "\n"
 
 
 def cmd_render(args):
@@ -455,6 +582,21 @@ def main(argv=None):
         p.add_argument("--json", help="output record (default: stdout)")
         if name == "run":
             p.add_argument("--grid", type=lambda s: tuple(int(v) for v in s.split("x")))
+            p.add_argument("--box-size", type=float, help="box side [Mpc/h] (default 200)")
+            p.add_argument("--decomposition", choices=("eulerian", "lagrangian"),
+                           default="eulerian")
+            p.add_argument("--halo", type=int, help="halo [cells] (default: see sim_config)")
+    p = sub.add_parser("migration", help="eulerian (migration) vs lagrangian decomposition "
+                       "at high resolution on 2x2: results/bench_migration.{json,md}")
+    p.add_argument("--nc", type=int, default=128)
+    p.add_argument("--box-size", type=float, default=64.0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--lagrangian-halo", type=int,
+                   help="halo of the lagrangian run [cells] (default: what the eulerian run "
+                        "measured it needs, capped at the block size - 1)")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default=os.path.join(REPO, "results"))
     p = sub.add_parser("render", help="rewrite bench_sim.md from bench_sim.json")
     p.add_argument("--out", default=os.path.join(REPO, "results"))
     p = sub.add_parser("all")
@@ -474,7 +616,8 @@ def main(argv=None):
         from flowpm_mtf.backend import install_abort_on_exception
 
         install_abort_on_exception()
-    {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all, "render": cmd_render}[args.mode](args)
+    {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all, "render": cmd_render,
+     "migration": cmd_migration}[args.mode](args)
     return 0
 
 

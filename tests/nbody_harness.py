@@ -4,7 +4,7 @@ import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, lpt, painting
+from flowpm_mtf import fft, painting
 from flowpm_mtf.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
 
 tf.disable_eager_execution()
@@ -17,12 +17,38 @@ def import_field(mesh, conf, field):
 
 
 def export_state(state, conf, prefix=""):
-    """Fetch dict entries for a State in FlowPM's particle order: ``[nx, ny, nz, 3]``,
-    positions global (not wrapped)."""
-    return {prefix + "x": lpt.particles_to_lattice_order(painting.to_global(state.positions,
-                                                                           conf), conf),
-            prefix + "p": lpt.particles_to_lattice_order(state.momenta, conf),
-            prefix + "f": lpt.particles_to_lattice_order(state.forces, conf)}
+    """Fetch dict entries for a State: global positions (not wrapped), momenta, forces
+    and ids of every slot; :func:`by_id` turns them into FlowPM's particle order."""
+    out = {prefix + "x": painting.to_global(state.positions, conf),
+           prefix + "p": state.momenta, prefix + "f": state.forces}
+    if state.ids is not None:
+        out[prefix + "ids"] = state.ids
+    return out
+
+
+def by_id(out):
+    """Fetched :func:`export_state` entries (any prefixes) -> ``[N, 3]`` arrays in id
+    order (FlowPM's particle order), empty slots dropped; checks that the ids are
+    exactly ``0 .. N-1``. Other entries are returned unchanged."""
+    out = dict(out)
+    for key in [k for k in out if k.endswith("ids")]:
+        prefix = key[:-3]
+        ids = np.asarray(out.pop(key)).reshape(-1)
+        valid = ids >= 0
+        order = np.argsort(ids[valid], kind="stable")
+        np.testing.assert_array_equal(ids[valid][order], np.arange(valid.sum()))
+        for k in "xpf":
+            if prefix + k in out:
+                out[prefix + k] = np.asarray(out[prefix + k]).reshape(-1, 3)[valid][order]
+    return out
+
+
+def disp(x, conf):
+    """Periodic displacement of ``[N, 3]`` global positions [cells] from FlowPM's lattice
+    (in ``[-n/2, n/2)`` per axis): compares wrapped (eulerian) and unwrapped positions."""
+    n = np.asarray(conf.nc, np.float64)
+    q = np.indices(conf.nc).reshape(3, -1).T
+    return (np.asarray(x, np.float64) - q + n / 2) % n - n / 2
 
 
 def flat(a):

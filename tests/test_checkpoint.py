@@ -119,19 +119,52 @@ def test_save_load_same_grid_is_exact_and_torn_ones_are_skipped():
 
 
 @pytest.mark.rank_independent
+@pytest.mark.parametrize("decomposition", ["lagrangian", "eulerian"])
 @pytest.mark.parametrize("old,new", [((2, 1), (2, 2)), ((2, 2), (1, 1)), ((1, 1), (1, 2)),
                                      ((2, 1), (1, 2))])
-def test_reslice_to_another_grid(old, new):
-    """A checkpoint of grid ``old`` loads on grid ``new`` (one process holding every slice)."""
+def test_reslice_to_another_grid(old, new, decomposition):
+    """A checkpoint of grid ``old`` loads on grid ``new`` (one process holding every slice).
+
+    Lagrangian: every particle in its Lagrangian block, lattice order. Eulerian: in
+    the block that contains its position (x, y wrapped), ``domain.capacity`` slots,
+    the unused ones id -1; every particle exactly once, its state unchanged.
+    """
+    from flowpm_mtf import domain
+
     out = tempfile.mkdtemp(prefix="ckpt")
-    conf_old = SimConfig(nc=NC, grid=old, halo_size=1)
+    conf_old = SimConfig(nc=NC, grid=old, halo_size=1, decomposition=decomposition)
     conf_new = conf_old.replace(grid=new)
     save(out, SelfComm(), conf_old, 3, list(blocks_of(conf_old)))
     manifest, parts = checkpoint.load(out, SelfComm(), conf_new, blocks_of(conf_new))
     assert manifest["grid"] == list(old)
+    if decomposition == "lagrangian":
+        for p, block in blocks_of(conf_new).items():
+            np.testing.assert_array_equal(parts[p]["id"], io.lagrangian_ids(conf_new, block))
+            for k, v in truth(conf_new, block, 3).items():
+                np.testing.assert_allclose(parts[p][k], v, rtol=RESLICE_RTOL, atol=RESLICE_RTOL)
+        shutil.rmtree(out)
+        return
+    ref = truth(conf_new.replace(grid=(1, 1)), (0, 0), 3)   # id order, origin 0
+    nxy = np.asarray(NC[:2], np.float64)
+    s = np.asarray(conf_new.block_shape[:2])
+    seen = []
     for p, block in blocks_of(conf_new).items():
-        for k, v in truth(conf_new, block, 3).items():
-            np.testing.assert_allclose(parts[p][k], v, rtol=RESLICE_RTOL, atol=RESLICE_RTOL)
+        ids = parts[p]["id"]
+        assert ids.shape == (domain.capacity(conf_new),)
+        valid = ids >= 0
+        assert np.all(ids[valid.sum():] == -1)   # the particles first, then the empty slots
+        ids = ids[valid]
+        seen.append(ids)
+        glob = parts[p]["positions"][valid].astype(np.float64) + [block[0] * s[0],
+                                                                  block[1] * s[1], 0]
+        np.testing.assert_array_equal(np.floor(glob[:, :2] / s).astype(int),
+                                      np.broadcast_to(block, (ids.size, 2)))
+        want = ref["positions"][ids].astype(np.float64)
+        want[:, :2] %= nxy
+        np.testing.assert_allclose(glob, want, rtol=RESLICE_RTOL, atol=RESLICE_RTOL)
+        for k in ("momenta", "forces"):
+            np.testing.assert_array_equal(parts[p][k][valid], ref[k][ids])
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(np.prod(NC)))
     shutil.rmtree(out)
 
 

@@ -100,3 +100,23 @@ def test_cosmology_validation():
     with pytest.raises(ValueError, match="sigma8 must be finite"):
         Cosmology(sigma8=float("nan"))
     assert Cosmology().Omega_m == pytest.approx(0.2589 + 0.0486)
+
+
+def test_decomposition_halo_and_capacity():
+    """Eulerian (default): automatic halo 2; lagrangian: min(8, block - 1); capacities
+    are validated against the lattice count of a block."""
+    c = SimConfig(nc=16, grid=(2, 2))
+    assert c.decomposition == "eulerian" and c.halo_size == 2
+    assert c.capacity is None and c.send_capacity is None and c.particles_per_block == 1024
+    assert SimConfig(nc=16, grid=(2, 2), decomposition="lagrangian").halo_size == 7
+    assert SimConfig(nc=64, decomposition="lagrangian").halo_size == 8
+    assert SimConfig(nc=16, grid=(2, 2), halo_size=3).halo_size == 3      # expert override
+    assert SimConfig(nc=16, grid=(2, 2), capacity=2000).capacity == 2000
+    with pytest.raises(ValueError, match="decomposition must be one of"):
+        SimConfig(decomposition="bogus")
+    with pytest.raises(ValueError, match="capacity=100 is smaller than the 1024"):
+        SimConfig(nc=16, grid=(2, 2), capacity=100)
+    with pytest.raises(ValueError, match="lagrangian decomposition holds exactly"):
+        SimConfig(nc=16, grid=(2, 2), capacity=2000, decomposition="lagrangian")
+    with pytest.raises(ValueError, match="send_capacity must be a positive int"):
+        SimConfig(send_capacity=0)

@@ -47,7 +47,9 @@ def run_lpt(kind, conf, linear, a=None):
             out["psi%d" % (i + 1)] = lpt.particles_to_lattice_order(psi, conf)
         return out
 
-    return {k: NH.flat(v) for k, v in H.run(kind, conf, build).items()}
+    out = {k: NH.flat(v) for k, v in NH.by_id(H.run(kind, conf, build)).items()}
+    out["x"] = lattice_q(conf) + NH.disp(out["x"], conf)   # unwrapped, as FlowPM's
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import fft, gravity, lpt, nbody, painting
+from flowpm_mtf import domain, fft, gravity, lpt, nbody, painting
 from flowpm_mtf.config import SimConfig
+from flowpm_mtf.errors import ParticleEscapeError
 
 # float32 on both sides. LPT agrees to ~3e-7 (test_lpt.py); three KDK steps
 # (a = 0.1 -> 1, displacements up to ~3.6 cells) amplify rounding differences:
@@ -41,8 +42,9 @@ def conf_for(grid=(1, 1), dtype="float32", order=1, **kw):
     kw.setdefault("halo_size", 4)
     kw.setdefault("n_steps", 3)
     kw.setdefault("a_end", 1.0)
+    kw.setdefault("a_start", 0.1)
     return SimConfig(nc=kw.pop("nc", NC), box_size=kw.pop("box_size", BOX), grid=grid,
-                     a_start=0.1, lpt_order=order, dtype=dtype, **kw)
+                     lpt_order=order, dtype=dtype, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +62,14 @@ def run_forward(kind, conf, linear, snapshot_a=None):
         fetch.update(NH.export_state(final, conf, "n"))
         for i, s in enumerate(snaps):
             fetch.update(NH.export_state(s, conf, "s%d" % i))
-        fetch["rho"] = gravity.density(final.positions, conf)
+        fetch["rho"] = gravity.density(final.positions, conf,
+                                       domain.weights(final.ids, conf))
         return fetch
 
-    out = H.run(kind, conf, build)
-    return {k: (NH.flat(v) if v.ndim == 4 else v) for k, v in out.items()}
+    out = NH.by_id(H.run(kind, conf, build))
+    q = np.indices(conf.nc).reshape(3, -1).T
+    return {k: (q + NH.disp(v, conf) if k.endswith("x") else v)  # unwrapped, as FlowPM's
+            for k, v in out.items()}
 
 
 def check_against_flowpm(out, ref, conf, rtol):
@@ -161,13 +166,15 @@ def test_snapshots_are_intermediate_states(linear):
     np.testing.assert_array_equal(out["startp"], out["initp"])
 
 
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
 @pytest.mark.parametrize("case", [c for c in H.cases(single=True) if c[0] != "placement"],
                          ids=H.case_id)
-def test_gradient_finite_differences(case):
-    """d loss / d linear field through LPT, 2 KDK steps and the final painting, float64,
-    against central differences along a random direction."""
+def test_gradient_finite_differences(case, decomposition):
+    """d loss / d linear field through LPT, 2 KDK steps (with the migrations of the
+    eulerian decomposition) and the final painting, float64, against central
+    differences along a random direction."""
     conf = SimConfig(nc=8, box_size=64.0, grid=case[1], halo_size=2, a_start=0.1, a_end=0.5,
-                     n_steps=2, lpt_order=2, dtype="float64")
+                     n_steps=2, lpt_order=2, dtype="float64", decomposition=decomposition)
     lin0 = NH.linear_field_numpy(conf, seed=3)
     rng = np.random.RandomState(4)
     direction = rng.randn(*conf.nc) * np.std(lin0)
@@ -180,14 +187,15 @@ def test_gradient_finite_differences(case):
         w = NH.import_field(mesh, conf, weight)
         loss = mtf.reduce_sum(w * rho * rho)
         grad = mtf.gradients([loss], [lin])[0]
-        disp = painting.to_global(final.positions, conf) - painting.to_global(
-            painting.lattice(conf, mesh), conf)
-        return {"loss": loss, "grad": grad, "disp": mtf.reduce_max(mtf.abs(disp))}, phs
+        out = {"loss": loss, "grad": grad}
+        out.update(NH.export_state(final, conf))
+        return out, phs
 
     feeds = [{"lin": lin0}, {"lin": lin0 + FD_EPS * direction},
              {"lin": lin0 - FD_EPS * direction}]
     r0, rp, rm = H.run(case[0], conf, build, feeds=feeds)
-    assert 0.1 < r0["disp"] < conf.halo_size - 1  # particles moved, none escaped
+    disp = np.abs(NH.disp(NH.by_id(r0)["x"], conf)).max()
+    assert 0.1 < disp < min(conf.block_shape[:2]) - 1  # particles moved, none escaped
     fd = (rp["loss"] - rm["loss"]) / (2 * FD_EPS)
     an = float(np.sum(r0["grad"] * direction))
     assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
@@ -198,7 +206,7 @@ def test_gradient_finite_differences(case):
 def test_escape_raises(case, linear):
     """Particles moving beyond the halo make the run fail with a clear message on
     every rank (the escape count is global), not silently drop mass."""
-    conf = conf_for(case[1], halo_size=1, n_steps=1)
+    conf = conf_for(case[1], halo_size=1, n_steps=1, decomposition="lagrangian")
 
     def build(mesh):
         final, rho = nbody.forward(NH.import_field(mesh, conf, 30.0 * linear), conf)
@@ -206,6 +214,46 @@ def test_escape_raises(case, linear):
 
     with pytest.raises(tf.errors.InvalidArgumentError, match=painting.ESCAPE_MESSAGE):
         H.run(case[0], conf, build)
+
+
+@pytest.mark.parametrize("case", [c for c in H.cases(single=False) if c[0] == "hvd"],
+                         ids=H.case_id)
+def test_eulerian_escape_names_steps(case, linear):
+    """Eulerian: a particle moving more than a block in one step fails the migration
+    check on every rank; the error names a number of steps."""
+    conf = conf_for(case[1], halo_size=1, n_steps=1, a_start=0.5)
+
+    def build(mesh):
+        lin = NH.import_field(mesh, conf, linear)
+        state = lpt.lpt_init(lin, conf)
+        # an absurd momentum: every particle drifts ~2 blocks in the step
+        state = state._replace(momenta=state.momenta * 0.0 + 50.0)
+        final = nbody.kdk_step(state, conf, conf.a_start, conf.a_end)
+        return {"x": final.positions}
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=domain.CHECK_MESSAGE) as err:
+        H.run(case[0], conf, build)
+    exc = domain.error_from_tf(err.value, conf)
+    assert isinstance(exc, ParticleEscapeError) and exc.steps_needed > 1, exc
+
+
+# Lagrangian vs eulerian in float64: the same operations except the order of the CIC
+# sums (particles in other slots) and the block-local frame: rounding only.
+DECOMPOSITION_ATOL = 1e-10  # [fraction of the box]
+
+
+@pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)
+def test_lagrangian_equals_eulerian(case, linear, layout_reference):
+    """With a halo large enough for the lagrangian decomposition, its final positions
+    (by id, periodic) agree with the eulerian reference."""
+    conf = conf_for(case[1], order=2, dtype="float64", n_steps=2, decomposition="lagrangian")
+    stages = nbody.default_stages(conf)
+    out = run_forward(case[0], conf, linear, snapshot_a=[stages[1]])
+    for key in ("nx", "s0x"):
+        d = NH.disp(out[key], conf) - NH.disp(layout_reference[key], conf)
+        assert np.abs(d).max() < DECOMPOSITION_ATOL * max(conf.nc), key
+    for key in ("np", "nf", "rho"):
+        assert H.rel_err(out[key], layout_reference[key]) < LAYOUT_RTOL, key
 
 
 def test_invalid_stages_and_snapshots():
@@ -240,10 +288,9 @@ def test_simulation_job_equals_unrolled_nbody(tmp_path):
 
     def build(mesh):
         final, _ = nbody.forward(ics.linear_field(conf, mesh), conf)
-        return {"x": lpt.particles_to_lattice_order(painting.to_global(final.positions, conf),
-                                                    conf)}
+        return NH.export_state(final, conf)
 
-    ref = NH.flat(H.run("placement", conf, build)["x"])
+    ref = NH.by_id(H.run("placement", conf, build))["x"]
     runner.run(jobs.get("simulate"), {"config": conf, "simulate": SimulateOptions()},
                H.backend("placement", conf), str(tmp_path), plot=False)
     with h5py.File(tmp_path / "snapshot.h5", "r") as f:
@@ -270,10 +317,9 @@ def test_simulation_job_snapshots_equal_unrolled_nbody(tmp_path):
     def build(mesh):
         init = lpt.lpt_init(ics.linear_field(conf, mesh), conf, conf.a_start)
         _, (snap,) = nbody.nbody(init, conf, stages=stages, snapshot_a=[a_snap])
-        return {"x": lpt.particles_to_lattice_order(painting.to_global(snap.positions, conf),
-                                                    conf)}
+        return NH.export_state(snap, conf)
 
-    ref = NH.flat(H.run("placement", conf, build)["x"])
+    ref = NH.by_id(H.run("placement", conf, build))["x"]
     summary = runner.run(jobs.get("simulate"),
                          {"config": conf, "simulate": SimulateOptions((a_snap,), True)},
                          H.backend("placement", conf), str(tmp_path), plot=False)

@@ -67,7 +67,8 @@ class LensingGraph(SimulationGraph):
         self.plane_ops = {}
         for i, j in enumerate(self.plane_stage):
             self.plane_ops.setdefault(int(j), []).append(
-                mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i)))
+                mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i,
+                                                                 weight=self.weights)))
         self.kappa = lensing.born_convergence(self.planes, conf, geom)
 
 

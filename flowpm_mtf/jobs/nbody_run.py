@@ -24,12 +24,13 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import checkpoint, h5dist, ics, io, lpt, nbody, painting, power, timeloop
+from .. import checkpoint, domain, h5dist, ics, io, lpt, nbody, painting, power, timeloop
 from ..logs import rank0_only
 from . import runner
 
 __all__ = ["SimulationGraph", "lower_simulation", "run_stages", "fetch_state",
-           "snapshot_parts", "write_snapshot", "SnapshotWriter", "PowerAtStages"]
+           "snapshot_parts", "write_snapshot", "migration_summary", "SnapshotWriter",
+           "PowerAtStages"]
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -74,8 +75,11 @@ class SimulationGraph:
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
                              initializer=tf.zeros_initializer())
-            for name in ("positions", "momenta", "forces")])
-        self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables, init)]
+            for name in ("positions", "momenta", "forces")],
+            ids=mtf.get_variable(mesh, "ids", init.ids.shape, dtype=init.ids.dtype,
+                                 trainable=False, initializer=tf.zeros_initializer()))
+        self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], init[:4])]
+        self.init_stats = init.stats     # migration statistics of the ICs (or None)
         # One step for all steps: the time-integration factors are fed per run
         # (lowering ten copies of the step tripled the graph-build time, and TF
         # paid its first-run graph optimisation once per copy).
@@ -83,12 +87,16 @@ class SimulationGraph:
         fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
         new = nbody.kdk_step(self.variables, conf, kernels=kernels,
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
-        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
+        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
+        self.step_stats = new.stats      # migration statistics of the step (or None)
         self.step_factors = [nbody.step_factors(conf, a0, a1)
                              for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
-        self.rho = painting.paint_field(self.variables.positions, conf)
+        x = self.variables.positions
+        self.weights = domain.weights(self.variables.ids, conf)   # 0 for empty slots
+        self.rho = painting.paint_field(x, conf, self.weights)
         self.k, self.pk, self.modes = power.power_spectrum(self.rho - 1.0, conf,
                                                            deconvolve_cic=False)
+        self.migration = []              # (stage label, stats) filled by run_stages
         self.cell_size = np.asarray(conf.cell_size)
 
     @property
@@ -104,22 +112,24 @@ def lower_simulation(sim, lowering):
     -------
     dict
         ``init`` and ``step`` (TF ops); ``state`` (this process's slices of
-        positions, momenta, forces: lists of ``(pnum, tf.Tensor, begin)``),
+        positions, momenta, forces, ids: lists of ``(pnum, tf.Tensor, begin)``),
         ``blocks`` (pnum -> (bx, by)), ``rho`` (slices of the density),
         ``fetch`` (the replicated ``k``, ``pk``, ``modes``), ``restore``
         (placeholders per variable and the op assigning them to the slices).
     """
     import tensorflow.compat.v1 as tf
 
-    state = [h5dist.local_slices(lowering, v) for v in sim.variables]
+    state = [h5dist.local_slices(lowering, v) for v in sim.variables[:4]]
     restore_ph, restore = [], []
-    for v in sim.variables:
+    for v in sim.variables[:4]:
         laid_out = lowering.variables[v.operation]
         phs = [tf.placeholder(t.dtype, t.shape) for t in laid_out.laid_out_tensor.tensor_list]
         restore_ph.append(phs)
         restore.append(laid_out.assign_to_slices(mtf.assign_slice, phs))
+    stats = {k: lowering.export_to_tf_tensor(t) if t is not None else tf.no_op()
+             for k, t in (("init", sim.init_stats), ("step", sim.step_stats))}
     return {"init": runner.lowered_group(lowering, sim.init_ops),
-            "step": runner.lowered_group(lowering, sim.step_ops),
+            "step": runner.lowered_group(lowering, sim.step_ops), "stats": stats,
             "state": state, "blocks": {p: (b[0], b[1]) for p, _, b in state[0]},
             "rho": h5dist.local_slices(lowering, sim.rho),
             "fetch": runner.replicated(lowering, {n: getattr(sim, n) for n in POWER_FIELDS}),
@@ -127,16 +137,19 @@ def lower_simulation(sim, lowering):
 
 
 def fetch_state(sess, ops):
-    """This process's state slices: ``pnum -> (block, positions, momenta, forces)``."""
+    """This process's state slices: ``pnum -> (block, positions, momenta, forces, ids)``.
+
+    Every slot of the fixed-capacity buffers (id -1: an empty slot).
+    """
     vals = sess.run([[t for _, t, _ in s] for s in ops["state"]])
-    return {p: (ops["blocks"][p],) + tuple(vals[v][i] for v in range(3))
+    return {p: (ops["blocks"][p],) + tuple(vals[v][i] for v in range(4))
             for i, (p, _, _) in enumerate(ops["state"][0])}
 
 
 def _checkpoint_parts(conf, state):
     parts = {}
-    for pnum, (block, pos, mom, force) in state.items():
-        parts[pnum] = {"block": block, "id": io.lagrangian_ids(conf, block),
+    for pnum, (block, pos, mom, force, ids) in state.items():
+        parts[pnum] = {"block": block, "id": ids,
                        "origin": [block[0] * conf.block_shape[0], block[1] * conf.block_shape[1],
                                   0],
                        "positions": pos, "momenta": mom, "forces": force}
@@ -150,7 +163,9 @@ def _restore(ctx, sess, sim, ops):
     feed = {}
     for v, (phs, slices) in enumerate(zip(placeholders, ops["state"])):
         for ph, (p, _, _) in zip(phs, slices):
-            feed[ph] = parts[p][checkpoint.STATE_NAMES[v]].reshape(ph.shape.as_list())
+            key = checkpoint.STATE_NAMES[v] if v < 3 else "id"
+            feed[ph] = np.asarray(parts[p][key], ph.dtype.as_numpy_dtype).reshape(
+                ph.shape.as_list())
     sess.run(op, feed)
     return int(manifest["step"])
 
@@ -199,7 +214,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
         log.info("restored step %d/%d (a=%.4f) in %.2f s", first, sim.n_steps,
                  sim.stages[first], timings["restore_s"])
     else:
-        sess.run(ops["init"])
+        sim.migration.append(("ics", sess.run([ops["init"], ops["stats"]["init"]])[1]))
         timings["ics_s"] = time.perf_counter() - t
         log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],
                  timings["ics_s"])
@@ -208,7 +223,8 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
     clock = [None]
 
     def step(state, i, a0, a1):
-        sess.run(ops["step"], {sim.factors: sim.step_factors[i]})
+        sim.migration.append(("step %d" % (i + 1), sess.run(
+            [ops["step"], ops["stats"]["step"]], {sim.factors: sim.step_factors[i]})[1]))
         return state
 
     def timed(j, a, state):
@@ -269,8 +285,8 @@ def snapshot_parts(conf, state, rho_slices, rho_vals, a):
     """
     parts = {}
     for (p, _, begin), rho in zip(rho_slices, rho_vals):
-        block, pos, mom, _ = state[p]
-        parts[p] = io.particle_part(conf, block, pos, mom, a)
+        block, pos, mom, _, ids = state[p]
+        parts[p] = io.particle_part(conf, block, pos, mom, a, ids=ids, valid=ids >= 0)
         parts[p]["density"] = h5dist.Block(rho, begin, conf.nc)
     return parts
 
@@ -296,6 +312,44 @@ def density_slab(conf, rho_slices, rho_vals, comm):
     return h5dist.gather_slab(comm, [(r[:, :, :depth].mean(axis=2), b[:2])
                                      for (_, _, b), r in zip(rho_slices, rho_vals)],
                               conf.nc[:2]), depth
+
+
+def migration_summary(conf, stats):
+    """The ``migration`` entry of summary.json from the per-stage statistics.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    stats : list of (str, ndarray or None)
+        ``(label, stats)`` of the IC migration and of every step
+        (:data:`flowpm_mtf.domain.STATS`).
+
+    Returns
+    -------
+    dict
+        Decomposition, halo, capacities, bytes sent per rank per step, and per
+        stage the particles of the fullest rank, its ratio to the mean (load
+        imbalance), the most particles one rank sent and the largest
+        displacement [cells].
+    """
+    out = {"decomposition": conf.decomposition, "halo_size": conf.halo_size,
+           "capacity": domain.capacity(conf)}
+    if conf.decomposition == "lagrangian":
+        return out
+    mean = conf.n_particles / conf.n_ranks
+    out.update({"send_capacity": domain.send_capacity(conf),
+                "bytes_sent_per_rank_per_step": domain.bytes_per_migration(conf, 1),
+                "mean_particles_per_rank": mean, "steps": []})
+    for label, st in stats:
+        if st is None:
+            continue
+        d = dict(zip(domain.STATS, (float(v) for v in st)))
+        out["steps"].append({"stage": label, "max_particles_per_rank": d["count"],
+                             "imbalance": d["count"] / mean, "moved_max": d["moved"],
+                             "send_max": d["send"], "displacement_max_cells": d["displacement"]})
+    if out["steps"]:
+        out["imbalance_max"] = max(s["imbalance"] for s in out["steps"])
+    return out
 
 
 class SnapshotWriter:

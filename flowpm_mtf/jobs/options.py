@@ -68,6 +68,9 @@ def _parser(f):
     """(argparse keyword arguments, metavar) for a dataclass field."""
     t = f.type
     origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Union and type(None) in args:     # Optional[X]: None = automatic
+        t = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(t), typing.get_args(t)
     kw = {}
     if "choices" in f.metadata:
         kw["choices"] = f.metadata["choices"]

@@ -44,7 +44,8 @@ import resource
 import statistics
 import time
 
-from .. import checkpoint, h5dist, io
+from .. import checkpoint, domain, h5dist, io
+from ..errors import CapacityError
 from ..logs import rank0_only
 
 __all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_memory_mb",
@@ -313,6 +314,10 @@ def session(session_config=None, lowering=None, target=""):
 
 
 # ----------------------------------------------------------------------------- the runner
+MAX_CAPACITY_RETRIES = 3
+"""Rebuilds with larger particle capacities after a :class:`CapacityError`."""
+
+
 def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_every=None,
         resume=False):
     """Run one job: preflight, build, lower, execute, summarise, write.
@@ -363,23 +368,41 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     job.preflight(ctx)
     timings = ctx.timings
     tf.disable_eager_execution()
-    with tf.Graph().as_default():
-        graph = mtf.Graph()
-        mesh = mtf.Mesh(graph, "mesh")
-        g = job.build(ctx, mesh)
-        lowering = lower(graph, mesh, backend.mesh_impl)
-        plan = job.lower(ctx, g, lowering)
-        timings["graph_build_s"] = ctx.elapsed()
-        text = job.describe(ctx, g)
-        log.info("graph built in %.1f s%s", timings["graph_build_s"],
-                 (" (%s)" % text) if text else "")
-        with session(backend.session_config, lowering) as sess:
-            ctx.mark("graph")
-            try:
-                results = job.execute(ctx, sess, g, plan)
-            except Stopped as stopped:
-                return {"stopped": True, "step": stopped.step, "timings": timings}
-            ctx.mark("steps")
+    for attempt in range(MAX_CAPACITY_RETRIES + 1):
+        try:
+            with tf.Graph().as_default():
+                graph = mtf.Graph()
+                mesh = mtf.Mesh(graph, "mesh")
+                g = job.build(ctx, mesh)
+                lowering = lower(graph, mesh, backend.mesh_impl)
+                plan = job.lower(ctx, g, lowering)
+                timings["graph_build_s"] = ctx.elapsed()
+                text = job.describe(ctx, g)
+                log.info("graph built in %.1f s%s", timings["graph_build_s"],
+                         (" (%s)" % text) if text else "")
+                with session(backend.session_config, lowering) as sess:
+                    ctx.mark("graph")
+                    try:
+                        results = job.execute(ctx, sess, g, plan)
+                    except Stopped as stopped:
+                        return {"stopped": True, "step": stopped.step, "timings": timings}
+                    ctx.mark("steps")
+            break
+        except tf.errors.InvalidArgumentError as exc:
+            # A particle buffer would overflow (flowpm_mtf.domain; every rank fails at
+            # the same check, before any variable is updated): rebuild with the
+            # capacities the error names (a resumed run re-slices its checkpoint into
+            # the larger buffers). A too-long time step: a one-line error.
+            err = domain.error_from_tf(exc, ctx.conf)
+            if err is None:
+                raise
+            if not isinstance(err, CapacityError) or attempt == MAX_CAPACITY_RETRIES:
+                raise err from None
+            log.warning("%s: rebuilding with capacity %d, send_capacity %d", err,
+                        err.capacity, err.send_capacity)
+            configs = dict(configs, config=ctx.conf.replace(
+                capacity=err.capacity, send_capacity=err.send_capacity))
+            ctx.configs, ctx.conf = configs, configs["config"]
     extra = job.finish(ctx, results)
     if run_dir is not None:
         job.write_all(ctx, results)   # collective: every rank writes its slices

@@ -12,7 +12,8 @@ snapshot.h5
     ``id`` [N] (Lagrangian index), ``density`` [NX, NY, NZ] (1 + delta, CIC),
     attributes with the config and versions: one logical file of HDF5 virtual
     datasets over the per-rank parts in ``snapshot.parts/`` (see
-    :mod:`flowpm_mtf.h5dist`); particles are grouped by rank, sort by ``id``.
+    :mod:`flowpm_mtf.h5dist`); particles are grouped by rank, sort by ``id``
+    (empty slots of the fixed-capacity buffers are not written).
 snapshot_a<a>.h5
     The same at each scale factor of ``--snapshots`` (other than ``a_end``).
 power.txt
@@ -130,7 +131,7 @@ class SimulateJob(Job):
             res = sess.run(ops["fetch"])
             res["state"] = nbody_run.fetch_state(sess, ops)
             res["rho"] = sess.run([t for _, t, _ in ops["rho"]])
-        res["ops"] = ops
+        res["ops"], res["sim"] = ops, sim
         return res
 
     def finish(self, ctx, res):
@@ -140,7 +141,8 @@ class SimulateJob(Job):
         res["slab"], res["depth"] = nbody_run.density_slab(conf, res["ops"]["rho"], res["rho"],
                                                            ctx.comm)
         res["keep"] = res["modes"] > 0
-        return {"n_particles": conf.n_cells}
+        return {"n_particles": conf.n_cells,
+                "migration": nbody_run.migration_summary(conf, res["sim"].migration)}
 
     def write_all(self, ctx, res):
         nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"])
