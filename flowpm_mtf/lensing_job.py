@@ -40,6 +40,7 @@ import tensorflow.compat.v1 as tf
 
 from . import io, lensing
 from .logs import rank0_only
+from .preflight import unfolded_zeros_initializer
 from .simulate import SimulationGraph, peak_memory_mb
 
 log = rank0_only(logging.getLogger(__name__))
@@ -71,7 +72,7 @@ class LensingGraph(SimulationGraph):
         x = self.variables.positions
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
-                                        trainable=False, initializer=tf.zeros_initializer())
+                                        trainable=False, initializer=unfolded_zeros_initializer())
                        for i in range(geom.n_planes)]
         # plane_ops[j]: assignments of the planes painted at stage j
         self.plane_ops = {}

@@ -32,6 +32,7 @@ import tensorflow.compat.v1 as tf
 from . import cosmology as cosmo_mod
 from . import gravity, ics, io, lpt, nbody, painting, power
 from .logs import rank0_only
+from .preflight import unfolded_zeros_initializer
 
 log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
 
@@ -76,7 +77,7 @@ class SimulationGraph:
         shape = init.positions.shape
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
-                             initializer=tf.zeros_initializer())
+                             initializer=unfolded_zeros_initializer())
             for name in ("positions", "momenta", "forces")])
         self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables, init)]
         # One step for all steps: the time-integration factors are fed per run
@@ -87,8 +88,7 @@ class SimulationGraph:
         new = nbody.kdk_step(self.variables, conf, kernels=kernels,
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
-        self.step_factors = [nbody.step_factors(conf, a0, a1)
-                             for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
+        self.step_factors = list(nbody.all_step_factors(conf, self.stages))
         x, p, _ = self.variables
         self.rho = painting.paint_field(x, conf)
         self.k, self.pk, self.modes = power.power_spectrum(self.rho - 1.0, conf,
