@@ -23,9 +23,13 @@ class FlowpmError(Exception):
     ----------
     exit_code : int
         Process exit status the CLI uses for this class (non-zero).
+    same_on_every_rank : bool
+        Raised identically on every rank (a collective check), so rank 0 alone
+        reports it; otherwise each rank that raises it does.
     """
 
     exit_code = 1
+    same_on_every_rank = True
 
     def __init__(self, message):
         # Keep the message on one line whatever the caller passed.
@@ -70,6 +74,7 @@ class CapacityError(FlowpmError):
     """A fixed-size particle buffer overflowed."""
 
     exit_code = 7
+    same_on_every_rank = False
 
 
 def error_from_name(name, message):

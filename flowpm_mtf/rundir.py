@@ -197,6 +197,7 @@ class RunDir:
         self.resume = bool(resume)
         self.all_ranks_write = bool(all_ranks_write)
         self.published = False
+        self.is_open = False
         self._lock_fd = None
 
     # ------------------------------------------------------------------ paths
@@ -250,10 +251,11 @@ class RunDir:
         except FlowpmError:
             self._release()
             raise
+        self.is_open = True
         return self
 
     def __enter__(self):
-        return self.open()
+        return self if self.is_open else self.open()
 
     def __exit__(self, exc_type, exc, tb):
         self.close()
@@ -287,6 +289,7 @@ class RunDir:
         if self.comm.rank == 0 and self._lock_fd is not None and not self.published:
             shutil.rmtree(self.staging, ignore_errors=True)
         self._release()
+        self.is_open = False
 
     # ------------------------------------------------------------------ rank 0
     def _lock(self):
@@ -331,7 +334,7 @@ class RunDir:
                                  % out)
         os.makedirs(out, exist_ok=True)
         names = os.listdir(out)
-        if names and not ({MANIFEST, LOCK, STAGING} & set(names)):
+        if names and not ({MANIFEST, LOCK, STAGING, CHECKPOINT} & set(names)):
             shown = sorted(names)[:3]
             raise OutputDirError("--out %s holds files that are not a flowpm-mtf run (%s%s); "
                                  "choose a new or empty directory"
