@@ -158,17 +158,25 @@ def build_config(args, defaults=None):
             fields[key] = val
     if "grid" not in fields or fields["grid"] is None:
         fields["grid"] = default_grid(n) if args.backend == "hvd" else (1, 1)
-    try:
-        conf = SimConfig.from_dict(fields)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e))
+    conf = checked_config(SimConfig.from_dict, fields)
     if args.backend == "hvd" and conf.n_ranks != n:
         raise RankCountError("the process grid %s needs %d ranks but the job has %d; launch with "
                              "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
     args.conf = conf  # for the error messages of main()
     return conf
+
+
+def checked_config(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a configuration or its validation) with ``ValueError``
+    and ``TypeError`` turned into :class:`ConfigError` (reported once, before the compute)."""
+    from .errors import ConfigError
+
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e))
 
 
 def make_comm(backend):
@@ -347,9 +355,9 @@ def cmd_reconstruct(args):
     from . import reconstruct
 
     conf = build_config(args, RECONSTRUCT_DEFAULTS)
-    rconf = reconstruct.ReconConfig(iterations=args.iterations,
-                                    learning_rate=args.learning_rate, noise=args.noise,
-                                    forward=args.forward, log_every=args.log_every)
+    rconf = checked_config(reconstruct.ReconConfig, iterations=args.iterations,
+                           learning_rate=args.learning_rate, noise=args.noise,
+                           forward=args.forward, log_every=args.log_every)
     log.info("config: %s; reconstruction: %s", json.dumps(conf.to_dict()),
              json.dumps(rconf.to_dict()))
     with open_run(args, conf, "reconstruct", nbody=args.forward == "nbody") as rd:
@@ -380,7 +388,8 @@ def cmd_lensing(args):
     for key in ("z_source", "field_deg", "field_npix", "n_planes"):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
-    lconf = lensing.LensingConfig(**fields)
+    lconf = checked_config(lensing.LensingConfig, **fields)
+    checked_config(lensing.geometry, conf, lconf)  # e.g. a source beyond the lightcone
     log.info("config: %s; lensing: %s", json.dumps(conf.to_dict()), json.dumps(lconf.to_dict()))
     with open_run(args, conf, "lensing") as rd:
         impl = make_mesh_impl(conf, args.backend)
