@@ -211,9 +211,20 @@ class RunDir:
         """``OUT/checkpoint``."""
         return os.path.join(self.out, CHECKPOINT)
 
+    @property
+    def path(self):
+        """The run directory OUT (absolute)."""
+        return self.out
+
     def staged(self, name):
         """Path of output ``name`` inside the staging directory."""
         return os.path.join(self.staging, name)
+
+    def file(self, name):
+        """Where the output ``name`` is written: in the staging directory (parents created)."""
+        path = self.staged(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
 
     # ------------------------------------------------------------------ collective steps
     def _collective(self, fn, *args):
