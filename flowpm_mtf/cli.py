@@ -213,6 +213,17 @@ def open_run(args, conf, job, nbody=True):
     return RunDir(args.out, job, comm=comm, overwrite=args.overwrite).open()
 
 
+def run_job(args, conf, job, run, config, nbody=True):
+    """Checks, run directory, ``run(mesh_impl, session_config, out_dir, rank=, gather_stats=,
+    plot=)`` writing into the staging directory, then publish (see :func:`open_run`)."""
+    with open_run(args, conf, job, nbody=nbody) as rd:
+        impl = make_mesh_impl(conf, args.backend)
+        summary = run(impl, session_config(conf, args.backend), rd.staging, rank=world()[0],
+                      gather_stats=_allgather_fn(args.backend), plot=not args.no_plot)
+        rd.publish(config=config)
+    return summary
+
+
 def _backend_keeps_masters(backend):
     """Whether the backend holds a full-size master copy of every variable per process."""
     if backend != "hvd":
@@ -336,13 +347,8 @@ def cmd_simulate(args):
 
     conf = build_config(args, SIMULATE_DEFAULTS)
     log.info("config: %s", json.dumps(conf.to_dict()))
-    with open_run(args, conf, "simulate") as rd:
-        impl = make_mesh_impl(conf, args.backend)
-        summary = simulate.run(conf, impl, session_config(conf, args.backend), rd.staging,
-                               rank=world()[0], gather_stats=_allgather_fn(args.backend),
-                               plot=not args.no_plot)
-        rd.publish(config=conf)
-    return summary
+    return run_job(args, conf, "simulate", lambda *a, **k: simulate.run(conf, *a, **k),
+                   conf.to_dict())
 
 
 # ----------------------------------------------------------------------------- reconstruct
@@ -360,14 +366,10 @@ def cmd_reconstruct(args):
                            forward=args.forward, log_every=args.log_every)
     log.info("config: %s; reconstruction: %s", json.dumps(conf.to_dict()),
              json.dumps(rconf.to_dict()))
-    with open_run(args, conf, "reconstruct", nbody=args.forward == "nbody") as rd:
-        impl = make_mesh_impl(conf, args.backend)
-        summary = reconstruct.run(conf, rconf, impl, session_config(conf, args.backend),
-                                  rd.staging, rank=world()[0],
-                                  gather_stats=_allgather_fn(args.backend),
-                                  plot=not args.no_plot)
-        rd.publish(config={"sim": conf.to_dict(), "reconstruction": rconf.to_dict()})
-    return summary
+    return run_job(args, conf, "reconstruct",
+                   lambda *a, **k: reconstruct.run(conf, rconf, *a, **k),
+                   {"sim": conf.to_dict(), "reconstruction": rconf.to_dict()},
+                   nbody=args.forward == "nbody")
 
 
 # ----------------------------------------------------------------------------- lensing
@@ -391,14 +393,8 @@ def cmd_lensing(args):
     lconf = checked_config(lensing.LensingConfig, **fields)
     checked_config(lensing.geometry, conf, lconf)  # e.g. a source beyond the lightcone
     log.info("config: %s; lensing: %s", json.dumps(conf.to_dict()), json.dumps(lconf.to_dict()))
-    with open_run(args, conf, "lensing") as rd:
-        impl = make_mesh_impl(conf, args.backend)
-        summary = lensing_job.run(conf, lconf, impl, session_config(conf, args.backend),
-                                  rd.staging, rank=world()[0],
-                                  gather_stats=_allgather_fn(args.backend),
-                                  plot=not args.no_plot)
-        rd.publish(config={"sim": conf.to_dict(), "lensing": lconf.to_dict()})
-    return summary
+    return run_job(args, conf, "lensing", lambda *a, **k: lensing_job.run(conf, lconf, *a, **k),
+                   {"sim": conf.to_dict(), "lensing": lconf.to_dict()})
 
 
 # ----------------------------------------------------------------------------- main
