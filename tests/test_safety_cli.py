@@ -14,15 +14,18 @@ import time
 import pytest
 
 from flowpm_mtf import rundir
-from test_mpi_jobs import JOB_DEADLINE_S, clean_env
+from test_mpi_jobs import clean_env
 
 pytestmark = pytest.mark.single_process
 
 SMALL = ["--nc", "16", "--halo", "2", "--steps", "2", "--no-plot"]
 ERROR_RE = re.compile(r"flowpm-mtf: error: ")
+# Limit per flowpm-mtf process: catches a hang. Generous: on the shared 2-core machine a
+# 16^3 run that takes 15 s alone has taken 100 s under load (imports alone 60 s).
+JOB_DEADLINE_S = 600
 
 
-def flowpm(*args, np_=None, timeout=JOB_DEADLINE_S + 60, wait=True):
+def flowpm(*args, np_=None, timeout=JOB_DEADLINE_S, wait=True):
     """Run ``flowpm-mtf ARGS`` in one process, or under ``mpirun -np np_``."""
     cmd = [sys.executable, "-m", "flowpm_mtf.cli", *map(str, args)]
     if np_ is not None:
@@ -98,7 +101,7 @@ def test_concurrent_runs_exactly_one_succeeds(tmp_path):
     out = tmp_path / "D"
     jobs = [flowpm("simulate", *SMALL, "--seed", seed, "--out", out, np_=2, wait=False)
             for seed in (1, 2)]
-    results = [j.communicate(timeout=JOB_DEADLINE_S * 3) for j in jobs]
+    results = [j.communicate(timeout=JOB_DEADLINE_S) for j in jobs]
     codes = [j.returncode for j in jobs]
     assert sorted(c == 0 for c in codes) == [False, True], results
     loser = results[codes.index(next(c for c in codes if c != 0))]
@@ -117,7 +120,7 @@ def test_kill_during_writing_leaves_old_run_or_nothing(tmp_path):
     old = tree(out)
     job = flowpm("simulate", *SMALL, "--seed", "5", "--out", out, "--overwrite", wait=False)
     staging = out / ".staging"
-    deadline = time.monotonic() + JOB_DEADLINE_S * 2
+    deadline = time.monotonic() + JOB_DEADLINE_S
     while time.monotonic() < deadline and job.poll() is None:
         if os.path.isdir(staging) and [n for n in os.listdir(staging) if not n.startswith(".")]:
             break
@@ -169,7 +172,6 @@ def test_over_memory_config_fails_before_the_compute(tmp_path):
 def test_grid_mismatch_one_line_no_traceback(tmp_path):
     proc = flowpm("simulate", *SMALL, "--grid", "2x2", "--out", tmp_path / "D", np_=2)
     assert_one_error_line(proc, r"needs 4 ranks but the job has 2")
-    assert proc.elapsed < JOB_DEADLINE_S
 
 
 def test_particle_escape_one_line_with_the_value_that_works(tmp_path):
