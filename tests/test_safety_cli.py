@@ -36,9 +36,7 @@ def flowpm(*args, np_=None, timeout=JOB_DEADLINE_S, wait=True):
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=clean_env())
-    t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
-    proc.elapsed = time.monotonic() - t0
     proc.out = proc.stdout + proc.stderr
     return proc
 
