@@ -20,13 +20,14 @@ import socket
 import numpy as np
 
 from .errors import ConfigError, MemoryBudgetError
+from .logs import rank0_only
 
 __all__ = ["RUNTIME_MB", "WORKSET_FACTOR", "MASTER_COPIES", "MIN_DISPLACEMENT_ULPS",
            "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "check_memory",
            "displacement_rms_cells", "check_numerics", "unfolded_zeros_initializer",
            "large_constants"]
 
-log = logging.getLogger(__name__)
+log = rank0_only(logging.getLogger(__name__))  # every rank computes the same verdict
 
 # ----------------------------------------------------------------------------- memory model
 # Fit of the peak RSS of the hvd N-body step graph, docs/scaling.md "Memory per rank":
