@@ -202,12 +202,12 @@ class SimConfig:
     nc: Tuple[int, int, int] = (64, 64, 64)
     box_size: Tuple[float, float, float] = (200.0, 200.0, 200.0)
     grid: Tuple[int, int] = (1, 1)
-    halo_size: int = 8
+    halo_size: int = dataclasses.field(default=8, metadata={"flags": ("--halo",)})
     a_start: float = 0.1
     a_end: float = 1.0
-    n_steps: int = 10
-    lpt_order: int = 2
-    dtype: str = "float32"
+    n_steps: int = dataclasses.field(default=10, metadata={"flags": ("--steps",)})
+    lpt_order: int = dataclasses.field(default=2, metadata={"choices": (1, 2)})
+    dtype: str = dataclasses.field(default="float32", metadata={"choices": tuple(_DTYPES)})
     seed: int = 42
     cosmology: Cosmology = dataclasses.field(default_factory=Cosmology)
 

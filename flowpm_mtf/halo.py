@@ -223,3 +223,30 @@ def halo_reduce(padded, conf):
     for block_dim, pad_dim, s in reversed(_axes(conf)):
         padded = _reduce_axis(padded, block_dim, pad_dim, s, h)
     return padded
+
+
+def halo_reduce_plane(padded, conf, pad_dims):
+    """:func:`halo_reduce` of padded 2D blocks ``[bx, by, px', py']`` (no z).
+
+    Parameters
+    ----------
+    padded : mtf.Tensor
+        Padded plane blocks whose padded x and y dimensions are named
+        ``pad_dims`` (sizes ``block + 2 * halo_size``), e.g. a freshly painted
+        lens plane (:func:`flowpm_mtf.painting.cic_paint_plane`).
+    conf : SimConfig
+    pad_dims : (str, str)
+        Names of the padded x and y dimensions.
+
+    Returns
+    -------
+    mtf.Tensor
+        Same shape; inner cells hold the reduced sums (margins to the x and y
+        neighbours), margins are zero.
+    """
+    h = conf.halo_size
+    if h == 0:
+        return padded
+    for (block_dim, _, s), pad_dim in reversed(list(zip(_axes(conf), pad_dims))):
+        padded = _reduce_axis(padded, block_dim, pad_dim, s, h)
+    return padded

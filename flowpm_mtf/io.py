@@ -1,9 +1,29 @@
-"""Snapshots (HDF5) and power spectra (text) on disk.
+"""Every file format of ``flowpm_mtf`` and the one atomic-write path.
 
 Plain, serial h5py: the caller gathers the arrays (e.g. with
 ``lowering.export_to_tf_tensor``) and **rank 0 writes**; on other ranks the
-writers return ``None`` without touching the file system. Files are written to
-a temporary name and renamed, so a reader never sees a half-written file.
+writers return ``None`` without touching the file system. Every file is
+written through :func:`atomic_path` (a temporary name in the same directory,
+renamed when complete and removed on failure), so a reader never sees a
+half-written file.
+
+Formats
+-------
+snapshot.h5 (:func:`write_snapshot`)
+    Particles and density of one simulation state (layout below).
+power.txt (:func:`write_power`)
+    Text columns k [h/Mpc], P(k) [(Mpc/h)^3], modes.
+kappa.h5, kappa_power.txt (:func:`write_kappa`, :func:`write_kappa_power`)
+    Born convergence maps, lens planes, and their angular power spectra.
+reconstruction.h5, reconstruction.txt (:func:`write_reconstruction`,
+:func:`write_reconstruction_table`)
+    Reconstructed and true linear fields, loss history; r(k), T(k).
+summary.json, fft_demo.json (:func:`write_summary`, :func:`write_json`)
+    JSON documents (the run summary: configs, timings, memory, versions).
+
+Generic building blocks: :func:`write_hdf5` (datasets with attributes),
+:func:`write_table` (text columns), :func:`write_json`. A new output format is a
+new ``write_*`` function here built on them.
 
 Snapshot layout (readable with h5py alone)::
 
@@ -17,6 +37,7 @@ Snapshot layout (readable with h5py alone)::
 
 Each dataset has a ``units`` attribute.
 """
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -29,13 +50,17 @@ import numpy as np
 
 from .logs import detect_rank
 
-__all__ = ["SNAPSHOT_FORMAT", "DEFAULT_UNITS", "versions", "to_jsonable", "write_snapshot",
-           "read_snapshot", "write_power", "read_power"]
+__all__ = ["SNAPSHOT_FORMAT", "KAPPA_FORMAT", "DEFAULT_UNITS", "versions", "to_jsonable",
+           "atomic_path", "write_hdf5", "write_table", "write_json", "write_summary",
+           "write_snapshot", "read_snapshot", "write_power", "read_power", "write_kappa",
+           "write_kappa_power", "write_reconstruction", "write_reconstruction_table"]
 
 log = logging.getLogger(__name__)
 
 #: Value of the ``format`` attribute of the snapshots written here.
 SNAPSHOT_FORMAT = "flowpm_mtf.snapshot/1"
+#: Value of the ``format`` attribute of ``kappa.h5``.
+KAPPA_FORMAT = "flowpm_mtf.kappa/1"
 #: Units recorded for each dataset unless the caller overrides them.
 DEFAULT_UNITS = {"position": "Mpc/h", "velocity": "km/s",
                  "density": "dimensionless (rho / mean rho)"}
@@ -111,6 +136,129 @@ def _tmp_name(path):
     return "%s.tmp-%d" % (path, os.getpid())
 
 
+@contextlib.contextmanager
+def atomic_path(path):
+    """The one atomic-write path: a temporary name that becomes ``path`` when complete.
+
+    Write the file under the yielded name; when the block ends normally it is
+    renamed to ``path`` (``os.replace``: atomic on POSIX within a directory),
+    and on any error the temporary file is removed, so ``path`` is either the
+    previous complete file or the new complete one.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Yields
+    ------
+    str
+        The temporary name (``path`` + ``.tmp-<pid>``).
+    """
+    path = os.fspath(path)
+    tmp = _tmp_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
+    """Write an HDF5 file of datasets and file attributes (rank 0 only), atomically.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    datasets : sequence of (name, array_like, dict)
+        Datasets in creation order, each with its attributes (e.g. ``units``).
+    attrs : dict, optional
+        File attributes (strings, numbers or arrays).
+    compression : str, optional
+        h5py compression filter for the datasets.
+    rank : int, optional
+        Rank of this process (default: from the launcher's environment).
+
+    Returns
+    -------
+    str or None
+        The path written, on rank 0; ``None`` elsewhere.
+    """
+    import h5py
+
+    if not _is_writer(rank):
+        return None
+    with atomic_path(path) as tmp:
+        with h5py.File(tmp, "w") as f:
+            for name, value, dattrs in datasets:
+                dset = f.create_dataset(name, data=value, compression=compression)
+                for key, v in (dattrs or {}).items():
+                    dset.attrs[key] = v
+            for key, v in (attrs or {}).items():
+                f.attrs[key] = v
+    return os.fspath(path)
+
+
+def write_table(path, columns, header, fmt="%.17g", rank=None):
+    """Write text columns with a ``#`` header (rank 0 only), atomically.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    columns : sequence of 1-d array_like
+        Columns of equal length.
+    header : str
+        Header lines (each written after ``# ``).
+    fmt : str or sequence of str
+        ``numpy.savetxt`` format(s).
+    rank : int, optional
+
+    Returns
+    -------
+    str or None
+        The path written, on rank 0; ``None`` elsewhere.
+    """
+    if not _is_writer(rank):
+        return None
+    with atomic_path(path) as tmp:
+        np.savetxt(tmp, np.column_stack(columns), header=header, fmt=fmt)
+    return os.fspath(path)
+
+
+def write_json(path, obj, rank=None):
+    """Write a JSON document (indent 1; numpy scalars as floats) on rank 0, atomically.
+
+    Returns
+    -------
+    str or None
+        The path written, on rank 0; ``None`` elsewhere.
+    """
+    if not _is_writer(rank):
+        return None
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=float)
+    return os.fspath(path)
+
+
+def write_summary(path, summary, rank=None):
+    """Write a run's ``summary.json`` (the one summary writer; see :func:`write_json`).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    summary : dict
+        Configs, timings [s], peak memory per rank [MB], versions and the
+        job's own results (JSON-able; numpy scalars are converted).
+    rank : int, optional
+
+    Returns
+    -------
+    str or None
+    """
+    return write_json(path, summary, rank=rank)
+
+
 def write_snapshot(path, position=None, velocity=None, density=None, attrs=None, *,
                    units=None, compression=None, rank=None):
     """Write a snapshot to an HDF5 file (on rank 0 only).
@@ -146,8 +294,6 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
     ValueError
         On inconsistent shapes (checked on every rank, before writing).
     """
-    import h5py
-
     data = {}
     if position is not None:
         data["position"] = np.asarray(position)
@@ -170,23 +316,13 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
     if not _is_writer(rank):
         return None
 
-    path = os.fspath(path)
-    tmp = _tmp_name(path)
     vers = versions()
-    try:
-        with h5py.File(tmp, "w") as f:
-            for name, value in data.items():
-                dset = f.create_dataset(name, data=value, compression=compression)
-                dset.attrs["units"] = all_units[name]
-            f.attrs["format"] = SNAPSHOT_FORMAT
-            f.attrs["config"] = config_json
-            f.attrs["versions"] = json.dumps(vers, sort_keys=True)
-            for key, value in vers.items():
-                f.attrs["version." + key] = value
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    attrs = {"format": SNAPSHOT_FORMAT, "config": config_json,
+             "versions": json.dumps(vers, sort_keys=True)}
+    attrs.update(("version." + key, value) for key, value in vers.items())
+    path = write_hdf5(path, [(name, value, {"units": all_units[name]})
+                             for name, value in data.items()], attrs, compression=compression,
+                      rank=0)
     log.info("wrote snapshot %s (%s)", path,
              ", ".join("%s %s" % (k, v.shape) for k, v in data.items()) or "attributes only")
     return path
@@ -267,14 +403,7 @@ def write_power(path, k, pk, modes=None, *, header=None, rank=None):
         lines.extend(text.splitlines())
     lines.append("versions: " + json.dumps(versions(), sort_keys=True))
     lines.append(names)
-    path = os.fspath(path)
-    tmp = _tmp_name(path)
-    try:
-        np.savetxt(tmp, np.column_stack(columns), header="\n".join(lines), fmt="%.17g")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    path = write_table(path, columns, "\n".join(lines), fmt="%.17g", rank=0)
     log.info("wrote power spectrum %s (%d bins)", path, k.size)
     return path
 
@@ -296,3 +425,100 @@ def read_power(path):
     data = np.loadtxt(path, comments="#", ndmin=2)
     modes = data[:, 2] if data.shape[1] > 2 else None
     return data[:, 0], data[:, 1], modes, header
+
+
+# ----------------------------------------------------------------------------- lensing
+def write_kappa(path, kappa, planes, plane_k, plane_pk, conf, lconf, geom, rank=None):
+    """Write ``kappa.h5`` (rank 0 only).
+
+    Datasets: ``kappa`` [n_source, npix, npix] (``kappa[s, i, j]`` at
+    ``theta[i], theta[j]``), ``theta`` [npix] [rad], ``planes`` [n_planes, NX,
+    NY] (1 + delta), ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk``
+    [n_planes, nbins] [(Mpc/h)^3]. Attributes: ``format``
+    (:data:`KAPPA_FORMAT`), ``config`` (SimConfig JSON), ``lensing``
+    (LensingConfig JSON), ``geometry`` (JSON), ``z_source``, ``field_deg``,
+    ``plane_r`` [Mpc/h], ``versions``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    kappa, planes, plane_k, plane_pk : ndarray
+    conf : SimConfig
+    lconf : lensing.LensingConfig
+    geom : lensing.LightconeGeometry
+    rank : int, optional
+
+    Returns
+    -------
+    str or None
+    """
+    datasets = [("kappa", kappa, {"units": "dimensionless"}),
+                ("theta", geom.theta, {"units": "rad"}),
+                ("planes", planes, {"units": "1 + delta (shell average)"}),
+                ("plane_k", plane_k, {"units": "h/Mpc"}),
+                ("plane_pk", plane_pk, {"units": "(Mpc/h)^3"})]
+    attrs = {"format": KAPPA_FORMAT, "config": conf.to_json(),
+             "lensing": json.dumps(lconf.to_dict(), sort_keys=True),
+             "geometry": json.dumps(geom.to_dict(), sort_keys=True),
+             "z_source": geom.z_source, "field_deg": geom.field_deg, "plane_r": geom.r,
+             "versions": json.dumps(versions(), sort_keys=True)}
+    return write_hdf5(path, datasets, attrs, rank=rank)
+
+
+def write_kappa_power(path, ell, measured, limber, n_modes, geom, rank=None):
+    """Write ``kappa_power.txt``: ell, per source the measured C_ell and the Limber
+    prediction [sr], then the number of modes per bin (rank 0 only)."""
+    cols, names = [ell], ["ell"]
+    for s, z in enumerate(geom.z_source):
+        cols += [measured[s], limber[s]]
+        names += ["C_ell(z_s=%g)" % z, "C_ell_limber(z_s=%g)" % z]
+    cols.append(n_modes)
+    names.append("modes")
+    header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels) and the "
+              "Limber prediction from the simulation's P(k) at the %d plane redshifts\n%s"
+              % (geom.field_deg, geom.npix, geom.n_planes, "  ".join(names)))
+    return write_table(path, cols, header, fmt="%.10g", rank=rank)
+
+
+# ----------------------------------------------------------------------------- reconstruction
+def write_reconstruction(path, conf, rconf, fields, history, rank=None):
+    """Write ``reconstruction.h5`` (rank 0 only).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    conf : SimConfig
+    rconf : reconstruct.ReconConfig
+    fields : dict
+        ``truth``, ``reconstruction`` (linear density contrast at a = 1) and
+        ``observed`` (1 + delta at ``a_end``, with noise), each [NX, NY, NZ].
+    history : dict
+        ``loss``, ``chi2``, ``prior``: one value per iteration (before each
+        step) plus the final value.
+    rank : int, optional
+
+    Returns
+    -------
+    str or None
+    """
+    units = {"truth": "linear density contrast at a=1",
+             "reconstruction": "linear density contrast at a=1",
+             "observed": "1 + delta at a_end (CIC), with noise"}
+    datasets = [(n, fields[n], {"units": units[n]}) for n in ("truth", "reconstruction",
+                                                               "observed")]
+    for n, v in history.items():
+        datasets.append((n, np.asarray(v, np.float64), {} if n != "loss" else {
+            "description": "(chi2 + prior) / N before each iteration, then the final value"}))
+    attrs = {"config": conf.to_json(), "reconstruction": json.dumps(rconf.to_dict()),
+             "versions": json.dumps(versions())}
+    return write_hdf5(path, datasets, attrs, rank=rank)
+
+
+def write_reconstruction_table(path, conf, rconf, k, r, tk, modes, rank=None):
+    """Write ``reconstruction.txt``: k [h/Mpc], r(k), T(k), modes (rank 0 only)."""
+    header = ("flowpm-mtf reconstruct: cross-correlation r(k) = P_tr / sqrt(P_t P_r) and "
+              "transfer function T(k) = sqrt(P_r / P_t) of the reconstructed (r) vs true "
+              "(t) linear field\ncolumns: k [h/Mpc], r, T, modes\nconfig: %s\nsettings: %s"
+              % (conf.to_json(), json.dumps(rconf.to_dict())))
+    return write_table(path, [k, r, tk, modes], header, fmt=["%.6e", "%.6f", "%.6f", "%d"],
+                       rank=rank)

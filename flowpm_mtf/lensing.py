@@ -74,13 +74,11 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import cosmology as cosmo_mod
-from .gravity import pm_forces
-from .halo import _axes as _halo_axes
-from .halo import _reduce_axis as _halo_reduce_axis
+from . import timeloop
 from .kernels import make_kernels
-from .lpt import State, lpt_init
+from .lpt import lpt_init
 from .nbody import default_stages, kdk_step
-from .painting import _assert_none_escaped, _isolated_grad, _local_particles, escaped_count
+from .painting import PLANE_PX, PLANE_PY, cic_paint_plane  # noqa: F401 (PLANE_*: re-exported)
 
 __all__ = ["SRC", "THX", "THY", "LensingConfig", "LightconeGeometry", "geometry",
            "lightcone_stages", "density_plane", "interpolation_weights", "born_coefficients",
@@ -91,8 +89,6 @@ log = logging.getLogger(__name__)
 
 SRC, THX, THY = "src", "thx", "thy"
 """Dimensions of a convergence map ``[src, thx, thy]`` (replicated on every rank)."""
-PLANE_PX, PLANE_PY = "ppx", "ppy"
-"""Padded 2D block dimensions of a density plane being painted."""
 
 # A plane scale factor within this fraction of a regular time step of a regular stage
 # replaces that stage (instead of adding a much shorter step next to it).
@@ -335,9 +331,6 @@ def lightcone_stages(conf, geom):
 
 
 # ----------------------------------------------------------------------------- planes
-_OFFSETS_2D = np.array([[0, 0], [1, 0], [0, 1], [1, 1]])
-
-
 def _plane_shape(conf):
     return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.REAL_DIMS[:2], conf.nc[:2])])
 
@@ -370,56 +363,11 @@ def density_plane(positions, conf, geom, index, name=None):
         At run time, if a particle escaped its block's halo.
     """
     name = name or "density_plane_%d" % index
-    h = conf.halo_size
-    if h < 1:
-        raise ValueError("density_plane: CIC needs halo_size >= 1, got %d" % h)
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
     cz = conf.cell_size[2]
     dt = conf.np_dtype
     r_lo = np.asarray(geom.r_edges[index] / cz, dt).item()        # [cells]
     width = np.asarray(geom.width[index] / cz, dt).item()         # [cells]
-    px, py = sx + 2 * h, sy + 2 * h
-    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
-    padded = mtf.Shape([bx, by, mtf.Dimension(PLANE_PX, px), mtf.Dimension(PLANE_PY, py)])
-
-    def fn(m, pos):
-        pos = _local_particles(pos)                               # [nbx, nby, n, 3]
-        nbx, nby, n, _ = pos.shape.as_list()
-        # line-of-sight distance z + k nz of the replica k that reaches the shell
-        dist = tf.math.floormod(pos[..., 2] - r_lo, float(nz))
-        inside = tf.cast(dist < width, pos.dtype)                 # no gradient (step in z)
-        xy = pos[:, :, :, None, :2]
-        nb = tf.floor(xy) + tf.constant(_OFFSETS_2D, pos.dtype)
-        kern = 1.0 - tf.abs(xy - nb)
-        kern = kern[..., 0] * kern[..., 1] * inside[..., None]    # [nbx, nby, n, 4]
-        cell = tf.cast(nb, tf.int32)
-        ix = tf.clip_by_value(cell[..., 0] + h, 0, px - 1)
-        iy = tf.clip_by_value(cell[..., 1] + h, 0, py - 1)
-        shape = [nbx, nby, n, 4]
-        bi = tf.broadcast_to(tf.reshape(tf.range(nbx), [nbx, 1, 1, 1]), shape)
-        bj = tf.broadcast_to(tf.reshape(tf.range(nby), [1, nby, 1, 1]), shape)
-        idx = tf.reshape(tf.stack([bi, bj, ix, iy], axis=-1), [-1, 4])
-        return tf.tensor_scatter_nd_add(m, idx, tf.reshape(kern, [-1]))
-
-    # painted onto an explicit zero plane, as painting.cic_paint (the isolated gradient
-    # needs two inputs)
-    empty = mtf.zeros(positions.mesh, padded, dtype=positions.dtype)
-    painted = mtf.slicewise(fn, [empty, positions], output_shape=padded,
-                            output_dtype=positions.dtype,
-                            splittable_dims=positions.shape.dims[:2],
-                            grad_function=_isolated_grad(fn, positions.shape.dims[:2], name),
-                            name=name)
-    painted = _assert_none_escaped(painted, escaped_count(positions, conf), name)
-    # 2D halo reduction: the margins go to the x and y neighbours (z needs nothing).
-    for (block_dim, _, s), pad_dim in reversed(list(zip(_halo_axes(conf),
-                                                         (PLANE_PX, PLANE_PY)))):
-        painted = _halo_reduce_axis(painted, block_dim, pad_dim, s, h)
-    inner = mtf.slice(mtf.slice(painted, h, sx, PLANE_PX), h, sy, PLANE_PY)
-    dsx, dsy = mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy)
-    inner = mtf.reshape(inner, mtf.Shape([bx, by, dsx, dsy]))
-    # [bx, sx, by, sy] keeps x and y split at their positions: a local reshape
-    inner = mtf.transpose(inner, mtf.Shape([bx, dsx, by, dsy]))
-    plane = mtf.reshape(inner, _plane_shape(conf))
+    plane = cic_paint_plane(positions, conf, r_lo, width, name=name)
     return plane * np.asarray(1.0 / width, dt).item()
 
 
@@ -521,7 +469,7 @@ def born_convergence(planes, conf, geom, name="born"):
 def lightcone_forward(linear, conf, geom):
     """LPT, N-body through the lightcone stages, density planes and Born convergence.
 
-    The same computation as the job (:mod:`flowpm_mtf.lensing_job`) in one
+    The same computation as the job (:mod:`flowpm_mtf.jobs.lensing`) in one
     graph, for gradients and tests.
 
     Parameters
@@ -542,14 +490,15 @@ def lightcone_forward(linear, conf, geom):
     """
     stages, plane_stage = lightcone_stages(conf, geom)
     kernels = make_kernels(conf, linear.mesh)
-    init = lpt_init(linear, conf, a=stages[0])
-    state = State(init.positions, init.momenta, pm_forces(init.positions, conf, kernels))
     planes = [None] * geom.n_planes
-    for j in range(stages.size):
-        if j > 0:
-            state = kdk_step(state, conf, stages[j - 1], stages[j], kernels)
+
+    def paint_planes(j, a, state):
         for i in np.nonzero(plane_stage == j)[0]:
             planes[i] = density_plane(state.positions, conf, geom, int(i))
+
+    state = timeloop.integrate(
+        timeloop.initial_state(lpt_init(linear, conf, a=stages[0]), conf, kernels), stages,
+        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels), [paint_planes])
     log.debug("lightcone_forward: %d stages, %d planes", stages.size, geom.n_planes)
     return born_convergence(planes, conf, geom), planes, state
 

@@ -18,11 +18,13 @@ import os
 import sys
 import time
 
-__all__ = ["RANK_ENV_VARS", "detect_rank", "setup_logging", "RankFormatter", "Rank0Filter",
+__all__ = ["RANK_ENV_VARS", "SIZE_ENV_VARS", "detect_rank", "detect_size", "setup_logging", "RankFormatter", "Rank0Filter",
            "rank0_only"]
 
 #: Environment variables holding the process rank, in order of precedence.
 RANK_ENV_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "HOROVOD_RANK")
+#: Environment variables holding the number of processes, in the same order.
+SIZE_ENV_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "HOROVOD_SIZE")
 
 _HANDLER_NAME = "flowpm_mtf.logs"
 
@@ -47,6 +49,31 @@ def detect_rank(environ=None):
         if value is not None and value.strip().lstrip("-").isdigit():
             return int(value)
     return 0
+
+
+def detect_size(environ=None):
+    """Number of processes of the job as announced by the launcher.
+
+    The one way ``flowpm_mtf`` learns the world without initialising MPI (the
+    rank comes from :func:`detect_rank`, read from the same launcher).
+
+    Parameters
+    ----------
+    environ : mapping, optional
+        Environment to inspect (default ``os.environ``).
+
+    Returns
+    -------
+    int
+        The value of the variable of :data:`SIZE_ENV_VARS` that belongs to the
+        first launcher of :data:`RANK_ENV_VARS` found, or 1 when none is set.
+    """
+    environ = os.environ if environ is None else environ
+    for rank_name, size_name in zip(RANK_ENV_VARS, SIZE_ENV_VARS):
+        value = environ.get(size_name)
+        if rank_name in environ and value is not None and value.strip().isdigit():
+            return int(value)
+    return 1
 
 
 class RankFormatter(logging.Formatter):

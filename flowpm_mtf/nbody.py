@@ -2,7 +2,8 @@ r"""FastPM kick-drift-kick N-body integration, and the full forward model.
 
 Time stepping (Feng et al. 2016; as ``flowpm.tfpm.nbody`` in FlowPM 0.1.1)
 -------------------------------------------------------------------------
-For stages :math:`a_0 < a_1 < \dots < a_n`: the force is first recomputed at
+The loop over stages is :func:`flowpm_mtf.timeloop.integrate` (the one time
+loop of the package); this module supplies its step, :func:`kdk_step`. For stages :math:`a_0 < a_1 < \dots < a_n`: the force is first recomputed at
 :math:`a_0` (replacing the LPT force); then for each step
 :math:`a_i \to a_{i+1}`, with :math:`a_h = \sqrt{a_i a_{i+1}}`,
 
@@ -25,6 +26,7 @@ import logging
 import numpy as np
 
 from . import cosmology as cosmo_mod
+from . import timeloop
 from .gravity import density, pm_forces
 from .kernels import make_kernels
 from .lpt import State, lpt_init
@@ -32,10 +34,6 @@ from .lpt import State, lpt_init
 __all__ = ["default_stages", "nbody", "kdk_step", "step_factors", "all_step_factors", "forward"]
 
 log = logging.getLogger(__name__)
-
-# Relative tolerance for matching a requested snapshot scale factor to a stage.
-_SNAPSHOT_RTOL = 1e-10
-
 
 def default_stages(conf):
     """Scale factors of the stages: ``linspace(a_start, a_end, n_steps + 1)``.
@@ -50,29 +48,6 @@ def default_stages(conf):
         float64, ``conf.n_steps + 1`` increasing scale factors [dimensionless].
     """
     return np.linspace(conf.a_start, conf.a_end, conf.n_steps + 1)
-
-
-def _check_stages(stages):
-    stages = np.asarray(stages, dtype=np.float64).reshape(-1)
-    if stages.size < 1:
-        raise ValueError("nbody: stages must hold at least one scale factor")
-    if not np.all(np.isfinite(stages)) or np.any(stages <= 0):
-        raise ValueError("nbody: stages must be finite and positive, got %s" % stages)
-    if np.any(np.diff(stages) <= 0):
-        raise ValueError("nbody: stages must be strictly increasing, got %s" % stages)
-    return stages
-
-
-def _snapshot_indices(snapshot_a, stages):
-    idx = []
-    for a in np.asarray(snapshot_a, dtype=np.float64).reshape(-1):
-        hit = np.nonzero(np.abs(stages - a) <= _SNAPSHOT_RTOL * a)[0]
-        if hit.size == 0:
-            raise ValueError("nbody: snapshot at a=%r is not one of the stages %s; positions and "
-                             "momenta are synchronised only at stages (pass stages that include "
-                             "it)" % (float(a), stages))
-        idx.append(int(hit[0]))
-    return idx
 
 
 def nbody(state, conf, stages=None, snapshot_a=None):
@@ -106,25 +81,17 @@ def nbody(state, conf, stages=None, snapshot_a=None):
     tf.errors.InvalidArgumentError
         At run time, if a particle escaped its block's halo.
     """
-    stages = _check_stages(default_stages(conf) if stages is None else stages)
-    snap_idx = _snapshot_indices(snapshot_a, stages) if snapshot_a is not None else None
+    stages = timeloop.check_stages(default_stages(conf) if stages is None else stages)
+    keep = timeloop.StateSnapshots(
+        timeloop.stage_indices(snapshot_a, stages) if snapshot_a is not None else [])
     kernels = make_kernels(conf, state.positions.mesh)
-    x, p, _ = state
     log.info("nbody: %d steps from a=%g to a=%g", stages.size - 1, stages[0], stages[-1])
-
-    snaps = {}
-    state = State(x, p, pm_forces(x, conf, kernels))
-    if snap_idx is not None and 0 in snap_idx:
-        snaps[0] = state
-    for i in range(stages.size - 1):
-        state = kdk_step(state, conf, stages[i], stages[i + 1], kernels)
-        log.debug("nbody: step %d/%d to a=%g built", i + 1, stages.size - 1, stages[i + 1])
-        if snap_idx is not None and (i + 1) in snap_idx:
-            snaps[i + 1] = state
-    final = state
-    if snap_idx is None:
+    final = timeloop.integrate(
+        timeloop.initial_state(state, conf, kernels), stages,
+        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels), [keep])
+    if snapshot_a is None:
         return final
-    return final, [snaps[i] for i in snap_idx]
+    return final, keep.states
 
 
 def step_factors(conf, a0, a1):
@@ -192,7 +159,7 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
         Instead of ``a0, a1``: the factors of :func:`step_factors`, as floats or
         as scalar (shape ``[]``) mtf tensors. With tensors (e.g. imported
         placeholders) one lowered step serves every step of a run, fed with
-        each step's factors (see :class:`flowpm_mtf.simulate.SimulationGraph`).
+        each step's factors (see :class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`).
 
     Returns
     -------

@@ -36,7 +36,7 @@ gradient comes from ``mtf.gradients`` through the forward model. The
 trajectory does not depend on the process grid beyond the order of
 floating-point sums.
 
-The job (:func:`run`, ``flowpm-mtf reconstruct``) makes a truth from
+The job (:mod:`flowpm_mtf.jobs.reconstruct`, ``flowpm-mtf reconstruct``) makes a truth from
 ``conf.seed``, observes its final density with Gaussian noise
 (:mod:`flowpm_mtf.noise`, seed ``conf.seed + NOISE_SEED_OFFSET``: the same data
 on every process grid), optimises from :math:`s = 0` and writes
@@ -44,24 +44,21 @@ on every process grid), optimises from :math:`s = 0` and writes
 ``reconstruction.png``.
 """
 import dataclasses
-import json
 import logging
-import os
-import time
 
 import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
-from . import fft, gravity, ics, io, lpt, nbody, power
+from . import fft, gravity, ics, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
 
 __all__ = ["ReconConfig", "FORWARD_MODELS", "NOISE_SEED_OFFSET", "NOISELESS_SIGMA",
            "forward_model", "inverse_power_kernel", "prior_chi2", "loss_terms", "cross_power",
-           "AdamState", "adam_update", "ReconstructionGraph", "run", "reconstruction_plot"]
+           "AdamState", "adam_update", "ReconstructionGraph"]
 
 log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
 
@@ -114,7 +111,7 @@ class ReconConfig:
     iterations: int = 200
     learning_rate: float = 0.1
     noise: float = 0.1
-    forward: str = "lpt"
+    forward: str = dataclasses.field(default="lpt", metadata={"choices": FORWARD_MODELS})
     sigma: float = None
     beta1: float = 0.9
     beta2: float = 0.999
@@ -506,192 +503,3 @@ class ReconstructionGraph:
             tiny = np.finfo(conf.np_dtype).tiny
             self.r = p_tr / mtf.sqrt(mtf.maximum(p_tt * p_rr, tiny))
             self.transfer = mtf.sqrt(p_rr / mtf.maximum(p_tt, tiny))
-
-
-# ----------------------------------------------------------------------------- the job
-def run(conf, rconf, mesh_impl, session_config, out_dir, rank=0, gather_stats=None,
-        plot=True):
-    """Build and run one reconstruction; write its outputs (rank 0).
-
-    Parameters
-    ----------
-    conf : SimConfig
-    rconf : ReconConfig
-    mesh_impl : mtf.MeshImpl
-    session_config : tf.ConfigProto
-    out_dir : str
-    rank : int
-        This process's rank; rank 0 writes the outputs.
-    gather_stats : callable, optional
-        ``f(value) -> list`` over ranks (e.g. an MPI allgather), for the peak
-        memory per rank.
-    plot : bool
-        Write ``reconstruction.png``.
-
-    Returns
-    -------
-    dict
-        The summary written to ``summary.json`` (config, settings, ``loss``
-        per iteration, timings [s], peak memory [MB], r(k) and T(k)).
-
-    Outputs
-    -------
-    reconstruction.h5
-        ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
-        ``observed`` (1 + delta), ``loss``, ``chi2``, ``prior`` per iteration
-        (before each step, plus the final value); attributes: config,
-        settings (JSON), versions.
-    reconstruction.txt
-        k [h/Mpc], r(k), T(k), number of modes.
-    summary.json, reconstruction.png
-
-    Raises
-    ------
-    ValueError
-        At graph construction, on every rank (see :class:`ReconstructionGraph`).
-    tf.errors.InvalidArgumentError
-        If a trial field displaces particles beyond the halo
-        (:mod:`flowpm_mtf.painting`), on every rank at once; lower the
-        learning rate or raise ``conf.halo_size``.
-    """
-    from .simulate import peak_memory_mb
-
-    timings = {}
-    t0 = time.perf_counter()
-    tf.disable_eager_execution()
-    with tf.Graph().as_default():
-        graph = mtf.Graph()
-        mesh = mtf.Mesh(graph, "mesh")
-        rg = ReconstructionGraph(conf, rconf, mesh)
-        lowering = mtf.Lowering(graph, {mesh: mesh_impl})
-        observe = lowering.lowered_operation(rg.observe_op)
-        step = tf.group([lowering.lowered_operation(op) for op in rg.step_ops])
-        scalars = {n: lowering.export_to_tf_tensor(getattr(rg, n))
-                   for n in ("loss", "chi2", "prior")}
-        fields = {"truth": lowering.export_to_tf_tensor(rg.truth),
-                  "reconstruction": lowering.export_to_tf_tensor(rg.linear),
-                  "observed": lowering.export_to_tf_tensor(rg.observed)}
-        spectra = {n: lowering.export_to_tf_tensor(getattr(rg, n))
-                   for n in ("k", "r", "transfer", "n_modes")}
-        copy_masters = lowering.copy_masters_to_slices()
-        timings["graph_build_s"] = time.perf_counter() - t0
-        log.info("graph built in %.1f s (mesh %s, grid %s, forward %s, %d iterations)",
-                 timings["graph_build_s"], "x".join(map(str, conf.nc)),
-                 "x".join(map(str, conf.grid)), rconf.forward, rconf.iterations)
-        history = {"loss": [], "chi2": [], "prior": []}
-        with tf.Session(config=session_config) as sess:
-            t = time.perf_counter()
-            sess.run(tf.global_variables_initializer())
-            sess.run(copy_masters)
-            sess.run(observe)
-            timings["observe_s"] = time.perf_counter() - t
-            log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
-                     rconf.likelihood_sigma, timings["observe_s"])
-            t_opt = time.perf_counter()
-            for i in range(rconf.iterations):
-                vals, _ = sess.run([scalars, step])
-                for n in history:
-                    history[n].append(float(vals[n]))
-                if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
-                    log.info("iteration %d/%d: loss %.6g (chi2/N %.4g, prior/N %.4g), "
-                             "%.3f s/iteration", i + 1, rconf.iterations, vals["loss"],
-                             vals["chi2"] / conf.n_cells, vals["prior"] / conf.n_cells,
-                             (time.perf_counter() - t_opt) / (i + 1))
-            timings["optimise_s"] = time.perf_counter() - t_opt
-            timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
-            t = time.perf_counter()
-            res = sess.run({**fields, **spectra, "final": scalars})
-            timings["gather_s"] = time.perf_counter() - t
-    for n in history:
-        history[n].append(float(res["final"][n]))
-    keep = res["n_modes"] > 0
-    k, r, tk, modes = (res[n][keep] for n in ("k", "r", "transfer", "n_modes"))
-    mem = peak_memory_mb()
-    mem_all = gather_stats(mem) if gather_stats is not None else [mem]
-    timings["total_s"] = time.perf_counter() - t0
-    summary = {"config": conf.to_dict(), "reconstruction": rconf.to_dict(),
-               "likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
-               "chi2": history["chi2"], "prior": history["prior"],
-               "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist(),
-               "timings": timings, "peak_memory_mb_per_rank": mem_all,
-               "versions": io.versions()}
-    if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        _write_h5(os.path.join(out_dir, "reconstruction.h5"), conf, rconf, res, history)
-        header = ("flowpm-mtf reconstruct: cross-correlation r(k) = P_tr / sqrt(P_t P_r) and "
-                  "transfer function T(k) = sqrt(P_r / P_t) of the reconstructed (r) vs true "
-                  "(t) linear field\ncolumns: k [h/Mpc], r, T, modes\nconfig: %s\nsettings: %s"
-                  % (conf.to_json(), json.dumps(rconf.to_dict())))
-        np.savetxt(os.path.join(out_dir, "reconstruction.txt"), np.column_stack([k, r, tk, modes]),
-                   fmt=["%.6e", "%.6f", "%.6f", "%d"], header=header)
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, default=float)
-        if plot:
-            reconstruction_plot(os.path.join(out_dir, "reconstruction.png"), conf,
-                                res["truth"], res["reconstruction"], res["observed"],
-                                k, r, tk, history["loss"])
-        log.info("wrote %s: loss %.4g -> %.4g in %d iterations (%.3f s/iteration), total %.1f s",
-                 out_dir, history["loss"][0], history["loss"][-1], rconf.iterations,
-                 timings["per_iteration_s"], timings["total_s"])
-    return summary
-
-
-def _write_h5(path, conf, rconf, res, history):
-    import h5py
-
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    with h5py.File(tmp, "w") as f:
-        for n in ("truth", "reconstruction", "observed"):
-            f.create_dataset(n, data=res[n])
-        for n, v in history.items():
-            f.create_dataset(n, data=np.asarray(v, np.float64))
-        f["truth"].attrs["units"] = "linear density contrast at a=1"
-        f["reconstruction"].attrs["units"] = "linear density contrast at a=1"
-        f["observed"].attrs["units"] = "1 + delta at a_end (CIC), with noise"
-        f["loss"].attrs["description"] = ("(chi2 + prior) / N before each iteration, then the "
-                                          "final value")
-        f.attrs["config"] = conf.to_json()
-        f.attrs["reconstruction"] = json.dumps(rconf.to_dict())
-        f.attrs["versions"] = json.dumps(io.versions())
-    os.replace(tmp, path)
-
-
-def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss):
-    """Slices of the true and reconstructed linear fields and the data; r(k), T(k), loss."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
-    depth = max(1, conf.nc[2] // 8)
-    ext = [0, conf.box_size[0], 0, conf.box_size[1]]
-    vmax = float(np.abs(truth[:, :, :depth].mean(axis=2)).max())
-    for ax, field, title in ((axes[0, 0], truth, "true linear field"),
-                             (axes[0, 1], recon, "reconstructed linear field")):
-        ax.imshow(field[:, :, :depth].mean(axis=2).T, origin="lower", cmap="RdBu_r",
-                  vmin=-vmax, vmax=vmax, extent=ext)
-        ax.set_title("%s (slab of %d cells)" % (title, depth))
-        ax.set_xlabel("x [Mpc/h]")
-        ax.set_ylabel("y [Mpc/h]")
-    axes[0, 2].imshow(np.log10(np.maximum(observed[:, :, :depth].mean(axis=2), 1e-2)).T,
-                      origin="lower", cmap="magma", extent=ext)
-    axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
-    axes[1, 0].semilogx(k, r, "o-", ms=3)
-    axes[1, 0].axhline(1.0, color="k", lw=0.5)
-    axes[1, 0].set_ylim(min(0.0, float(np.min(r))), 1.05)
-    axes[1, 0].set_xlabel("k [h/Mpc]")
-    axes[1, 0].set_ylabel("r(k)")
-    axes[1, 0].set_title("cross-correlation, reconstructed vs true")
-    axes[1, 1].semilogx(k, tk, "o-", ms=3)
-    axes[1, 1].axhline(1.0, color="k", lw=0.5)
-    axes[1, 1].set_xlabel("k [h/Mpc]")
-    axes[1, 1].set_ylabel("T(k)")
-    axes[1, 1].set_title("transfer function sqrt(P_r / P_t)")
-    axes[1, 2].semilogy(np.arange(len(loss)), loss)
-    axes[1, 2].set_xlabel("iteration")
-    axes[1, 2].set_ylabel("(chi2 + prior) / N")
-    axes[1, 2].set_title("loss")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -62,18 +62,18 @@ def run_hvd(args):
     tf.disable_eager_execution()
     from mpi4py import MPI
 
-    from hvd_mesh_impl import HvdSimdMeshImpl, runtime
+    from flowpm_mtf.backend import install_abort_on_exception, make_mesh_impl, session_config
+    from flowpm_mtf.jobs import runner
 
-    runtime.install_abort_on_exception()  # a failing rank ends the job, never a hang
+    install_abort_on_exception()  # a failing rank ends the job, never a hang
     n = MPI.COMM_WORLD.Get_size()
     rows = int(args.mbytes * 2**20 / 4 / args.cols) // n * n
-    impl = HvdSimdMeshImpl([("p", n)], [])
+    impl = make_mesh_impl("hvd", [("p", n)], [])
     res = {}
     with tf.Graph().as_default():
         x = tf.Variable(tf.random.normal([rows, args.cols], seed=MPI.COMM_WORLD.Get_rank()))
         ops = _build(impl, [x.read_value()], n)
-        with tf.Session(config=runtime.session_config()) as sess:
-            sess.run(tf.global_variables_initializer())
+        with runner.session(session_config("hvd")) as sess:
             for name in OPS:
                 MPI.COMM_WORLD.Barrier()
                 times = _measure(sess, ops[name], args.warmup, args.repeats)
@@ -84,14 +84,16 @@ def run_hvd(args):
 
 
 def run_placement(args):
-    import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
+
+    from flowpm_mtf.backend import make_mesh_impl, session_config
+    from flowpm_mtf.jobs import runner
 
     tf.disable_eager_execution()
     n = args.devices
     rows = int(args.mbytes * 2**20 / 4 / args.cols) // n * n
     devices = ["/cpu:%d" % i for i in range(n)]
-    impl = mtf.placement_mesh_impl.PlacementMeshImpl([("p", n)], [], devices)
+    impl = make_mesh_impl("placement", [("p", n)], [], devices)
     res = {}
     with tf.Graph().as_default():
         slices = []
@@ -99,9 +101,7 @@ def run_placement(args):
             with tf.device(d):
                 slices.append(tf.Variable(tf.random.normal([rows, args.cols], seed=i)).read_value())
         ops = _build(impl, slices, n)
-        config = tf.ConfigProto(device_count={"CPU": n})
-        with tf.Session(config=config) as sess:
-            sess.run(tf.global_variables_initializer())
+        with runner.session(session_config("placement", n)) as sess:
             for name in OPS:
                 res[name] = _measure(sess, ops[name], args.warmup, args.repeats)
     _write(args.out, "placement", n, rows * args.cols * 4, res)

@@ -288,12 +288,14 @@ def build_workload(workload, conf, impl, devices):
     dict
         ``fetch``: list of scalar tensors (one element of every output slice, a
         data dependency on the whole computation); ``init``: list of ops to run
-        once before timing; ``lowering``.
+        once before timing, in a :func:`flowpm_mtf.jobs.runner.session` of
+        ``lowering`` (variables initialised, masters copied); ``lowering``.
     """
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
     from flowpm_mtf import fft, halo, ics, lpt, nbody
+    from flowpm_mtf.jobs import runner
 
     graph = mtf.Graph()
     mesh = mtf.Mesh(graph, "mesh")
@@ -322,16 +324,13 @@ def build_workload(workload, conf, impl, devices):
             outs = list(nbody.kdk_step(variables, conf, a0, a1))
     else:
         raise ValueError("unknown workload %r (choose from %s)" % (workload, WORKLOADS))
-    lowering = mtf.Lowering(graph, {mesh: impl})
+    lowering = runner.lower(graph, mesh, impl)
     fetch = []
     for out in outs:
         for t in lowering.tensors[out].to_laid_out_tensor().tensor_list:
             with tf.device(t.device):
                 fetch.append(tf.reshape(t, [-1])[0])
-    init_ops = [tf.global_variables_initializer()]
-    if workload == "nbody_step":
-        init_ops += [lowering.copy_masters_to_slices(),
-                     tf.group([lowering.lowered_operation(op) for op in init_assign])]
+    init_ops = [runner.lowered_group(lowering, init_assign)] if init_assign else []
     return {"fetch": fetch, "init": init_ops, "lowering": lowering}
 
 
@@ -401,9 +400,10 @@ def run_hvd(args):
     tf.disable_eager_execution()
     from mpi4py import MPI
 
-    from hvd_mesh_impl import HvdSimdMeshImpl, runtime
+    from flowpm_mtf.backend import install_abort_on_exception, make_mesh_impl, session_config
+    from flowpm_mtf.jobs import runner
 
-    runtime.install_abort_on_exception()
+    install_abort_on_exception()
     comm = MPI.COMM_WORLD
     conf = make_conf(args.size, args.grid, args.halo)
     records = []
@@ -411,13 +411,13 @@ def run_hvd(args):
         with tf.Graph().as_default():
             comm.Barrier()
             t0 = time.perf_counter()
-            impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+            impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
             counter = CommCounter(impl)
             built = build_workload(workload, conf, impl, [""])
             measured = {k: impl.comm_bytes_received(k) for k in CommCounter.KINDS}
             build_s = max(comm.allgather(time.perf_counter() - t0))
-            with tf.Session(config=runtime.session_config()) as sess:
-                for op in built["init"]:  # in order: masters, slices, LPT
+            with runner.session(session_config("hvd"), built["lowering"]) as sess:
+                for op in built["init"]:  # the LPT state of nbody_step
                     sess.run(op)
                 first, times = _timed_runs(
                     sess, built["fetch"], args.warmup, args.repeats, barrier=comm.Barrier,
@@ -447,8 +447,10 @@ def _placement_session_config(n, threads=None):
 
 def run_placement(args, target=None, devices=None, backend="placement", rss_extra=None):
     """PlacementMeshImpl in this process (local devices or a cluster's)."""
-    import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
+
+    from flowpm_mtf.backend import make_mesh_impl
+    from flowpm_mtf.jobs import runner
 
     tf.disable_eager_execution()
     conf = make_conf(args.size, args.grid, args.halo)
@@ -458,8 +460,7 @@ def run_placement(args, target=None, devices=None, backend="placement", rss_extr
     for workload in args.workloads:
         with tf.Graph().as_default():
             t0 = time.perf_counter()
-            impl = mtf.placement_mesh_impl.PlacementMeshImpl(conf.mesh_shape, conf.layout_rules,
-                                                             devices)
+            impl = make_mesh_impl("placement", conf.mesh_shape, conf.layout_rules, devices)
             counter = CommCounter(impl)
             built = build_workload(workload, conf, impl, devices)
             if target is not None:
@@ -467,8 +468,8 @@ def run_placement(args, target=None, devices=None, backend="placement", rss_extr
             build_s = time.perf_counter() - t0
             config = _placement_session_config(n) if target is None else tf.ConfigProto(
                 allow_soft_placement=False)
-            with tf.Session(target or "", config=config) as sess:
-                for op in built["init"]:  # in order: masters, slices, LPT
+            with runner.session(config, built["lowering"], target or "") as sess:
+                for op in built["init"]:  # the LPT state of nbody_step
                     sess.run(op)
                 first, times = _timed_runs(sess, built["fetch"], args.warmup, args.repeats)
         records.append((workload, build_s, first, times, counter))

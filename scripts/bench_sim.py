@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -67,19 +66,16 @@ HALO_PER_64 = 8  # halo [cells] at 64^3 in 200 Mpc/h (25 Mpc/h); scaled with the
 
 def peak_mb():
     """Peak resident memory of this process [MB]."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    from flowpm_mtf.jobs.runner import peak_memory_mb
+
+    return peak_memory_mb()
 
 
 def median_time(fn, repeats, warmup=1):
     """Median wall time [s] of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    from flowpm_mtf.jobs.runner import median_time as median
+
+    return median(fn, repeats, warmup)
 
 
 def sim_config(nc, grid, steps):
@@ -107,6 +103,7 @@ def _phase_graphs(conf, impl, slices, particle_shape):
     from hvd_mesh_impl import export_local_slice
     from flowpm_mtf import config as cfg
     from flowpm_mtf import fft, gravity, halo, lpt, nbody, painting
+    from flowpm_mtf.jobs import runner
     from flowpm_mtf.kernels import neg_gradient_potential
 
     variables = {k: tf.Variable(v, trainable=False, name="bench_" + k) for k, v in slices.items()}
@@ -120,7 +117,7 @@ def _phase_graphs(conf, impl, slices, particle_shape):
                   for k, v in variables.items()}
         outs = build(mesh, inputs)
         before = impl.comm_bytes_received()
-        lowering = mtf.Lowering(graph, {mesh: impl})
+        lowering = runner.lower(graph, mesh, impl)
         nbytes = impl.comm_bytes_received() - before
         return _fetchable([export_local_slice(lowering, t) for t in outs]), nbytes
 
@@ -186,9 +183,10 @@ def cmd_run(args):
     import tensorflow.compat.v1 as tf
     from mpi4py import MPI
 
-    from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice, runtime
-    from flowpm_mtf.cli import default_grid
-    from flowpm_mtf.simulate import SimulationGraph
+    from hvd_mesh_impl import export_local_slice
+    from flowpm_mtf.backend import default_grid, make_mesh_impl, session_config
+    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs.nbody_run import SimulationGraph
 
     tf.disable_eager_execution()
     comm = MPI.COMM_WORLD
@@ -200,7 +198,7 @@ def cmd_run(args):
     rec = {"nc": args.nc, "ranks": size, "grid": list(grid), "halo": conf.halo_size,
            "n_steps": conf.n_steps, "dtype": conf.dtype, "box_size": conf.box_size[0],
            "backend": "HvdSimdMeshImpl"}
-    impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
     # 1. The simulation, as the main job runs it.
     with tf.Graph().as_default():
         comm.Barrier()
@@ -208,18 +206,15 @@ def cmd_run(args):
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
         sim = SimulationGraph(conf, mesh)
-        lowering = mtf.Lowering(graph, {mesh: impl})
-        init_op = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
-        step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
+        lowering = runner.lower(graph, mesh, impl)
+        init_op = runner.lowered_group(lowering, sim.init_ops)
+        step_op = runner.lowered_group(lowering, sim.step_ops)
         local = {k: export_local_slice(lowering, v)
                  for k, v in zip(("positions", "momenta", "forces"), sim.variables)}
         local["rho"] = export_local_slice(lowering, sim.rho)
         particle_shape = sim.variables.positions.shape
-        copy_masters = lowering.copy_masters_to_slices()
         rec["graph_build_s"] = time.perf_counter() - t0
-        with tf.Session(config=runtime.session_config()) as sess:
-            sess.run(tf.global_variables_initializer())
-            sess.run(copy_masters)
+        with runner.session(session_config("hvd"), lowering) as sess:
             comm.Barrier()
             t = time.perf_counter()
             sess.run(init_op)
@@ -238,10 +233,9 @@ def cmd_run(args):
     # 2. The parts of the last step, from the state before it.
     with tf.Graph().as_default():
         # A new MeshImpl: its byte counters belong to the previous tf.Graph.
-        impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+        impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
         phases = _phase_graphs(conf, impl, slices, particle_shape)
-        with tf.Session(config=runtime.session_config()) as sess:
-            sess.run(tf.global_variables_initializer())
+        with runner.session(session_config("hvd")) as sess:
             times, nbytes = {}, {}
             for name, (fetch, nb) in phases.items():
                 comm.Barrier()
@@ -264,15 +258,15 @@ def cmd_flowpm(args):
     """FlowPM 0.1.1 ``flowpm.tfpm``: the same ICs/steps in one process, one device."""
     import tensorflow.compat.v1 as tf
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    import nbody_harness as NH  # FlowPM 0.1.1's growth-table quirk (see its docstring)
     import flowpm.tfpm as tfpm
+    from flowpm_mtf import reference  # FlowPM 0.1.1's growth-table quirk (see its docstring)
+    from flowpm_mtf.jobs import runner
     from flowpm_mtf.nbody import default_stages
 
     tf.disable_eager_execution()
     conf = sim_config(args.nc, (1, 1), args.steps)
-    cosmo = NH.flowpm_cosmo("ours")
-    linear = NH.linear_field_numpy(conf).astype(np.float32)[None]
+    cosmo = reference.flowpm_cosmo("ours")
+    linear = reference.linear_field_numpy(conf).astype(np.float32)[None]
     stages = np.asarray(default_stages(conf), np.float32)
     threads = os.cpu_count()
     cfg = tf.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=2)
@@ -289,7 +283,7 @@ def cmd_flowpm(args):
                                           cosmology=cosmo), [-1])[0] for k in (1, 2))
         full = tfpm.nbody(state, stages, list(conf.nc), cosmology=cosmo)
         rec["graph_build_s"] = time.perf_counter() - t0
-        with tf.Session(config=cfg) as sess:
+        with runner.session(cfg) as sess:
             t = time.perf_counter()
             st = sess.run(state)
             rec["ics_s"] = time.perf_counter() - t
@@ -477,9 +471,9 @@ def main(argv=None):
     # Mesh TF's lowering counters (INFO), FlowPM's complex-cast warnings
     logging.getLogger("tensorflow").setLevel(logging.ERROR)
     if args.mode == "run":
-        from hvd_mesh_impl import runtime
+        from flowpm_mtf.backend import install_abort_on_exception
 
-        runtime.install_abort_on_exception()
+        install_abort_on_exception()
     {"run": cmd_run, "flowpm": cmd_flowpm, "all": cmd_all, "render": cmd_render}[args.mode](args)
     return 0
 

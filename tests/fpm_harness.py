@@ -15,6 +15,8 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 from conftest import world
+from flowpm_mtf.backend import Backend, SerialComm, make_mesh_impl
+from flowpm_mtf.backend import session_config as backend_session_config
 
 tf.disable_eager_execution()
 
@@ -42,26 +44,23 @@ def case_id(case):
 
 
 def make_impl(kind, conf):
-    """The MeshImpl of ``kind`` for ``conf``."""
-    if kind == "hvd":
-        from hvd_mesh_impl import HvdSimdMeshImpl
-        return HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
-    if kind == "placement":
-        return mtf.placement_mesh_impl.PlacementMeshImpl(
-            conf.mesh_shape, conf.layout_rules, ["/cpu:%d" % i for i in range(conf.n_ranks)])
+    """The MeshImpl of ``kind`` for ``conf`` (through the package's one backend factory)."""
+    if kind in ("hvd", "placement"):
+        return make_mesh_impl(kind, conf.mesh_shape, conf.layout_rules)
     if kind == "single":
-        return mtf.placement_mesh_impl.PlacementMeshImpl(
-            [("row", 1), ("col", 1)], conf.layout_rules, ["/cpu:0"])
+        return make_mesh_impl("placement", [("row", 1), ("col", 1)], conf.layout_rules)
     raise ValueError(kind)
 
 
 def session_config(kind, conf):
-    if kind == "hvd":
-        from hvd_mesh_impl import runtime
-        return runtime.session_config()
-    n = conf.n_ranks if kind == "placement" else 1
-    return tf.ConfigProto(device_count={"CPU": n}, intra_op_parallelism_threads=1,
-                          inter_op_parallelism_threads=2)
+    return backend_session_config("hvd" if kind == "hvd" else "placement",
+                                  conf.n_ranks if kind == "placement" else 1, threads=1)
+
+
+def backend(kind, conf, comm=None):
+    """A :class:`flowpm_mtf.backend.Backend` of ``kind`` (comm: this process only)."""
+    return Backend(kind, make_impl(kind, conf), session_config(kind, conf),
+                   SerialComm() if comm is None else comm)
 
 
 def run(kind, conf, build, feeds=None, extra=None):

@@ -7,6 +7,8 @@ import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
+from flowpm_mtf.backend import make_mesh_impl, session_config  # the one MeshImpl factory
+
 tf.disable_eager_execution()
 
 # Meshes exercised for each world size (the list plus a 3-axis mesh).
@@ -31,26 +33,19 @@ def mesh_id(dims):
 
 
 def hvd_impl(dims, layout):
-    from hvd_mesh_impl import HvdSimdMeshImpl
-
-    return HvdSimdMeshImpl(mesh_shape(dims), layout)
+    return make_mesh_impl("hvd", mesh_shape(dims), layout)
 
 
 def placement_impl(dims, layout):
-    n = int(np.prod(dims))
-    return mtf.placement_mesh_impl.PlacementMeshImpl(
-        mesh_shape(dims), layout, ["/cpu:%d" % i for i in range(n)])
+    return make_mesh_impl("placement", mesh_shape(dims), layout)
 
 
 def placement_config(n):
-    return tf.ConfigProto(device_count={"CPU": n}, intra_op_parallelism_threads=1,
-                          inter_op_parallelism_threads=2)
+    return session_config("placement", n, threads=1)
 
 
 def hvd_config():
-    from hvd_mesh_impl import runtime
-
-    return runtime.session_config()
+    return session_config("hvd")
 
 
 def run_graph(kind, dims, layout, build, fetch_extra=None, run_ops=None):

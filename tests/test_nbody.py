@@ -230,9 +230,11 @@ JOB_VS_UNROLLED_ATOL = 1e-9  # [cells]
 
 @pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
 def test_simulation_job_equals_unrolled_nbody(tmp_path):
-    """simulate.run (one lowered step fed with per-step factors) == nbody.forward."""
+    """The simulate job (one lowered step fed with per-step factors) == nbody.forward."""
     import h5py
-    from flowpm_mtf import ics, simulate
+    from flowpm_mtf import ics, jobs
+    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs.simulate import SimulateOptions
 
     conf = conf_for((2, 1), dtype="float64", order=2, n_steps=3)
 
@@ -242,10 +244,43 @@ def test_simulation_job_equals_unrolled_nbody(tmp_path):
                                                     conf)}
 
     ref = NH.flat(H.run("placement", conf, build)["x"])
-    impl = H.make_impl("placement", conf)
-    simulate.run(conf, impl, H.session_config("placement", conf), str(tmp_path), plot=False)
+    runner.run(jobs.get("simulate"), {"config": conf, "simulate": SimulateOptions()},
+               H.backend("placement", conf), str(tmp_path), plot=False)
     with h5py.File(tmp_path / "snapshot.h5", "r") as f:
         pos = f["position"][...] / np.asarray(conf.cell_size)
     d = np.abs(pos - ref % np.asarray(conf.nc))
     d = np.minimum(d, np.asarray(conf.nc) - d)  # periodic wrap
     assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
+def test_simulation_job_snapshots_equal_unrolled_nbody(tmp_path):
+    """`--snapshots`: the job's snapshot at a requested scale factor (made a stage of the
+    time loop) == nbody.nbody's state there on the same stages; P(k) after every step."""
+    import h5py
+    from flowpm_mtf import ics, jobs, timeloop
+    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs.simulate import SimulateOptions
+
+    conf = conf_for((2, 1), dtype="float64", order=2, n_steps=2)
+    a_snap = 0.42
+    stages = timeloop.merge_stages(nbody.default_stages(conf), [a_snap])
+
+    def build(mesh):
+        init = lpt.lpt_init(ics.linear_field(conf, mesh), conf, conf.a_start)
+        _, (snap,) = nbody.nbody(init, conf, stages=stages, snapshot_a=[a_snap])
+        return {"x": lpt.particles_to_lattice_order(painting.to_global(snap.positions, conf),
+                                                    conf)}
+
+    ref = NH.flat(H.run("placement", conf, build)["x"])
+    summary = runner.run(jobs.get("simulate"),
+                         {"config": conf, "simulate": SimulateOptions((a_snap,), True)},
+                         H.backend("placement", conf), str(tmp_path), plot=False)
+    assert len(summary["timings"]["steps_s"]) == stages.size - 1
+    with h5py.File(tmp_path / ("snapshot_a%.4f.h5" % a_snap), "r") as f:
+        pos = f["position"][...] / np.asarray(conf.cell_size)
+    d = np.abs(pos - ref % np.asarray(conf.nc))
+    d = np.minimum(d, np.asarray(conf.nc) - d)  # periodic wrap
+    assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
+    for a in stages[1:]:
+        assert (tmp_path / ("power_a%.4f.txt" % a)).exists()

@@ -60,7 +60,9 @@ def test_memory_constants_match_the_measured_fit():
 def test_memory_estimate_scales_with_ranks_and_dtype():
     c1 = SimConfig(nc=256, grid=(1, 1))
     c4 = SimConfig(nc=256, grid=(2, 2))
-    work = lambda c: preflight.estimate_peak_memory(c, masters=False) - preflight.RUNTIME_MB * 2**20  # noqa
+    def work(c):
+        return preflight.estimate_peak_memory(c, masters=False) - preflight.RUNTIME_MB * 2**20
+
     assert work(c1) == pytest.approx(4 * work(c4))
     c64 = SimConfig(nc=256, grid=(1, 1), dtype="float64")
     assert work(c64) == pytest.approx(2 * work(c1))

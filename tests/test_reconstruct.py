@@ -14,8 +14,9 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import cli, cosmology, fft, ics
+from flowpm_mtf import cli, cosmology, fft, ics, jobs
 from flowpm_mtf import reconstruct as R
+from flowpm_mtf.jobs import runner
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()
@@ -26,7 +27,7 @@ CONF = SimConfig(nc=16, box_size=100.0, grid=(1, 1), halo_size=4, lpt_order=2, a
                  a_end=1.0, n_steps=5, dtype="float64", seed=7)
 RCONF = R.ReconConfig(iterations=40, learning_rate=0.1, noise=0.1, forward="lpt",
                       log_every=10)
-# The same problem through the CLI (RECONSTRUCT_DEFAULTS supply a_start, n_steps, lpt_order).
+# The same problem through the CLI (the job's defaults supply a_start, n_steps, lpt_order).
 CLI_ARGS = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
             "--dtype", "float64", "--learning-rate", "0.1",
             "--noise", "0.1", "--forward", "lpt", "--a-start", "0.1", "--log-every", "5"]
@@ -79,18 +80,19 @@ def _grid():
     return H.HVD_GRIDS[H.SIZE][0]
 
 
-def _session(kind, conf):
-    return H.session_config(kind, conf)
+def _run(kind, conf, rconf, out):
+    """The reconstruct job on this process's ``kind`` backend; ``out`` None: no files."""
+    return runner.run(jobs.get("reconstruct"), {"config": conf, "reconstruction": rconf},
+                      H.backend(kind, conf), out, plot=False)
 
 
 # ----------------------------------------------------------------------------- the small run
 @pytest.fixture(scope="module")
 def recon():
-    """The small reconstruction on this world's process grid (HvdSimdMeshImpl), via R.run."""
+    """The small reconstruction on this world's process grid (HvdSimdMeshImpl), via the job."""
     conf = CONF.replace(grid=_grid())
     out = tempfile.mkdtemp(prefix="recon_rank%d_" % H.RANK)
-    summary = R.run(conf, RCONF, H.make_impl("hvd", conf), _session("hvd", conf), out,
-                    rank=0, plot=False)  # every rank writes its own private copy
+    summary = _run("hvd", conf, RCONF, out)  # every rank writes its own private copy
     return summary, out
 
 
@@ -136,8 +138,7 @@ def test_trajectory_independent_of_the_grid(recon):
     computes the reference, so no rank busy-waits in a collective meanwhile."""
     conf = CONF.replace(grid=(1, 1))
     rconf = dataclasses.replace(RCONF, iterations=REF_ITERATIONS)
-    ref = R.run(conf, rconf, H.make_impl("placement", conf), _session("placement", conf),
-                tempfile.mkdtemp(prefix="recon_ref"), rank=1, plot=False)  # rank 1: no files
+    ref = _run("placement", conf, rconf, None)  # no files
     got = np.asarray(recon[0]["loss"][:REF_ITERATIONS + 1])
     np.testing.assert_allclose(got, ref["loss"], rtol=TRAJECTORY_RTOL, atol=0)
 
@@ -148,8 +149,7 @@ def test_nbody_forward_model_reduces_the_loss():
     conf = CONF.replace(n_steps=1, dtype="float32")
     rconf = R.ReconConfig(iterations=NBODY_ITERATIONS, learning_rate=0.1, noise=0.1,
                           forward="nbody")
-    summary = R.run(conf, rconf, H.make_impl("hvd", conf), _session("hvd", conf),
-                    tempfile.mkdtemp(prefix="recon_nbody"), rank=1, plot=False)
+    summary = _run("hvd", conf, rconf, None)
     loss = np.asarray(summary["loss"])
     assert np.all(np.isfinite(loss)) and loss[-1] < NBODY_LOSS_FRACTION * loss[0], loss
     k, r = np.asarray(summary["k"]), np.asarray(summary["r"])
@@ -208,14 +208,11 @@ def test_adam_matches_numpy():
         loss = mtf.reduce_sum(wt * mtf.square(mtf.square(x - ct)))
         grad = mtf.gradients([loss], [x])[0]
         ops, state = R.adam_update(x, grad, lr)
-        impl = H.make_impl("hvd", conf)
-        lowering = mtf.Lowering(graph, {mesh: impl})
-        step = tf.group([lowering.lowered_operation(op) for op in ops])
+        lowering = runner.lower(graph, mesh, H.make_impl("hvd", conf))
+        step = runner.lowered_group(lowering, ops)
         x_out = lowering.export_to_tf_tensor(x)
         t_out = lowering.export_to_tf_tensor(state.step)
-        with tf.Session(config=_session("hvd", conf)) as sess:
-            sess.run(tf.global_variables_initializer())
-            sess.run(lowering.copy_masters_to_slices())
+        with runner.session(H.session_config("hvd", conf), lowering) as sess:
             for _ in range(steps):
                 sess.run(step)
             x_val, t_val = sess.run([x_out, t_out])

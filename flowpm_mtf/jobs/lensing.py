@@ -1,0 +1,188 @@
+"""The lensing job: N-body on the lightcone, density planes, Born convergence maps.
+
+``flowpm-mtf lensing``. As the simulate job, the graph is built once: the
+particle state and the lens planes live in Mesh TF variables on the process
+grid, and the ICs, every kick-drift-kick step and the painting of the planes
+of each stage are assign operations run one after the other in the time loop
+(progress and timings per step). The stages are those of the simulation plus
+the scale factor of every plane centre
+(:func:`flowpm_mtf.lensing.lightcone_stages`), so each plane is painted from
+the particles at its own time. After painting the planes of a stage, the job
+also measures the 3D P(k) of the particles there: it is the input of the
+Limber prediction of the convergence power spectrum.
+
+Outputs (written by rank 0 into the run directory)
+---------------------------------------------------
+kappa.h5
+    Maps, planes and the P(k) at each plane (:func:`flowpm_mtf.io.write_kappa`).
+kappa_power.txt
+    ell, then per source the measured flat-sky C_ell and the Limber prediction
+    from the measured P(k) [sr], then the number of modes per bin.
+summary.json
+    Configs, timings per phase and per step [s], peak memory per rank [MB].
+kappa.png
+    The first source's map and the power spectra against the prediction.
+"""
+import logging
+
+import mesh_tensorflow as mtf
+import numpy as np
+
+from .. import io, lensing
+from ..config import SimConfig
+from ..logs import rank0_only
+from ..preflight import unfolded_zeros_initializer
+from . import nbody_run, register, runner
+from .base import ConfigSection, Job
+from .nbody_run import SimulationGraph
+
+__all__ = ["LensingGraph", "LensingJob", "kappa_plot"]
+
+log = rank0_only(logging.getLogger(__name__))
+
+
+class LensingGraph(SimulationGraph):
+    """The mtf graph of a lensing run: the simulation's state and step
+    (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph` on the lightcone's
+    stages), plus plane variables, plane assignments and the Born maps.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    geom : lensing.LightconeGeometry
+    mesh : mtf.Mesh
+    """
+
+    def __init__(self, conf, geom, mesh):
+        self.geom = geom
+        stages, self.plane_stage = lensing.lightcone_stages(conf, geom)
+        super().__init__(conf, mesh, stages)
+        x = self.variables.positions
+        plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
+        self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
+                                        trainable=False, initializer=unfolded_zeros_initializer())
+                       for i in range(geom.n_planes)]
+        # plane_ops[j]: assignments of the planes painted at stage j
+        self.plane_ops = {}
+        for i, j in enumerate(self.plane_stage):
+            self.plane_ops.setdefault(int(j), []).append(
+                mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i)))
+        self.kappa = lensing.born_convergence(self.planes, conf, geom)
+
+
+@register
+class LensingJob(Job):
+    """Lightcone density planes and Born convergence maps (see the module docstring).
+
+    Raises
+    ------
+    ValueError
+        Before anything is built, for an impossible lightcone (see
+        :func:`flowpm_mtf.lensing.geometry`).
+    """
+
+    name = "lensing"
+    help = "lightcone density planes and Born convergence maps"
+    sections = (ConfigSection("config", SimConfig, {"box_size": 256.0, "a_start": 0.2}),
+                ConfigSection("lensing", lensing.LensingConfig))
+    default_out = "out/lensing"
+
+    def preflight(self, ctx):
+        ctx.geom = lensing.geometry(ctx.conf, ctx.configs["lensing"])  # same error on all ranks
+
+    def build(self, ctx, mesh):
+        return LensingGraph(ctx.conf, ctx.geom, mesh)
+
+    def describe(self, ctx, g):
+        conf, geom = ctx.conf, ctx.geom
+        return "%d steps to a=%.4f, %d planes to z=%g, mesh %s, grid %s" % (
+            g.n_steps, g.stages[-1], geom.n_planes, geom.z_source.max(),
+            "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
+
+    def lower(self, ctx, g, lowering):
+        ops = nbody_run.lower_simulation(g, lowering, nbody_run.POWER_FIELDS)
+        ops["planes"] = {j: runner.lowered_group(lowering, o) for j, o in g.plane_ops.items()}
+        ops["maps"] = {"kappa": lowering.export_to_tf_tensor(g.kappa),
+                       "planes": [lowering.export_to_tf_tensor(p) for p in g.planes]}
+        return ops
+
+    def execute(self, ctx, sess, g, ops):
+        geom = ctx.geom
+        pk = nbody_run.PowerAtStages(sess, ops["fetch"], ops["planes"],
+                                     before=lambda j: sess.run(ops["planes"][j]))
+
+        def note(j):
+            names = np.nonzero(g.plane_stage == j)[0]
+            if not names.size:
+                return ""
+            return ", plane %s at r=%s Mpc/h" % (",".join(map(str, names)), ",".join(
+                "%.0f" % geom.r[i] for i in names))
+
+        nbody_run.run_stages(ctx, sess, g, ops, [pk], note)
+        ctx.timings["planes_s"] = float(pk.seconds)
+        with ctx.timed("born_s"):
+            res = sess.run(ops["maps"])
+        res["plane_pk"] = {int(i): pk.results[int(j)] for i, j in enumerate(g.plane_stage)}
+        res["stages"] = g.stages
+        return res
+
+    def finish(self, ctx, res):
+        conf, geom = ctx.conf, ctx.geom
+        kappa = np.asarray(res["kappa"], np.float64)
+        planes = np.stack(res["planes"]).astype(np.float64)
+        plane_pk = res["plane_pk"]
+        keep = plane_pk[0]["modes"] > 0
+        plane_k = np.stack([plane_pk[i]["k"][keep] for i in range(geom.n_planes)])
+        plane_p = np.stack([plane_pk[i]["pk"][keep]
+                            for i in range(geom.n_planes)]).astype(np.float64)
+        cls = [lensing.kappa_power_spectrum(m, geom.field_deg, None) for m in kappa]
+        ell, n_modes = cls[0][0], cls[0][2]
+        ok = n_modes > 0
+        measured = np.stack([c[1] for c in cls])[:, ok]
+        limber = np.stack([lensing.limber_cl(ell[ok], conf, geom, list(zip(plane_k, plane_p)), s)
+                           for s in range(geom.n_source)])
+        res.update(kappa=kappa, planes=planes, plane_k=plane_k, plane_p=plane_p, ell=ell[ok],
+                   n_modes=n_modes[ok], measured=measured, limber=limber)
+        return {"n_stages": int(len(res["stages"])), "stages": list(res["stages"]),
+                "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
+
+    def write(self, ctx, out, res, summary):
+        conf, geom = ctx.conf, ctx.geom
+        io.write_kappa(out.path("kappa.h5"), res["kappa"], res["planes"], res["plane_k"],
+                       res["plane_p"], conf, ctx.configs["lensing"], geom, rank=0)
+        io.write_kappa_power(out.path("kappa_power.txt"), res["ell"], res["measured"],
+                             res["limber"], res["n_modes"], geom, rank=0)
+
+    def plot(self, ctx, out, res, summary):
+        kappa_plot(out.path("kappa.png"), res["kappa"][0], ctx.geom, res["ell"],
+                   res["measured"], res["limber"])
+
+    def report(self, ctx, summary):
+        return "kappa rms %s, " % ", ".join("%.3g" % v for v in summary["kappa_rms"])
+
+
+def kappa_plot(path, kappa, geom, ell, measured, limber):
+    """The first source's map and ell(ell+1) C_ell / 2 pi, measured and Limber."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6))
+    half = 0.5 * geom.field_deg
+    im = ax0.imshow(kappa.T, origin="lower", cmap="inferno", extent=[-half, half, -half, half])
+    fig.colorbar(im, ax=ax0, label="kappa")
+    ax0.set_xlabel("theta_x [deg]")
+    ax0.set_ylabel("theta_y [deg]")
+    ax0.set_title("Born convergence, z_s = %g" % geom.z_source[0])
+    norm = ell * (ell + 1) / (2 * np.pi)
+    for s, z in enumerate(geom.z_source):
+        line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, z_s=%g" % z)
+        ax1.loglog(ell, norm * limber[s], "--", color=line.get_color(),
+                   label="Limber from sim P(k), z_s=%g" % z)
+    ax1.set_xlabel("ell")
+    ax1.set_ylabel("ell (ell+1) C_ell / 2 pi")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

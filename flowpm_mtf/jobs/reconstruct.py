@@ -1,0 +1,167 @@
+"""The reconstruction job: observe a truth, then Adam on the linear field.
+
+``flowpm-mtf reconstruct`` (the method: :mod:`flowpm_mtf.reconstruct`). Makes a
+truth from ``conf.seed``, observes its final density with Gaussian noise,
+optimises from :math:`s = 0` and writes (rank 0):
+
+reconstruction.h5
+    ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
+    ``observed`` (1 + delta), ``loss``, ``chi2``, ``prior`` per iteration
+    (before each step, plus the final value); attributes: config, settings
+    (JSON), versions (:func:`flowpm_mtf.io.write_reconstruction`).
+reconstruction.txt
+    k [h/Mpc], r(k), T(k), number of modes.
+summary.json
+    Config, settings, ``loss``/``chi2``/``prior`` per iteration, r(k), T(k),
+    timings [s], peak memory [MB].
+reconstruction.png
+    Slices of the true and reconstructed fields and the data; r(k), T(k), loss.
+
+Errors: ``ValueError`` at graph construction, on every rank (see
+:class:`flowpm_mtf.reconstruct.ReconstructionGraph`);
+``tf.errors.InvalidArgumentError`` if a trial field displaces particles beyond
+the halo (:mod:`flowpm_mtf.painting`), on every rank at once (lower the
+learning rate or raise ``halo_size``).
+"""
+import logging
+import time
+
+import numpy as np
+
+from .. import io
+from ..config import SimConfig
+from ..logs import rank0_only
+from ..reconstruct import ReconConfig, ReconstructionGraph
+from . import register, runner
+from .base import ConfigSection, Job
+
+__all__ = ["ReconstructJob", "reconstruction_plot"]
+
+log = rank0_only(logging.getLogger(__name__))
+
+
+@register
+class ReconstructJob(Job):
+    """Reconstruction of the initial field by gradient descent (module docstring)."""
+
+    name = "reconstruct"
+    help = "reconstruct the initial field by gradient descent"
+    sections = (ConfigSection("config", SimConfig, {"nc": 32, "n_steps": 5}),
+                ConfigSection("reconstruction", ReconConfig))
+    default_out = "out/recon"
+
+    def build(self, ctx, mesh):
+        return ReconstructionGraph(ctx.conf, ctx.configs["reconstruction"], mesh)
+
+    def describe(self, ctx, rg):
+        conf, rconf = ctx.conf, ctx.configs["reconstruction"]
+        return "mesh %s, grid %s, forward %s, %d iterations" % (
+            "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)), rconf.forward,
+            rconf.iterations)
+
+    def lower(self, ctx, rg, lowering):
+        return {"observe": lowering.lowered_operation(rg.observe_op),
+                "step": runner.lowered_group(lowering, rg.step_ops),
+                "scalars": runner.export(lowering, {n: getattr(rg, n)
+                                                    for n in ("loss", "chi2", "prior")}),
+                "fields": runner.export(lowering, {"truth": rg.truth,
+                                                   "reconstruction": rg.linear,
+                                                   "observed": rg.observed}),
+                "spectra": runner.export(lowering, {n: getattr(rg, n) for n in
+                                                    ("k", "r", "transfer", "n_modes")})}
+
+    def execute(self, ctx, sess, rg, ops):
+        conf, rconf, timings = ctx.conf, ctx.configs["reconstruction"], ctx.timings
+        history = {"loss": [], "chi2": [], "prior": []}
+        with ctx.timed("observe_s"):
+            sess.run(ops["observe"])
+        log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
+                 rconf.likelihood_sigma, timings["observe_s"])
+        t_opt = time.perf_counter()
+        for i in range(rconf.iterations):
+            vals, _ = sess.run([ops["scalars"], ops["step"]])
+            for n in history:
+                history[n].append(float(vals[n]))
+            if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
+                log.info("iteration %d/%d: loss %.6g (chi2/N %.4g, prior/N %.4g), "
+                         "%.3f s/iteration", i + 1, rconf.iterations, vals["loss"],
+                         vals["chi2"] / conf.n_cells, vals["prior"] / conf.n_cells,
+                         (time.perf_counter() - t_opt) / (i + 1))
+            ctx.after_step(i + 1, iteration=i + 1)
+        timings["optimise_s"] = time.perf_counter() - t_opt
+        timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
+        with ctx.timed("gather_s"):
+            res = sess.run({**ops["fields"], **ops["spectra"], "final": ops["scalars"]})
+        res["history"] = history
+        return res
+
+    def finish(self, ctx, res):
+        rconf = ctx.configs["reconstruction"]
+        history = res["history"]
+        for n in history:
+            history[n].append(float(res["final"][n]))
+        keep = res["n_modes"] > 0
+        res["table"] = [res[n][keep] for n in ("k", "r", "transfer", "n_modes")]
+        k, r, tk, _ = res["table"]
+        return {"likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
+                "chi2": history["chi2"], "prior": history["prior"],
+                "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist()}
+
+    def write(self, ctx, out, res, summary):
+        conf, rconf = ctx.conf, ctx.configs["reconstruction"]
+        io.write_reconstruction(out.path("reconstruction.h5"), conf, rconf, res,
+                                res["history"], rank=0)
+        io.write_reconstruction_table(out.path("reconstruction.txt"), conf, rconf,
+                                      *res["table"], rank=0)
+
+    def plot(self, ctx, out, res, summary):
+        k, r, tk, _ = res["table"]
+        reconstruction_plot(out.path("reconstruction.png"), ctx.conf, res["truth"],
+                            res["reconstruction"], res["observed"], k, r, tk,
+                            res["history"]["loss"])
+
+    def report(self, ctx, summary):
+        return "loss %.4g -> %.4g in %d iterations (%.3f s/iteration), " % (
+            summary["loss"][0], summary["loss"][-1], ctx.configs["reconstruction"].iterations,
+            ctx.timings["per_iteration_s"])
+
+
+def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss):
+    """Slices of the true and reconstructed linear fields and the data; r(k), T(k), loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
+    depth = max(1, conf.nc[2] // 8)
+    ext = [0, conf.box_size[0], 0, conf.box_size[1]]
+    vmax = float(np.abs(truth[:, :, :depth].mean(axis=2)).max())
+    for ax, field, title in ((axes[0, 0], truth, "true linear field"),
+                             (axes[0, 1], recon, "reconstructed linear field")):
+        ax.imshow(field[:, :, :depth].mean(axis=2).T, origin="lower", cmap="RdBu_r",
+                  vmin=-vmax, vmax=vmax, extent=ext)
+        ax.set_title("%s (slab of %d cells)" % (title, depth))
+        ax.set_xlabel("x [Mpc/h]")
+        ax.set_ylabel("y [Mpc/h]")
+    axes[0, 2].imshow(np.log10(np.maximum(observed[:, :, :depth].mean(axis=2), 1e-2)).T,
+                      origin="lower", cmap="magma", extent=ext)
+    axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
+    axes[1, 0].semilogx(k, r, "o-", ms=3)
+    axes[1, 0].axhline(1.0, color="k", lw=0.5)
+    axes[1, 0].set_ylim(min(0.0, float(np.min(r))), 1.05)
+    axes[1, 0].set_xlabel("k [h/Mpc]")
+    axes[1, 0].set_ylabel("r(k)")
+    axes[1, 0].set_title("cross-correlation, reconstructed vs true")
+    axes[1, 1].semilogx(k, tk, "o-", ms=3)
+    axes[1, 1].axhline(1.0, color="k", lw=0.5)
+    axes[1, 1].set_xlabel("k [h/Mpc]")
+    axes[1, 1].set_ylabel("T(k)")
+    axes[1, 1].set_title("transfer function sqrt(P_r / P_t)")
+    axes[1, 2].semilogy(np.arange(len(loss)), loss)
+    axes[1, 2].set_xlabel("iteration")
+    axes[1, 2].set_ylabel("(chi2 + prior) / N")
+    axes[1, 2].set_title("loss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

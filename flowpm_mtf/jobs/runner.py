@@ -1,0 +1,280 @@
+"""The one job runner: build the graph, lower, run, time, measure memory, write.
+
+:func:`run` drives any :class:`flowpm_mtf.jobs.base.Job`; the benchmark
+scripts use the same building blocks (:func:`lower`, :func:`session`,
+:func:`lowered_group`, :func:`export`, :func:`peak_memory_mb`), so
+``mtf.Lowering(``, ``tf.Session(`` and ``copy_masters_to_slices`` appear once
+in the code outside the tests: here.
+
+Hook points (for run safety, checkpoints, signals)
+--------------------------------------------------
+:class:`Hooks` holds lists of callables the runner calls:
+
+``preflight(ctx)``
+    Before the job's own preflight and before any graph is built (e.g. a
+    writable run directory, a memory estimate). Raise to stop the run.
+``after_step(ctx, index, info)``
+    After every step of the time loop (``index`` = stage reached, ``info`` a
+    dict with at least ``a`` [scale factor] or ``iteration``), on every rank.
+``after_run(ctx, summary)``
+    After the outputs are written (e.g. publish, manifest).
+
+The run directory is an object with ``path`` and ``file(name)`` (see
+:class:`PlainRunDir`; a run directory with staging and a manifest replaces it
+without changes here). Decisions across ranks outside the TF graph go through
+``backend.comm`` (mpi4py lower-case API).
+"""
+import contextlib
+import logging
+import os
+import resource
+import statistics
+import time
+
+from .. import io
+from ..logs import rank0_only
+
+__all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "peak_memory_mb", "median_time",
+           "lower",
+           "lowered_group", "export", "session", "run"]
+
+log = rank0_only(logging.getLogger(__name__))
+
+
+def peak_memory_mb():
+    """Peak resident memory of this process [MB] (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def median_time(fn, repeats, warmup=0):
+    """Median wall time [s] of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Hooks:
+    """Callables the runner calls at its hook points (see the module docstring).
+
+    Parameters
+    ----------
+    preflight, after_step, after_run : list of callable, optional
+    """
+
+    def __init__(self, preflight=None, after_step=None, after_run=None):
+        self.preflight = list(preflight or [])
+        self.after_step = list(after_step or [])
+        self.after_run = list(after_run or [])
+
+
+class PlainRunDir:
+    """A run directory that is a plain directory (created on rank 0 when first used).
+
+    Parameters
+    ----------
+    path : str
+    """
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+
+    def file(self, name):
+        """Where the output ``name`` is written (rank 0)."""
+        os.makedirs(self.path, exist_ok=True)
+        return os.path.join(self.path, name)
+
+
+class Outputs:
+    """The files a job writes into its run directory (their names, in order).
+
+    Parameters
+    ----------
+    run_dir : object with ``file(name)``, or None (no files are written)
+    """
+
+    def __init__(self, run_dir):
+        self.run_dir = run_dir
+        self.names = []
+
+    def path(self, name):
+        """Path of the output ``name``; records it."""
+        self.names.append(name)
+        return self.run_dir.file(name)
+
+
+class RunContext:
+    """Everything a job sees while it runs.
+
+    Attributes
+    ----------
+    job : Job
+    configs : dict
+        Section key -> config instance (``configs["config"]`` is the SimConfig).
+    conf : SimConfig
+    backend : flowpm_mtf.backend.Backend
+    comm : object
+        ``backend.comm``.
+    rank : int
+    run_dir : object or None
+    outputs : Outputs or None
+        None on ranks other than 0 and without a run directory.
+    plot : bool
+    timings : dict
+        Phase -> seconds, filled by the runner and the job.
+    hooks : Hooks
+    t0 : float
+        ``time.perf_counter()`` at the start of the run.
+    """
+
+    def __init__(self, job, configs, backend, run_dir, plot, hooks):
+        self.job = job
+        self.configs = configs
+        self.conf = configs["config"]
+        self.backend = backend
+        self.comm = backend.comm
+        self.rank = int(backend.comm.rank)
+        self.run_dir = run_dir
+        self.outputs = Outputs(run_dir) if (run_dir is not None and self.rank == 0) else None
+        self.plot = plot
+        self.timings = {}
+        self.hooks = hooks
+        self.t0 = time.perf_counter()
+
+    def elapsed(self):
+        """Seconds since the start of the run."""
+        return time.perf_counter() - self.t0
+
+    @contextlib.contextmanager
+    def timed(self, name):
+        """Time the block into ``timings[name]`` [s]."""
+        t = time.perf_counter()
+        yield
+        self.timings[name] = time.perf_counter() - t
+
+    def after_step(self, index, **info):
+        """Call the after-step hooks (every rank, after step ``index``)."""
+        for hook in self.hooks.after_step:
+            hook(self, index, info)
+
+
+# ----------------------------------------------------------------------------- building blocks
+def lower(graph, mesh, mesh_impl):
+    """Lower the Mesh TF ``graph`` of ``mesh`` on ``mesh_impl`` (one ``mtf.Lowering``)."""
+    import mesh_tensorflow as mtf
+
+    return mtf.Lowering(graph, {mesh: mesh_impl})
+
+
+def lowered_group(lowering, ops):
+    """One TF op running the lowered Mesh TF operations ``ops``."""
+    import tensorflow.compat.v1 as tf
+
+    return tf.group([lowering.lowered_operation(op) for op in ops])
+
+
+def export(lowering, tensors):
+    """Full TF tensors of a dict of mtf tensors (``export_to_tf_tensor``; gathers)."""
+    return {name: lowering.export_to_tf_tensor(t) for name, t in tensors.items()}
+
+
+@contextlib.contextmanager
+def session(session_config=None, lowering=None, target=""):
+    """A TF session with the variables initialised (and the masters copied to the slices).
+
+    Parameters
+    ----------
+    session_config : tf.ConfigProto, optional
+    lowering : mtf.Lowering, optional
+        If given, its ``copy_masters_to_slices`` runs after the initialiser.
+    target : str
+        Session target ("" = in process; a gRPC address for a TF cluster).
+
+    Yields
+    ------
+    tf.Session
+    """
+    import tensorflow.compat.v1 as tf
+
+    init = tf.global_variables_initializer()
+    copy = lowering.copy_masters_to_slices() if lowering is not None else None
+    with tf.Session(target, config=session_config) as sess:
+        sess.run(init)
+        if copy is not None:
+            sess.run(copy)
+        yield sess
+
+
+# ----------------------------------------------------------------------------- the runner
+def run(job, configs, backend, run_dir=None, plot=True, hooks=None):
+    """Run one job: preflight, build, lower, execute, summarise, write.
+
+    Parameters
+    ----------
+    job : Job
+    configs : dict
+        Section key -> config instance (see :attr:`Job.sections`).
+    backend : flowpm_mtf.backend.Backend
+        MeshImpl, session config and comm.
+    run_dir : object, optional
+        Where rank 0 writes (``str`` or an object with ``path`` and
+        ``file(name)``); None writes nothing (the summary is still returned).
+    plot : bool
+        Write the job's figure.
+    hooks : Hooks, optional
+
+    Returns
+    -------
+    dict
+        The summary (also written to ``summary.json``): configs, timings [s],
+        peak memory per rank [MB], versions, and the job's own fields.
+    """
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+
+    if isinstance(run_dir, (str, os.PathLike)):
+        run_dir = PlainRunDir(run_dir)
+    hooks = hooks or Hooks()
+    ctx = RunContext(job, configs, backend, run_dir, plot, hooks)
+    for hook in hooks.preflight:
+        hook(ctx)
+    job.preflight(ctx)
+    timings = ctx.timings
+    tf.disable_eager_execution()
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        g = job.build(ctx, mesh)
+        lowering = lower(graph, mesh, backend.mesh_impl)
+        plan = job.lower(ctx, g, lowering)
+        timings["graph_build_s"] = ctx.elapsed()
+        text = job.describe(ctx, g)
+        log.info("graph built in %.1f s%s", timings["graph_build_s"],
+                 (" (%s)" % text) if text else "")
+        with session(backend.session_config, lowering) as sess:
+            results = job.execute(ctx, sess, g, plan)
+    extra = job.finish(ctx, results)
+    mem = peak_memory_mb()
+    mem_all = ctx.comm.allgather(mem)
+    timings["total_s"] = ctx.elapsed()
+    summary = {key: cfg.to_dict() for key, cfg in configs.items()}
+    summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions())
+    summary.update(extra)
+    if "n_particles" in summary:
+        summary["bytes_per_particle_peak"] = (max(mem_all) * 2**20 * len(mem_all)
+                                              / summary["n_particles"])
+    if ctx.outputs is not None:
+        job.write(ctx, ctx.outputs, results, summary)
+        io.write_summary(ctx.outputs.path("summary.json"), summary, rank=0)
+        if plot:
+            job.plot(ctx, ctx.outputs, results, summary)
+        log.info("wrote %s (%stotal %.1f s, peak memory %.0f MB on rank 0)", run_dir.path,
+                 job.report(ctx, summary), timings["total_s"], mem)
+    job.check(ctx, summary)
+    for hook in hooks.after_run:
+        hook(ctx, summary)
+    return summary

@@ -1,0 +1,168 @@
+"""The main job: Gaussian ICs -> LPT -> FastPM N-body -> snapshot, P(k), plots.
+
+``flowpm-mtf simulate``. The graph is built once (:class:`SimulationGraph`);
+the ICs and every kick-drift-kick step run one after the other in the time
+loop (:func:`flowpm_mtf.jobs.nbody_run.run_stages`), so progress and timings
+are logged per step without rebuilding anything.
+
+Outputs (written by rank 0 into the run directory)
+---------------------------------------------------
+snapshot.h5
+    ``position`` [N, 3] [Mpc/h], ``velocity`` [N, 3] [km/s] (peculiar),
+    ``density`` [NX, NY, NZ] (1 + delta, CIC), attributes with the config and
+    versions. Particles are in their initial-lattice order.
+snapshot_a<a>.h5
+    The same at each scale factor of ``--snapshots`` (other than ``a_end``).
+power.txt
+    k [h/Mpc], P(k) [(Mpc/h)^3], number of modes.
+power_a<a>.txt
+    The same after every step, with ``--power-steps``.
+summary.json
+    Config, timings per phase and per step [s], peak memory per rank [MB],
+    versions.
+overview.png
+    A density slice and the measured P(k) against the growth-scaled linear P(k).
+"""
+import dataclasses
+import logging
+from typing import Tuple
+
+import numpy as np
+
+from .. import cosmology as cosmo_mod
+from .. import io, nbody, timeloop
+from ..config import SimConfig
+from ..logs import rank0_only
+from . import nbody_run, register
+from .base import ConfigSection, Job
+from .nbody_run import SimulationGraph
+
+__all__ = ["SimulateOptions", "SimulateJob", "overview_plot"]
+
+log = rank0_only(logging.getLogger(__name__))
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulateOptions:
+    """Outputs of ``flowpm-mtf simulate`` beyond the final snapshot.
+
+    Parameters
+    ----------
+    snapshots : tuple of float
+        Scale factors [dimensionless] of additional snapshots
+        ``snapshot_a<a>.h5`` within ``[a_start, a_end]``; each becomes a stage
+        of the time loop (the final state is always ``snapshot.h5``).
+    power_steps : bool
+        Measure P(k) after every step and write ``power_a<a>.txt``.
+    """
+
+    snapshots: Tuple[float, ...] = ()
+    power_steps: bool = False
+
+    def __post_init__(self):
+        snaps = self.snapshots
+        snaps = (snaps,) if np.isscalar(snaps) else tuple(snaps)
+        for a in snaps:
+            if isinstance(a, bool) or not np.isfinite(float(a)) or float(a) <= 0:
+                raise ValueError("snapshots must be positive scale factors, got %r"
+                                 % (self.snapshots,))
+        object.__setattr__(self, "snapshots", tuple(sorted(float(a) for a in snaps)))
+        object.__setattr__(self, "power_steps", bool(self.power_steps))
+
+    def to_dict(self):
+        """A JSON-able dict."""
+        return {"snapshots": list(self.snapshots), "power_steps": self.power_steps}
+
+
+@register
+class SimulateJob(Job):
+    """LPT + FastPM N-body simulation (see the module docstring)."""
+
+    name = "simulate"
+    help = "LPT + FastPM N-body simulation (the main job)"
+    sections = (ConfigSection("config", SimConfig),
+                ConfigSection("simulate", SimulateOptions))
+    default_out = "out/sim"
+
+    def _stages(self, ctx):
+        conf, opts = ctx.conf, ctx.configs["simulate"]
+        return timeloop.merge_stages(nbody.default_stages(conf), opts.snapshots)
+
+    def preflight(self, ctx):
+        self._stages(ctx)   # every rank raises the same error for a snapshot outside the run
+
+    def build(self, ctx, mesh):
+        return SimulationGraph(ctx.conf, mesh, self._stages(ctx))
+
+    def describe(self, ctx, sim):
+        conf = ctx.conf
+        return "%d steps, mesh %s, grid %s" % (sim.n_steps, "x".join(map(str, conf.nc)),
+                                               "x".join(map(str, conf.grid)))
+
+    def lower(self, ctx, sim, lowering):
+        return nbody_run.lower_simulation(sim, lowering)
+
+    def execute(self, ctx, sess, sim, ops):
+        opts = ctx.configs["simulate"]
+        conf = ctx.conf
+        observers = []
+        extra = [a for a in opts.snapshots if abs(a - conf.a_end) > timeloop.STAGE_RTOL * a]
+        if extra:
+            observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops["fetch"], extra))
+        if opts.power_steps:
+            pk = nbody_run.PowerAtStages(sess, ops["fetch"], range(1, len(sim.stages)))
+            observers.append(pk)
+        nbody_run.run_stages(ctx, sess, sim, ops, observers)
+        if opts.power_steps and ctx.outputs is not None:
+            for j, res in sorted(pk.results.items()):
+                keep = res["modes"] > 0
+                io.write_power(ctx.outputs.path("power_a%.4f.txt" % sim.stages[j]),
+                               res["k"][keep], res["pk"][keep], res["modes"][keep], rank=0)
+        with ctx.timed("gather_s"):
+            res = sess.run(ops["fetch"])
+        res["sim"] = sim
+        return res
+
+    def finish(self, ctx, res):
+        res["snapshot"] = nbody_run.snapshot_arrays(res["sim"], res, ctx.conf.a_end)
+        res["keep"] = res["modes"] > 0
+        return {"n_particles": ctx.conf.n_cells}
+
+    def write(self, ctx, out, res, summary):
+        keep = res["keep"]
+        io.write_snapshot(out.path("snapshot.h5"), **res["snapshot"], attrs=ctx.conf, rank=0)
+        io.write_power(out.path("power.txt"), res["k"][keep], res["pk"][keep],
+                       res["modes"][keep], rank=0)
+
+    def plot(self, ctx, out, res, summary):
+        keep = res["keep"]
+        overview_plot(out.path("overview.png"), ctx.conf, res["rho"], res["k"][keep],
+                      res["pk"][keep])
+
+
+def overview_plot(path, conf, rho, k, pk):
+    """Density slice and measured P(k) vs the growth-scaled linear P(k)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6))
+    depth = max(1, conf.nc[2] // 8)
+    ax0.imshow(np.log10(rho[:, :, :depth].mean(axis=2).T + 1e-2), origin="lower", cmap="magma",
+               extent=[0, conf.box_size[0], 0, conf.box_size[1]])
+    ax0.set_xlabel("x [Mpc/h]")
+    ax0.set_ylabel("y [Mpc/h]")
+    ax0.set_title("log10(1+delta), slab of %d cells, a=%.2f" % (depth, conf.a_end))
+    kk = np.logspace(np.log10(k.min()), np.log10(k.max()), 200)
+    d1 = cosmo_mod.growth(conf.cosmology, np.array([conf.a_end])).D1[0]
+    ax1.loglog(k, pk, "o-", ms=3, label="measured (CIC, not deconvolved)")
+    ax1.loglog(kk, d1**2 * cosmo_mod.linear_matter_power(conf.cosmology, kk), "k--",
+               label="linear, D1(a)^2 P_lin")
+    ax1.set_xlabel("k [h/Mpc]")
+    ax1.set_ylabel("P(k) [(Mpc/h)^3]")
+    ax1.legend()
+    ax1.set_title("power spectrum at a=%.2f" % conf.a_end)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,155 @@
+"""The job layer: options generated from the config dataclasses, --config, the time loop
+with observers, the comm stand-in, the atomic-write path, quiet TensorFlow start-up."""
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flowpm_mtf import backend, cli, io, jobs, timeloop
+from flowpm_mtf.errors import ConfigError
+from flowpm_mtf.jobs import options
+
+pytestmark = pytest.mark.rank_independent
+
+# argparse prints the default of every option into its help text.
+DEFAULT_MARK = "(default: "
+
+
+def _parse(argv):
+    return cli.build_parser(jobs.all_jobs()).parse_args(argv)
+
+
+def _configs(argv, config_file=None):
+    args = _parse(argv)
+    job = jobs.get(args.command)
+    return options.make_configs(job, args, config_file, n_ranks=1, backend="placement")
+
+
+def test_every_field_of_every_job_is_an_option_with_help_and_default():
+    parser = cli.build_parser(jobs.all_jobs())
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, job in jobs.all_jobs().items():
+        p = sub.choices[name]
+        flags = {s: a for a in p._actions for s in a.option_strings}
+        for sec in job.sections:
+            for f in dataclasses.fields(sec.cls):
+                nested = sec.default(f.name)
+                fields = ([("--cosmo-" + g.name.replace("_", "-"), g)
+                           for g in dataclasses.fields(nested)]
+                          if dataclasses.is_dataclass(nested)
+                          else [("--" + f.name.replace("_", "-"), f)])
+                for flag, _ in fields:
+                    assert flag in flags, (name, flag)
+                    text = flags[flag].help
+                    assert DEFAULT_MARK in text and len(text) > len(DEFAULT_MARK) + 20, \
+                        (name, flag, text)
+
+
+def test_job_defaults_defined_once_and_shown():
+    lensing = jobs.get("lensing")
+    sec = lensing.sections[0]
+    assert sec.default("box_size") == 256.0 and sec.default("a_start") == 0.2
+    assert sec.default("nc") == (64, 64, 64)            # the SimConfig default
+    confs = _configs(["lensing"])
+    assert confs["config"].box_size == (256.0,) * 3 and confs["lensing"].n_planes == 12
+    assert _configs(["reconstruct"])["config"].nc == (32, 32, 32)
+    assert _configs(["fft-demo"])["config"].dtype == "float64"
+
+
+def test_box_size_three_values_a_end_and_aliases():
+    confs = _configs(["simulate", "--box-size", "100,100,150", "--nc", "16,16,24",
+                      "--a-end", "0.5", "--steps", "3", "--halo", "2"])
+    conf = confs["config"]
+    assert conf.box_size == (100.0, 100.0, 150.0) and conf.nc == (16, 16, 24)
+    assert conf.a_end == 0.5 and conf.n_steps == 3 and conf.halo_size == 2
+    with pytest.raises(ConfigError, match="--box-size"):  # one line on rank 0, no exit
+        _parse(["simulate", "--box-size", "100,100"])
+
+
+def test_config_file_sets_every_section_and_flags_win(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"nc": 16, "halo_size": 2, "z_source": [0.5, 1.0],
+                                "lensing": {"n_planes": 6},
+                                "cosmology": {"sigma8": 0.9}}))
+    confs = _configs(["lensing", "--n-planes", "8", "--cosmo-h", "0.7"], str(path))
+    assert confs["config"].nc == (16, 16, 16) and confs["config"].halo_size == 2
+    assert confs["config"].box_size == (256.0,) * 3       # job default kept
+    assert confs["config"].cosmology.sigma8 == 0.9 and confs["config"].cosmology.h == 0.7
+    assert confs["lensing"].z_source == (0.5, 1.0) and confs["lensing"].n_planes == 8
+    path.write_text(json.dumps({"iterations": 5, "reconstruction": {"noise": 0.0}}))
+    rc = _configs(["reconstruct"], str(path))["reconstruction"]
+    assert rc.iterations == 5 and rc.noise == 0.0
+    path.write_text(json.dumps({"n_planes": 3}))
+    with pytest.raises(ValueError, match="unknown key 'n_planes'"):
+        _configs(["simulate"], str(path))
+
+
+def test_bool_options_and_snapshot_list():
+    assert _configs(["lensing", "--no-randomize"])["lensing"].randomize is False
+    opts = _configs(["simulate", "--snapshots", "1.0,0.5", "--power-steps"])["simulate"]
+    assert opts.snapshots == (0.5, 1.0) and opts.power_steps is True
+
+
+def test_time_loop_calls_observers_after_every_step():
+    seen = []
+    stages = [0.1, 0.4, 0.7, 1.0]
+    final = timeloop.integrate(0, stages, lambda s, i, a0, a1: s + 1,
+                               [lambda j, a, s: seen.append((j, a, s))])
+    assert final == 3
+    assert seen == [(0, 0.1, 0), (1, 0.4, 1), (2, 0.7, 2), (3, 1.0, 3)]
+    seen.clear()
+    timeloop.integrate(1, stages, lambda s, i, a0, a1: s + 1,
+                       [lambda j, a, s: seen.append(j)], first=1)
+    assert seen == [1, 2, 3]
+
+
+def test_merge_stages():
+    reg = np.linspace(0.1, 1.0, 4)
+    np.testing.assert_array_equal(timeloop.merge_stages(reg, [1.0, 0.4]), reg)
+    merged = timeloop.merge_stages(reg, [0.5])
+    assert merged.size == 5 and 0.5 in merged
+    with pytest.raises(ValueError, match="outside the run"):
+        timeloop.merge_stages(reg, [1.5])
+    with pytest.raises(ValueError, match="not one of the stages"):
+        timeloop.stage_indices([0.5], reg)
+
+
+def test_serial_comm_has_the_mpi4py_lower_case_api():
+    comm = backend.SerialComm()
+    assert (comm.rank, comm.size) == (0, 1)
+    assert comm.bcast(3) == 3 and comm.allgather(4) == [4] and comm.allreduce(5) == 5
+    comm.barrier()
+
+
+def test_atomic_path_keeps_the_old_file_on_failure(tmp_path):
+    path = tmp_path / "f.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with io.atomic_path(path) as tmp:
+            open(tmp, "w").write("half")
+            raise RuntimeError("killed")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.txt"]
+    io.write_json(path, {"a": np.float32(1.5)}, rank=0)
+    assert json.loads(path.read_text()) == {"a": 1.5}
+    assert io.write_json(path, {}, rank=1) is None
+
+
+@pytest.mark.single_process
+def test_tensorflow_start_up_lines_hidden_unless_verbose(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "TF_CPP"))}
+    base = [sys.executable, "-m", "flowpm_mtf.cli", "fft-demo", "--backend", "placement",
+            "--nc", "8", "--halo", "1", "--repeats", "1", "--dtype", "float32"]
+    quiet = subprocess.run(base + ["--out", str(tmp_path / "q")], capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "cpu_feature_guard" not in quiet.stderr and "oneDNN" not in quiet.stderr
+    loud = subprocess.run(base + ["--out", str(tmp_path / "v"), "--verbose"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    assert "cpu_feature_guard" in loud.stderr or "oneDNN" in loud.stderr, loud.stderr[-3000:]
