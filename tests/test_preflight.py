@@ -162,14 +162,14 @@ def _lower_simulation(nc):
     import tensorflow.compat.v1 as tf
     from mpi4py import MPI
 
-    from flowpm_mtf import simulate
+    from flowpm_mtf.jobs import nbody_run
     from hvd_mesh_impl import HvdSimdMeshImpl
 
     conf = SimConfig(nc=nc, grid=(1, 1), n_steps=2)
     with tf.Graph().as_default() as g:
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
-        sim = simulate.SimulationGraph(conf, mesh)
+        sim = nbody_run.SimulationGraph(conf, mesh)
         impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules, comm=MPI.COMM_SELF)
         lowering = mtf.Lowering(graph, {mesh: impl})
         outs = [lowering.export_to_tf_tensor(getattr(sim, n))
