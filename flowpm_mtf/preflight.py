@@ -158,7 +158,7 @@ def check_memory(conf, comm, processes=None, masters=True, force=False, availabl
     ----------
     conf : SimConfig
     comm : object
-        Communicator with ``allgather`` (see :mod:`flowpm_mtf.comm`).
+        Communicator with ``allgather`` (see :class:`flowpm_mtf.backend.SerialComm`).
     processes, masters
         See :func:`estimate_peak_memory`.
     force : bool

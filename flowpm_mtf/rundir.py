@@ -54,7 +54,7 @@ import shutil
 import socket
 import time
 
-from .comm import SingleProcessComm
+from .backend import SerialComm
 from .errors import FlowpmError, OutputDirError, ResumeError, error_from_name
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
@@ -192,7 +192,7 @@ class RunDir:
                  all_ranks_write=False):
         self.out = os.path.abspath(os.fspath(out))
         self.job = str(job)
-        self.comm = comm if comm is not None else SingleProcessComm()
+        self.comm = comm if comm is not None else SerialComm()
         self.overwrite = bool(overwrite)
         self.resume = bool(resume)
         self.all_ranks_write = bool(all_ranks_write)
