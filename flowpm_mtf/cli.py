@@ -256,8 +256,10 @@ def report_error(exc, args, verbose):
                         "" if verbose else " (--verbose shows the traceback)"))
     sys.stderr.flush()
     if size > 1 and getattr(args, "backend", "hvd") == "hvd":
-        from mpi4py import MPI
-
+        try:
+            from mpi4py import MPI
+        except ImportError:  # a broken installation: nothing to abort with
+            return 1
         MPI.COMM_WORLD.Abort(1)
     return 1
 
