@@ -17,8 +17,36 @@ through ``mesh_impl.alltoall`` inside the operation's lowering, so the code runs
 on every Mesh TF ``MeshImpl``. Kernels are built as named mtf tensors on
 ``kx, ky, kz`` (see :func:`kvec`); Mesh TF aligns operands by dimension name.
 
+Local 1D FFTs
+-------------
+Every 1D transform above goes through :func:`fft_along` (and
+:func:`rfft_along` / :func:`irfft_along`). On the CPU they are the FFTW custom
+ops of ``flowpm_mtf/native/fft_ops.cc`` (built by ``scripts/setup_env.sh``,
+i.e. ``python -m flowpm_mtf.native.build``): TensorFlow's CPU FFT (Eigen) is
+~3-5x slower than FFTW at powers of two and 20-50x slower at other lengths
+(192: 650 ms vs 9-26 ms for one axis of 192^3 complex64 here). The op
+transforms along any axis without transposes, runs on TensorFlow's intra-op
+thread pool (sized per rank by ``hvd_mesh_impl.runtime.session_config``) and
+carries its exact gradient (registered in this module). On a GPU (the device of
+the sliced tensor, or no device with a visible GPU, see :func:`uses_native`)
+the path stays ``tf.signal`` (cuFFT); it builds the same graph as before and is
+documented but not testable on this CPU-only machine.
+``FLOWPM_MTF_NATIVE=0`` forces the TensorFlow path, ``require`` fails when the
+op is not built (the test suite sets it).
+
 This is a *full complex* (c2c) transform of the real field cast to complex:
 the k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum).
+A real-to-complex transform would halve the FFT work, the all-to-all bytes and
+the complex buffers, but its half axis (``kz``, ``nc[2] // 2 + 1`` modes, from
+the first, local transform) is rarely divisible by ``Q``. Two designs, neither
+done yet: (a) a ``kz`` dimension padded to a multiple of ``Q`` (zero modes;
+the k-space shape then depends on the grid, and every sum over k-space --
+power spectra, priors, ``real_vdot``, kernel gradients -- counts the modes
+``0 < kz < nc[2] / 2`` twice and the padding zero times); (b) the layout
+``kx`` on ``col``, ``ky`` on ``row``, ``kz`` local (half axis), with the padding
+internal to the operation and a third, half-size all-to-all (0.75x the bytes).
+Both change the k-space contract of every caller (kernels, power, ics, lpt,
+reconstruct, the fft-demo), so they belong in one change with those modules.
 
 Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
 ---------------------------------------------------------------------------
@@ -52,19 +80,22 @@ which lacks the complex conjugate: multiply k-space fields by kernels with
 :func:`apply_kernel` (real kernel times a constant complex phase, e.g. ``1j``
 for the gradient kernel ``i k``), whose gradient is exact.
 """
+import functools
 import logging
 
 import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.mtf_compat import enable_complex_gradients
+from hvd_mesh_impl.mtf_compat import enable_complex_gradients, enable_lazy_masters
 
 from . import config as cfg
+from . import native
 
 log = logging.getLogger(__name__)
 
 enable_complex_gradients()
+enable_lazy_masters()  # no full-size master variables in the TF graph (see mtf_compat)
 
 _UNITS = ("h/Mpc", "grid")
 
@@ -100,6 +131,248 @@ def _along(fn, t, axis):
     perm = list(range(last + 1))
     perm[axis], perm[last] = last, axis
     return tf.transpose(fn(tf.transpose(t, perm)), perm)
+
+
+# ----------------------------------------------------------------------------- local 1D FFTs
+@functools.lru_cache(maxsize=None)
+def _gpu_visible():
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def uses_native(t):
+    """Whether the local FFTs of ``t`` run on the native FFTW op.
+
+    The native op (``flowpm_mtf/native/fft_ops.cc``) is a CPU kernel. It is used
+    when it is built (see :func:`flowpm_mtf.native.load`; ``FLOWPM_MTF_NATIVE``)
+    and the computation is on the CPU: the device of ``t`` is a CPU, or ``t``
+    is unplaced and TensorFlow sees no GPU (an unplaced op goes to the GPU when
+    there is one). On a GPU the TensorFlow ops (cuFFT) are the path.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+
+    Returns
+    -------
+    bool
+    """
+    if native.load("fft_ops") is None:
+        return False
+    kind = tf.DeviceSpec.from_string(t.device or "").device_type
+    if kind:
+        return kind.upper() == "CPU"
+    return not _gpu_visible()
+
+
+def _axis(t, axis):
+    ndims = t.shape.ndims
+    if ndims is None or not -ndims <= axis < ndims:
+        raise ValueError("axis %r out of range for a tensor of shape %s" % (axis, t.shape))
+    return axis % ndims
+
+
+def fft_along(t, axis, inverse=False, normalized=None):
+    """1D complex FFT along one axis: ``numpy.fft.fft`` / ``numpy.fft.ifft``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128.
+    axis : int
+    inverse : bool
+        False: ``sum_k t[k] exp(-2 pi i j k / n)``; True: the sum with
+        ``exp(+2 pi i j k / n)``.
+    normalized : bool, optional
+        Multiply by ``1 / n``; default: ``inverse`` (numpy's convention).
+
+    Returns
+    -------
+    tf.Tensor
+        Same shape and dtype as ``t``.
+
+    Notes
+    -----
+    On the CPU (see :func:`uses_native`) this is the FFTW op
+    ``FlowpmFftC2c``, whose gradient (registered below) is the adjoint: the
+    transform of the opposite sign with the same normalisation. Elsewhere it is
+    ``tf.signal.fft`` / ``ifft`` (moving ``axis`` last), times ``n`` or ``1 / n``
+    when ``normalized`` is not numpy's convention.
+    """
+    axis = _axis(t, axis)
+    inverse = bool(inverse)
+    normalized = inverse if normalized is None else bool(normalized)
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_c2c(t, axis=axis, inverse=inverse,
+                                                     normalized=normalized)
+    y = _along(tf.signal.ifft if inverse else tf.signal.fft, t, axis)
+    if normalized != inverse:
+        n = tf.compat.dimension_value(t.shape[axis])
+        y = y * tf.constant(1.0 / n if normalized else float(n), t.dtype)
+    return y
+
+
+def fft_of_real_along(t, axis, normalized=False):
+    """All ``n`` modes of the FFT of a real tensor along one axis: ``numpy.fft.fft(t)``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        float32 or float64.
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n``.
+
+    Returns
+    -------
+    tf.Tensor
+        complex64 or complex128, same shape as ``t``.
+
+    Notes
+    -----
+    Native: one real-to-complex FFT (half the work of a complex one) whose
+    upper half is written as the complex conjugates of the lower, with no
+    cast of the input to complex. TensorFlow path: cast, then :func:`fft_along`.
+    """
+    axis = _axis(t, axis)
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_r2c(t, Tcomplex=_complex_of(t.dtype),
+                                                     axis=axis, normalized=bool(normalized),
+                                                     full=True)
+    return fft_along(tf.cast(t, _complex_of(t.dtype)), axis, False, normalized)
+
+
+def ifft_real_part_along(t, axis, normalized=True):
+    """Real part of the inverse FFT along one axis: ``numpy.fft.ifft(t).real``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128 (any, not necessarily Hermitian).
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n`` (numpy's convention); False: the unnormalised sum.
+
+    Returns
+    -------
+    tf.Tensor
+        float32 or float64, same shape as ``t``.
+
+    Notes
+    -----
+    Native: one complex-to-real FFT of the Hermitian part
+    ``(t_k + conj(t_{n-k})) / 2`` (half the work, no complex output buffer).
+    TensorFlow path: :func:`fft_along` then the real part.
+    """
+    axis = _axis(t, axis)
+    if uses_native(t):
+        n = tf.compat.dimension_value(t.shape[axis])
+        return native.load("fft_ops").flowpm_fft_c2r(t, Treal=_real_of(t.dtype), n=n,
+                                                     axis=axis, normalized=bool(normalized),
+                                                     full=True)
+    return tf.math.real(fft_along(t, axis, True, normalized))
+
+
+def rfft_along(t, axis):
+    """Real-to-complex 1D FFT along one axis: ``numpy.fft.rfft``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        float32 or float64, length ``n`` along ``axis``.
+    axis : int
+
+    Returns
+    -------
+    tf.Tensor
+        complex64 or complex128, length ``n // 2 + 1`` along ``axis``.
+    """
+    axis = _axis(t, axis)
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_r2c(t, Tcomplex=_complex_of(t.dtype),
+                                                     axis=axis, normalized=False)
+    n = tf.compat.dimension_value(t.shape[axis])
+    return _along(lambda u: tf.signal.rfft(u, fft_length=[n]), t, axis)
+
+
+def irfft_along(t, n, axis):
+    """Complex-to-real inverse 1D FFT along one axis: ``numpy.fft.irfft``.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128, length ``n // 2 + 1`` along ``axis`` (the
+        non-negative frequencies; the imaginary parts of the zero and, for even
+        ``n``, Nyquist modes are ignored).
+    n : int
+        Output length along ``axis``.
+    axis : int
+
+    Returns
+    -------
+    tf.Tensor
+        float32 or float64, length ``n`` along ``axis``, with the factor ``1 / n``.
+    """
+    axis = _axis(t, axis)
+    m = tf.compat.dimension_value(t.shape[axis])
+    if m is not None and m != n // 2 + 1:
+        raise ValueError("irfft_along: axis %d has length %d, expected n // 2 + 1 = %d"
+                         % (axis, m, n // 2 + 1))
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_c2r(t, Treal=_real_of(t.dtype), n=int(n),
+                                                     axis=axis, normalized=True)
+    return _along(lambda u: tf.signal.irfft(u, fft_length=[n]), t, axis)
+
+
+def _half_weights(n, ndims, axis, dtype, interior):
+    """Weights along the half spectrum (``n // 2 + 1`` modes), broadcastable on ``axis``:
+    1 for the zero mode and the Nyquist mode of an even ``n``, ``interior`` for the others."""
+    w = np.full(n // 2 + 1, interior)
+    w[0] = 1.0
+    if n % 2 == 0:
+        w[-1] = 1.0
+    return tf.constant(w.reshape((-1,) + (1,) * (ndims - axis - 1)), dtype)
+
+
+# Exact gradients of the native ops (TF convention grad z = dL/dRe z + i dL/dIm z,
+# so a complex-linear map A has the gradient A^H dy; see the module docstring).
+# y = c D x with D the unnormalised DFT of sign -+ and c = 1/n if normalized else 1:
+#   c2c: grad x = c D^H dy = the opposite-sign transform with the same c;
+#   r2c: y_k = c sum_j x_j e^(-2 pi i jk/n), k < n//2+1, x real:
+#        grad x_j = c Re sum_k dy_k e^(+2 pi i jk/n) = c2r(w dy), w = 1 at k = 0 and
+#        k = n/2, 1/2 elsewhere (c2r counts the other modes twice);
+#   c2r: y_j = c (Re x_0 + 2 Re sum_{0<k<n/2} x_k e^(+...) + Re x_{n/2} (-1)^j):
+#        grad x = w' r2c(dy), w' = 1 at k = 0 and k = n/2, 2 elsewhere;
+#   full r2c (all n modes of a real input) and full c2r (y = c Re sum_k x_k e^(+...)):
+#        each other's adjoint, grad x_j = c Re sum_k dy_k e^(+...) = c2r_full(dy) and
+#        grad x_k = c sum_j dy_j e^(-...) = r2c_full(dy).
+# Tested by dot-product and finite-difference tests in tests/test_native_fft.py.
+@tf.RegisterGradient("FlowpmFftC2c")
+def _c2c_grad(op, dy):
+    return native.load("fft_ops").flowpm_fft_c2c(
+        dy, axis=op.get_attr("axis"), inverse=not op.get_attr("inverse"),
+        normalized=op.get_attr("normalized"))
+
+
+@tf.RegisterGradient("FlowpmFftR2c")
+def _r2c_grad(op, dy):
+    axis, x = op.get_attr("axis"), op.inputs[0]
+    n = tf.compat.dimension_value(x.shape[axis])
+    kw = dict(Treal=x.dtype, n=n, axis=axis, normalized=op.get_attr("normalized"))
+    if op.get_attr("full"):
+        return native.load("fft_ops").flowpm_fft_c2r(dy, full=True, **kw)
+    w = _half_weights(n, x.shape.ndims, axis, dy.dtype, 0.5)
+    return native.load("fft_ops").flowpm_fft_c2r(dy * w, **kw)
+
+
+@tf.RegisterGradient("FlowpmFftC2r")
+def _c2r_grad(op, dy):
+    axis, n = op.get_attr("axis"), op.get_attr("n")
+    x = op.inputs[0]
+    kw = dict(Tcomplex=x.dtype, axis=axis, normalized=op.get_attr("normalized"))
+    if op.get_attr("full"):
+        return native.load("fft_ops").flowpm_fft_r2c(dy, full=True, **kw)
+    w = _half_weights(n, x.shape.ndims, axis, x.dtype, 2.0)
+    return w * native.load("fft_ops").flowpm_fft_r2c(dy, **kw)
 
 
 # ----------------------------------------------------------------------------- FFT op
@@ -188,19 +461,47 @@ class FFT3DOperation(mtf.Operation):
                 "z and kx unsplit (see SimConfig.layout_rules)"
                 % (self.name, self._in_dims, in_axes, self._out_dims, out_axes))
         cdtype = _complex_of(x.dtype)
-        one_d = tf.signal.ifft if self._inverse else tf.signal.fft
+        # Per-stage normalisation and the factor left for the end: TF's ifft
+        # divides by n at every stage, so y = s * (its result); the native op
+        # can scale by 1/n inside each stage at no extra pass, so a factor of
+        # 1/N (r2c, grad c2r) or 1 (c2r, grad r2c) relative to the unnormalised
+        # transform costs no multiplication at all.
+        stage = {}
+
+        def choose(t):
+            if not stage:
+                unnorm = self._scale / self._n if self._inverse else self._scale
+                if not uses_native(t):
+                    stage.update(normalized=self._inverse, factor=self._scale)
+                elif np.isclose(unnorm, 1.0 / self._n, rtol=1e-12, atol=0):
+                    stage.update(normalized=True, factor=1.0)
+                else:
+                    stage.update(normalized=False, factor=unnorm)
+            return stage
+
+        def one_d(t, axis):
+            return fft_along(t, axis, self._inverse, normalized=choose(t)["normalized"])
 
         def first(t):
+            axis = pos[2] if not self._inverse else pos[0]
+            if not t.dtype.is_complex and not self._inverse:  # r2c: no cast, half the work
+                return fft_of_real_along(t, axis, normalized=choose(t)["normalized"])
             t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
-            return _along(one_d, t, pos[2] if not self._inverse else pos[0])
+            return one_d(t, axis)
 
         def middle(t):
-            return _along(one_d, t, pos[1])
+            return one_d(t, pos[1])
 
         def last(t):
-            t = _along(one_d, t, pos[0] if not self._inverse else pos[2])
-            t = t * tf.constant(self._scale, cdtype) if self._scale != 1.0 else t
-            return tf.math.real(t) if self._real_output else t
+            axis = pos[0] if not self._inverse else pos[2]
+            real_out = self._real_output and self._inverse  # c2r: half the work
+            if real_out:
+                t = ifft_real_part_along(t, axis, normalized=choose(t)["normalized"])
+            else:
+                t = one_d(t, axis)
+            factor = choose(t)["factor"]
+            t = t * tf.constant(factor, t.dtype) if factor != 1.0 else t
+            return tf.math.real(t) if self._real_output and not real_out else t
 
         def exchange(t, mesh_axis, split, concat):
             if mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1:

@@ -16,10 +16,16 @@ Conventions
 * ``export_to_tf_tensor`` returns the **full** tensor (gathered along every
   split mesh axis). Use :meth:`HvdSimdMeshImpl.local_slice` or
   :func:`export_local_slice` for this rank's slice alone.
+* No rank holds a full-size copy of a distributed tensor unless asked:
+  variables have no master (:class:`HvdSimdMeshImpl.LaidOutVariable`), and
+  ``export_to_tf_tensor`` / ``import_tf_tensor`` / full-shape initializers of a
+  tensor that is split over more than one rank raise :class:`FullSizeError`
+  above ``max_full_elements`` elements.
 """
 import hashlib
 import itertools
 import logging
+import os
 
 import mesh_tensorflow as mtf
 import numpy as np
@@ -27,8 +33,13 @@ import tensorflow.compat.v1 as tf
 import horovod.tensorflow as hvd
 from mpi4py import MPI
 
-from . import runtime
-from .mtf_compat import enable_complex_gradients
+from . import runtime, slice_init
+from .mtf_compat import enable_complex_gradients, enable_lazy_masters
+from .mtf_compat import lazy_master as _lazy_master
+from .slice_init import FullSizeError, check_full_size
+
+DEFAULT_MAX_FULL_ELEMENTS = 2**24
+"""Default of :attr:`HvdSimdMeshImpl.max_full_elements` (16.8 M elements, 128 MiB in float64)."""
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +78,6 @@ def _move_front_axis_to(t, axis):
     return tf.transpose(t, perm)
 
 
-def _master_initial_value(variable):
-    """Initial value of an mtf variable's master, without reading any variable.
-
-    Mesh TF's autostacking (``mtf.Lowering(autostack=True)``) combines variables
-    into a ``StackedVariable`` whose master is a ``tf.stack`` of variable *reads*;
-    its initial value is the stack of the members' initial values.
-    """
-    if isinstance(variable, mtf.StackedVariable):
-        return tf.stack([m.initial_value for m in variable._masters])  # no public accessor
-    return tf.convert_to_tensor(variable.get_master().initial_value)
-
-
 class HvdSimdMeshImpl(mtf.MeshImpl):
     """Mesh TensorFlow MeshImpl on Horovod process sets, one slice per MPI rank.
 
@@ -91,7 +90,17 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         Which tensor dimensions are split along which mesh axis.
     comm : mpi4py.MPI.Comm, optional
         The ranks of the mesh (default ``MPI.COMM_WORLD``). Horovod is started on
-        it if it is not running yet.
+        it if it is not running yet (with an exit barrier, see
+        :func:`hvd_mesh_impl.runtime.init`).
+    max_full_elements : int, optional
+        Largest number of elements of a *distributed* tensor (split over more
+        than one rank) that may exist whole on one rank: the full tensor of
+        ``export_to_tf_tensor``, the input of ``import_tf_tensor``, an
+        initializer that can only be evaluated on the full shape. Above it
+        these raise :class:`FullSizeError` at graph construction. Default:
+        the environment variable ``FLOWPM_MTF_MAX_FULL_ELEMENTS``, else
+        :data:`DEFAULT_MAX_FULL_ELEMENTS`; ``0`` or a negative value: no limit.
+        Also settable as the attribute ``max_full_elements``.
 
     Raises
     ------
@@ -101,9 +110,17 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         axis that does not exist. Every rank raises the same error.
     """
 
-    def __init__(self, mesh_shape, layout_rules, comm=None):
+    slice_only_variables = True
+    """Variables have no master copy (read by :func:`hvd_mesh_impl.mtf_compat.enable_lazy_masters`)."""
+
+    def __init__(self, mesh_shape, layout_rules, comm=None, max_full_elements=None):
         super().__init__(mesh_shape, layout_rules)
         enable_complex_gradients()
+        enable_lazy_masters()
+        if max_full_elements is None:
+            max_full_elements = int(os.environ.get("FLOWPM_MTF_MAX_FULL_ELEMENTS",
+                                                   DEFAULT_MAX_FULL_ELEMENTS))
+        self.max_full_elements = max_full_elements if max_full_elements > 0 else None
         self._validate_shape_and_layout()
         comm = MPI.COMM_WORLD if comm is None else comm
         if comm.Get_size() != self.size:
@@ -232,61 +249,88 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             return self
 
     class LaidOutVariable:
-        """A slice-local variable with a full-size master copy.
+        """This rank's slice of a Mesh TF variable; no full-size master copy.
 
-        The slice variable (this rank's part) is what computations read and
-        optimizers update. It is initialised with this rank's slice of **rank 0's**
-        initial master value, broadcast once, so that unseeded random initializers
-        still give one consistent distributed variable. ``copy_slices_to_master``
-        gathers the slices into every rank's master; ``copy_master_to_slices``
-        takes each slice from rank 0's master.
+        * **Initial value.** The slice ``tf.Variable`` (``<name>_slice``) is
+          initialised by ``tf.global_variables_initializer()`` from the
+          initializer evaluated on the slice alone
+          (:func:`hvd_mesh_impl.slice_init.initial_slice`): no full-size
+          initial value, master or broadcast exists in the TF graph.
+        * **Masters.** None is created (see
+          :func:`hvd_mesh_impl.mtf_compat.enable_lazy_masters`), so
+          ``copy_master_to_slices`` and ``copy_slices_to_master`` are no-ops.
+          If the program itself created the master (``variable.get_master()``,
+          e.g. for a ``tf.train.Saver``), ``copy_master_to_slices`` reads this
+          rank's slice of it (slice-local) and ``copy_slices_to_master``
+          gathers the slices into it (subject to ``max_full_elements``).
+        * **Ordered updates.** Every consumer of the variable in a step
+          (forward, gradient, exports) reads one snapshot, ``ReadVariableOp``
+          of the resource variable, and every assignment to the slice runs with
+          a control dependency on that snapshot. A step's reads therefore all
+          see the value before the step, whatever the optimizer, TF's thread
+          count or op ordering; resource variables copy on write, so an
+          assignment never changes a snapshot already taken.
         """
 
         def __init__(self, variable, mesh_impl):
             self._variable = variable
             self._mesh_impl = mesh_impl
             shape = variable.outputs[0].shape
-            master = variable.get_master()
-            self._slice_is_master = (mesh_impl.size == 1
-                                     and variable.master_dtype == variable.slice_dtype
-                                     and not isinstance(variable, mtf.StackedVariable))
-            if self._slice_is_master:
-                self._slice_var = master
-                self._copy_master_to_slices = tf.group([])
-                self._copy_slices_to_master = tf.group([])
-            else:
-                initial = mesh_impl._broadcast_from_rank0(_master_initial_value(variable))
+            with tf.control_dependencies(None):
+                initial = mesh_impl._initial_slice(variable)
                 self._slice_var = tf.get_variable(
                     variable.name + "_slice",
-                    initializer=tf.cast(mesh_impl._local_slice_of_full(initial, shape),
-                                        variable.slice_dtype),
-                    trainable=False, collections=[tf.GraphKeys.GLOBAL_VARIABLES])
-                master_value = mesh_impl._broadcast_from_rank0(tf.convert_to_tensor(master))
-                self._copy_master_to_slices = self.assign_to_slices(
-                    mtf.assign_slice, [mesh_impl._local_slice_of_full(master_value, shape)])
-                gathered = mesh_impl.export_to_tf_tensor(
-                    variable.outputs[0],
-                    mesh_impl.LaidOutTensor([tf.cast(self._slice_var, variable.master_dtype)]))
-                self._copy_slices_to_master = variable.assign_to_master(gathered)
-            self._laid_out_tensor = mesh_impl.LaidOutTensor([self._slice_var])
+                    initializer=tf.cast(initial, variable.slice_dtype),
+                    trainable=False, use_resource=True,
+                    collections=[tf.GraphKeys.GLOBAL_VARIABLES])
+                # The one read of the slice per session.run: see "Ordered updates".
+                self._snapshot = self._slice_var.read_value()
+            self._shape = shape
+            self._laid_out_tensor = mesh_impl.LaidOutTensor([self._snapshot])
 
         def assign_to_slices(self, assign_fn, values):
-            """Assign ``values`` (a list with this rank's one slice) to the slice variable."""
+            """Assign ``values`` (a list with this rank's one slice) to the slice variable.
+
+            The assignment runs after this step's snapshot read of the variable.
+            """
             if len(values) != 1:
                 raise ValueError("expected one slice, got %d" % len(values))
-            return tf.group(assign_fn(self._variable, self._slice_var, values[0]))
+            with tf.control_dependencies([self._snapshot]):
+                return tf.group(assign_fn(self._variable, self._slice_var, values[0]))
 
         @property
         def laid_out_tensor(self):
             return self._laid_out_tensor
 
         @property
+        def slice_variable(self):
+            """The ``tf.Variable`` holding this rank's slice."""
+            return self._slice_var
+
+        def _existing_master(self):
+            master = _lazy_master(self._variable)
+            if master is not None and not master.materialized:
+                return None
+            return self._variable.get_master()
+
+        @property
         def copy_master_to_slices(self):
-            return self._copy_master_to_slices
+            master = self._existing_master()
+            if master is None:
+                return tf.no_op(name=self._variable.name.replace("/", "_") + "_no_master")
+            value = self._mesh_impl._local_slice_of_full(tf.convert_to_tensor(master), self._shape)
+            return self.assign_to_slices(mtf.assign_slice, [value])
 
         @property
         def copy_slices_to_master(self):
-            return self._copy_slices_to_master
+            master = self._existing_master()
+            if master is None:
+                return tf.no_op(name=self._variable.name.replace("/", "_") + "_no_master")
+            gathered = self._mesh_impl.export_to_tf_tensor(
+                self._variable.outputs[0],
+                self._mesh_impl.LaidOutTensor([tf.cast(self._snapshot,
+                                                       self._variable.master_dtype)]))
+            return self._variable.assign_to_master(gathered)
 
     # ------------------------------------------------------------------ slicewise
     def slicewise(self, fn, *inputs):
@@ -361,8 +405,8 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         Parameters
         ----------
         kind : str, optional
-            One of ``"allreduce"``, ``"allconcat"``, ``"alltoall"``, ``"receive"``,
-            ``"broadcast"``; default all.
+            One of ``"allreduce"``, ``"allconcat"``, ``"alltoall"``, ``"receive"``;
+            default all.
 
         Returns
         -------
@@ -510,16 +554,6 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             recv = tf.concat([recv, tf.zeros_like(flat)], axis=0)
         return self.LaidOutTensor([back(tf.reshape(recv, wire.shape))])
 
-    def _broadcast_from_rank0(self, t):
-        """Rank 0's value of a full (replicated) tensor, on every rank."""
-        if self.size == 1:
-            return t
-        wire, back = _to_wire(t)
-        out = self._issue("broadcast", hvd.broadcast, wire, root_rank=0,
-                          process_set=hvd.global_process_set)
-        self._record("broadcast", out)
-        return back(out)
-
     # ------------------------------------------------------------------ random
     def random(self, shape, tf_fn, kwargs):
         """Call a random TF op (e.g. ``tf.random.uniform``) on this rank's slice.
@@ -541,21 +575,71 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         return self.LaidOutTensor([tf_fn(self.slice_shape(shape), seed=seed, **kwargs)])
 
     # ------------------------------------------------------------------ import / export
+    def _check_full(self, tensor_shape, what):
+        """Raise :class:`FullSizeError` if ``what`` needs a too large split tensor whole."""
+        tensor_shape = mtf.convert_to_shape(tensor_shape)
+        if self.tensor_layout(tensor_shape).is_fully_replicated:
+            return  # the slice is the full tensor: nothing is gathered or sliced
+        check_full_size(tensor_shape.size, self.max_full_elements,
+                        "%s of %s" % (what, tensor_shape.to_string))
+
     def _local_slice_of_full(self, tf_x, tensor_shape):
         if self.tensor_layout(tensor_shape).is_fully_replicated:
             return tf_x
         return tf.slice(tf_x, self.slice_begin(tensor_shape, self._pnum),
                         self.slice_shape(tensor_shape))
 
+    def _initial_slice(self, variable):
+        """This rank's initial slice of an mtf variable (see :mod:`hvd_mesh_impl.slice_init`)."""
+        shape = variable.outputs[0].shape
+        begin = self.slice_begin(shape, self._pnum)
+        size = self.slice_shape(shape)
+        if isinstance(variable, mtf.StackedVariable):
+            members = variable._stacked_members  # set by mtf_compat.enable_lazy_masters
+            parts = [self._member_initial_slice(m, begin[1:], size[1:])
+                     for m in members[begin[0]:begin[0] + size[0]]]
+            return tf.stack(parts)
+        return self._member_initial_slice(variable, begin, size)
+
+    def _member_initial_slice(self, variable, begin, size):
+        master = _lazy_master(variable)
+        shape = variable.outputs[0].shape
+        if master is None or master.materialized:
+            # A master already exists (graph built before the patch, or the program
+            # asked for it): take this slice of its initial value.
+            if list(size) != shape.to_integer_list:
+                self._check_full(shape, "the initial value of master variable %r" % variable.name)
+            initial = tf.convert_to_tensor(variable.get_master().initial_value)
+            return tf.slice(initial, begin, size) if list(size) != shape.to_integer_list \
+                else initial
+        limit = self.max_full_elements if list(size) != shape.to_integer_list else None
+        return slice_init.initial_slice(master.initializer, shape.to_integer_list, begin, size,
+                                        master.dtype, variable.name, limit)
+
     def import_tf_tensor(self, x, tf_x):
-        """Each rank takes its slice of the full tensor ``tf_x``."""
+        """Each rank takes its slice of the full tensor ``tf_x``.
+
+        Raises
+        ------
+        FullSizeError
+            If ``x`` is split over more than one rank and has more than
+            ``max_full_elements`` elements (every rank would hold ``tf_x``).
+        """
+        self._check_full(x.shape, "import_tf_tensor")
         return self.LaidOutTensor([self._local_slice_of_full(tf_x, x.shape)])
 
     def export_to_tf_tensor(self, x, laid_out_x):
         """The **full** tensor ``x`` on every rank, gathered along each split mesh axis.
 
         See :meth:`local_slice` for this rank's slice without communication.
+
+        Raises
+        ------
+        FullSizeError
+            If ``x`` is split over more than one rank and has more than
+            ``max_full_elements`` elements.
         """
+        self._check_full(x.shape, "export_to_tf_tensor")
         t = laid_out_x.to_laid_out_tensor()
         layout = self.tensor_layout(x.shape)
         for mesh_axis, tensor_axis in enumerate(layout.mesh_axis_to_tensor_axis(self.ndims)):

@@ -5,11 +5,23 @@ Everything here is per process and idempotent. Horovod is initialised once with
 objects, of different shapes, can live in one program: each registers the
 process sets of its mesh axes through :func:`process_set_for`, which every rank
 calls with the same arguments in the same order.
+
+Exit. Horovod registers ``hvd.shutdown`` with ``atexit``; a rank that reaches
+the end of its program first would shut Horovod down while other ranks are
+still inside a collective of their own process set (e.g. the last
+``allconcat`` of an export on another mesh row), and those fail with "Horovod
+has been shut down". :func:`init` therefore registers an **exit barrier**
+(after Horovod's own handler, so it runs first): at a normal exit every rank
+waits until all ranks reach their exit, then Horovod shuts down. After an
+uncaught exception the handler aborts the MPI job instead (the other ranks may
+be waiting for this one in a collective). See :func:`exit_barrier`.
 """
+import atexit
 import logging
 import os
 import sys
 import threading
+import time
 
 import horovod.tensorflow as hvd
 from mpi4py import MPI
@@ -18,6 +30,11 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _process_sets = {}  # tuple(ranks) -> hvd.ProcessSet
+_exit = {"comm": None, "done": False}  # the exit barrier's communicator (a Dup), state
+
+EXIT_BARRIER_TIMEOUT_S = 1800.0
+"""Default of ``FLOWPM_MTF_EXIT_TIMEOUT``: seconds a rank waits at exit for the others
+before it aborts the job (0: wait forever)."""
 
 
 def init(comm=None):
@@ -38,19 +55,99 @@ def init(comm=None):
     RuntimeError
         If Horovod was already initialised on a communicator of another size,
         or without dynamic process sets.
+
+    Notes
+    -----
+    When this call starts Horovod it also registers the exit barrier (module
+    docstring). ``FLOWPM_MTF_EXIT_BARRIER=0`` disables it (only to reproduce
+    the exit race in tests).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     with _lock:
         if not hvd.is_initialized():
             # Dynamic process sets let several meshes register their axes later.
             os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
-            hvd.init(comm=comm, process_sets="dynamic")
+            hvd.init(comm=comm, process_sets="dynamic")  # registers hvd.shutdown at exit
             log.debug("horovod initialised: rank %d of %d", hvd.rank(), hvd.size())
+            _register_exit_barrier(comm)
         if hvd.size() != comm.Get_size():
             raise RuntimeError(
                 "Horovod runs on %d ranks but the communicator given has %d; "
                 "use one communicator per program" % (hvd.size(), comm.Get_size()))
     return comm
+
+
+def _register_exit_barrier(comm):
+    if os.environ.get("FLOWPM_MTF_EXIT_BARRIER", "1") == "0":
+        log.warning("FLOWPM_MTF_EXIT_BARRIER=0: no barrier before Horovod shuts down at exit")
+        return
+    _exit["comm"] = comm.Dup()  # collective: every rank is in init
+    # atexit runs handlers last-in first-out: this one before Horovod's shutdown.
+    atexit.register(_at_exit)
+
+
+def _uncaught_exception():
+    """Whether the interpreter is exiting because of an uncaught exception."""
+    return getattr(sys, "last_type", None) is not None or getattr(sys, "last_exc", None)
+
+
+def _at_exit():
+    if _exit["done"] or _exit["comm"] is None:
+        return
+    if _uncaught_exception():
+        sys.stderr.write("[rank %d] exiting on an uncaught exception: aborting the MPI job\n"
+                         % MPI.COMM_WORLD.Get_rank())
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    exit_barrier()
+
+
+def exit_barrier(timeout=None):
+    """Wait until every rank of Horovod's communicator calls this (once per program).
+
+    Called automatically at a normal exit (see the module docstring) and by
+    :func:`shutdown`; a second call does nothing. The wait is a non-blocking
+    ``MPI_Ibarrier`` polled every 10 ms, so a rank that never arrives does not
+    hang the job for ever: after ``timeout`` seconds this rank logs an error
+    and aborts the MPI job.
+
+    Parameters
+    ----------
+    timeout : float, optional
+        Seconds; default ``FLOWPM_MTF_EXIT_TIMEOUT`` or
+        :data:`EXIT_BARRIER_TIMEOUT_S`; 0 waits for ever.
+    """
+    comm = _exit["comm"]
+    if comm is None or _exit["done"]:
+        return
+    _exit["done"] = True
+    if timeout is None:
+        timeout = float(os.environ.get("FLOWPM_MTF_EXIT_TIMEOUT", EXIT_BARRIER_TIMEOUT_S))
+    req = comm.Ibarrier()
+    t0 = time.monotonic()
+    next_note = 60.0
+    while not req.Test():
+        waited = time.monotonic() - t0
+        if timeout and waited > timeout:
+            log.error("rank %d: other ranks did not reach their exit within %.0f s; "
+                      "aborting the MPI job", comm.Get_rank(), timeout)
+            comm.Abort(1)
+        if waited > next_note:
+            log.warning("rank %d: waiting %.0f s at exit for the other ranks",
+                        comm.Get_rank(), waited)
+            next_note += 60.0
+        time.sleep(0.01)
+
+
+def shutdown():
+    """Exit barrier (:func:`exit_barrier`), then ``hvd.shutdown()``; safe to call twice.
+
+    For programs that stop Horovod themselves before the end (e.g. the test
+    runner): a bare ``hvd.shutdown()`` would cut other ranks' collectives short.
+    """
+    exit_barrier()
+    if hvd.is_initialized():
+        hvd.shutdown()
 
 
 def process_set_for(ranks):

@@ -551,39 +551,23 @@ def run_mpi4py_fft(args):
     from mpi4py import MPI
 
     try:
-        from mpi4py_fft import PFFT, newDistArray
+        import mpi4py_fft  # noqa: F401  (used by fft_timing)
     except ImportError:
         raise SystemExit("mpi4py-fft is not installed (pip install mpi4py-fft; needs "
                          "libfftw3-dev); skip with --backend hvd placement cluster")
+    from flowpm_mtf import fft_timing
+
     comm = MPI.COMM_WORLD
     conf = make_conf(args.size, args.grid, args.halo)
     P, Q = conf.grid
-    if comm.Get_size() != P * Q:
-        raise ValueError("mpi4py-fft: grid %s needs %d ranks, the job has %d"
-                         % (grid_str(conf.grid), P * Q, comm.Get_size()))
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fft = PFFT(comm, list(conf.nc), axes=(0, 1, 2), dtype=np.complex64, grid=(P, Q, 1),
-               backend="fftw")
-    u = newDistArray(fft, False)
-    rng = np.random.default_rng(comm.Get_rank())
-    u[:] = rng.standard_normal(u.shape) + 0j
-    uh = newDistArray(fft, True)
-    v = newDistArray(fft, False)
-    setup_s = max(comm.allgather(time.perf_counter() - t0))
-
-    class _Sess:
-        def run(self, _):
-            fft.forward(u, uh)
-            fft.backward(uh, v)
-
-    first, times = _timed_runs(_Sess(), None, args.warmup, args.repeats, barrier=comm.Barrier,
-                               reduce_max=lambda dt: max(comm.allgather(dt)))
-    err = comm.allreduce(float(np.max(np.abs(v - u))), op=MPI.MAX)
+    res = fft_timing.time_mpi4py_fft_roundtrip(comm, conf.nc, conf.grid, real=False,
+                                               warmup=args.warmup, repeats=args.repeats)
+    first, times, setup_s, err = (res["first_s"], res["times_s"], res["build_s"],
+                                  res["max_abs_error"])
+    local = int(np.prod(conf.nc)) // (P * Q) * 8  # complex64 slice [bytes]
     rss = comm.allgather(peak_rss_mb())
     # Analytic: each of the 2 transposes per direction moves (n-1)/n of the local
     # complex array over its sub-communicator (n = P or Q).
-    local = int(np.prod(u.shape)) * 8
     wire = 2 * sum(local * (n - 1) / n for n in (P, Q) if n > 1)
     rec = {"backend": "mpi4py-fft", "workload": "fft", "nc": conf.nc[0], "grid": [P, Q],
            "n": P * Q, "halo": conf.halo_size, "dtype": "complex64",

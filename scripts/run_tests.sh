@@ -18,6 +18,9 @@ LOGDIR="${FLOWPM_MTF_TEST_LOGDIR:-$REPO/test-logs}"
 export FLOWPM_MTF_TEST_LOGDIR="$LOGDIR"
 rm -rf "$LOGDIR"; mkdir -p "$LOGDIR"
 export TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+# Native ops must be built by set-up and used: a missing or stale library fails the
+# tests instead of silently falling back to the TensorFlow path.
+export FLOWPM_MTF_NATIVE=require
 # A collective that one rank never joins shows up in the logs after 60 s.
 export HOROVOD_STALL_CHECK_TIME_SECONDS=60
 

@@ -26,7 +26,7 @@ need_apt=()
 command -v mpicc >/dev/null 2>&1 || need_apt+=(libopenmpi-dev openmpi-bin)
 command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++   >/dev/null 2>&1 || need_apt+=(g++)
-[ -f /usr/include/fftw3.h ]        || need_apt+=(libfftw3-dev)  # mpi4py-fft (benchmark reference)
+[ -f /usr/include/fftw3.h ]        || need_apt+=(libfftw3-dev)  # native FFT op; mpi4py-fft (benchmark)
 command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck) # tests/test_batch_scripts.py
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
@@ -37,10 +37,30 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
+# Slurm 22.05 + munge for tests/test_slurm.py, which starts a private one-node cluster
+# (its own config, key and ports; the packages' system services are not used). Optional:
+# only as root; without them those tests are skipped with the reason.
+have_slurm() { for b in slurmctld slurmd sbatch srun munged; do command -v "$b" >/dev/null || return 1; done; }
+if [ "$(id -u)" -eq 0 ] && ! have_slurm; then
+  log "installing Slurm and munge (tests/test_slurm.py)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; } \
+    || log "could not install Slurm: tests/test_slurm.py will be skipped"
+fi
+
+# Native CPU ops (flowpm_mtf/native/*.cc, e.g. the FFTW FFT): compiled against this
+# venv's TensorFlow; a stamp per library makes this a no-op (well under a second)
+# when sources and TensorFlow are unchanged. Runs on every set-up, also when the
+# rest is up to date.
+build_native() {
+  (cd "$REPO" && "$VENV/bin/python" -m flowpm_mtf.native.build) \
+    || { log "building the native ops failed (g++ and libfftw3-dev are needed)"; exit 1; }
+}
 
 # ---------------------------------------------------------------- 2. venv
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(inputs_hash)" ] \
    && "$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm_mtf, hvd_mesh_impl" 2>/dev/null; then
+  build_native
   log "environment up to date: $VENV"
   exit 0
 fi
@@ -75,5 +95,6 @@ check="$("$VENV/bin/horovodrun" --check-build)"
 echo "$check" | grep -q "\[X\] MPI"  || { log "horovod built without MPI";  echo "$check"; exit 1; }
 echo "$check" | grep -q "\[X\] Gloo" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
 "$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_mtf, hvd_mesh_impl, mpi4py"
+build_native
 inputs_hash > "$STAMP"
 log "environment ready: $VENV"

@@ -433,39 +433,141 @@ def test_complex_gradients_flow(dims):
 # ------------------------------------------------------------------------- variables
 @pytest.mark.parametrize("dims", MESHES, ids=ids(MESHES))
 def test_variables_optimizer_steps(dims):
-    """Three Adam steps on a distributed variable: same values as PlacementMeshImpl,
-    and copy_slices_to_master / copy_master_to_slices keep master and slices equal."""
+    """Three Adam steps on a distributed variable: the same values as PlacementMeshImpl
+    (with hvd_mesh_impl.ordered_update_op); HvdSimdMeshImpl creates no master variable
+    and its copy_masters_to_slices / copy_slices_to_masters are no-ops."""
+    from hvd_mesh_impl import ordered_update_op
+
     layout = full_layout(dims)
     rng = np.random.RandomState(11)
     t_np = rng.standard_normal([DIMS[k] for k in "abc"])
+    v0_np = rng.standard_normal([DIMS[k] for k in "abc"])
     steps = 3
 
     def build(mesh):
         s = shape_of("a", "b", "c")
         v = mtf.get_variable(mesh, "v", s, dtype=tf.float64,
-                             initializer=tf.random_normal_initializer(seed=42, dtype=tf.float64))
+                             initializer=tf.constant_initializer(v0_np))
         target = mtf.import_tf_tensor(mesh, tf.constant(t_np), s)
         loss = mtf.reduce_sum(mtf.square(v - target) * mtf.cos(v))
         grads = mtf.gradients([loss], [v])
         opt = mtf.optimize.AdamWeightDecayOptimizer(learning_rate=0.1)
-        updates = opt.apply_grads(grads, [v.operation])
-        build.updates = updates
+        build.updates = opt.apply_grads(grads, [v.operation])
         return {"v": v}
 
     def run_ops(lowering, outs):
-        step = tf.group([lowering.lowered_operation(op) for op in build.updates])
+        step = ordered_update_op(lowering, build.updates)
         return [step] * steps + [lowering.copy_slices_to_masters()]
 
-    def master(lowering, impl, outs):
-        var = outs["v"].operation
-        return {"master": var.get_master().read_value() if hasattr(
-            var.get_master(), "read_value") else tf.identity(var.get_master())}
+    def variables(lowering, impl, outs):
+        build.names = sorted(v.op.name for v in tf.global_variables())
+        return {}
 
-    got, ref = run_both(dims, layout, build, run_ops=run_ops, fetch_extra=master)
-    np.testing.assert_allclose(got["v"], ref["v"], rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(got["master"], got["v"], rtol=0, atol=0)
-    np.testing.assert_allclose(ref["master"], ref["v"], rtol=0, atol=0)
-    assert not np.allclose(got["v"], got["master"] * 0)  # the steps did something
+    got = run_graph("hvd", dims, layout, build, run_ops=run_ops, fetch_extra=variables)
+    hvd_names = build.names
+    ref = run_graph("placement", dims, layout, build, run_ops=run_ops)
+    np.testing.assert_allclose(got["v"], ref["v"], rtol=1e-6, atol=1e-9)  # Adam in float32
+    assert not np.allclose(got["v"], v0_np)  # the steps did something
+    # slices only: v and Adam's two moments (possibly autostacked), no master "v"
+    assert all(n.endswith("_slice") for n in hvd_names), hvd_names
+    assert "v" not in hvd_names
+
+
+INITIALIZERS = {
+    "zeros": (tf.zeros_initializer(), lambda x: np.all(x == 0)),
+    "ones": (tf.ones_initializer(), lambda x: np.all(x == 1)),
+    "constant": (tf.constant_initializer(2.5), lambda x: np.all(x == 2.5)),
+    "uniform": (tf.random_uniform_initializer(-2.0, 3.0, seed=7),
+                lambda x: x.min() >= -2 and x.max() < 3 and abs(x.mean() - 0.5) < 0.3),
+    "normal": (tf.random_normal_initializer(1.0, 2.0, seed=7),
+               lambda x: abs(x.mean() - 1) < 0.5 and 1.5 < x.std() < 2.5),
+    "truncated": (tf.truncated_normal_initializer(0.0, 1.0, seed=7),
+                  lambda x: np.abs(x).max() <= 2 and 0.6 < x.std() < 1.0),
+    "glorot": (tf.glorot_uniform_initializer(seed=7),
+               # TF's fans of [a, b, c]: in = a b, out = a c; limit sqrt(6 / (in + out))
+               lambda x: np.abs(x).max() <= np.sqrt(6.0 / (DIMS["a"] * (DIMS["b"] + DIMS["c"])))
+               and x.std() > 0.1),
+    "default": (None, lambda x: np.abs(x).max() > 0),
+}
+
+
+@pytest.mark.parametrize("dims", MESHES, ids=ids(MESHES))
+@pytest.mark.parametrize("init", sorted(INITIALIZERS))
+def test_slice_initializers_independent_of_layout(dims, init):
+    """Each rank initialises its slice alone; the variable is the same for every layout
+    (split on a, on b, fully replicated = what one processor computes) and follows
+    the initializer's distribution; random ones equal the numpy reference of the
+    counter-based generator at the global indices."""
+    from hvd_mesh_impl import slice_init
+
+    initializer, check = INITIALIZERS[init]
+    s = shape_of("a", "b", "c")
+
+    def build(mesh):
+        return {"v": mtf.get_variable(mesh, "w_" + init, s, dtype=tf.float64,
+                                      initializer=initializer)}
+
+    layouts = [full_layout(dims), [("b", "m0")], []]
+    vals = [run_graph("hvd", dims, lay, build)["v"] for lay in layouts]
+    for v in vals[1:]:
+        np.testing.assert_array_equal(v, vals[0])
+    assert check(vals[0]), vals[0]
+    if init == "uniform":
+        key = slice_init.stable_key("seed", 7)
+        u = slice_init.uniform_from_index_np(key, np.arange(s.size)).reshape(s.to_integer_list)
+        np.testing.assert_allclose(vals[0], -2.0 + 5.0 * u, rtol=1e-15)
+
+
+@pytest.mark.parametrize("dims", MESHES, ids=ids(MESHES))
+def test_constant_array_initializer_is_sliced(dims):
+    """A full-size numpy constant initializer enters each rank's graph as its slice only."""
+    x_np = arange("abc", np.float64)
+
+    def build(mesh):
+        return {"v": mtf.get_variable(mesh, "v", shape_of("a", "b", "c"), dtype=tf.float64,
+                                      initializer=tf.constant_initializer(x_np))}
+
+    def consts(lowering, impl, outs):
+        sizes = [op.outputs[0].shape.num_elements() for op in tf.get_default_graph()
+                 .get_operations() if op.type == "Const"]
+        return {"largest_const": tf.constant(max(sizes))}
+
+    got = run_graph("hvd", dims, full_layout(dims), build, fetch_extra=consts)
+    np.testing.assert_array_equal(got["v"], x_np)
+    assert got["largest_const"] == x_np.size // int(np.prod(dims))
+
+
+@pytest.mark.parametrize("dims", [m for m in MESHES if max(m) > 1] or [None])
+def test_full_size_limit(dims):
+    """export / import of a split tensor above max_full_elements raise FullSizeError at
+    graph construction; replicated tensors and tensors at the limit pass."""
+    if dims is None:
+        pytest.skip("a 1-rank mesh never gathers")
+    from hvd_mesh_impl import FullSizeError
+
+    s = shape_of("a", "b", "c")
+    for limit, fails in ((s.size - 1, True), (s.size, False)):
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "mesh")
+            x = mtf.import_tf_tensor(mesh, tf.zeros(s.to_integer_list, tf.float64), s)
+            impl = hvd_impl(dims, full_layout(dims))
+            impl.max_full_elements = limit
+            if fails:
+                with pytest.raises(FullSizeError, match="%d elements.*limit of %d"
+                                   % (s.size, limit)):
+                    mtf.Lowering(graph, {mesh: impl})
+            else:
+                lowering = mtf.Lowering(graph, {mesh: impl})
+                lowering.export_to_tf_tensor(x)
+            impl.max_full_elements = 1
+            replicated = hvd_impl(dims, [])
+            replicated.max_full_elements = 1
+            with tf.Graph().as_default():
+                graph = mtf.Graph()
+                mesh = mtf.Mesh(graph, "mesh")
+                y = mtf.import_tf_tensor(mesh, tf.zeros(s.to_integer_list, tf.float64), s)
+                mtf.Lowering(graph, {mesh: replicated}).export_to_tf_tensor(y)
 
 
 # ------------------------------------------------------------------------- bad input

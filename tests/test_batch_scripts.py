@@ -141,3 +141,43 @@ def test_horovodrun_launcher(fake_env):
     argv = open(str(venv / "bin" / "horovodrun.args")).read().split("\n")
     assert "--mpi" in argv and argv[argv.index("-np") + 1] == "2"
     assert argv[argv.index("-H") + 1] == "localhost:2" and "fft-demo" in argv
+
+
+@pytest.mark.parametrize("state, resume, expect_resume", [
+    ("empty", None, False),
+    ("checkpoint", None, True),        # RESUME=auto: an unfinished run in OUT
+    ("complete", None, False),         # a complete run is never resumed by default
+    ("checkpoint", "0", False),
+    ("empty", "1", True),
+])
+def test_sbatch_resume_and_checkpoint_options(fake_env, state, resume, expect_resume):
+    env, bindir, _, tmp = fake_env
+    args_file = _stub(str(bindir), "srun")
+    out = tmp / "run"
+    if state != "empty":
+        (out / "checkpoint" / "step_000004").mkdir(parents=True)
+    if state == "complete":
+        (out / "summary.json").write_text("{}")
+    env.update(SLURM_SUBMIT_DIR=str(tmp), SLURM_NTASKS="2", SLURM_JOB_ID="5", OUT=str(out),
+               CHECKPOINT_EVERY="7")
+    if resume is not None:
+        env["RESUME"] = resume
+    path = os.path.join(REPO, "slurm", "single_node_multi_gpu.sbatch")
+    proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(args_file).read().split("\n")
+    assert argv[argv.index("--checkpoint-every") + 1] == "7"
+    if expect_resume:
+        assert argv[argv.index("--resume") + 1] == str(out) and "--out" not in argv
+        assert "resuming the unfinished run" in proc.stdout
+    else:
+        assert argv[argv.index("--out") + 1] == str(out) and "--resume" not in argv
+
+
+def test_sbatch_rejects_an_unknown_resume_value(fake_env):
+    env, bindir, _, tmp = fake_env
+    _stub(str(bindir), "srun")
+    env.update(SLURM_SUBMIT_DIR=str(tmp), SLURM_NTASKS="2", SLURM_JOB_ID="5", RESUME="maybe")
+    path = os.path.join(REPO, "slurm", "multi_node.sbatch")
+    proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "RESUME=maybe" in proc.stderr

@@ -171,10 +171,15 @@ def lower(graph, mesh, mesh_impl):
 
 
 def lowered_group(lowering, ops):
-    """One TF op running the lowered Mesh TF operations ``ops``."""
-    import tensorflow.compat.v1 as tf
+    """One TF op running the lowered Mesh TF operations ``ops``.
 
-    return tf.group([lowering.lowered_operation(op) for op in ops])
+    Assignments run after every read of the same variables in the run
+    (:func:`hvd_mesh_impl.ordered_update_op`, no Horovod import): Mesh TF's
+    ``PlacementMeshImpl`` does not order them itself.
+    """
+    from hvd_mesh_impl import ordered_update_op
+
+    return ordered_update_op(lowering, ops)
 
 
 def export(lowering, tensors):

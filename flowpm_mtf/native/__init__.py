@@ -23,6 +23,7 @@ the path, chosen by the callers from the device of the computation.
 import hashlib
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +49,37 @@ def library_path(name):
     return os.path.join(HERE, "lib%s.so" % name)
 
 
-def expected_stamp(name):
-    """The stamp a library built from the current source for this TF must carry."""
+# Distributions that provide the ``tensorflow`` module.
+_TF_DISTS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel",
+             "tensorflow-macos", "tf-nightly")
+
+
+def tf_version():
+    """TensorFlow's version, without importing it when it is not imported yet.
+
+    (``python -m flowpm_mtf.native.build`` on up-to-date libraries then takes a
+    fraction of a second instead of TensorFlow's import time.)
+    """
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and getattr(tf, "__version__", None):
+        return tf.__version__
+    from importlib import metadata
+
+    for dist in _TF_DISTS:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
     import tensorflow as tf
 
+    return tf.__version__
+
+
+def expected_stamp(name):
+    """The stamp a library built from the current source for this TF must carry."""
     with open(source_path(name), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return "%s tf-%s" % (digest, tf.__version__)
+    return "%s tf-%s" % (digest, tf_version())
 
 
 def load(name):

@@ -1,0 +1,605 @@
+// Local 1D FFTs along one axis of a batched array, on the CPU, with FFTW.
+//
+// LINK: -lfftw3f_threads -lfftw3_threads -lfftw3f -lfftw3 -lpthread
+//
+// Ops (the Python side, gradients included, is flowpm_mtf/fft.py):
+//
+//   FlowpmFftC2c(x: complex64|complex128, axis, inverse, normalized) -> same shape
+//       y[j] = c * sum_k x[k] exp(-+ 2 pi i j k / n)   (sign + when inverse)
+//   FlowpmFftR2c(x: float|double, axis, normalized) -> complex, n // 2 + 1 along axis
+//       numpy.fft.rfft (times c)
+//   FlowpmFftC2r(x: complex, n, axis, normalized) -> real, n along axis
+//       unnormalised inverse of the Hermitian extension (imaginary parts of the
+//       zero and Nyquist modes ignored), times c: numpy.fft.irfft when normalized
+//
+// with c = 1/n when `normalized`, else 1; n is the transform length (the real
+// length for r2c/c2r). numpy.fft.fft = (inverse=False, normalized=False),
+// numpy.fft.ifft = (inverse=True, normalized=True).
+//
+// The array is viewed as [outer, n, inner] around `axis`; one FFTW guru plan
+// covers a piece [outer_count, n, inner_count] of it (howmany-rank 2, so no
+// transposes). The pieces (split along outer, or along inner when outer is
+// smaller than the thread count) run on TensorFlow's intra-op thread pool,
+// i.e. with the threads the session gives this process (the ranks size it per
+// rank), never with extra FFTW threads. Plans are created once per
+// (kind, precision, piece geometry, alignment, in-place) under one mutex (the
+// FFTW planner is not thread-safe) and executed with the new-array interface
+// (thread-safe). FLOWPM_MTF_FFTW_PLANNER=estimate (default) | measure chooses
+// the planner rigour; measure plans on scratch arrays (never on user data).
+#include <fftw3.h>
+
+#include <algorithm>
+#include <atomic>
+#include <complex>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+typedef int64_t i64;
+
+// kC2RDestroy: c2r allowed to overwrite its input (our own panel buffers).
+enum Kind { kC2C = 0, kR2C = 1, kC2R = 2, kC2RDestroy = 3 };
+
+// ---------------------------------------------------------------- FFTW by precision
+template <typename R>
+struct Fftw;
+
+template <>
+struct Fftw<float> {
+  typedef fftwf_plan Plan;
+  typedef fftwf_complex C;
+  static const int kPrecision = 1;
+  static Plan c2c(const fftw_iodim64* d, const fftw_iodim64* h, C* in, C* out, int sign,
+                  unsigned flags) {
+    return fftwf_plan_guru64_dft(1, d, 2, h, in, out, sign, flags);
+  }
+  static Plan r2c(const fftw_iodim64* d, const fftw_iodim64* h, float* in, C* out,
+                  unsigned flags) {
+    return fftwf_plan_guru64_dft_r2c(1, d, 2, h, in, out, flags);
+  }
+  static Plan c2r(const fftw_iodim64* d, const fftw_iodim64* h, C* in, float* out,
+                  unsigned flags) {
+    return fftwf_plan_guru64_dft_c2r(1, d, 2, h, in, out, flags);
+  }
+  static void exec(Plan p, C* in, C* out) { fftwf_execute_dft(p, in, out); }
+  static void exec(Plan p, float* in, C* out) { fftwf_execute_dft_r2c(p, in, out); }
+  static void exec(Plan p, C* in, float* out) { fftwf_execute_dft_c2r(p, in, out); }
+  static void* malloc(size_t n) { return fftwf_malloc(n); }
+  static void free(void* p) { fftwf_free(p); }
+};
+
+template <>
+struct Fftw<double> {
+  typedef fftw_plan Plan;
+  typedef fftw_complex C;
+  static const int kPrecision = 2;
+  static Plan c2c(const fftw_iodim64* d, const fftw_iodim64* h, C* in, C* out, int sign,
+                  unsigned flags) {
+    return fftw_plan_guru64_dft(1, d, 2, h, in, out, sign, flags);
+  }
+  static Plan r2c(const fftw_iodim64* d, const fftw_iodim64* h, double* in, C* out,
+                  unsigned flags) {
+    return fftw_plan_guru64_dft_r2c(1, d, 2, h, in, out, flags);
+  }
+  static Plan c2r(const fftw_iodim64* d, const fftw_iodim64* h, C* in, double* out,
+                  unsigned flags) {
+    return fftw_plan_guru64_dft_c2r(1, d, 2, h, in, out, flags);
+  }
+  static void exec(Plan p, C* in, C* out) { fftw_execute_dft(p, in, out); }
+  static void exec(Plan p, double* in, C* out) { fftw_execute_dft_r2c(p, in, out); }
+  static void exec(Plan p, C* in, double* out) { fftw_execute_dft_c2r(p, in, out); }
+  static void* malloc(size_t n) { return fftw_malloc(n); }
+  static void free(void* p) { fftw_free(p); }
+};
+
+// ---------------------------------------------------------------- plan cache
+// (kind, precision, sign, n, in_len, out_len, inner, outer_count, inner_count, in % 64,
+//  out % 64, in-place)
+typedef std::tuple<int, int, int, i64, i64, i64, i64, i64, i64, int, int, bool> PlanKey;
+
+// Guards the plan cache and every call of our FFTW planner. Other code in the
+// process (e.g. mpi4py-fft, numpy extensions linking FFTW) may plan at the same
+// time: fftw_make_planner_thread_safe (FFTW >= 3.3.5) makes FFTW serialise
+// all planner calls of the process too.
+std::mutex& planner_mutex() {
+  static std::mutex m;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    fftw_make_planner_thread_safe();
+    fftwf_make_planner_thread_safe();
+  });
+  return m;
+}
+
+std::map<PlanKey, void*>& plan_cache() {
+  static std::map<PlanKey, void*> cache;
+  return cache;
+}
+
+unsigned planner_flags() {
+  static const unsigned flags = [] {
+    const char* v = std::getenv("FLOWPM_MTF_FFTW_PLANNER");
+    std::string s = v ? v : "estimate";
+    if (s == "measure") return FFTW_MEASURE;
+    if (s == "patient") return FFTW_PATIENT;
+    return FFTW_ESTIMATE;
+  }();
+  return flags;
+}
+
+// Geometry of one piece: transform length n along a stride of `inner`
+// elements; outer_count batches `in_len * inner` (input) / `out_len * inner`
+// (output) apart; inner_count batches 1 apart.
+struct Piece {
+  i64 n, in_len, out_len, inner, outer_count, inner_count;
+};
+
+template <typename R, typename In, typename Out>
+void* make_plan(int kind, int sign, const Piece& p, In* in, Out* out, bool in_place) {
+  typedef Fftw<R> F;
+  fftw_iodim64 dims[1] = {{p.n, p.inner, p.inner}};
+  fftw_iodim64 how[2] = {{p.outer_count, p.in_len * p.inner, p.out_len * p.inner},
+                         {p.inner_count, 1, 1}};
+  unsigned flags = planner_flags();
+  // The planner overwrites its arrays unless it only estimates: plan on scratch
+  // arrays with the same alignment (mod 64 bytes) as the real ones.
+  void* scratch_in = nullptr;
+  void* scratch_out = nullptr;
+  In* pin = in;
+  Out* pout = out;
+  if (flags != FFTW_ESTIMATE) {
+    size_t in_bytes = sizeof(In) * ((p.outer_count - 1) * p.in_len * p.inner +
+                                    (p.in_len - 1) * p.inner + p.inner_count);
+    size_t out_bytes = sizeof(Out) * ((p.outer_count - 1) * p.out_len * p.inner +
+                                      (p.out_len - 1) * p.inner + p.inner_count);
+    scratch_in = F::malloc(std::max(in_bytes, out_bytes) + 64);
+    pin = reinterpret_cast<In*>(static_cast<char*>(scratch_in) +
+                                reinterpret_cast<uintptr_t>(in) % 64);
+    if (in_place) {
+      pout = reinterpret_cast<Out*>(pin);
+    } else {
+      scratch_out = F::malloc(out_bytes + 64);
+      pout = reinterpret_cast<Out*>(static_cast<char*>(scratch_out) +
+                                    reinterpret_cast<uintptr_t>(out) % 64);
+    }
+  }
+  void* plan = nullptr;
+  if (kind == kC2C) {
+    plan = F::c2c(dims, how, reinterpret_cast<typename F::C*>(pin),
+                  reinterpret_cast<typename F::C*>(pout), sign, flags);
+  } else if (kind == kR2C) {
+    plan = F::r2c(dims, how, reinterpret_cast<R*>(pin), reinterpret_cast<typename F::C*>(pout),
+                  flags);
+  } else {
+    // kC2R keeps the input: it belongs to TensorFlow.
+    plan = F::c2r(dims, how, reinterpret_cast<typename F::C*>(pin), reinterpret_cast<R*>(pout),
+                  kind == kC2R ? (flags | FFTW_PRESERVE_INPUT) : flags);
+  }
+  if (scratch_in) F::free(scratch_in);
+  if (scratch_out) F::free(scratch_out);
+  return plan;
+}
+
+template <typename R, typename In, typename Out>
+void* get_plan(int kind, int sign, const Piece& p, In* in, Out* out) {
+  bool in_place = static_cast<void*>(in) == static_cast<void*>(out);
+  PlanKey key(kind, Fftw<R>::kPrecision, sign, p.n, p.in_len, p.out_len, p.inner,
+              p.outer_count, p.inner_count,
+              static_cast<int>(reinterpret_cast<uintptr_t>(in) % 64),
+              static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64), in_place);
+  std::lock_guard<std::mutex> lock(planner_mutex());
+  auto& cache = plan_cache();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  void* plan = make_plan<R>(kind, sign, p, in, out, in_place);
+  if (plan) cache[key] = plan;  // plans live for the process
+  return plan;
+}
+
+// ---------------------------------------------------------------- shared kernel code
+struct Geometry {
+  i64 outer = 1, inner = 1;
+};
+
+Geometry geometry(const TensorShape& s, int axis) {
+  Geometry g;
+  for (int d = 0; d < axis; ++d) g.outer *= s.dim_size(d);
+  for (int d = axis + 1; d < s.dims(); ++d) g.inner *= s.dim_size(d);
+  return g;
+}
+
+template <typename R>
+typename Fftw<R>::C* fw(std::complex<R>* p) {
+  return reinterpret_cast<typename Fftw<R>::C*>(p);
+}
+template <typename R>
+R* fw(R* p) {
+  return p;
+}
+
+// Work per panel: about this many bytes, so that a panel stays in cache.
+constexpr i64 kPanelBytes = 1 << 17;
+// Below this many values the thread pool costs more than it saves.
+constexpr i64 kMinParallel = 1 << 15;
+
+// Variants of the real transforms along the axis (the layouts of in/out):
+//   kHalf: r2c writes / c2r reads the n // 2 + 1 non-negative frequencies;
+//   kFull: r2c writes all n modes (the upper half as the complex conjugates of
+//          the lower: the DFT of a real input); c2r reads n modes and returns
+//          Re(inverse DFT), computed as the c2r of the Hermitian part
+//          (x_k + conj(x_{n-k})) / 2, k <= n // 2.
+enum RealLayout { kHalf = 0, kFull = 1 };
+
+template <typename T>
+T conj_of(const T& v) {
+  return v;
+}
+template <typename R>
+std::complex<R> conj_of(const std::complex<R>& v) {
+  return std::conj(v);
+}
+
+// The transform of `kind` along the middle axis of in [outer, in_len, inner]
+// into out [outer, out_len, inner] (transform length n), times 1/n when
+// `normalized`. Returns false if FFTW could not plan.
+//
+// Along the last axis (inner == 1) the rows are contiguous: the threads each
+// take a group of rows, transformed in place in the tensors. Along any other
+// axis the transforms are strided by `inner` elements (often a multiple of
+// 4 kB: cache-set conflicts); the threads each take [in_len, block] panels of
+// `block` neighbouring columns, copy them into a buffer with a short row
+// stride, transform there (FFTW vectorises across the columns) and copy the
+// result out.
+template <typename R, typename In, typename Out>
+bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out* out, i64 outer,
+                   i64 n, i64 in_len, i64 out_len, i64 inner, bool normalized,
+                   int layout = kHalf) {
+  typedef Fftw<R> F;
+  typedef std::complex<R> Cx;
+  In* in = const_cast<In*>(in_c);  // FFTW's signature; the input is never written (see kinds)
+  const R s = R(1) / R(n);
+  const i64 m = n / 2 + 1;
+  const bool fill = layout == kFull && kind == kR2C;   // write the upper half
+  const bool fold = layout == kFull && kind == kC2R;   // Hermitian part first
+  std::atomic<bool> ok(true);
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+  i64 threads = workers->num_threads;
+  if (outer * std::max(in_len, out_len) * inner < kMinParallel) threads = 1;
+
+  if (inner == 1) {
+    i64 pieces = std::max<i64>(1, std::min(threads, outer));
+    const i64 chunk = (outer + pieces - 1) / pieces;
+    pieces = (outer + chunk - 1) / chunk;
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 q = begin; q < end; ++q) {
+        const i64 o0 = q * chunk, oc = std::min(chunk, outer - o0);
+        In* pin = in + o0 * in_len;
+        Out* pout = out + o0 * out_len;
+        if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
+          Cx* buf = static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m));
+          const Cx* src = reinterpret_cast<const Cx*>(pin);
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = 0; k < m; ++k)
+              buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
+          Piece p{n, m, n, 1, oc, 1};
+          void* plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
+          if (plan)
+            F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+          F::free(buf);
+          if (!plan) {
+            ok = false;
+            return;
+          }
+        } else {
+          Piece p{n, in_len, out_len, 1, oc, 1};
+          void* plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
+          if (!plan) {
+            ok = false;
+            return;
+          }
+          F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
+        }
+        if (fill)
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
+        if (normalized)
+          for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
+      }
+    };
+    if (pieces == 1)
+      work(0, 1);
+    else  // one shard per piece: a cost far above the sharder's minimum per shard
+      ::tensorflow::Shard(static_cast<int>(pieces), workers->workers, pieces, 1LL << 30, work);
+    return ok;
+  }
+
+  const i64 len = std::max(in_len, out_len);
+  const i64 block =
+      std::min(inner, std::max<i64>(4, kPanelBytes / (len * static_cast<i64>(sizeof(In)))));
+  const i64 blocks = (inner + block - 1) / block;
+  const i64 units = outer * blocks;
+  const int panel_kind = kind == kC2R ? kC2RDestroy : kind;
+  const i64 buf_in_len = fold ? m : in_len;  // rows FFTW reads
+  const bool same_buffer = kind == kC2C;
+  auto work = [&](int64_t begin, int64_t end) {
+    In* buf_in = static_cast<In*>(F::malloc(sizeof(In) * buf_in_len * block));
+    Out* buf_out =
+        same_buffer ? reinterpret_cast<Out*>(buf_in)
+                    : static_cast<Out*>(F::malloc(sizeof(Out) * out_len * block));
+    for (i64 u = begin; u < end && ok; ++u) {
+      const i64 o = u / blocks, b0 = (u % blocks) * block, bc = std::min(block, inner - b0);
+      const In* src = in + o * in_len * inner + b0;
+      if (fold) {
+        for (i64 k = 0; k < m; ++k) {
+          const In* a = src + k * inner;
+          const In* b = src + ((n - k) % n) * inner;
+          In* row = buf_in + k * block;
+          for (i64 i = 0; i < bc; ++i) row[i] = R(0.5) * (a[i] + conj_of(b[i]));
+        }
+      } else {
+        for (i64 j = 0; j < in_len; ++j)
+          std::memcpy(buf_in + j * block, src + j * inner, sizeof(In) * bc);
+      }
+      Piece p{n, buf_in_len, out_len, block, 1, bc};
+      void* plan = get_plan<R>(panel_kind, sign, p, fw<R>(buf_in), fw<R>(buf_out));
+      if (!plan) {
+        ok = false;
+        break;
+      }
+      F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf_in), fw<R>(buf_out));
+      if (fill)
+        for (i64 k = m; k < n; ++k) {
+          Out* row = buf_out + k * block;
+          const Out* mirror = buf_out + (n - k) * block;
+          for (i64 i = 0; i < bc; ++i) row[i] = conj_of(mirror[i]);
+        }
+      Out* dst = out + o * out_len * inner + b0;
+      for (i64 j = 0; j < out_len; ++j) {
+        Out* row = buf_out + j * block;
+        if (normalized)
+          for (i64 i = 0; i < bc; ++i) row[i] *= s;
+        std::memcpy(dst + j * inner, row, sizeof(Out) * bc);
+      }
+    }
+    if (!same_buffer) F::free(buf_out);
+    F::free(buf_in);
+  };
+  if (threads == 1 || units == 1)
+    work(0, units);
+  else
+    ::tensorflow::Shard(static_cast<int>(threads), workers->workers, units,
+                        len * block * 20, work);
+  return ok;
+}
+
+void checked_axis(OpKernelContext* ctx, int axis, const TensorShape& s) {
+  OP_REQUIRES(ctx, axis >= 0 && axis < s.dims(),
+              InvalidArgument("axis ", axis, " out of range for a tensor of rank ", s.dims()));
+}
+
+::tensorflow::Status plan_failed(const char* what) {
+  return ::tensorflow::errors::Internal("FFTW could not plan the ", what, " transform");
+}
+
+// ---------------------------------------------------------------- c2c
+template <typename R>
+class C2COp : public OpKernel {
+ public:
+  explicit C2COp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
+    OP_REQUIRES_OK(c, c->GetAttr("inverse", &inverse_));
+    OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    typedef std::complex<R> Cx;
+    const Tensor& x = ctx->input(0);
+    checked_axis(ctx, axis_, x.shape());
+    if (!ctx->status().ok()) return;
+    Tensor* y = nullptr;  // in place when TensorFlow lets us reuse the input buffer
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &y));
+    if (x.NumElements() == 0) return;
+    const i64 n = x.dim_size(axis_);
+    Geometry g = geometry(x.shape(), axis_);
+    OP_REQUIRES(ctx,
+                run_transform<R>(ctx, kC2C, inverse_ ? FFTW_BACKWARD : FFTW_FORWARD,
+                                 x.flat<Cx>().data(), y->flat<Cx>().data(), g.outer, n, n, n,
+                                 g.inner, normalized_),
+                plan_failed("c2c"));
+  }
+
+ private:
+  int axis_;
+  bool inverse_, normalized_;
+};
+
+// ---------------------------------------------------------------- r2c
+template <typename R>
+class R2COp : public OpKernel {
+ public:
+  explicit R2COp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
+    OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+    OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    typedef std::complex<R> Cx;
+    const Tensor& x = ctx->input(0);
+    checked_axis(ctx, axis_, x.shape());
+    if (!ctx->status().ok()) return;
+    const i64 n = x.dim_size(axis_);
+    OP_REQUIRES(ctx, n >= 1, InvalidArgument("r2c: the transform length must be >= 1"));
+    const i64 m = full_ ? n : n / 2 + 1;
+    TensorShape os = x.shape();
+    os.set_dim(axis_, m);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
+    if (y->NumElements() == 0) return;
+    Geometry g = geometry(x.shape(), axis_);
+    OP_REQUIRES(ctx,
+                run_transform<R>(ctx, kR2C, 0, x.flat<R>().data(), y->flat<Cx>().data(), g.outer,
+                                 n, n, m, g.inner, normalized_, full_ ? kFull : kHalf),
+                plan_failed("r2c"));
+  }
+
+ private:
+  int axis_;
+  bool normalized_, full_;
+};
+
+// ---------------------------------------------------------------- c2r
+template <typename R>
+class C2ROp : public OpKernel {
+ public:
+  explicit C2ROp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
+    OP_REQUIRES_OK(c, c->GetAttr("n", &n_));
+    OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+    OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
+    OP_REQUIRES(c, n_ >= 1, InvalidArgument("c2r: the transform length n must be >= 1"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    typedef std::complex<R> Cx;
+    const Tensor& x = ctx->input(0);
+    checked_axis(ctx, axis_, x.shape());
+    if (!ctx->status().ok()) return;
+    const i64 n = n_, m = full_ ? n_ : n_ / 2 + 1;
+    OP_REQUIRES(ctx, x.dim_size(axis_) == m,
+                InvalidArgument("c2r: axis ", axis_, " has length ", x.dim_size(axis_),
+                                ", expected ", full_ ? "n = " : "n // 2 + 1 = ", m,
+                                " for n = ", n));
+    TensorShape os = x.shape();
+    os.set_dim(axis_, n);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
+    if (y->NumElements() == 0) return;
+    Geometry g = geometry(x.shape(), axis_);
+    OP_REQUIRES(ctx,
+                run_transform<R>(ctx, kC2R, 0, x.flat<Cx>().data(), y->flat<R>().data(), g.outer,
+                                 n, m, n, g.inner, normalized_, full_ ? kFull : kHalf),
+                plan_failed("c2r"));
+  }
+
+ private:
+  int axis_;
+  ::tensorflow::int64 n_;
+  bool normalized_, full_;
+};
+
+// ---------------------------------------------------------------- registration
+::tensorflow::Status axis_attr(InferenceContext* c, int* axis) {
+  TF_RETURN_IF_ERROR(c->GetAttr("axis", axis));
+  if (c->RankKnown(c->input(0)) && (*axis < 0 || *axis >= c->Rank(c->input(0))))
+    return InvalidArgument("axis ", *axis, " out of range for rank ", c->Rank(c->input(0)));
+  return ::tensorflow::OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("FlowpmFftC2c")
+    .Input("x: T")
+    .Output("y: T")
+    .Attr("T: {complex64, complex128}")
+    .Attr("axis: int")
+    .Attr("inverse: bool")
+    .Attr("normalized: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      int axis;
+      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("1D complex FFT along `axis` (FFTW); times 1/n when `normalized`.");
+
+REGISTER_OP("FlowpmFftR2c")
+    .Input("x: Treal")
+    .Output("y: Tcomplex")
+    .Attr("Treal: {float, double}")
+    .Attr("Tcomplex: {complex64, complex128}")
+    .Attr("axis: int")
+    .Attr("normalized: bool")
+    .Attr("full: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      int axis;
+      bool full;
+      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
+      TF_RETURN_IF_ERROR(c->GetAttr("full", &full));
+      if (!c->RankKnown(c->input(0))) {
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
+      ShapeHandle out;
+      DimensionHandle d = c->Dim(c->input(0), axis);
+      DimensionHandle m = c->UnknownDim();
+      if (c->ValueKnown(d)) m = c->MakeDim(full ? c->Value(d) : c->Value(d) / 2 + 1);
+      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), axis, m, &out));
+      c->set_output(0, out);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Real-to-complex 1D FFT along `axis` (numpy.fft.rfft; with `full`, all n modes: "
+         "numpy.fft.fft of the real input), times 1/n when `normalized`.");
+
+REGISTER_OP("FlowpmFftC2r")
+    .Input("x: Tcomplex")
+    .Output("y: Treal")
+    .Attr("Treal: {float, double}")
+    .Attr("Tcomplex: {complex64, complex128}")
+    .Attr("n: int")
+    .Attr("axis: int")
+    .Attr("normalized: bool")
+    .Attr("full: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      int axis;
+      ::tensorflow::int64 n;
+      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
+      TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
+      if (!c->RankKnown(c->input(0))) {
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), axis, c->MakeDim(n), &out));
+      c->set_output(0, out);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`; with "
+         "`full`, n input modes: numpy.fft.ifft(x).real).");
+
+#define REGISTER(R, C)                                                                    \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("FlowpmFftC2c").Device(::tensorflow::DEVICE_CPU).TypeConstraint<C>("T"),       \
+      C2COp<R>);                                                                          \
+  REGISTER_KERNEL_BUILDER(Name("FlowpmFftR2c")                                            \
+                              .Device(::tensorflow::DEVICE_CPU)                           \
+                              .TypeConstraint<R>("Treal")                                 \
+                              .TypeConstraint<C>("Tcomplex"),                             \
+                          R2COp<R>);                                                      \
+  REGISTER_KERNEL_BUILDER(Name("FlowpmFftC2r")                                            \
+                              .Device(::tensorflow::DEVICE_CPU)                           \
+                              .TypeConstraint<R>("Treal")                                 \
+                              .TypeConstraint<C>("Tcomplex"),                             \
+                          C2ROp<R>);
+
+REGISTER(float, ::tensorflow::complex64)
+REGISTER(double, ::tensorflow::complex128)

@@ -1,0 +1,246 @@
+"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``):
+the native FFTW op against numpy.fft, its gradients by dot-product and finite
+differences, the TensorFlow fallback, and concurrent planning.
+
+No mesh: these run in the 1-rank pass. With ``FLOWPM_MTF_NATIVE=require`` (set by
+``scripts/run_tests.sh``) the native op must be built; without it the tests
+that need it are skipped and the others test the TensorFlow path.
+"""
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from flowpm_mtf import fft, native
+
+tf.disable_eager_execution()
+pytestmark = pytest.mark.rank_independent
+
+# 1D FFT of length <= 192: rounding ~ log2(n) eps relative to the largest value.
+RTOL = {"float64": 1e-12, "float32": 2e-6}
+# <A x, y> = <x, A^T y>: sums of ~1e4 products in different orders (float64).
+ADJOINT_RTOL = 1e-12
+# Central differences on a quadratic loss in float64: exact up to rounding
+# ~1e-16 / FD_EPS relative to the loss.
+FD_EPS = 1e-6
+FD_RTOL = 1e-6
+
+LENGTHS = [192, 96, 30, 7]  # non-powers of two with factors 2, 3, 5, 7
+COMPLEX = {"float32": np.complex64, "float64": np.complex128}
+NAMES = ["fft", "ifft", "rfft", "irfft", "fft_of_real", "ifft_real"]
+
+
+def have_native():
+    return native.load("fft_ops") is not None
+
+
+needs_native = pytest.mark.skipif(
+    not have_native() and native.mode() != "require",
+    reason="native FFT op not built (python -m flowpm_mtf.native.build)")
+
+
+def run(fetches, threads=2):
+    config = tf.ConfigProto(intra_op_parallelism_threads=threads,
+                            inter_op_parallelism_threads=threads)
+    with tf.Session(config=config) as sess:
+        return sess.run(fetches)
+
+
+def shape_for(n, axis):
+    """A 3D shape with length n on ``axis``; big enough (> 32k values) for the
+    threaded path, with panels that do not divide the other axes evenly."""
+    shape = [5, 3, 70]
+    shape[axis] = n
+    if n < 30:
+        shape[(axis + 1) % 3] *= 40
+    return tuple(shape)
+
+
+def rel_err(a, b):
+    return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300)
+
+
+def test_require_means_native_is_used():
+    """With FLOWPM_MTF_NATIVE=require (CI) the op is loaded and chosen on the CPU."""
+    if native.mode() != "require":
+        pytest.skip("FLOWPM_MTF_NATIVE is not 'require'")
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        x = tf.zeros([4, 8], tf.complex64)
+        assert fft.uses_native(x)
+        assert fft.fft_along(x, 1).op.type == "FlowpmFftC2c"
+
+
+def test_gpu_device_keeps_tensorflow_ops():
+    """A tensor placed on a GPU takes tf.signal (cuFFT); only the graph is built here
+    (no GPU on this machine: the GPU path itself is not run by the tests)."""
+    with tf.Graph().as_default():
+        with tf.device("/gpu:0"):
+            x = tf.zeros([4, 8], tf.complex64)
+            assert not fft.uses_native(x)
+            assert fft.fft_along(x, 0).op.type != "FlowpmFftC2c"
+            assert fft.rfft_along(tf.zeros([4, 8]), 1).op.type != "FlowpmFftR2c"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_native_matches_numpy(n, dtype):
+    """c2c forward/inverse, r2c, c2r (half and full spectrum) along every axis
+    against numpy.fft."""
+    rng = np.random.RandomState(n)
+    fetches, refs = [], []
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        for axis in range(3):
+            shape = shape_for(n, axis)
+            x = (rng.randn(*shape) + 1j * rng.randn(*shape)).astype(COMPLEX[dtype])
+            r = rng.randn(*shape).astype(dtype)
+            h = np.take(x, range(n // 2 + 1), axis=axis)  # not Hermitian
+            xt, rt, ht = tf.constant(x), tf.constant(r), tf.constant(h)
+            fetches += [fft.fft_along(xt, axis), fft.fft_along(xt, axis, inverse=True),
+                        fft.rfft_along(rt, axis), fft.irfft_along(ht, n, axis),
+                        fft.fft_of_real_along(rt, axis), fft.ifft_real_part_along(xt, axis)]
+            x64, h64, r64 = x.astype(np.complex128), h.astype(np.complex128), r.astype(np.float64)
+            refs += [np.fft.fft(x64, axis=axis), np.fft.ifft(x64, axis=axis),
+                     np.fft.rfft(r64, axis=axis), np.fft.irfft(h64, n, axis=axis),
+                     np.fft.fft(r64, axis=axis), np.fft.ifft(x64, axis=axis).real]
+            assert all(f.op.type.startswith("FlowpmFft") for f in fetches[-len(NAMES):])
+        out = run(fetches)
+    for i, (o, ref) in enumerate(zip(out, refs)):
+        name = NAMES[i % len(NAMES)]
+        assert o.dtype == (dtype if name in ("irfft", "ifft_real") else COMPLEX[dtype])
+        assert o.shape == ref.shape
+        assert rel_err(o, ref) < RTOL[dtype], (i // len(NAMES), name)
+
+
+@needs_native
+def test_native_equals_tensorflow_path(monkeypatch):
+    """The native op and the TF fallback agree (float64, odd and even lengths, both
+    normalisations in both directions)."""
+    rng = np.random.RandomState(7)
+    x = rng.randn(6, 30, 7) + 1j * rng.randn(6, 30, 7)
+    r = rng.randn(6, 30, 7)
+
+    def build():
+        out = []
+        for axis in (1, 2):
+            n = x.shape[axis]
+            h = tf.constant(np.take(x, range(n // 2 + 1), axis=axis))
+            out += [fft.fft_along(tf.constant(x), axis), fft.rfft_along(tf.constant(r), axis),
+                    fft.irfft_along(h, n, axis),
+                    fft.fft_along(tf.constant(x), axis, inverse=False, normalized=True),
+                    fft.fft_along(tf.constant(x), axis, inverse=True, normalized=False),
+                    fft.fft_of_real_along(tf.constant(r), axis, normalized=True),
+                    fft.ifft_real_part_along(tf.constant(x), axis, normalized=False)]
+        return out
+
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        nat = run(build())
+    monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        ops = build()
+        assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
+        ref = run(ops)
+    for a, b in zip(nat, ref):
+        assert rel_err(a, b) < RTOL["float64"]
+
+
+def _real_dot(a, b):
+    return np.sum(np.real(np.conj(a) * b))
+
+
+@needs_native
+@pytest.mark.parametrize("n", [30, 7, 96])
+def test_native_gradients_adjoint(n):
+    """<A x, y> = <x, A^T y> for every op (A^T y from tf.gradients), float64."""
+    rng = np.random.RandomState(n + 1)
+    shape = (4, n, 3)
+    m = n // 2 + 1
+    x_c = rng.randn(*shape) + 1j * rng.randn(*shape)
+    y_c = rng.randn(*shape) + 1j * rng.randn(*shape)
+    x_r, y_r = rng.randn(*shape), rng.randn(*shape)
+    x_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
+    y_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        cases = []
+        for name, fn, x, y in (
+                ("fft", lambda t: fft.fft_along(t, 1), x_c, y_c),
+                ("ifft", lambda t: fft.fft_along(t, 1, inverse=True), x_c, y_c),
+                ("rfft", lambda t: fft.rfft_along(t, 1), x_r, y_h),
+                ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r),
+                ("fft_of_real", lambda t: fft.fft_of_real_along(t, 1), x_r, y_c),
+                ("ifft_real", lambda t: fft.ifft_real_part_along(t, 1), x_c, y_r)):
+            xt, yt = tf.constant(x), tf.constant(y)
+            ax = fn(xt)
+            # loss = <A x, y> (real inner product): its gradient is A^T y
+            loss = tf.reduce_sum(tf.math.real(tf.math.conj(tf.cast(ax, tf.complex128))
+                                              * tf.cast(yt, tf.complex128)))
+            g, = tf.gradients(loss, [xt])
+            cases.append((name, x, y, ax, g))
+        out = run([(c[3], c[4]) for c in cases])
+    for (name, x, y, _, _), (ax, aty) in zip(cases, out):
+        lhs, rhs = _real_dot(ax, y), _real_dot(x, aty)
+        assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (name, lhs, rhs)
+        assert aty.dtype == x.dtype, name
+
+
+@needs_native
+@pytest.mark.parametrize("op", NAMES)
+def test_native_gradients_finite_difference(op):
+    """Quadratic losses sum(w |A x|^2) (a real weight w): tf.gradients against central
+    differences at a few elements, real and imaginary parts separately (float64)."""
+    n = 6
+    rng = np.random.RandomState(11)
+    m = n // 2 + 1
+    if op in ("fft", "ifft", "ifft_real"):
+        x0 = rng.randn(3, n) + 1j * rng.randn(3, n)
+    elif op in ("rfft", "fft_of_real"):
+        x0 = rng.randn(3, n)
+    else:  # including the imaginary parts of the zero and Nyquist modes (ignored)
+        x0 = rng.randn(3, m) + 1j * rng.randn(3, m)
+    fn = {"fft": lambda t: fft.fft_along(t, 1),
+          "ifft": lambda t: fft.fft_along(t, 1, inverse=True),
+          "rfft": lambda t: fft.rfft_along(t, 1),
+          "irfft": lambda t: fft.irfft_along(t, n, 1),
+          "fft_of_real": lambda t: fft.fft_of_real_along(t, 1),
+          "ifft_real": lambda t: fft.ifft_real_part_along(t, 1)}[op]
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        xp = tf.placeholder(tf.as_dtype(x0.dtype), x0.shape)
+        y = fn(xp)
+        w = tf.constant(rng.rand(*y.shape.as_list()) + 0.5)
+        if y.dtype.is_complex:
+            loss = tf.reduce_sum(w * tf.math.real(y * tf.math.conj(y)))
+        else:
+            loss = tf.reduce_sum(w * y * y)
+        g, = tf.gradients(loss, [xp])
+        with tf.Session() as sess:
+            grad = sess.run(g, {xp: x0})
+            parts = ["re", "im"] if np.iscomplexobj(x0) else ["re"]
+            for idx in [(0, 0), (1, x0.shape[1] - 1), (2, 1)]:
+                for part in parts:
+                    d = np.zeros_like(x0)
+                    d[idx] = FD_EPS if part == "re" else 1j * FD_EPS
+                    fd = (sess.run(loss, {xp: x0 + d}) - sess.run(loss, {xp: x0 - d})) / (2 * FD_EPS)
+                    gv = grad[idx].real if part == "re" else grad[idx].imag
+                    assert abs(fd - gv) <= FD_RTOL * max(1.0, np.max(np.abs(grad))), (idx, part)
+
+
+@needs_native
+def test_native_concurrent_planning():
+    """Many first-time plans of different shapes in one run, on 2 inter-op threads:
+    the plan cache is shared and the FFTW planner is serialised (no crash, right values)."""
+    rng = np.random.RandomState(5)
+    arrays = [rng.randn(4, n, 9) + 1j * rng.randn(4, n, 9) for n in (11, 13, 17, 19, 23, 29)]
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        outs = [fft.fft_along(tf.constant(a), axis) for a in arrays for axis in (0, 1, 2)]
+        res = run(outs)
+    refs = [np.fft.fft(a, axis=axis) for a in arrays for axis in (0, 1, 2)]
+    for o, ref in zip(res, refs):
+        assert rel_err(o, ref) < RTOL["float64"]
+
+
+def test_bad_lengths_raise():
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        with pytest.raises(ValueError, match="n // 2 \\+ 1"):
+            fft.irfft_along(tf.zeros([4, 5], tf.complex64), 12, 1)
+        with pytest.raises(ValueError, match="out of range"):
+            fft.fft_along(tf.zeros([4, 5], tf.complex64), 2)
+

@@ -1,0 +1,268 @@
+"""The batch scripts on a real Slurm, a preempted run that resumes, and horovodrun for real.
+
+A private one-node Slurm 22.05 cluster (:mod:`slurm_harness`: munged, slurmctld and
+slurmd in a temporary directory, stopped at the end of this module) runs the templates
+``slurm/*.sbatch`` exactly as they are in the repository; only sbatch command-line options
+adapt them to this CPU-only node (``--gpus-per-node=0``, ranks per node, one CPU per
+task). srun starts the ranks through PMIx (Debian's Open MPI 4.1 is built against PMIx
+and has no Slurm PMI-1/PMI-2 support, so ``--mpi=pmi2`` fails here). The jobs are tiny
+(16^3 cells) so the whole file takes a few minutes.
+
+These tests start their own jobs (``single_process``: the 1-rank pass runs them). Without
+root or without the Slurm packages the Slurm tests are skipped with the reason.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from slurm_harness import MARKER, SlurmCluster, kill_leftovers, marked_pids, unavailable_reason
+
+pytestmark = pytest.mark.single_process
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SINGLE = os.path.join(REPO, "slurm", "single_node_multi_gpu.sbatch")
+MULTI = os.path.join(REPO, "slurm", "multi_node.sbatch")
+#: The jobs: 16^3 cells, halo 4 (< the 8-cell blocks of a 2x2 grid).
+NC = 16
+HALO = 4
+#: Steps of the reference and the preempted run: the loop must last long enough for the
+#: SIGTERM to arrive in it: 10-20 ms per step at 16^3 plus the checkpoints, i.e. seconds.
+STEPS = 200
+CHECKPOINT_EVERY = 10
+#: Seconds a tiny job may take on this loaded 2-core machine before it counts as hung.
+JOB_TIMEOUT_S = 420
+#: pytest-timeout limit of a test that runs up to two jobs (CI's --timeout 600 is per test;
+#: each job is bounded by JOB_TIMEOUT_S on its own).
+two_jobs_timeout = pytest.mark.timeout(2 * JOB_TIMEOUT_S + 120)
+#: sbatch options that fit the GPU templates to this CPU-only node.
+CPU_NODE = ("--gpus-per-node=0", "--cpus-per-task=1", "--time=00:15:00")
+
+
+def skip_unless_slurm_can_run():
+    """Skip (with the reason) where no test cluster can run."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """The running test cluster (skips with the reason when it cannot run here)."""
+    skip_unless_slurm_can_run()
+    with SlurmCluster() as cluster:
+        yield cluster
+
+
+def job_env(cluster, **extra):
+    """Environment of a submission: the cluster's, this venv, the template variables."""
+    env = dict(cluster.env, VENV=sys.prefix, PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def submit(cluster, template, out, log_dir, ntasks, **env):
+    """sbatch ``template`` unchanged (options on the command line) from the repository.
+
+    Returns
+    -------
+    (int, str)
+        The job id and its output file.
+    """
+    log = os.path.join(str(log_dir), "%s-%%j.out" % os.path.basename(str(out)))
+    options = CPU_NODE + ("--nodes=1", "--ntasks-per-node=%d" % ntasks, "--output=" + log)
+    job_id = cluster.sbatch(template, options, args=("--halo", str(HALO), "--no-plot"),
+                            env=job_env(cluster, NC=NC, OUT=out, **env), cwd=REPO)
+    return job_id, log.replace("%j", str(job_id))
+
+
+def finished(cluster, job_id, log):
+    """Wait for the job; assert it COMPLETED with exit code 0; returns its output."""
+    info = cluster.wait(job_id, JOB_TIMEOUT_S)
+    text = open(log, errors="replace").read() if os.path.exists(log) else "(no output file)"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", \
+        "job %d: %s, exit %s\n%s" % (job_id, info["JobState"], info["ExitCode"], text[-4000:])
+    return text
+
+
+def read_snapshot(path):
+    """The snapshot's datasets, particles sorted by id when the file has ids."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        data = {name: f[name][...] for name in f if isinstance(f[name], h5py.Dataset)}
+    if "id" in data:
+        order = np.argsort(data["id"], kind="stable")
+        for name in ("id", "position", "velocity"):
+            data[name] = data[name][order]
+    return data
+
+
+def check_run(out, ntasks, steps):
+    """A complete run of ``ntasks`` ranks in ``out``: snapshot and summary."""
+    snap = read_snapshot(os.path.join(out, "snapshot.h5"))
+    n = NC ** 3
+    assert snap["position"].shape == (n, 3) and snap["velocity"].shape == (n, 3)
+    assert snap["density"].shape == (NC, NC, NC)
+    for name in ("position", "velocity", "density"):
+        assert np.all(np.isfinite(snap[name])), name
+    # CIC painting conserves mass: the mean of 1 + delta is 1
+    assert abs(float(snap["density"].mean()) - 1.0) < 1e-4
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    # one MPI world of ntasks ranks: every rank reported its memory, the grid uses them all
+    assert len(summary["peak_memory_mb_per_rank"]) == ntasks, summary["peak_memory_mb_per_rank"]
+    assert int(np.prod(summary["config"]["grid"])) == ntasks
+    assert summary["config"]["n_steps"] == steps and list(summary["config"]["nc"]) == [NC] * 3
+    return snap, summary
+
+
+def check_srun_started_ranks(text, ntasks):
+    """The template launched ``ntasks`` ranks with srun's PMIx plugin."""
+    assert re.search(r"flowpm-mtf: simulate on %d ranks \(1 node\(s\), srun --mpi=pmix\)"
+                     % ntasks, text), text[-3000:]
+    assert "not built with SLURM's PMI support" not in text
+
+
+@pytest.fixture(scope="module")
+def reference(slurm, tmp_path_factory):
+    """single_node_multi_gpu.sbatch, 2 ranks, STEPS steps, uninterrupted: (out, output)."""
+    base = tmp_path_factory.mktemp("slurm-reference")
+    out = str(base / "out-reference")
+    job_id, log = submit(slurm, SINGLE, out, base, ntasks=2, STEPS=STEPS)
+    return out, finished(slurm, job_id, log)
+
+
+def test_leftovers_of_a_dead_test_process_are_killed(tmp_path):
+    """The guard ends processes marked by a test process that is gone, and only those."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid names an owner that no longer exists
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    orphan = subprocess.Popen(sleeper, env=dict(os.environ, **{MARKER: "%d:%s" % (
+        dead.pid, tmp_path / "flowpm-mtf-slurm-gone")}))
+    alive = subprocess.Popen(sleeper, env=dict(os.environ, **{MARKER: "%d:%s" % (
+        os.getpid(), tmp_path / "flowpm-mtf-slurm-mine")}))
+    try:
+        t_end = time.monotonic() + 10  # the environment is readable once exec is done
+        while {orphan.pid, alive.pid} - set(marked_pids()) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        killed = kill_leftovers()
+        assert orphan.pid in killed and alive.pid not in killed
+        assert orphan.wait(timeout=10) == -9 and alive.poll() is None
+    finally:
+        for p in (orphan, alive):
+            p.kill()
+            p.wait()
+
+
+def test_cluster_stops_without_leftovers():
+    """start() then stop(): no daemon of the cluster survives, its directory is gone."""
+    skip_unless_slurm_can_run()
+    with SlurmCluster() as cluster:
+        pids = [p.pid for p in cluster.procs.values()]
+        assert len(pids) == 3 and set(pids) <= set(marked_pids(cluster.env[MARKER]))
+    assert marked_pids(cluster.env[MARKER]) == []
+    assert all(p.poll() is not None for p in cluster.procs.values())
+    assert not os.path.exists(cluster.root)
+
+
+def test_pmix_is_the_mpi_plugin_here(slurm):
+    """srun offers PMIx, the interface Debian's Open MPI was built for (ext3x component)."""
+    proc = slurm.run(["srun", "--mpi=list"])
+    plugins = proc.stdout + proc.stderr
+    assert "pmix" in plugins, plugins
+
+
+@two_jobs_timeout
+def test_single_node_template(reference):
+    out, text = reference
+    check_srun_started_ranks(text, 2)
+    check_run(out, 2, STEPS)
+
+
+@two_jobs_timeout
+def test_multi_node_template_on_one_node(slurm, tmp_path):
+    out = str(tmp_path / "out-multi")
+    job_id, log = submit(slurm, MULTI, out, tmp_path, ntasks=4, STEPS=2)
+    text = finished(slurm, job_id, log)
+    check_srun_started_ranks(text, 4)
+    check_run(out, 4, 2)
+
+
+def _has_checkpointing():
+    """None when ``flowpm-mtf simulate`` has --checkpoint-every and --resume, else why not."""
+    exe = os.path.join(sys.prefix, "bin", "flowpm-mtf")
+    proc = subprocess.run([exe, "simulate", "--help"], capture_output=True, text=True, timeout=120)
+    missing = [f for f in ("--checkpoint-every", "--resume") if f not in proc.stdout]
+    if missing:
+        return ("flowpm-mtf simulate has no %s: the checkpoint/resume/SIGTERM feature "
+                "(issue 11, flowpm_mtf/checkpoint.py) is not in this tree" % " / ".join(missing))
+    return None
+
+
+def _wait_for(pattern, log, cluster, job_id, timeout=JOB_TIMEOUT_S):
+    """Poll the job's output until ``pattern`` shows up (fails if the job ends first)."""
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        text = open(log, errors="replace").read() if os.path.exists(log) else ""
+        if re.search(pattern, text):
+            return text
+        state = cluster.job(job_id)["JobState"]
+        if state not in ("PENDING", "CONFIGURING", "RUNNING"):
+            pytest.fail("job %d ended (%s) before %r appeared:\n%s"
+                        % (job_id, state, pattern, text[-3000:]))
+        time.sleep(0.05)
+    pytest.fail("%r did not appear in %s within %d s" % (pattern, log, timeout))
+
+
+@two_jobs_timeout
+def test_preempted_run_resumes_bit_identical(slurm, reference, tmp_path):
+    reason = _has_checkpointing()
+    if reason:
+        pytest.skip(reason)
+    out = str(tmp_path / "out-preempted")
+    env = dict(STEPS=STEPS, CHECKPOINT_EVERY=CHECKPOINT_EVERY)
+    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
+    # SIGTERM once the time loop runs (rank 0 logged its first step), through Slurm to
+    # every task of the job's steps, as before a time limit (--signal) or at preemption
+    _wait_for(r"step 1/%d\b" % STEPS, log, slurm, job_id)
+    slurm.run(["scancel", "--signal=TERM", str(job_id)])
+    first = finished(slurm, job_id, log)
+    steps = sorted(int(os.path.basename(d)[len("step_"):])
+                   for d in glob.glob(os.path.join(out, "checkpoint", "step_*")))
+    assert steps, "no checkpoint in %s:\n%s" % (out, first[-3000:])
+    assert steps[-1] < STEPS, "the run was not stopped early:\n%s" % first[-3000:]
+    assert not os.path.exists(os.path.join(out, "summary.json")), \
+        "a stopped run must not look complete"
+
+    # the same submission again: the template sees the unfinished run and resumes it
+    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
+    second = finished(slurm, job_id, log)
+    assert "resuming the unfinished run in %s" % out in second, second[-3000:]
+    resumed, _ = check_run(out, 2, STEPS)
+    expected = read_snapshot(os.path.join(reference[0], "snapshot.h5"))
+    assert sorted(resumed) == sorted(expected)
+    for name, value in expected.items():
+        assert resumed[name].dtype == value.dtype and np.array_equal(resumed[name], value), \
+            "%s differs from the uninterrupted run's (stopped after step %d)" % (name, steps[-1])
+
+
+@two_jobs_timeout
+def test_horovodrun_launcher_for_real(tmp_path):
+    """scripts/run_horovodrun.sh, 2 ranks on localhost (horovodrun --mpi: with Gloo alone
+    every process would be an MPI singleton and HvdSimdMeshImpl refuses the mismatch)."""
+    out = str(tmp_path / "out-hvdrun")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_", "SLURM_"))}
+    env.update(NP="2", NC=str(NC), OUT=out, VENV=sys.prefix, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "run_horovodrun.sh"),
+                           "--steps", "2", "--halo", str(HALO), "--no-plot"],
+                          env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    check_run(out, 2, 2)  # both ranks in one MPI world (the summary has each rank's memory)
