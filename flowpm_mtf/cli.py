@@ -159,7 +159,7 @@ def safety_hooks(job, args, run_dir):
             preflight.check_numerics(ctx.conf)
             preflight.check_memory(
                 ctx.conf, ctx.comm, processes=1 if ctx.backend.name == "placement" else None,
-                masters=getattr(ctx.backend.mesh_impl, "keeps_full_size_masters", True),
+                masters=not getattr(ctx.backend.mesh_impl, "slice_only_variables", False),
                 force=args.force)
         run_dir.open()
 
