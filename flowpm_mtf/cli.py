@@ -197,7 +197,9 @@ def main(argv=None):
         log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
                            for key, cfg in configs.items()))
         backend = backend_mod.make_backend(args.backend, configs["config"])
-        run_dir = RunDir(args.out, job.name, comm=backend.comm, overwrite=args.overwrite)
+        resume = getattr(args, "resume", None)  # --resume DIR (checkpoints) continues DIR
+        run_dir = RunDir(resume or args.out, job.name, comm=backend.comm,
+                         overwrite=args.overwrite, resume=bool(resume))
         try:
             runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
                        hooks=safety_hooks(job, args, run_dir))
