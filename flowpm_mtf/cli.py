@@ -233,6 +233,30 @@ def _as_user_error(exc, args):
     return None
 
 
+#: Longest wait [s] of a failing rank for the others before it exits (see _meet_before_exit).
+EXIT_MEETING_S = 30.0
+
+
+def _meet_before_exit():
+    """Wait (bounded) until every rank has reported the collective error.
+
+    The first rank to exit non-zero makes ``mpirun`` kill the others, possibly
+    before rank 0 printed the message: the ranks meet in a non-blocking barrier
+    first, given up after :data:`EXIT_MEETING_S` (an error that hit some ranks
+    only must not hang them).
+    """
+    import time
+
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return
+    req = MPI.COMM_WORLD.Ibarrier()
+    t_end = time.monotonic() + EXIT_MEETING_S
+    while not req.Test() and time.monotonic() < t_end:
+        time.sleep(0.01)
+
+
 def report_error(exc, args, verbose):
     """Print ``flowpm-mtf: error: <message>`` once and return the exit code.
 
@@ -251,6 +275,8 @@ def report_error(exc, args, verbose):
             prefix = "" if rank == 0 else "[rank %d] " % rank
             sys.stderr.write("flowpm-mtf: error: %s%s\n" % (prefix, err))
             sys.stderr.flush()
+        if size > 1 and getattr(err, "same_on_every_rank", True):
+            _meet_before_exit()  # else the launcher may kill rank 0 before it prints
         return err.exit_code
     first = (str(exc).strip().splitlines() or [""])[0]
     sys.stderr.write("flowpm-mtf: error: [rank %d] internal error %s: %s%s\n"

@@ -83,7 +83,7 @@ def test_existing_run_untouched_then_overwritten(tmp_path):
     assert third.returncode == 0, third.out[-3000:]
     assert_only_manifest_files(out)
     m = rundir.read_manifest(out)
-    assert m["config"]["seed"] == 7 and m["config"]["n_steps"] == 1
+    assert m["config"]["config"]["seed"] == 7 and m["config"]["config"]["n_steps"] == 1
     assert "overview.png" in os.listdir(out)
 
 
@@ -107,7 +107,7 @@ def test_concurrent_runs_exactly_one_succeeds(tmp_path):
     loser = results[codes.index(next(c for c in codes if c != 0))]
     assert re.search(r"in use by another run|holds a complete run", loser[1]), loser[1][-3000:]
     assert_only_manifest_files(out)
-    seed = rundir.read_manifest(out)["config"]["seed"]
+    seed = rundir.read_manifest(out)["config"]["config"]["seed"]
     import json
 
     with open(out / "summary.json") as f:
@@ -190,7 +190,7 @@ def test_placement_backend_refused_under_mpi(tmp_path):
 def test_user_errors_one_line(tmp_path):
     proc = flowpm("fft-demo", "--nc", "16", "--halo", "2", "--repeats", "0",
                   "--out", tmp_path / "D")
-    assert_one_error_line(proc, r"--repeats: must be >= 1")
+    assert_one_error_line(proc, r"repeats must be an integer >= 1, got 0")
     proc = flowpm("simulate", *SMALL, "--a-start", "1e-10", "--out", tmp_path / "D")
     assert_one_error_line(proc, r"a_start=1e-10 is below what float32 resolves.*--a-start >= ")
     assert not os.path.exists(tmp_path / "D")
