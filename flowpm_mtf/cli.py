@@ -58,9 +58,9 @@ def add_run_arguments(parser, job):
     group.add_argument("--config", metavar="FILE.json",
                        help="JSON file of config fields (keys = field names, or sections "
                             "%s); flags override it" % ", ".join(s.key for s in job.sections))
-    group.add_argument("--out", default=job.default_out,
+    group.add_argument("--out", default=None,
                        help="run directory; refused if it holds a complete run, unless "
-                            "--overwrite (default: %(default)s)")
+                            "--overwrite (default: %s)" % job.default_out)
     group.add_argument("--overwrite", action="store_true",
                        help="replace the complete earlier run in --out (all of its files)")
     group.add_argument("--force", action="store_true",
@@ -73,6 +73,14 @@ def add_run_arguments(parser, job):
     group.add_argument("--verbose", action="store_true",
                        help="tracebacks on errors, TensorFlow's C++ start-up lines, debug "
                             "output")
+    if getattr(job, "checkpoints", False):
+        group.add_argument("--checkpoint-every", type=int, metavar="K",
+                           help="write a checkpoint into OUT/checkpoint every K steps (SIGTERM "
+                                "always checkpoints and exits 0)")
+        group.add_argument("--resume", metavar="DIR",
+                           help="continue the run in DIR from its newest valid checkpoint "
+                                "(outputs go to DIR; --grid may differ, other settings must "
+                                "match the checkpoint)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -169,6 +177,59 @@ def safety_hooks(job, args, run_dir):
     return runner.Hooks(preflight=[check], after_run=[publish])
 
 
+def explicit_values(job, args):
+    """Section key -> {field: value} set by a flag or ``--config`` (not by defaults)."""
+    from .jobs.options import job_values
+
+    given = job_values(job, args, args.config)
+    defaults = job_values(job, argparse.Namespace(), None)
+    file_keys = set()
+    if args.config:
+        with open(args.config) as fh:
+            data = json.load(fh)
+        for key, value in data.items():
+            file_keys.update(value if (key in given and isinstance(value, dict)) else [key])
+    out = {}
+    for key, values in given.items():
+        for name, value in values.items():
+            if "%s:%s" % (key, name) in vars(args) or name in file_keys or \
+                    defaults[key].get(name, object()) != value:
+                out.setdefault(key, {})[name] = value
+    return out
+
+
+def resume_configs(job, args):
+    """The configs of the checkpointed run in ``args.resume`` (the grid may change).
+
+    Raises
+    ------
+    ResumeError
+        No valid checkpoint in the directory, or an option that contradicts it.
+    """
+    from . import checkpoint
+    from .errors import ResumeError
+
+    found = checkpoint.candidates(args.resume)
+    if not found:
+        raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
+                          "to write checkpoints, or start a new run)"
+                          % (args.resume, checkpoint.checkpoint_root(args.resume)))
+    manifest = found[0][1]
+    overrides = explicit_values(job, args)
+    sim = overrides.setdefault("config", {})
+    if sim.get("grid") is None:
+        n = world()[1]
+        sim["grid"] = default_grid(n) if args.backend == "hvd" else tuple(manifest["grid"])
+    configs = checkpoint.check_resume_config(manifest, overrides,
+                                             {sec.key: sec.make for sec in job.sections})
+    n = world()[1]
+    conf = configs["config"]
+    if args.backend == "hvd" and conf.n_ranks != n:
+        raise ResumeError("the process grid %s needs %d ranks but the job has %d; launch with "
+                          "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
+    return configs
+
+
 def main(argv=None):
     """Parse the command line and run one job; returns the exit code (see :func:`report_error`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -180,7 +241,6 @@ def main(argv=None):
     from . import jobs
     from .jobs import runner
     from .logs import rank0_only, setup_logging
-    from .rundir import RunDir
 
     setup_logging("DEBUG" if verbose else "INFO")
     rank0_only(log)
@@ -191,23 +251,41 @@ def main(argv=None):
         args = build_parser(registry).parse_args(argv)
         if args.backend == "hvd" and world()[1] > 1:
             backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
-        job = registry[args.command]
-        configs = make_configs(job, args)
-        args.conf = configs["config"]  # for the error messages
-        log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
-                           for key, cfg in configs.items()))
-        backend = backend_mod.make_backend(args.backend, configs["config"])
-        resume = getattr(args, "resume", None)  # --resume DIR (checkpoints) continues DIR
-        run_dir = RunDir(resume or args.out, job.name, comm=backend.comm,
-                         overwrite=args.overwrite, resume=bool(resume))
-        try:
-            runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
-                       hooks=safety_hooks(job, args, run_dir))
-        finally:
-            run_dir.close()
+        run_job(registry[args.command], args, backend_mod, runner)
         return 0
     except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)
         return report_error(e, args, verbose)
+
+
+def run_job(job, args, backend_mod, runner):
+    """Configs (new run, or ``--resume``), backend, run directory, then the runner."""
+    from .errors import ConfigError, ResumeError
+    from .rundir import RunDir
+
+    every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
+    if every is not None and every < 1:
+        raise ConfigError("--checkpoint-every takes a number of steps >= 1, got %d" % every)
+    if resume:
+        if args.out not in (None, resume):
+            raise ResumeError("--resume %s writes its outputs there; drop --out %s"
+                              % (resume, args.out))
+        args.out = resume
+        configs = resume_configs(job, args)
+    else:
+        configs = make_configs(job, args)
+    args.conf = configs["config"]  # for the error messages
+    out = args.out or job.default_out
+    log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
+                       for key, cfg in configs.items()))
+    backend = backend_mod.make_backend(args.backend, configs["config"])
+    run_dir = RunDir(out, job.name, comm=backend.comm, overwrite=args.overwrite,
+                     resume=bool(resume))
+    try:
+        return runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
+                          hooks=safety_hooks(job, args, run_dir), checkpoint_every=every,
+                          resume=bool(resume))
+    finally:
+        run_dir.close()
 
 
 def _as_user_error(exc, args):

@@ -5,30 +5,9 @@ Every ``flowpm_mtf`` operation takes the configuration explicitly
 
 Dimension names and layout
 --------------------------
-All Mesh TensorFlow dimension names used by the package are defined here, once:
-
-================  =====================  ===========  ==============================
-name              size                   mesh axis    meaning
-================  =====================  ===========  ==============================
-``x``             ``nc[0]``              ``row``      real-space field, axis x
-``y``             ``nc[1]``              ``col``      real-space field, axis y
-``z``             ``nc[2]``              --           real-space field, axis z (local)
-``kx``            ``nc[0]``              --           k-space field, axis x (local)
-``ky``            ``nc[1]``              ``row``      k-space field, axis y
-``kz``            ``nc[2]``              ``col``      k-space field, axis z
-``bx``            ``P``                  ``row``      block index along x
-``by``            ``Q``                  ``col``      block index along y
-``sx``            ``nc[0] // P``         --           cell inside a block, x
-``sy``            ``nc[1] // Q``         --           cell inside a block, y
-``px``            ``nc[0] // P + 2 h``   --           cell inside a padded block, x
-``py``            ``nc[1] // Q + 2 h``   --           cell inside a padded block, y
-``npart``         particles per block    --           particle index inside a block
-``xyz``           3                      --           vector component
-================  =====================  ===========  ==============================
-
-``P, Q = grid`` and ``h = halo_size``. The k-space layout is the natural output
-of the pencil FFT (see :mod:`flowpm_mtf.fft`); since Mesh TF broadcasts by
-*name*, callers never see a transposed order.
+The Mesh TensorFlow dimension names, shape builders and k-vectors are defined
+once, in :mod:`flowpm_mtf.layout` (the names are re-exported here); the layout
+rules (dimension -> mesh axis) are :attr:`SimConfig.layout_rules`.
 """
 import dataclasses
 import json
@@ -40,28 +19,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- names
-ROW, COL = "row", "col"
-"""Names of the two processor-mesh axes."""
-
-X, Y, Z = "x", "y", "z"
-"""Real-space field dimensions (``x`` on ``row``, ``y`` on ``col``, ``z`` local)."""
-REAL_DIMS = (X, Y, Z)
-
-KX, KY, KZ = "kx", "ky", "kz"
-"""k-space field dimensions (``kx`` local, ``ky`` on ``row``, ``kz`` on ``col``)."""
-K_DIMS = (KX, KY, KZ)
-
-BX, BY = "bx", "by"
-"""Block-count dimensions (``bx`` on ``row``, ``by`` on ``col``)."""
-SX, SY = "sx", "sy"
-"""Unpadded block-size dimensions."""
-PX, PY = "px", "py"
-"""Padded block-size dimensions (block size + 2 * halo)."""
-
-NPART = "npart"
-"""Particles of one block, flattened."""
-XYZ = "xyz"
-"""Vector components (size 3)."""
+# The dimension names live in flowpm_mtf.layout (re-exported here: cfg.X etc.).
+from .layout import (BX, BY, COL, K_DIMS, KX, KY, KZ, NPART, PX, PY, REAL_DIMS,  # noqa: E402,F401
+                     ROW, SX, SY, XYZ, X, Y, Z)
 
 _DTYPES = {"float32": "complex64", "float64": "complex128"}
 

@@ -90,6 +90,7 @@ import tensorflow.compat.v1 as tf
 from hvd_mesh_impl.mtf_compat import enable_complex_gradients, enable_lazy_masters
 
 from . import config as cfg
+from . import layout
 from . import native
 
 log = logging.getLogger(__name__)
@@ -97,18 +98,9 @@ log = logging.getLogger(__name__)
 enable_complex_gradients()
 enable_lazy_masters()  # no full-size master variables in the TF graph (see mtf_compat)
 
-_UNITS = ("h/Mpc", "grid")
-
-
 # ----------------------------------------------------------------------------- shapes
-def real_shape(conf):
-    """mtf Shape ``[x, y, z]`` of a real-space field."""
-    return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.REAL_DIMS, conf.nc)])
-
-
-def k_shape(conf):
-    """mtf Shape ``[kx, ky, kz]`` of a k-space field."""
-    return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.K_DIMS, conf.nc)])
+real_shape = layout.real_shape
+k_shape = layout.k_shape
 
 
 def _complex_of(dtype):
@@ -588,15 +580,7 @@ def kvec(conf, mesh, units="h/Mpc"):
         Real tensors of shape ``[kx]``, ``[ky]``, ``[kz]`` (dtype ``conf.dtype``)
         in numpy FFT order (zero first, negative frequencies in the upper half).
     """
-    if units not in _UNITS:
-        raise ValueError("units must be one of %s, got %r" % (_UNITS, units))
-    out = []
-    for name, n, d in zip(cfg.K_DIMS, conf.nc, conf.cell_size):
-        k = 2 * np.pi * np.fft.fftfreq(n, d=d if units == "h/Mpc" else 1.0)
-        out.append(mtf.import_tf_tensor(mesh, tf.constant(k.astype(conf.np_dtype)),
-                                        mtf.Shape([mtf.Dimension(name, n)]),
-                                        name="kvec_" + name))
-    return out
+    return layout.kvec_tensors(conf, mesh, conf.np_dtype, "kvec", units)
 
 
 def wavenumber(conf, mesh, units="h/Mpc"):

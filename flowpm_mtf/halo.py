@@ -43,25 +43,14 @@ import logging
 import mesh_tensorflow as mtf
 
 from . import config as cfg
+from . import layout
 from .fft import real_shape
 
 log = logging.getLogger(__name__)
 
 
-def block_shape(conf):
-    """mtf Shape ``[bx, by, sx, sy, z]`` of the unpadded blocks."""
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
-    return mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
-                      mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
-                      mtf.Dimension(cfg.Z, nz)])
-
-
-def padded_shape(conf):
-    """mtf Shape ``[bx, by, px, py, z]`` of the padded blocks."""
-    (P, Q), (px, py, nz) = conf.grid, conf.padded_block_shape
-    return mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
-                      mtf.Dimension(cfg.PX, px), mtf.Dimension(cfg.PY, py),
-                      mtf.Dimension(cfg.Z, nz)])
+block_shape = layout.block_shape
+padded_shape = layout.padded_shape
 
 
 def _check_shape(t, shape, what, trailing=False):

@@ -38,22 +38,17 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import config as cfg
 from . import cosmology as cosmo_mod
-from . import fft
+from . import fft, layout
 from . import noise as noise_mod
 
-__all__ = ["k_range", "power_function", "linear_amplitude", "linear_modes", "linear_field"]
+__all__ = ["k_range", "power_function", "linear_amplitude", "linear_modes", "linear_field",
+           "modes_of"]
 
 log = logging.getLogger(__name__)
 
 # Points at which a generic P(k) callable is probed at graph-build time.
 _N_PROBE = 64
-
-
-def _axis_k(conf):
-    """Wavenumbers along each axis, ``2 pi fftfreq(n, d=cell)`` [h/Mpc] (float64)."""
-    return [2.0 * np.pi * np.fft.fftfreq(n, d=d) for n, d in zip(conf.nc, conf.cell_size)]
 
 
 def k_range(conf):
@@ -77,7 +72,7 @@ def k_range(conf):
     ValueError
         If the mesh has a single cell (no non-zero mode).
     """
-    ks = _axis_k(conf)
+    ks = layout.axis_k(conf)
     nonzero = [np.abs(k[k != 0]).min() for k in ks if np.any(k != 0)]
     if not nonzero:
         raise ValueError("the mesh nc=%r has no non-zero wave vector" % (conf.nc,))
@@ -159,14 +154,26 @@ def power_function(conf, power=None, a=1.0):
     return pk
 
 
+def _fold_axis(k):
+    """Distinct ``|k|`` of a 1-d k slice and the index of each entry among them."""
+    return np.unique(np.abs(k), return_inverse=True)
+
+
 def _amplitude_numpy(kx, ky, kz, pk, factor, dtype):
-    """``sqrt(factor * P(|k|))`` on the outer grid of 1-d k slices, 0 at ``k = 0``."""
-    k2 = kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2
+    """``sqrt(factor * P(|k|))`` on the outer grid of 1-d k slices, 0 at ``k = 0``.
+
+    ``P`` is evaluated once per distinct ``(|kx|, |ky|, |kz|)`` (about 1/8 of the
+    cells of a full-spectrum slice: ``+k`` and ``-k`` give the same ``|k|``), then
+    gathered to the slice; the values are those of an evaluation in every cell,
+    bit for bit (``(-k)^2 == k^2``).
+    """
+    (ux, ix), (uy, iy), (uz, iz) = _fold_axis(kx), _fold_axis(ky), _fold_axis(kz)
+    k2 = ux[:, None, None]**2 + uy[None, :, None]**2 + uz[None, None, :]**2
     k = np.sqrt(k2)
-    out = np.zeros(k.shape, np.float64)
+    small = np.zeros(k.shape, np.float64)
     pos = k > 0
-    out[pos] = np.sqrt(factor * pk(k[pos]))
-    return out.astype(dtype)
+    small[pos] = np.sqrt(factor * pk(k[pos]))
+    return small.astype(dtype)[np.ix_(ix, iy, iz)]
 
 
 def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
@@ -190,9 +197,7 @@ def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
     pk = power_function(conf, power, a)
     factor = conf.n_cells / float(np.prod(conf.box_size))
     np_dtype = conf.np_dtype
-    kvecs = [mtf.import_tf_tensor(mesh, tf.constant(k, tf.float64),
-                                  mtf.Shape([mtf.Dimension(n, s)]), name="%s_%s" % (name, n))
-             for k, n, s in zip(_axis_k(conf), cfg.K_DIMS, conf.nc)]
+    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
     shape = fft.k_shape(conf)
 
     def fn(kx, ky, kz):
@@ -274,4 +279,31 @@ def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field")
         returns invalid values there.
     """
     kfield = linear_modes(conf, mesh, power, a, noise, name=name + "_modes")
-    return fft.c2r(kfield, conf, name=name)
+    field = fft.c2r(kfield, conf, name=name)
+    # LPT needs r2c(field) == kfield: let it skip that FFT (and this c2r, if the
+    # field itself is not used), see modes_of.
+    field._flowpm_linear_modes = kfield
+    return field
+
+
+def modes_of(field):
+    """The Fourier modes a :func:`linear_field` output was transformed from, or None.
+
+    :func:`flowpm_mtf.lpt.lpt_displacements` uses them instead of transforming
+    the field back (``r2c(c2r(modes)) == modes`` for the Hermitian modes of a
+    real field, up to rounding): one forward and, when nothing else uses the
+    real field, one inverse FFT fewer per run. Gradients with respect to the
+    noise, the power spectrum, or anything upstream are unchanged; the real
+    field tensor itself is then no longer on the LPT's path (a gradient taken
+    with respect to *it* would not see the LPT).
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+
+    Returns
+    -------
+    mtf.Tensor or None
+        Complex ``[kx, ky, kz]`` modes of :func:`linear_modes`.
+    """
+    return getattr(field, "_flowpm_linear_modes", None)

@@ -53,7 +53,8 @@ from .logs import detect_rank
 __all__ = ["SNAPSHOT_FORMAT", "KAPPA_FORMAT", "DEFAULT_UNITS", "versions", "to_jsonable",
            "atomic_path", "write_hdf5", "write_table", "write_json", "write_summary",
            "write_snapshot", "read_snapshot", "write_power", "read_power", "write_kappa",
-           "write_kappa_power", "write_reconstruction", "write_reconstruction_table"]
+           "write_kappa_power", "write_reconstruction", "write_reconstruction_table",
+           "lagrangian_ids", "particle_part", "write_snapshot_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ SNAPSHOT_FORMAT = "flowpm_mtf.snapshot/1"
 KAPPA_FORMAT = "flowpm_mtf.kappa/1"
 #: Units recorded for each dataset unless the caller overrides them.
 DEFAULT_UNITS = {"position": "Mpc/h", "velocity": "km/s",
-                 "density": "dimensionless (rho / mean rho)"}
+                 "density": "dimensionless (rho / mean rho)",
+                 "id": "Lagrangian index, row-major over the particle grid"}
 
 _DISTRIBUTIONS = {  # key in versions() -> distribution names, first found wins
     "tensorflow": ("tensorflow-cpu", "tensorflow", "tensorflow-gpu", "tf-nightly"),
@@ -164,6 +166,15 @@ def atomic_path(path):
             os.remove(tmp)
 
 
+def _write_on_rank0(path, rank, write):
+    """``write(tmp)`` through :func:`atomic_path` on rank 0; the path there, else None."""
+    if not _is_writer(rank):
+        return None
+    with atomic_path(path) as tmp:
+        write(tmp)
+    return os.fspath(path)
+
+
 def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
     """Write an HDF5 file of datasets and file attributes (rank 0 only), atomically.
 
@@ -174,21 +185,18 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
         Datasets in creation order, each with its attributes (e.g. ``units``).
     attrs : dict, optional
         File attributes (strings, numbers or arrays).
-    compression : str, optional
-        h5py compression filter for the datasets.
-    rank : int, optional
-        Rank of this process (default: from the launcher's environment).
+    compression, rank : optional
+        h5py compression filter of every dataset; this process's rank (as
+        :func:`write_snapshot`).
 
     Returns
     -------
     str or None
-        The path written, on rank 0; ``None`` elsewhere.
+        ``path`` on the writing rank (0), else ``None``.
     """
     import h5py
 
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             for name, value, dattrs in datasets:
                 dset = f.create_dataset(name, data=value, compression=compression)
@@ -196,7 +204,8 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
                     dset.attrs[key] = v
             for key, v in (attrs or {}).items():
                 f.attrs[key] = v
-    return os.fspath(path)
+
+    return _write_on_rank0(path, rank, write)
 
 
 def write_table(path, columns, header, fmt="%.17g", rank=None):
@@ -218,11 +227,8 @@ def write_table(path, columns, header, fmt="%.17g", rank=None):
     str or None
         The path written, on rank 0; ``None`` elsewhere.
     """
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
-        np.savetxt(tmp, np.column_stack(columns), header=header, fmt=fmt)
-    return os.fspath(path)
+    return _write_on_rank0(path, rank, lambda tmp: np.savetxt(
+        tmp, np.column_stack(columns), header=header, fmt=fmt))
 
 
 def write_json(path, obj, rank=None):
@@ -233,12 +239,11 @@ def write_json(path, obj, rank=None):
     str or None
         The path written, on rank 0; ``None`` elsewhere.
     """
-    if not _is_writer(rank):
-        return None
-    with atomic_path(path) as tmp:
+    def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, default=float)
-    return os.fspath(path)
+
+    return _write_on_rank0(path, rank, write)
 
 
 def write_summary(path, summary, rank=None):
@@ -329,7 +334,7 @@ def write_snapshot(path, position=None, velocity=None, density=None, attrs=None,
 
 
 def read_snapshot(path):
-    """Read a snapshot written by :func:`write_snapshot`.
+    """Read a snapshot written by :func:`write_snapshot` or :func:`write_snapshot_distributed`.
 
     Parameters
     ----------
@@ -338,15 +343,19 @@ def read_snapshot(path):
     Returns
     -------
     dict
-        ``position``, ``velocity``, ``density`` (ndarrays, or ``None`` when absent),
+        ``position``, ``velocity``, ``density``, ``id`` (ndarrays, or ``None`` when
+        absent),
         ``config`` and ``versions`` (dicts decoded from JSON), ``units`` (dict of
         dataset -> units string) and ``attrs`` (all raw file attributes).
     """
     import h5py
 
-    out = {"position": None, "velocity": None, "density": None, "units": {}}
+    from . import h5dist
+
+    out = {"position": None, "velocity": None, "density": None, "id": None, "units": {}}
+    h5dist.check_sources(path)  # a distributed snapshot with a missing part is an error
     with h5py.File(os.fspath(path), "r") as f:
-        for name in ("position", "velocity", "density"):
+        for name in ("position", "velocity", "density", "id"):
             if name in f:
                 out[name] = f[name][()]
                 units = f[name].attrs.get("units")
@@ -428,41 +437,50 @@ def read_power(path):
 
 
 # ----------------------------------------------------------------------------- lensing
-def write_kappa(path, kappa, planes, plane_k, plane_pk, conf, lconf, geom, rank=None):
-    """Write ``kappa.h5`` (rank 0 only).
+def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom):
+    """Write ``kappa.h5`` (collective over ``comm``: every rank writes its plane blocks).
 
     Datasets: ``kappa`` [n_source, npix, npix] (``kappa[s, i, j]`` at
     ``theta[i], theta[j]``), ``theta`` [npix] [rad], ``planes`` [n_planes, NX,
-    NY] (1 + delta), ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk``
-    [n_planes, nbins] [(Mpc/h)^3]. Attributes: ``format``
-    (:data:`KAPPA_FORMAT`), ``config`` (SimConfig JSON), ``lensing``
-    (LensingConfig JSON), ``geometry`` (JSON), ``z_source``, ``field_deg``,
-    ``plane_r`` [Mpc/h], ``versions``.
+    NY] (1 + delta; a virtual dataset over the per-rank blocks in
+    ``kappa.parts/``, see :mod:`flowpm_mtf.h5dist`: no rank gathers a plane),
+    ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk`` [n_planes, nbins]
+    [(Mpc/h)^3]. Attributes: ``format`` (:data:`KAPPA_FORMAT`), ``config``
+    (SimConfig JSON), ``lensing`` (LensingConfig JSON), ``geometry`` (JSON),
+    ``z_source``, ``field_deg``, ``plane_r`` [Mpc/h], ``versions``.
 
     Parameters
     ----------
     path : str or os.PathLike
-    kappa, planes, plane_k, plane_pk : ndarray
+    comm : object
+        mpi4py-like communicator.
+    kappa, plane_k, plane_pk : ndarray
+        Small, replicated: written by rank 0.
+    plane_parts : dict
+        ``pnum -> h5dist.Block`` of the planes ``[n_planes, sx, sy]`` this
+        process holds.
     conf : SimConfig
     lconf : lensing.LensingConfig
     geom : lensing.LightconeGeometry
-    rank : int, optional
 
     Returns
     -------
-    str or None
+    str
+        ``path``, on every rank.
     """
-    datasets = [("kappa", kappa, {"units": "dimensionless"}),
-                ("theta", geom.theta, {"units": "rad"}),
-                ("planes", planes, {"units": "1 + delta (shell average)"}),
-                ("plane_k", plane_k, {"units": "h/Mpc"}),
-                ("plane_pk", plane_pk, {"units": "(Mpc/h)^3"})]
+    from . import h5dist
+
     attrs = {"format": KAPPA_FORMAT, "config": conf.to_json(),
              "lensing": json.dumps(lconf.to_dict(), sort_keys=True),
              "geometry": json.dumps(geom.to_dict(), sort_keys=True),
              "z_source": geom.z_source, "field_deg": geom.field_deg, "plane_r": geom.r,
              "versions": json.dumps(versions(), sort_keys=True)}
-    return write_hdf5(path, datasets, attrs, rank=rank)
+    units = {"kappa": "dimensionless", "theta": "rad", "planes": "1 + delta (shell average)",
+             "plane_k": "h/Mpc", "plane_pk": "(Mpc/h)^3"}
+    return h5dist.write_distributed(
+        path, comm, {p: {"planes": b} for p, b in plane_parts.items()}, attrs=attrs,
+        dataset_attrs={k: {"units": v} for k, v in units.items()},
+        small={"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk})
 
 
 def write_kappa_power(path, ell, measured, limber, n_modes, geom, rank=None):
@@ -481,37 +499,43 @@ def write_kappa_power(path, ell, measured, limber, n_modes, geom, rank=None):
 
 
 # ----------------------------------------------------------------------------- reconstruction
-def write_reconstruction(path, conf, rconf, fields, history, rank=None):
-    """Write ``reconstruction.h5`` (rank 0 only).
+def write_reconstruction(path, comm, conf, rconf, parts, history):
+    """Write ``reconstruction.h5`` (collective over ``comm``: every rank writes its blocks).
 
     Parameters
     ----------
     path : str or os.PathLike
+    comm : object
+        mpi4py-like communicator.
     conf : SimConfig
     rconf : reconstruct.ReconConfig
-    fields : dict
-        ``truth``, ``reconstruction`` (linear density contrast at a = 1) and
-        ``observed`` (1 + delta at ``a_end``, with noise), each [NX, NY, NZ].
+    parts : dict
+        ``pnum -> {"truth", "reconstruction", "observed": h5dist.Block}`` held by
+        this process: linear density contrast at a = 1, and 1 + delta at
+        ``a_end`` with noise; virtual datasets [NX, NY, NZ] over the per-rank
+        blocks in ``reconstruction.parts/`` (:mod:`flowpm_mtf.h5dist`).
     history : dict
         ``loss``, ``chi2``, ``prior``: one value per iteration (before each
-        step) plus the final value.
-    rank : int, optional
+        step) plus the final value (written by rank 0).
 
     Returns
     -------
-    str or None
+    str
+        ``path``, on every rank.
     """
+    from . import h5dist
+
     units = {"truth": "linear density contrast at a=1",
              "reconstruction": "linear density contrast at a=1",
              "observed": "1 + delta at a_end (CIC), with noise"}
-    datasets = [(n, fields[n], {"units": units[n]}) for n in ("truth", "reconstruction",
-                                                               "observed")]
-    for n, v in history.items():
-        datasets.append((n, np.asarray(v, np.float64), {} if n != "loss" else {
-            "description": "(chi2 + prior) / N before each iteration, then the final value"}))
-    attrs = {"config": conf.to_json(), "reconstruction": json.dumps(rconf.to_dict()),
-             "versions": json.dumps(versions())}
-    return write_hdf5(path, datasets, attrs, rank=rank)
+    dattrs = {n: {"units": u} for n, u in units.items()}
+    dattrs["loss"] = {"description": "(chi2 + prior) / N before each iteration, then the "
+                                     "final value"}
+    return h5dist.write_distributed(
+        path, comm, parts, dataset_attrs=dattrs,
+        small={n: np.asarray(v, np.float64) for n, v in history.items()},
+        attrs={"config": conf.to_json(), "reconstruction": json.dumps(rconf.to_dict()),
+               "versions": json.dumps(versions())})
 
 
 def write_reconstruction_table(path, conf, rconf, k, r, tk, modes, rank=None):
@@ -522,3 +546,114 @@ def write_reconstruction_table(path, conf, rconf, k, r, tk, modes, rank=None):
               % (conf.to_json(), json.dumps(rconf.to_dict())))
     return write_table(path, [k, r, tk, modes], header, fmt=["%.6e", "%.6f", "%.6f", "%d"],
                        rank=rank)
+
+
+# ============================================================================= distributed
+# Snapshots written by every rank (its own slices) as one logical file; see
+# flowpm_mtf.h5dist for the layout (per-rank part files + HDF5 virtual datasets).
+
+def lagrangian_ids(conf, block):
+    """Global ids of the lattice particles of one block, in their in-block order.
+
+    The id of a particle is its Lagrangian (initial lattice) index, row-major
+    over the particle grid ``conf.nc``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    block : (int, int)
+        Block index ``(bx, by)`` on the process grid.
+
+    Returns
+    -------
+    ndarray
+        int64 ``[sx * sy * nz]``.
+    """
+    sx, sy, nz = conf.block_shape
+    _, ny, _ = conf.nc
+    i = np.arange(sx, dtype=np.int64)[:, None, None] + block[0] * sx
+    j = np.arange(sy, dtype=np.int64)[None, :, None] + block[1] * sy
+    k = np.arange(nz, dtype=np.int64)[None, None, :]
+    return ((i * ny + j) * nz + k).reshape(-1)
+
+
+def particle_part(conf, block, positions, momenta, a, ids=None, valid=None):
+    """Snapshot rows (Mpc/h, km/s, id) of one block's particles, in float64.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    block : (int, int)
+        Block index ``(bx, by)``.
+    positions, momenta : array_like
+        ``[..., 3]`` block-local positions [cells] and canonical momenta
+        ``p = a^3 E dx/da`` [cells] (H0 = 1) of the block's particles.
+    a : float
+        Scale factor of the state.
+    ids : array_like, optional
+        Particle ids (default: :func:`lagrangian_ids`, the particles in lattice
+        order).
+    valid : array_like of bool, optional
+        Mask of the particles to keep (fixed-capacity buffers).
+
+    Returns
+    -------
+    dict
+        ``position`` [n, 3] in [0, box) [Mpc/h], ``velocity`` [n, 3] peculiar
+        [km/s] (``v = H0 p / a``), ``id`` [n] int64.
+    """
+    from . import h5dist
+
+    cell = np.asarray(conf.cell_size, np.float64)
+    origin = np.array([block[0] * conf.block_shape[0], block[1] * conf.block_shape[1], 0],
+                      np.float64)
+    x = np.asarray(positions, np.float64).reshape(-1, 3)
+    p = np.asarray(momenta, np.float64).reshape(-1, 3)
+    ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids, np.int64).reshape(-1)
+    if valid is not None:
+        keep = np.asarray(valid, bool).reshape(-1)
+        x, p, ids = x[keep], p[keep], ids[keep]
+    return {"position": h5dist.Rows(((x + origin) * cell) % np.asarray(conf.box_size)),
+            "velocity": h5dist.Rows(p * cell * 100.0 / a),
+            "id": h5dist.Rows(ids)}
+
+
+def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
+    """Write a snapshot from every rank's slices (collective over ``comm``).
+
+    The result opens with plain h5py exactly as a :func:`write_snapshot` file
+    (plus the ``id`` dataset); see :mod:`flowpm_mtf.h5dist`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    comm : object
+        mpi4py-like communicator (``flowpm_mtf.backend.SerialComm`` in one process).
+    parts : dict
+        ``pnum -> {"position", "velocity", "id": h5dist.Rows, "density": h5dist.Block}``
+        for the slices this process holds (see :func:`particle_part`).
+    attrs : dict or config object, optional
+        Stored as JSON in the ``config`` attribute.
+    units : dict, optional
+        Overrides of :data:`DEFAULT_UNITS`.
+
+    Returns
+    -------
+    str
+        ``path`` on every rank.
+    """
+    from . import h5dist
+
+    all_units = dict(DEFAULT_UNITS, **(units or {}))
+    vers = versions()
+    file_attrs = {"format": SNAPSHOT_FORMAT,
+                  "config": json.dumps(to_jsonable(attrs if attrs is not None else {}),
+                                       sort_keys=True),
+                  "versions": json.dumps(vers, sort_keys=True)}
+    file_attrs.update({"version." + k: v for k, v in vers.items()})
+    names = set()
+    for items in parts.values():
+        names.update(items)
+    return h5dist.write_distributed(path, comm, parts, attrs=file_attrs,
+                                    dataset_attrs={n: {"units": all_units[n]} for n in names
+                                                   if n in all_units})

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
+from . import layout
 from . import fft
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
@@ -51,11 +52,8 @@ def gradient_kvec(conf):
         :math:`(8 \sin w - \sin 2w) / (6 c_d)` with :math:`w = 2\pi\,
         \mathrm{fftfreq}(n_d)`.
     """
-    out = []
-    for n, c in zip(conf.nc, conf.cell_size):
-        w = 2 * np.pi * np.fft.fftfreq(n)
-        out.append((8 * np.sin(w) - np.sin(2 * w)) / (6.0 * c))
-    return out
+    return [(8 * np.sin(w) - np.sin(2 * w)) / (6.0 * c)
+            for w, c in zip(layout.axis_k(conf, "grid"), conf.cell_size)]
 
 
 def _import_1d(mesh, values, dim_name, dtype, name):

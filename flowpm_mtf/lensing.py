@@ -72,13 +72,12 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import config as cfg
 from . import cosmology as cosmo_mod
-from . import timeloop
+from . import layout, timeloop
 from .kernels import make_kernels
 from .lpt import lpt_init
 from .nbody import default_stages, kdk_step
-from .painting import PLANE_PX, PLANE_PY, cic_paint_plane  # noqa: F401 (PLANE_*: re-exported)
+from .painting import cic_paint_plane
 
 __all__ = ["SRC", "THX", "THY", "LensingConfig", "LightconeGeometry", "geometry",
            "lightcone_stages", "density_plane", "interpolation_weights", "born_coefficients",
@@ -331,10 +330,6 @@ def lightcone_stages(conf, geom):
 
 
 # ----------------------------------------------------------------------------- planes
-def _plane_shape(conf):
-    return mtf.Shape([mtf.Dimension(n, s) for n, s in zip(cfg.REAL_DIMS[:2], conf.nc[:2])])
-
-
 def density_plane(positions, conf, geom, index, name=None):
     """Project the particles of lens shell ``index`` onto a 2D CIC density plane.
 
@@ -435,7 +430,7 @@ def born_convergence(planes, conf, geom, name="born"):
     if len(planes) != geom.n_planes:
         raise ValueError("born_convergence: expected %d planes, got %d"
                          % (geom.n_planes, len(planes)))
-    shape = _plane_shape(conf)
+    shape = layout.plane_shape(conf)
     dt = conf.np_dtype
     mesh = planes[0].mesh
     src = mtf.Dimension(SRC, geom.n_source)

@@ -43,37 +43,24 @@ def detect_rank(environ=None):
         The value of the first variable of :data:`RANK_ENV_VARS` that is set to an
         integer, or 0 when none is (a plain single-process run).
     """
-    environ = os.environ if environ is None else environ
-    for name in RANK_ENV_VARS:
-        value = environ.get(name)
-        if value is not None and value.strip().lstrip("-").isdigit():
-            return int(value)
-    return 0
+    return _from_launcher(environ)[0]
 
 
 def detect_size(environ=None):
-    """Number of processes of the job as announced by the launcher.
+    """Number of processes of the job (:data:`SIZE_ENV_VARS` of the launcher that gave
+    the rank in :func:`detect_rank`), or 1; ``environ`` as there."""
+    return _from_launcher(environ)[1]
 
-    The one way ``flowpm_mtf`` learns the world without initialising MPI (the
-    rank comes from :func:`detect_rank`, read from the same launcher).
 
-    Parameters
-    ----------
-    environ : mapping, optional
-        Environment to inspect (default ``os.environ``).
-
-    Returns
-    -------
-    int
-        The value of the variable of :data:`SIZE_ENV_VARS` that belongs to the
-        first launcher of :data:`RANK_ENV_VARS` found, or 1 when none is set.
-    """
+def _from_launcher(environ):
+    """(rank, size) from the first launcher of :data:`RANK_ENV_VARS` that set a rank."""
     environ = os.environ if environ is None else environ
     for rank_name, size_name in zip(RANK_ENV_VARS, SIZE_ENV_VARS):
-        value = environ.get(size_name)
-        if rank_name in environ and value is not None and value.strip().isdigit():
-            return int(value)
-    return 1
+        value = environ.get(rank_name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            size = environ.get(size_name, "")
+            return int(value), int(size) if size.strip().isdigit() else 1
+    return 0, 1
 
 
 class RankFormatter(logging.Formatter):

@@ -40,8 +40,9 @@ import mesh_tensorflow as mtf
 import numpy as np
 
 from . import config as cfg
+from . import layout
 from . import cosmology as cosmo_mod
-from . import fft
+from . import fft, ics
 from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
 from .painting import lattice
 
@@ -71,10 +72,7 @@ class State(NamedTuple):
     forces: mtf.Tensor
 
 
-def _particle_shape(conf):
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
-    return [mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
-            mtf.Dimension(cfg.NPART, sx * sy * nz)]
+_particle_shape = layout.particle_dims
 
 
 def field_to_particles(field, conf):
@@ -101,10 +99,8 @@ def field_to_particles(field, conf):
         raise ValueError("field_to_particles: expected [x, y, z, ...] = %s..., got %s"
                          % (real, field.shape))
     rest = field.shape.dims[3:]
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
-    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
-    dsx, dsy, dz = (mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
-                    mtf.Dimension(cfg.Z, nz))
+    bx, by, _ = layout.particle_dims(conf)
+    dsx, dsy, dz = layout.block_cell_dims(conf)
     # [bx, sx, by, sy, z] keeps the split dimensions in place: a local reshape
     t = mtf.reshape(field, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
     t = mtf.transpose(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
@@ -132,11 +128,9 @@ def particles_to_lattice_order(t, conf):
     if names[:3] != [cfg.BX, cfg.BY, cfg.NPART]:
         raise ValueError("particles_to_lattice_order: expected [bx, by, npart, ...], got %s"
                          % t.shape)
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
     rest = t.shape.dims[3:]
     bx, by = t.shape.dims[:2]
-    dsx, dsy, dz = (mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
-                    mtf.Dimension(cfg.Z, nz))
+    dsx, dsy, dz = layout.block_cell_dims(conf)
     t = mtf.reshape(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
     t = mtf.transpose(t, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
     return mtf.reshape(t, fft.real_shape(conf) + mtf.Shape(rest))
@@ -178,10 +172,12 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     order = conf.lpt_order if order is None else int(order)
     if order not in (1, 2):
         raise ValueError("lpt: order must be 1 or 2, got %r" % order)
+    modes = ics.modes_of(linear)
     linear = _check_linear(linear, conf)
     if kernels is None:
         kernels = make_kernels(conf, linear.mesh)
-    delta_k = fft.r2c(linear, conf, name="lpt_r2c")
+    # The modes of ics.linear_field, when it made the field: no FFT round trip.
+    delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
 
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)

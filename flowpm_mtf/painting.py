@@ -31,11 +31,36 @@ message starting ``"flowpm_mtf.painting: particles escaped"`` -- on every rank
 at once, since the count is global (no rank is left waiting in a collective).
 :func:`escaped_count` is public for monitoring (e.g. to log the count per step).
 
+Local kernels: native (CPU) or TensorFlow
+-----------------------------------------
+On the CPU the local paint, readout and escape count are the fused C++ ops of
+``flowpm_mtf/native/cic_ops.cc`` (:func:`flowpm_mtf.native.load`, chosen by
+``FLOWPM_MTF_NATIVE``): they loop over the 8 corners of each particle instead of
+materialising ``[n, 8]`` index and weight rows (and ``[n, 8, C]`` gathered
+rows), which is what the TensorFlow path does. The TensorFlow path (a flat
+``tf.math.unsorted_segment_sum`` / ``tf.gather`` over the stencil of
+:func:`_stencil`) is kept for GPUs (a tensor placed on a GPU, or no device and
+a visible GPU: TF's GPU kernels are the path there), for float16/bfloat16, and
+when the native library is not built or ``FLOWPM_MTF_NATIVE=0``. Both give the
+same stencil; the native paint adds every cell's terms in the same order as
+``unsorted_segment_sum`` (equal to the last bit).
+
+Particles with a non-finite coordinate are skipped by the native kernels (they
+paint nothing and read 0), so masked slots of fixed-capacity buffers are
+harmless; they are still counted as escaped.
+
 Gradients
 ---------
-The local scatter (``tf.math.unsorted_segment_sum``) and gather (``tf.gather``)
-are differentiated by TensorFlow inside ``mtf.slicewise`` (w.r.t. positions,
-weights and mesh values); the halo exchange is linear with an exact adjoint.
+The TensorFlow path's local scatter and gather are differentiated by
+TensorFlow inside ``mtf.slicewise`` (w.r.t. positions, weights and mesh
+values). The native ops have exact gradients registered below
+(:func:`_paint_grad`, :func:`_readout_grad`): the paint's gradient is a readout
+(w.r.t. weights) and the derivative-kernel readout ``FlowpmCicReadoutGradPos``
+(w.r.t. positions); the readout's gradient is a paint of the upstream gradient
+(w.r.t. the mesh) and the same derivative readout (w.r.t. positions). Second
+derivatives of the native ops are not defined (``tf.gradients`` raises
+``LookupError`` for ``FlowpmCicReadoutGradPos``). The halo exchange is linear
+with an exact adjoint.
 The slicewise gradients recompute the local forward function on fresh copies
 of the input slices (:func:`_isolated_grad`): Mesh TF's default
 (``GenericGradOperation``) calls ``tf.gradients`` on the *lowered* input
@@ -50,6 +75,8 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
+from . import layout
+from . import native
 from .halo import (_check_shape, field_to_padded, halo_fill, halo_reduce, halo_reduce_plane,
                    padded_shape, padded_to_field)
 
@@ -73,17 +100,14 @@ def lattice(conf, mesh):
         ``[bx, by, npart, xyz]`` with ``npart = sx * sy * nz``, positions
         ``(i, j, k)`` [cells] in C order (k fastest); dtype ``conf.dtype``.
     """
-    sx, sy, nz = conf.block_shape
-    dims = [mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy), mtf.Dimension(cfg.Z, nz)]
+    dims = layout.block_cell_dims(conf)
     cell = mtf.Shape(dims)
     # built from ranges (no large graph constant); all dimensions here are local
     axes = [mtf.broadcast(mtf.range(mesh, d, dtype=conf.tf_dtype), cell) for d in dims]
-    npart = mtf.Dimension(cfg.NPART, sx * sy * nz)
+    bx, by, npart = layout.particle_dims(conf)
     xyz = mtf.Dimension(cfg.XYZ, 3)
     base = mtf.reshape(mtf.stack(axes, cfg.XYZ, axis=3), mtf.Shape([npart, xyz]))
-    P, Q = conf.grid
-    return mtf.broadcast(base, mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
-                                          npart, xyz]))
+    return mtf.broadcast(base, mtf.Shape([bx, by, npart, xyz]))
 
 
 def block_origins(conf, mesh):
@@ -107,6 +131,82 @@ def to_global(positions, conf):
 def from_global(positions, conf):
     """Global positions [cells] of each block's particles -> block-local positions."""
     return positions - block_origins(conf, positions.mesh)
+
+
+# ----------------------------------------------------------------------------- native ops
+_NATIVE_DTYPES = (tf.float32, tf.float64)
+
+
+def _native_ops(*tensors):
+    """The native CIC op module if it serves these local tensors, else None.
+
+    None when the library is not usable (see :func:`flowpm_mtf.native.load`),
+    for dtypes other than float32/float64, and on a GPU
+    (:func:`flowpm_mtf.native.runs_on_cpu`).
+    """
+    lib = native.load("cic_ops")
+    if lib is None:
+        return None
+    for t in tensors:
+        if t.dtype not in _NATIVE_DTYPES or not native.runs_on_cpu(t):
+            return None
+    return lib
+
+
+def _empty(dtype):
+    """The empty tensor that stands for unit weights in the native ops."""
+    return tf.zeros([0], dtype)
+
+
+def _paint_grad(op, grad):
+    """Gradient of ``FlowpmCicPaint`` w.r.t. positions and weights (exact)."""
+    lib = native.load("cic_ops")
+    pos, w = op.inputs
+    halo = op.get_attr("halo")
+    d_pos = lib.flowpm_cic_readout_grad_pos(grad, pos, w, halo=halo)
+    d_w = None if w.shape.num_elements() == 0 else lib.flowpm_cic_readout(grad, pos, halo=halo)
+    return d_pos, d_w
+
+
+def _readout_grad(op, grad):
+    """Gradient of ``FlowpmCicReadout`` w.r.t. the mesh and the positions (exact)."""
+    lib = native.load("cic_ops")
+    field, pos = op.inputs
+    halo = op.get_attr("halo")
+    _, px, py, nz, comps = field.shape.as_list()
+    d_field = lib.flowpm_cic_paint(pos, grad, halo=halo, px=px, py=py, nz=nz,
+                                   components=comps)
+    d_pos = lib.flowpm_cic_readout_grad_pos(field, pos, grad, halo=halo)
+    return d_field, d_pos
+
+
+for _op_type, _fn in (("FlowpmCicPaint", _paint_grad), ("FlowpmCicReadout", _readout_grad)):
+    try:
+        tf.RegisterGradient(_op_type)(_fn)
+    except KeyError:  # already registered (module reloaded)
+        pass
+tf.no_gradient("FlowpmCicEscaped")
+
+
+def _native_paint(lib, pos, w, conf):
+    """Native paint of the local slice ``[nbx, nby, n, 3]`` -> ``[nbx, nby, px, py, nz]``."""
+    nbx, nby, n, _ = pos.shape.as_list()
+    px, py, nz = conf.padded_block_shape
+    flat = tf.reshape(pos, [nbx * nby, n, 3])
+    wt = _empty(pos.dtype) if w is None else tf.reshape(w, [nbx * nby, n, 1])
+    field = lib.flowpm_cic_paint(flat, wt, halo=conf.halo_size, px=px, py=py, nz=nz,
+                                 components=1)
+    return tf.reshape(field, [nbx, nby, px, py, nz])
+
+
+def _native_readout(lib, m, pos, conf, n_comp):
+    """Native readout of ``m`` (``[nbx, nby, px, py, nz, ...]``) -> ``[nbx, nby, n, C]``."""
+    nbx, nby, n, _ = pos.shape.as_list()
+    px, py, nz = conf.padded_block_shape
+    field = tf.reshape(m, [nbx * nby, px, py, nz, n_comp])
+    vals = lib.flowpm_cic_readout(field, tf.reshape(pos, [nbx * nby, n, 3]),
+                                  halo=conf.halo_size)
+    return tf.reshape(vals, [nbx, nby, n, n_comp])
 
 
 # ----------------------------------------------------------------------------- checks
@@ -196,6 +296,12 @@ def escaped_count(positions, conf, name="escaped_count"):
 
     def fn(pos):
         pos = _local_particles(pos)
+        lib = _native_ops(pos)
+        if lib is not None:
+            nbx, nby, n, _ = pos.shape.as_list()
+            count = lib.flowpm_cic_escaped(tf.reshape(pos, [nbx * nby, n, 3]), halo=h, sx=sx,
+                                           sy=sy)
+            return tf.reshape(count, [nbx, nby])
         fl = tf.floor(pos)
         ok = tf.reduce_all(tf.math.is_finite(pos), axis=-1)
         for axis, s in ((0, sx), (1, sy)):
@@ -243,11 +349,14 @@ def _isolated_grad(forward_fn, splittable_dims, name):
         def fn(*args):
             xs = [tf.identity(a) for a in args[:n]]
             y = forward_fn(*xs)
-            return tuple(tf.gradients(y, xs, grad_ys=args[n],
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            g = tuple(tf.gradients(y, xs, grad_ys=args[n],
+                                   unconnected_gradients=tf.UnconnectedGradients.ZERO))
+            return g if n > 1 else g[0]
 
-        grads = mtf.slicewise(fn, inputs + [dy], output_shape=[x.shape for x in inputs],
-                              output_dtype=[x.dtype for x in inputs],
+        one = n == 1  # mtf.slicewise wants a single output unwrapped
+        grads = mtf.slicewise(fn, inputs + [dy],
+                              output_shape=inputs[0].shape if one else [x.shape for x in inputs],
+                              output_dtype=inputs[0].dtype if one else [x.dtype for x in inputs],
                               splittable_dims=splittable_dims, name=name + "_grad")
         return list(grads) if isinstance(grads, (list, tuple)) else [grads]
 
@@ -285,25 +394,36 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
     _check_particles(positions, name)
     _check_halo(conf, name)
     shape = padded_shape(conf)
-    if mesh is None:
-        mesh = mtf.zeros(positions.mesh, shape, dtype=positions.dtype)
-    mesh = _check_shape(mesh, shape, name)
-    inputs = [mesh, positions] + ([weight] if weight is not None else [])
+    if mesh is not None:
+        mesh = _check_shape(mesh, shape, name)
     if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
         raise ValueError("%s: weight must have the shape %s, got %s"
                          % (name, positions.shape.dims[:-1], weight.shape))
+    inputs = (([mesh] if mesh is not None else []) + [positions]
+              + ([weight] if weight is not None else []))
 
-    def fn(m, pos, w=None):
-        idx, kernel = _stencil(_local_particles(pos), conf)
+    def paint(pos, w):
+        pos = _local_particles(pos)
+        lib = _native_ops(pos)
+        if lib is not None:
+            return _native_paint(lib, pos, w, conf)
+        idx, kernel = _stencil(pos, conf)
         if w is not None:
             s = w.shape.as_list()
             kernel = kernel * tf.reshape(w, [s[0], s[1], -1, 1])
-        size = int(np.prod(m.shape.as_list()))
+        nbx, nby = pos.shape.as_list()[:2]
+        local_shape = [nbx, nby] + list(conf.padded_block_shape)
         painted = tf.math.unsorted_segment_sum(tf.reshape(kernel, [-1]), tf.reshape(idx, [-1]),
-                                               size)
-        return m + tf.reshape(painted, m.shape)  # static: tf.shape() is int32
+                                               int(np.prod(local_shape)))
+        return tf.reshape(painted, local_shape)
 
-    painted = mtf.slicewise(fn, inputs, output_shape=shape, output_dtype=mesh.dtype,
+    def fn(*args):
+        if mesh is not None:
+            return args[0] + paint(args[1], args[2] if len(args) > 2 else None)
+        return paint(args[0], args[1] if len(args) > 1 else None)
+
+    painted = mtf.slicewise(fn, inputs, output_shape=shape,
+                            output_dtype=positions.dtype if mesh is None else mesh.dtype,
                             splittable_dims=shape.dims[:2],
                             grad_function=_isolated_grad(fn, shape.dims[:2], name), name=name)
     painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
@@ -352,9 +472,14 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
 
     def fn(m, pos):
-        idx, kernel = _stencil(_local_particles(pos), conf)
-        rows = tf.gather(tf.reshape(m, [-1, n_comp]), idx)     # [nbx, nby, n, 8, C]
-        vals = tf.reduce_sum(rows * kernel[..., None], axis=-2)
+        local = _local_particles(pos)
+        lib = _native_ops(m, local)
+        if lib is not None:
+            vals = _native_readout(lib, m, local, conf, n_comp)
+        else:
+            idx, kernel = _stencil(local, conf)
+            rows = tf.gather(tf.reshape(m, [-1, n_comp]), idx)     # [nbx, nby, n, 8, C]
+            vals = tf.reduce_sum(rows * kernel[..., None], axis=-2)
         return tf.reshape(vals, pos.shape.as_list()[:-1] + [d.size for d in extra])
 
     return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
@@ -380,8 +505,7 @@ def readout_field(field, positions, conf):
 
 
 # ----------------------------------------------------------------------------- 2D planes
-PLANE_PX, PLANE_PY = "ppx", "ppy"
-"""Padded 2D block dimensions of a plane being painted (:func:`cic_paint_plane`)."""
+PLANE_PX, PLANE_PY = layout.PLANE_PX, layout.PLANE_PY
 _OFFSETS_2D = np.array([[0, 0], [1, 0], [0, 1], [1, 1]])
 
 
@@ -420,10 +544,10 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     h = conf.halo_size
     if h < 1:
         raise ValueError("density_plane: CIC needs halo_size >= 1, got %d" % h)
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
+    sx, sy, nz = conf.block_shape
     px, py = sx + 2 * h, sy + 2 * h
-    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
-    padded = mtf.Shape([bx, by, mtf.Dimension(PLANE_PX, px), mtf.Dimension(PLANE_PY, py)])
+    padded = layout.padded_plane_shape(conf)
+    bx, by = padded.dims[:2]
 
     def fn(m, pos):
         pos = _local_particles(pos)                               # [nbx, nby, n, 3]
@@ -455,9 +579,8 @@ def cic_paint_plane(positions, conf, z_lo, z_width, name="cic_paint_plane"):
     painted = _assert_none_escaped(painted, escaped_count(positions, conf), name)
     painted = halo_reduce_plane(painted, conf, (PLANE_PX, PLANE_PY))
     inner = mtf.slice(mtf.slice(painted, h, sx, PLANE_PX), h, sy, PLANE_PY)
-    dsx, dsy = mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy)
+    dsx, dsy, _ = layout.block_cell_dims(conf)
     inner = mtf.reshape(inner, mtf.Shape([bx, by, dsx, dsy]))
     # [bx, sx, by, sy] keeps x and y split at their positions: a local reshape
     inner = mtf.transpose(inner, mtf.Shape([bx, dsx, by, dsy]))
-    return mtf.reshape(inner, mtf.Shape([mtf.Dimension(n, s) for n, s in
-                                         zip(cfg.REAL_DIMS[:2], conf.nc[:2])]))
+    return mtf.reshape(inner, layout.plane_shape(conf))

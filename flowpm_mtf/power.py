@@ -58,6 +58,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
+from . import layout
 from . import fft
 
 __all__ = ["KBIN", "default_edges", "cic_window", "bin_index", "binned_sum",
@@ -101,10 +102,6 @@ def _check_edges(edges):
     return edges
 
 
-def _axis_k(conf):
-    return [2.0 * np.pi * np.fft.fftfreq(n, d=d) for n, d in zip(conf.nc, conf.cell_size)]
-
-
 def _kvec64(conf, mesh, values, name):
     return [mtf.import_tf_tensor(mesh, tf.constant(v, tf.float64),
                                  mtf.Shape([mtf.Dimension(n, s)]), name="%s_%s" % (name, n))
@@ -113,7 +110,7 @@ def _kvec64(conf, mesh, values, name):
 
 def _knorm64(conf, mesh, name="knorm"):
     """``|k|`` [h/Mpc] on ``[kx, ky, kz]`` in float64 (from float64 constants on each axis)."""
-    kx, ky, kz = _kvec64(conf, mesh, _axis_k(conf), name)
+    kx, ky, kz = layout.kvec_tensors(conf, mesh, tf.float64, name)
     return mtf.sqrt(mtf.square(kx) + mtf.square(ky) + mtf.square(kz))
 
 
@@ -135,7 +132,7 @@ def cic_window(conf, mesh, dtype=None, name="cic_window"):
     """
     dtype = tf.as_dtype(dtype or conf.tf_dtype)
     factors = []
-    for k, d in zip(_axis_k(conf), conf.cell_size):
+    for k, d in zip(layout.axis_k(conf), conf.cell_size):
         factors.append(np.sinc(k * d / (2.0 * np.pi))**2)       # np.sinc(x) = sin(pi x)/(pi x)
     wx, wy, wz = [mtf.cast(t, dtype) if dtype != tf.float64 else t
                   for t in _kvec64(conf, mesh, factors, name)]

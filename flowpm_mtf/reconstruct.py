@@ -50,8 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import config as cfg
-from . import fft, gravity, ics, lpt, nbody, power
+from . import fft, gravity, ics, layout, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
@@ -215,10 +214,7 @@ def inverse_power_kernel(conf, mesh, power_fn=None, name="inverse_power_kernel")
     pk = ics.power_function(conf, power_fn, a=1.0)
     volume = float(np.prod(conf.box_size))
     np_dtype = conf.np_dtype
-    kvecs = [mtf.import_tf_tensor(
-        mesh, tf.constant(2.0 * np.pi * np.fft.fftfreq(n, d=d), tf.float64),
-        mtf.Shape([mtf.Dimension(dim, n)]), name="%s_%s" % (name, dim))
-        for dim, n, d in zip(cfg.K_DIMS, conf.nc, conf.cell_size)]
+    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
     shape = fft.k_shape(conf)
 
     def fn(kx, ky, kz):

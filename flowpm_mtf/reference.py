@@ -10,6 +10,7 @@ import functools
 import numpy as np
 
 from . import cosmology as C
+from . import layout
 from .noise import white_noise_numpy
 
 __all__ = ["linear_field_numpy", "flowpm_cosmo"]
@@ -22,7 +23,7 @@ def linear_field_numpy(conf, seed=7, amplitude=1.0):
     [dimensionless density contrast], shape ``conf.nc``.
     """
     white = white_noise_numpy(seed, conf.nc)
-    kvec = [2 * np.pi * np.fft.fftfreq(n, d=c) for n, c in zip(conf.nc, conf.cell_size)]
+    kvec = layout.axis_k(conf)
     kk = np.sqrt(kvec[0][:, None, None]**2 + kvec[1][None, :, None]**2
                  + kvec[2][None, None, :]**2)
     pk = np.zeros_like(kk)

@@ -308,9 +308,11 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             return self._slice_var
 
         def _existing_master(self):
-            master = _lazy_master(self._variable)
-            if master is not None and not master.materialized:
-                return None
+            """The master if the program created it (all members of a stacked variable)."""
+            members = getattr(self._variable, "_stacked_members", None) or [self._variable]
+            lazies = [_lazy_master(m) for m in members]
+            if all(m is not None and not m.materialized for m in lazies):
+                return None  # never ask a StackedVariable for get_master(): it creates them
             return self._variable.get_master()
 
         @property

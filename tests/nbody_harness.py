@@ -4,7 +4,6 @@ import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import cosmology as C
 from flowpm_mtf import fft, lpt, painting
 from flowpm_mtf.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
 

@@ -178,7 +178,7 @@ class SlurmCluster:
 
     def write_config(self):
         """Write the munge key and ``slurm.conf``; returns the config text."""
-        for d in ("munge", "state", "spool", "log"):
+        for d in ("munge", "state", "spool", "log", "tmp"):
             os.makedirs(self._path(d), mode=0o755, exist_ok=True)
         key = self._path("munge", "munge.key")
         with open(key, "wb") as f:
@@ -203,6 +203,9 @@ class SlurmCluster:
             "SlurmctldLogFile=%s" % self._path("log", "slurmctld.log"),
             "SlurmdLogFile=%s" % self._path("log", "slurmd.log"),
             "MailProg=/bin/true",
+            # srun's PMIx plugin puts its per-step directory (spmix_appdir_UID_JOB.STEP) in
+            # TmpFS: a private one, so that two test clusters (both at job 1) never share it
+            "TmpFS=%s" % self._path("tmp"),
             # no cgroups here: track processes by parentage; no CPU binding, because a node
             # declared with more CPUs than it has cannot be laid out by task/affinity
             "ProctrackType=proctrack/linuxproc",
@@ -273,8 +276,8 @@ class SlurmCluster:
     # ------------------------------------------------------------------ use
     def run(self, argv, check=True, timeout=60, **kw):
         """Run a Slurm client command against this cluster (text output captured)."""
-        proc = subprocess.run(argv, env=kw.pop("env", self.env), capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        env = kw.pop("env", None) or self.env
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
         if check and proc.returncode != 0:
             raise RuntimeError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
                                                        proc.stderr.strip()))

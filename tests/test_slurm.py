@@ -199,6 +199,7 @@ def _has_checkpointing():
     """None when ``flowpm-mtf simulate`` has --checkpoint-every and --resume, else why not."""
     exe = os.path.join(sys.prefix, "bin", "flowpm-mtf")
     proc = subprocess.run([exe, "simulate", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, "%s simulate --help failed:\n%s" % (exe, proc.stderr[-3000:])
     missing = [f for f in ("--checkpoint-every", "--resume") if f not in proc.stdout]
     if missing:
         return ("flowpm-mtf simulate has no %s: the checkpoint/resume/SIGTERM feature "
@@ -222,10 +223,11 @@ def _wait_for(pattern, log, cluster, job_id, timeout=JOB_TIMEOUT_S):
 
 
 @two_jobs_timeout
-def test_preempted_run_resumes_bit_identical(slurm, reference, tmp_path):
+def test_preempted_run_resumes_bit_identical(slurm, request, tmp_path):
     reason = _has_checkpointing()
     if reason:
         pytest.skip(reason)
+    reference = request.getfixturevalue("reference")  # only now: the job takes a while
     out = str(tmp_path / "out-preempted")
     env = dict(STEPS=STEPS, CHECKPOINT_EVERY=CHECKPOINT_EVERY)
     job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)

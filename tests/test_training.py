@@ -122,6 +122,9 @@ def train(impl, opt, threads, ordered_helper=False, devices=1):
         with tf.Session(config=config) as sess:
             sess.run(tf.global_variables_initializer())
             sess.run(lowering.copy_masters_to_slices())
+            if getattr(impl, "slice_only_variables", False):  # HvdSimdMeshImpl: no masters
+                names = [v.op.name for v in tf.global_variables()]
+                assert all(n.endswith("_slice") for n in names), names
             for _ in range(STEPS):
                 losses.append(sess.run([loss_tf, step])[0])
             return np.array(losses), sess.run(ws_tf)

@@ -11,7 +11,9 @@ registered by :func:`flowpm_mtf.jobs.register`. The runner calls, in order:
    (variables initialised, masters copied to slices); returns numpy results;
 5. :meth:`Job.finish` -- numpy post-processing; returns the job's own
    summary fields;
-6. :meth:`Job.write` (rank 0 only) -- writes the products through
+6. :meth:`Job.write_all` (every rank, collective) -- the distributed files
+   (each rank its slices, :mod:`flowpm_mtf.h5dist`); then
+   :meth:`Job.write` (rank 0 only) -- writes the products through
    :mod:`flowpm_mtf.io` into the run directory; the runner then writes
    ``summary.json``;
 7. :meth:`Job.check` (every rank) -- raise if the results are wrong (the
@@ -91,8 +93,12 @@ class Job:
         ``"config"``).
     default_out : str
         Default run directory.
+    checkpoints : bool
+        The job's time loop checkpoints and resumes (``--checkpoint-every``,
+        ``--resume``; :mod:`flowpm_mtf.checkpoint`).
     """
 
+    checkpoints = False
     name = None
     help = ""
     sections = ()
@@ -120,6 +126,10 @@ class Job:
     def finish(self, ctx, results):
         """Post-process the results (numpy); returns the job's summary fields (dict)."""
         return {}
+
+    def write_all(self, ctx, results):
+        """Write the distributed products on every rank (collective); ``ctx.file(name)``
+        gives each file's path on every rank."""
 
     def write(self, ctx, out, results, summary):
         """Write the products on rank 0: ``out.path(name)`` gives each file's path."""

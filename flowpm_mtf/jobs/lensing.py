@@ -14,7 +14,8 @@ Limber prediction of the convergence power spectrum.
 Outputs (written by rank 0 into the run directory)
 ---------------------------------------------------
 kappa.h5
-    Maps, planes and the P(k) at each plane (:func:`flowpm_mtf.io.write_kappa`).
+    Maps, planes (a virtual dataset over the per-rank blocks in ``kappa.parts/``)
+    and the P(k) at each plane (:func:`flowpm_mtf.io.write_kappa`).
 kappa_power.txt
     ell, then per source the measured flat-sky C_ell and the Limber prediction
     from the measured P(k) [sr], then the number of modes per bin.
@@ -28,7 +29,7 @@ import logging
 import mesh_tensorflow as mtf
 import numpy as np
 
-from .. import io, lensing
+from .. import h5dist, io, lensing
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
@@ -100,10 +101,12 @@ class LensingJob(Job):
             "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, g, lowering):
-        ops = nbody_run.lower_simulation(g, lowering, nbody_run.POWER_FIELDS)
+        ops = nbody_run.lower_simulation(g, lowering)
         ops["planes"] = {j: runner.lowered_group(lowering, o) for j, o in g.plane_ops.items()}
-        ops["maps"] = {"kappa": lowering.export_to_tf_tensor(g.kappa),
-                       "planes": [lowering.export_to_tf_tensor(p) for p in g.planes]}
+        # kappa is small and replicated; the planes: this process's blocks only
+        ops["plane_slices"] = [h5dist.local_slices(lowering, p) for p in g.planes]
+        ops["maps"] = {"kappa": h5dist.replicated_value(lowering, g.kappa),
+                       "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
         return ops
 
     def execute(self, ctx, sess, g, ops):
@@ -124,12 +127,18 @@ class LensingJob(Job):
             res = sess.run(ops["maps"])
         res["plane_pk"] = {int(i): pk.results[int(j)] for i, j in enumerate(g.plane_stage)}
         res["stages"] = g.stages
+        res["plane_slices"] = ops["plane_slices"]
         return res
 
     def finish(self, ctx, res):
         conf, geom = ctx.conf, ctx.geom
         kappa = np.asarray(res["kappa"], np.float64)
-        planes = np.stack(res["planes"]).astype(np.float64)
+        # per held slice: the planes [n_planes, sx, sy] of its (x, y) block
+        plane_parts = {p: h5dist.Block(np.stack([res["planes"][i][j]
+                                                 for i in range(geom.n_planes)]
+                                                ).astype(np.float64),
+                                       (0,) + tuple(begin), (geom.n_planes,) + tuple(conf.nc[:2]))
+                       for j, (p, _, begin) in enumerate(res["plane_slices"][0])}
         plane_pk = res["plane_pk"]
         keep = plane_pk[0]["modes"] > 0
         plane_k = np.stack([plane_pk[i]["k"][keep] for i in range(geom.n_planes)])
@@ -141,15 +150,18 @@ class LensingJob(Job):
         measured = np.stack([c[1] for c in cls])[:, ok]
         limber = np.stack([lensing.limber_cl(ell[ok], conf, geom, list(zip(plane_k, plane_p)), s)
                            for s in range(geom.n_source)])
-        res.update(kappa=kappa, planes=planes, plane_k=plane_k, plane_p=plane_p, ell=ell[ok],
+        res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p, ell=ell[ok],
                    n_modes=n_modes[ok], measured=measured, limber=limber)
         return {"n_stages": int(len(res["stages"])), "stages": list(res["stages"]),
                 "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
 
+    def write_all(self, ctx, res):
+        io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
+                       res["plane_k"], res["plane_p"], ctx.conf, ctx.configs["lensing"],
+                       ctx.geom)
+
     def write(self, ctx, out, res, summary):
-        conf, geom = ctx.conf, ctx.geom
-        io.write_kappa(out.path("kappa.h5"), res["kappa"], res["planes"], res["plane_k"],
-                       res["plane_p"], conf, ctx.configs["lensing"], geom, rank=0)
+        geom = ctx.geom
         io.write_kappa_power(out.path("kappa_power.txt"), res["ell"], res["measured"],
                              res["limber"], res["n_modes"], geom, rank=0)
 

@@ -7,7 +7,15 @@ through a placeholder (:class:`SimulationGraph`). :func:`run_stages` drives it
 with :func:`flowpm_mtf.timeloop.integrate`, so the jobs share the stepping
 rule of :func:`flowpm_mtf.nbody.nbody`; observers (:class:`SnapshotWriter`,
 :class:`PowerAtStages`, the lensing job's plane painter) act after each step,
-then the step is timed, logged and the runner's after-step hook is called.
+then the step is timed, logged and the runner's after-step hook is called;
+then, every ``ctx.checkpoint_every`` steps or when the ranks agree on a stop
+request (SIGTERM), the state is checkpointed (:mod:`flowpm_mtf.checkpoint`) and,
+after a stop, :class:`flowpm_mtf.jobs.runner.Stopped` ends the job. With
+``ctx.resume`` the state comes from the newest valid checkpoint instead of the
+ICs.
+
+No rank gathers the state: snapshots are written by every rank from its own
+slices (:func:`snapshot_parts`, :func:`write_snapshot`).
 """
 import logging
 import time
@@ -16,18 +24,18 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import gravity, ics, io, lpt, nbody, painting, power, timeloop
+from .. import checkpoint, h5dist, ics, io, lpt, nbody, painting, power, timeloop
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
 from . import runner
 
-__all__ = ["SimulationGraph", "lower_simulation", "run_stages", "snapshot_arrays",
-           "SnapshotWriter", "PowerAtStages"]
+__all__ = ["SimulationGraph", "lower_simulation", "run_stages", "fetch_state",
+           "snapshot_parts", "write_snapshot", "SnapshotWriter", "PowerAtStages"]
 
 log = rank0_only(logging.getLogger(__name__))
 
-SNAPSHOT_FIELDS = ("rho", "position", "momentum")
-"""Outputs of :class:`SimulationGraph` that make a snapshot."""
+SNAPSHOT_FIELDS = ("rho",)
+"""Outputs of :class:`SimulationGraph` (besides the state) that make a snapshot."""
 POWER_FIELDS = ("k", "pk", "modes")
 """Outputs of :class:`SimulationGraph` that make a P(k)."""
 
@@ -51,8 +59,8 @@ class SimulationGraph:
         The IC assignments, and the assignments of one KDK step whose factors
         are fed through the placeholder ``factors``: ``step_factors[i]`` for
         step ``i`` (``stages[i] -> stages[i + 1]``).
-    rho, k, pk, modes, position, momentum : mtf.Tensor
-        Outputs of the current state.
+    rho, k, pk, modes : mtf.Tensor
+        Outputs of the current state (density; its P(k), reduced and replicated).
     """
 
     def __init__(self, conf, mesh, stages=None):
@@ -78,12 +86,9 @@ class SimulationGraph:
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables, new)]
         self.step_factors = list(nbody.all_step_factors(conf, self.stages))
-        x, p, _ = self.variables
-        self.rho = painting.paint_field(x, conf)
+        self.rho = painting.paint_field(self.variables.positions, conf)
         self.k, self.pk, self.modes = power.power_spectrum(self.rho - 1.0, conf,
                                                            deconvolve_cic=False)
-        self.position = lpt.particles_to_lattice_order(painting.to_global(x, conf), conf)
-        self.momentum = lpt.particles_to_lattice_order(p, conf)
         self.cell_size = np.asarray(conf.cell_size)
 
     @property
@@ -92,28 +97,78 @@ class SimulationGraph:
         return len(self.stages) - 1
 
 
-def lower_simulation(sim, lowering, fields=SNAPSHOT_FIELDS + POWER_FIELDS):
-    """Lowered ops and fetches of a :class:`SimulationGraph`.
+def lower_simulation(sim, lowering):
+    """Lowered ops and fetches of a :class:`SimulationGraph` (no full-size gather).
 
     Returns
     -------
     dict
-        ``init`` and ``step`` (TF ops), ``fetch`` (name -> full TF tensor of
-        the requested ``fields``).
+        ``init`` and ``step`` (TF ops); ``state`` (this process's slices of
+        positions, momenta, forces: lists of ``(pnum, tf.Tensor, begin)``),
+        ``blocks`` (pnum -> (bx, by)), ``rho`` (slices of the density),
+        ``fetch`` (the replicated ``k``, ``pk``, ``modes``), ``restore``
+        (placeholders per variable and the op assigning them to the slices).
     """
+    import tensorflow.compat.v1 as tf
+
+    state = [h5dist.local_slices(lowering, v) for v in sim.variables]
+    restore_ph, restore = [], []
+    for v in sim.variables:
+        laid_out = lowering.variables[v.operation]
+        phs = [tf.placeholder(t.dtype, t.shape) for t in laid_out.laid_out_tensor.tensor_list]
+        restore_ph.append(phs)
+        restore.append(laid_out.assign_to_slices(mtf.assign_slice, phs))
     return {"init": runner.lowered_group(lowering, sim.init_ops),
             "step": runner.lowered_group(lowering, sim.step_ops),
-            "fetch": runner.export(lowering, {n: getattr(sim, n) for n in fields})}
+            "state": state, "blocks": {p: (b[0], b[1]) for p, _, b in state[0]},
+            "rho": h5dist.local_slices(lowering, sim.rho),
+            "fetch": runner.replicated(lowering, {n: getattr(sim, n) for n in POWER_FIELDS}),
+            "restore": (restore_ph, tf.group(restore))}
+
+
+def fetch_state(sess, ops):
+    """This process's state slices: ``pnum -> (block, positions, momenta, forces)``."""
+    vals = sess.run([[t for _, t, _ in s] for s in ops["state"]])
+    return {p: (ops["blocks"][p],) + tuple(vals[v][i] for v in range(3))
+            for i, (p, _, _) in enumerate(ops["state"][0])}
+
+
+def _checkpoint_parts(conf, state):
+    parts = {}
+    for pnum, (block, pos, mom, force) in state.items():
+        parts[pnum] = {"block": block, "id": io.lagrangian_ids(conf, block),
+                       "origin": [block[0] * conf.block_shape[0], block[1] * conf.block_shape[1],
+                                  0],
+                       "positions": pos, "momenta": mom, "forces": force}
+    return parts
+
+
+def _restore(ctx, sess, sim, ops):
+    """Assign the newest valid checkpoint to the state variables; returns its step."""
+    manifest, parts = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, ops["blocks"])
+    placeholders, op = ops["restore"]
+    feed = {}
+    for v, (phs, slices) in enumerate(zip(placeholders, ops["state"])):
+        for ph, (p, _, _) in zip(phs, slices):
+            feed[ph] = parts[p][checkpoint.STATE_NAMES[v]].reshape(ph.shape.as_list())
+    sess.run(op, feed)
+    return int(manifest["step"])
+
+
+def _configs_dict(ctx):
+    return {key: cfg.to_dict() for key, cfg in ctx.configs.items()}
 
 
 def run_stages(ctx, sess, sim, ops, observers=(), note=None):
-    """The ICs, then the time loop over ``sim.stages`` in the session.
+    """The ICs (or the restored checkpoint), then the time loop over ``sim.stages``.
 
     Parameters
     ----------
     ctx : runner.RunContext
-        ``ctx.timings`` gets ``ics_s``, ``steps_s`` (per step, including the
-        observers at the stage reached) and ``nbody_s``.
+        ``ctx.timings`` gets ``ics_s`` (or ``restore_s``), ``steps_s`` (per
+        step, including the observers at the stage reached) and ``nbody_s``;
+        ``ctx.checkpoint_every``, ``ctx.resume`` and ``ctx.stop`` drive
+        checkpoints, restart and SIGTERM.
     sess : tf.Session
     sim : SimulationGraph
     ops : dict
@@ -123,13 +178,32 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
         (:func:`flowpm_mtf.timeloop.integrate`).
     note : callable, optional
         ``note(j) -> str`` appended to the log line of step ``j``.
+
+    Returns
+    -------
+    int
+        The stage the loop started from (0, or the checkpoint's step).
+
+    Raises
+    ------
+    runner.Stopped
+        On every rank, after the checkpoint, when the ranks agreed on a stop
+        request before the last step.
     """
     conf, timings = ctx.conf, ctx.timings
     t = time.perf_counter()
-    sess.run(ops["init"])
-    timings["ics_s"] = time.perf_counter() - t
-    log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],
-             timings["ics_s"])
+    first = 0
+    if ctx.resume:
+        first = _restore(ctx, sess, sim, ops)
+        timings["restore_s"] = time.perf_counter() - t
+        log.info("restored step %d/%d (a=%.4f) in %.2f s", first, sim.n_steps,
+                 sim.stages[first], timings["restore_s"])
+    else:
+        sess.run(ops["init"])
+        timings["ics_s"] = time.perf_counter() - t
+        log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],
+                 timings["ics_s"])
+    ctx.mark("ics")
     steps = []
     clock = [None]
 
@@ -139,61 +213,107 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
 
     def timed(j, a, state):
         now = time.perf_counter()
-        if j > 0:
+        if j > first:
             steps.append(now - clock[0])
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
             ctx.after_step(j, a=a)
+            _checkpoint_or_stop(ctx, sess, sim, ops, j)
         clock[0] = time.perf_counter()
 
-    timeloop.integrate(None, sim.stages, step, list(observers) + [timed])
+    timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
     timings["steps_s"] = steps
     timings["nbody_s"] = float(sum(steps))
+    return first
 
 
-def snapshot_arrays(sim, res, a):
-    """Positions [Mpc/h], peculiar velocities [km/s] and density from fetched outputs.
+def _checkpoint_or_stop(ctx, sess, sim, ops, j):
+    """After step ``j``: checkpoint every K steps or on an agreed stop request, then stop."""
+    stop = ctx.stop is not None and ctx.stop.agreed() and j < sim.n_steps  # collective
+    every = ctx.checkpoint_every
+    if j < sim.n_steps and ctx.run_dir is not None and (stop or (every and j % every == 0)):
+        t = time.perf_counter()
+        checkpoint.save(ctx.run_dir.path, ctx.comm, j, sim.stages[j], _configs_dict(ctx),
+                        _checkpoint_parts(ctx.conf, fetch_state(sess, ops)),
+                        grid=ctx.conf.grid)
+        ctx.timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
+    if stop:
+        log.warning("stopped by signal after step %d/%d; checkpoint in %s; continue with: %s",
+                    j, sim.n_steps, checkpoint.step_dir(ctx.run_dir.path, j),
+                    checkpoint.resume_command(ctx.run_dir.path, ctx.job.name))
+        raise runner.Stopped(j)
+
+
+def snapshot_parts(conf, state, rho_slices, rho_vals, a):
+    """Snapshot parts (``h5dist``) of this process's slices, in float64.
 
     Parameters
     ----------
-    sim : SimulationGraph
-    res : dict
-        Fetched ``position``, ``momentum`` [cells] and ``rho``.
+    conf : SimConfig
+    state : dict
+        From :func:`fetch_state`.
+    rho_slices : list
+        ``ops["rho"]`` (pnum, tensor, begin) of :func:`lower_simulation`.
+    rho_vals : list of ndarray
+        The fetched density slices.
     a : float
         Scale factor of the state.
 
     Returns
     -------
     dict
-        ``position`` [N, 3] in the box, ``velocity`` [N, 3] (peculiar:
-        ``p = a^3 E dx/da`` in cells with H0 = 1 gives ``v = H0 p / a``),
-        ``density`` [NX, NY, NZ] (1 + delta): the arguments of
-        :func:`flowpm_mtf.io.write_snapshot`.
+        ``pnum -> {"position", "velocity", "id", "density"}``: positions
+        [Mpc/h] in the box, peculiar velocities [km/s] (``p = a^3 E dx/da`` in
+        cells with H0 = 1 gives ``v = H0 p / a``), Lagrangian ids, the density
+        block (1 + delta): the arguments of :func:`write_snapshot`.
     """
-    conf = sim.conf
-    n = conf.n_cells
-    position = (res["position"].reshape(n, 3) * sim.cell_size) % np.asarray(conf.box_size)
-    velocity = res["momentum"].reshape(n, 3) * sim.cell_size * 100.0 / a
-    return {"position": position, "velocity": velocity, "density": res["rho"]}
+    parts = {}
+    for (p, _, begin), rho in zip(rho_slices, rho_vals):
+        block, pos, mom, _ = state[p]
+        parts[p] = io.particle_part(conf, block, pos, mom, a)
+        parts[p]["density"] = h5dist.Block(rho, begin, conf.nc)
+    return parts
+
+
+def write_snapshot(ctx, name, parts):
+    """Write one distributed snapshot ``name`` (collective; every rank its parts)."""
+    path = ctx.file(name)
+    if path is not None:
+        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf)
+
+
+def density_slab(conf, rho_slices, rho_vals, comm):
+    """The ``[NX, NY]`` mean of 1 + delta over the first ``nc[2] // 8`` cells along z.
+
+    Projected on every rank from its own blocks; only this 2D slab is gathered.
+
+    Returns
+    -------
+    (ndarray, int)
+        The slab and its depth [cells].
+    """
+    depth = max(1, conf.nc[2] // 8)
+    return h5dist.gather_slab(comm, [(r[:, :, :depth].mean(axis=2), b[:2])
+                                     for (_, _, b), r in zip(rho_slices, rho_vals)],
+                              conf.nc[:2]), depth
 
 
 class SnapshotWriter:
-    """Observer writing ``snapshot_a<a>.h5`` at requested stages (rank 0 writes).
+    """Observer writing ``snapshot_a<a>.h5`` at requested stages (every rank its slices).
 
     Parameters
     ----------
     ctx : runner.RunContext
     sess : tf.Session
     sim : SimulationGraph
-    fetch : dict
-        Full TF tensors ``rho``, ``position``, ``momentum``.
+    ops : dict
+        From :func:`lower_simulation`.
     scale_factors : sequence of float
         Scale factors of the snapshots (each a stage of ``sim``).
     """
 
-    def __init__(self, ctx, sess, sim, fetch, scale_factors):
-        self.ctx, self.sess, self.sim = ctx, sess, sim
-        self.fetch = {n: fetch[n] for n in SNAPSHOT_FIELDS}
+    def __init__(self, ctx, sess, sim, ops, scale_factors):
+        self.ctx, self.sess, self.sim, self.ops = ctx, sess, sim, ops
         idx = timeloop.stage_indices(scale_factors, sim.stages)
         self.at = dict(zip(idx, (float(a) for a in scale_factors)))
         self.written = []
@@ -201,11 +321,10 @@ class SnapshotWriter:
     def __call__(self, j, a, state):
         if j not in self.at:
             return
-        res = self.sess.run(self.fetch)
+        st = fetch_state(self.sess, self.ops)
+        rho = self.sess.run([t for _, t, _ in self.ops["rho"]])
         name = snapshot_name(self.at[j])
-        if self.ctx.outputs is not None:
-            io.write_snapshot(self.ctx.outputs.path(name), **snapshot_arrays(self.sim, res, a),
-                              attrs=self.sim.conf, rank=0)
+        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a))
         self.written.append(name)
 
 
@@ -221,7 +340,7 @@ class PowerAtStages:
     ----------
     sess : tf.Session
     fetch : dict
-        Full TF tensors ``k``, ``pk``, ``modes``.
+        Replicated TF tensors ``k``, ``pk``, ``modes``.
     stages : iterable of int or None
         Stage indices to measure at (None: every stage).
     before : callable, optional

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .. import io
+from .. import h5dist, io
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..reconstruct import ReconConfig, ReconstructionGraph
@@ -62,13 +62,14 @@ class ReconstructJob(Job):
     def lower(self, ctx, rg, lowering):
         return {"observe": lowering.lowered_operation(rg.observe_op),
                 "step": runner.lowered_group(lowering, rg.step_ops),
-                "scalars": runner.export(lowering, {n: getattr(rg, n)
-                                                    for n in ("loss", "chi2", "prior")}),
-                "fields": runner.export(lowering, {"truth": rg.truth,
-                                                   "reconstruction": rg.linear,
-                                                   "observed": rg.observed}),
-                "spectra": runner.export(lowering, {n: getattr(rg, n) for n in
-                                                    ("k", "r", "transfer", "n_modes")})}
+                "scalars": runner.replicated(lowering, {n: getattr(rg, n)
+                                                        for n in ("loss", "chi2", "prior")}),
+                # the fields: this process's slices only (no gather)
+                "fields": runner.local(lowering, {"truth": rg.truth,
+                                                  "reconstruction": rg.linear,
+                                                  "observed": rg.observed}),
+                "spectra": runner.replicated(lowering, {n: getattr(rg, n) for n in
+                                                        ("k", "r", "transfer", "n_modes")})}
 
     def execute(self, ctx, sess, rg, ops):
         conf, rconf, timings = ctx.conf, ctx.configs["reconstruction"], ctx.timings
@@ -90,9 +91,11 @@ class ReconstructJob(Job):
             ctx.after_step(i + 1, iteration=i + 1)
         timings["optimise_s"] = time.perf_counter() - t_opt
         timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
-        with ctx.timed("gather_s"):
-            res = sess.run({**ops["fields"], **ops["spectra"], "final": ops["scalars"]})
+        with ctx.timed("fetch_s"):
+            fields = {n: [t for _, t, _ in sl] for n, sl in ops["fields"].items()}
+            res = sess.run({**fields, **ops["spectra"], "final": ops["scalars"]})
         res["history"] = history
+        res["slices"] = ops["fields"]
         return res
 
     def finish(self, ctx, res):
@@ -102,23 +105,35 @@ class ReconstructJob(Job):
             history[n].append(float(res["final"][n]))
         keep = res["n_modes"] > 0
         res["table"] = [res[n][keep] for n in ("k", "r", "transfer", "n_modes")]
+        conf = ctx.conf
+        res["parts"] = {}
+        for name, sl in res["slices"].items():
+            for (p, _, begin), value in zip(sl, res[name]):
+                res["parts"].setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
+        res["depth"] = depth = max(1, conf.nc[2] // 8)
+        res["slabs"] = {name: h5dist.gather_slab(
+            ctx.comm, [(v[:, :, :depth].mean(axis=2), b[:2]) for (_, _, b), v in
+                       zip(sl, res[name])], conf.nc[:2]) for name, sl in res["slices"].items()}
         k, r, tk, _ = res["table"]
         return {"likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
                 "chi2": history["chi2"], "prior": history["prior"],
                 "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist()}
 
+    def write_all(self, ctx, res):
+        io.write_reconstruction(ctx.file("reconstruction.h5"), ctx.comm, ctx.conf,
+                                ctx.configs["reconstruction"], res["parts"], res["history"])
+
     def write(self, ctx, out, res, summary):
         conf, rconf = ctx.conf, ctx.configs["reconstruction"]
-        io.write_reconstruction(out.path("reconstruction.h5"), conf, rconf, res,
-                                res["history"], rank=0)
         io.write_reconstruction_table(out.path("reconstruction.txt"), conf, rconf,
                                       *res["table"], rank=0)
 
     def plot(self, ctx, out, res, summary):
         k, r, tk, _ = res["table"]
-        reconstruction_plot(out.path("reconstruction.png"), ctx.conf, res["truth"],
-                            res["reconstruction"], res["observed"], k, r, tk,
-                            res["history"]["loss"])
+        slabs = res["slabs"]
+        reconstruction_plot(out.path("reconstruction.png"), ctx.conf, slabs["truth"],
+                            slabs["reconstruction"], slabs["observed"], k, r, tk,
+                            res["history"]["loss"], res["depth"])
 
     def report(self, ctx, summary):
         return "loss %.4g -> %.4g in %d iterations (%.3f s/iteration), " % (
@@ -126,25 +141,29 @@ class ReconstructJob(Job):
             ctx.timings["per_iteration_s"])
 
 
-def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss):
-    """Slices of the true and reconstructed linear fields and the data; r(k), T(k), loss."""
+def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss, depth):
+    """Slabs of the true and reconstructed linear fields and the data; r(k), T(k), loss.
+
+    ``truth``, ``recon``, ``observed`` are ``[NX, NY]`` means over the first
+    ``depth`` cells along z (:func:`flowpm_mtf.h5dist.gather_slab`: only these
+    2D slabs are gathered).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(13, 8))
-    depth = max(1, conf.nc[2] // 8)
     ext = [0, conf.box_size[0], 0, conf.box_size[1]]
-    vmax = float(np.abs(truth[:, :, :depth].mean(axis=2)).max())
+    vmax = float(np.abs(truth).max())
     for ax, field, title in ((axes[0, 0], truth, "true linear field"),
                              (axes[0, 1], recon, "reconstructed linear field")):
-        ax.imshow(field[:, :, :depth].mean(axis=2).T, origin="lower", cmap="RdBu_r",
+        ax.imshow(field.T, origin="lower", cmap="RdBu_r",
                   vmin=-vmax, vmax=vmax, extent=ext)
         ax.set_title("%s (slab of %d cells)" % (title, depth))
         ax.set_xlabel("x [Mpc/h]")
         ax.set_ylabel("y [Mpc/h]")
-    axes[0, 2].imshow(np.log10(np.maximum(observed[:, :, :depth].mean(axis=2), 1e-2)).T,
+    axes[0, 2].imshow(np.log10(np.maximum(observed, 1e-2)).T,
                       origin="lower", cmap="magma", extent=ext)
     axes[0, 2].set_title("observed log10(1+delta), a=%.2f" % conf.a_end)
     axes[1, 0].semilogx(k, r, "o-", ms=3)

@@ -19,6 +19,19 @@ Hook points (for run safety, checkpoints, signals)
 ``after_run(ctx, summary)``
     After the outputs are written (e.g. publish, manifest).
 
+Distributed outputs, checkpoints, SIGTERM
+-----------------------------------------
+No rank gathers a full-size array: jobs fetch this process's slices
+(:func:`local`) and reduced, replicated values (:func:`replicated`), and write
+their distributed files in :meth:`Job.write_all`, which the runner calls on
+**every** rank (collective; :mod:`flowpm_mtf.h5dist`) before the rank-0
+:meth:`Job.write`. SIGTERM is recorded for the whole run
+(:class:`flowpm_mtf.checkpoint.StopRequest`, ``ctx.stop``); a time loop that
+checkpoints and stops raises :class:`Stopped`, and the runner then returns a
+summary with ``"stopped": True`` (exit 0, no outputs). ``ctx.mark(label)``
+records the RSS at phase boundaries (``memory_phases_mb_per_rank`` of the
+summary, used by ``scripts/bench_scaling.py``).
+
 The run directory is an object with ``path`` and ``file(name)`` (see
 :class:`PlainRunDir`; a run directory with staging and a manifest replaces it
 without changes here). Decisions across ranks outside the TF graph go through
@@ -31,12 +44,12 @@ import resource
 import statistics
 import time
 
-from .. import io
+from .. import checkpoint, h5dist, io
 from ..logs import rank0_only
 
-__all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "peak_memory_mb", "median_time",
-           "lower",
-           "lowered_group", "export", "session", "run"]
+__all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_memory_mb",
+           "current_memory_mb", "median_time", "lower", "lowered_group", "local", "replicated",
+           "session", "run"]
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -44,6 +57,44 @@ log = rank0_only(logging.getLogger(__name__))
 def peak_memory_mb():
     """Peak resident memory of this process [MB] (``ru_maxrss``)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def current_memory_mb():
+    """Current resident memory of this process [MB] (``/proc/self/statm``; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2.0**20
+    except (OSError, ValueError, IndexError):
+        return peak_memory_mb()
+
+
+def _phase_peak_mb():
+    """Peak RSS [MB] since the last reset (``VmHWM``), or ``None``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _reset_phase_peak():
+    """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0: clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class Stopped(Exception):
+    """Raised by a time loop that wrote a checkpoint after a stop request (SIGTERM)."""
+
+    def __init__(self, step):
+        super().__init__("stopped after step %d" % step)
+        self.step = int(step)
 
 
 def median_time(fn, repeats, warmup=0):
@@ -129,9 +180,22 @@ class RunContext:
     hooks : Hooks
     t0 : float
         ``time.perf_counter()`` at the start of the run.
+    checkpoint_every : int or None
+        Checkpoint every K steps (``--checkpoint-every``).
+    resume : bool
+        Continue from the newest valid checkpoint of the run directory.
+    stop : checkpoint.StopRequest or None
+        SIGTERM recorded on this rank (``stop.agreed()`` is collective).
+    memory : dict
+        Phase label -> RSS marks [MB] (:meth:`mark`).
     """
 
-    def __init__(self, job, configs, backend, run_dir, plot, hooks):
+    def __init__(self, job, configs, backend, run_dir, plot, hooks, checkpoint_every=None,
+                 resume=False, stop=None):
+        self.checkpoint_every = checkpoint_every
+        self.resume = bool(resume)
+        self.stop = stop
+        self.memory = {}
         self.job = job
         self.configs = configs
         self.conf = configs["config"]
@@ -155,6 +219,29 @@ class RunContext:
         t = time.perf_counter()
         yield
         self.timings[name] = time.perf_counter() - t
+
+    def mark(self, label):
+        """Record the RSS [MB] at a phase boundary: current, the phase's peak, the run's peak.
+
+        ``phase_peak`` is the peak since the previous mark (the kernel's counter
+        is reset at every mark; the cumulative peak where that is impossible).
+        """
+        phase = _phase_peak_mb()
+        self.memory[label] = {"rss": current_memory_mb(), "peak": peak_memory_mb(),
+                              "phase_peak": phase if phase is not None else peak_memory_mb()}
+        _reset_phase_peak()
+
+    def file(self, name):
+        """Path of output ``name`` in the run directory, on every rank (recorded on rank 0).
+
+        For collective writers (:meth:`Job.write_all`); ``None`` without a run
+        directory.
+        """
+        if self.run_dir is None:
+            return None
+        if self.outputs is not None:
+            return self.outputs.path(name)
+        return self.run_dir.file(name)
 
     def after_step(self, index, **info):
         """Call the after-step hooks (every rank, after step ``index``)."""
@@ -182,9 +269,20 @@ def lowered_group(lowering, ops):
     return ordered_update_op(lowering, ops)
 
 
-def export(lowering, tensors):
-    """Full TF tensors of a dict of mtf tensors (``export_to_tf_tensor``; gathers)."""
-    return {name: lowering.export_to_tf_tensor(t) for name, t in tensors.items()}
+def local(lowering, tensors):
+    """This process's slices of a dict of mtf tensors, without communication.
+
+    Returns
+    -------
+    dict
+        name -> list of ``(pnum, tf.Tensor, begin)`` (:func:`flowpm_mtf.h5dist.local_slices`).
+    """
+    return {name: h5dist.local_slices(lowering, t) for name, t in tensors.items()}
+
+
+def replicated(lowering, tensors):
+    """TF tensors of a dict of fully replicated (reduced) mtf tensors: this process's copy."""
+    return {name: h5dist.replicated_value(lowering, t) for name, t in tensors.items()}
 
 
 @contextlib.contextmanager
@@ -215,7 +313,8 @@ def session(session_config=None, lowering=None, target=""):
 
 
 # ----------------------------------------------------------------------------- the runner
-def run(job, configs, backend, run_dir=None, plot=True, hooks=None):
+def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_every=None,
+        resume=False):
     """Run one job: preflight, build, lower, execute, summarise, write.
 
     Parameters
@@ -226,25 +325,39 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None):
     backend : flowpm_mtf.backend.Backend
         MeshImpl, session config and comm.
     run_dir : object, optional
-        Where rank 0 writes (``str`` or an object with ``path`` and
+        Where the outputs go (``str`` or an object with ``path`` and
         ``file(name)``); None writes nothing (the summary is still returned).
     plot : bool
         Write the job's figure.
     hooks : Hooks, optional
+    checkpoint_every : int, optional
+        Checkpoint every K steps (jobs with a time loop).
+    resume : bool
+        Continue from the newest valid checkpoint in ``run_dir``.
 
     Returns
     -------
     dict
         The summary (also written to ``summary.json``): configs, timings [s],
-        peak memory per rank [MB], versions, and the job's own fields.
+        peak memory per rank [MB], versions, and the job's own fields;
+        ``{"stopped": True, "step": k}`` if SIGTERM stopped the run after a
+        checkpoint (no outputs are written then).
     """
+    # SIGTERM is recorded from here on (graph build, ICs, steps) and acted on by the
+    # time loop at the first step boundary all ranks agree on.
+    with checkpoint.StopRequest(backend.comm) as stop:
+        return _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, stop)
+
+
+def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, stop):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = PlainRunDir(run_dir)
     hooks = hooks or Hooks()
-    ctx = RunContext(job, configs, backend, run_dir, plot, hooks)
+    ctx = RunContext(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, stop)
+    ctx.mark("start")
     for hook in hooks.preflight:
         hook(ctx)
     job.preflight(ctx)
@@ -261,13 +374,24 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None):
         log.info("graph built in %.1f s%s", timings["graph_build_s"],
                  (" (%s)" % text) if text else "")
         with session(backend.session_config, lowering) as sess:
-            results = job.execute(ctx, sess, g, plan)
+            ctx.mark("graph")
+            try:
+                results = job.execute(ctx, sess, g, plan)
+            except Stopped as stopped:
+                return {"stopped": True, "step": stopped.step, "timings": timings}
+            ctx.mark("steps")
     extra = job.finish(ctx, results)
+    if run_dir is not None:
+        job.write_all(ctx, results)   # collective: every rank writes its slices
+    ctx.mark("output")
     mem = peak_memory_mb()
     mem_all = ctx.comm.allgather(mem)
     timings["total_s"] = ctx.elapsed()
     summary = {key: cfg.to_dict() for key, cfg in configs.items()}
-    summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions())
+    summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions(),
+                   memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
+    if resume:
+        summary["resumed"] = True
     summary.update(extra)
     if "n_particles" in summary:
         summary["bytes_per_particle_peak"] = (max(mem_all) * 2**20 * len(mem_all)

@@ -5,12 +5,14 @@ the ICs and every kick-drift-kick step run one after the other in the time
 loop (:func:`flowpm_mtf.jobs.nbody_run.run_stages`), so progress and timings
 are logged per step without rebuilding anything.
 
-Outputs (written by rank 0 into the run directory)
----------------------------------------------------
+Outputs (into the run directory; no rank gathers a full-size array)
+--------------------------------------------------------------------
 snapshot.h5
     ``position`` [N, 3] [Mpc/h], ``velocity`` [N, 3] [km/s] (peculiar),
-    ``density`` [NX, NY, NZ] (1 + delta, CIC), attributes with the config and
-    versions. Particles are in their initial-lattice order.
+    ``id`` [N] (Lagrangian index), ``density`` [NX, NY, NZ] (1 + delta, CIC),
+    attributes with the config and versions: one logical file of HDF5 virtual
+    datasets over the per-rank parts in ``snapshot.parts/`` (see
+    :mod:`flowpm_mtf.h5dist`); particles are grouped by rank, sort by ``id``.
 snapshot_a<a>.h5
     The same at each scale factor of ``--snapshots`` (other than ``a_end``).
 power.txt
@@ -21,7 +23,12 @@ summary.json
     Config, timings per phase and per step [s], peak memory per rank [MB],
     versions.
 overview.png
-    A density slice and the measured P(k) against the growth-scaled linear P(k).
+    A density slab (projected per rank; only the 2D slab is gathered) and the
+    measured P(k) (binned per rank, bins all-reduced) against the
+    growth-scaled linear P(k).
+checkpoint/
+    With ``--checkpoint-every K`` or on SIGTERM (:mod:`flowpm_mtf.checkpoint`);
+    ``--resume OUT`` continues from the newest valid one.
 """
 import dataclasses
 import logging
@@ -83,6 +90,7 @@ class SimulateJob(Job):
     sections = (ConfigSection("config", SimConfig),
                 ConfigSection("simulate", SimulateOptions))
     default_out = "out/sim"
+    checkpoints = True
 
     def _stages(self, ctx):
         conf, opts = ctx.conf, ctx.configs["simulate"]
@@ -108,7 +116,7 @@ class SimulateJob(Job):
         observers = []
         extra = [a for a in opts.snapshots if abs(a - conf.a_end) > timeloop.STAGE_RTOL * a]
         if extra:
-            observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops["fetch"], extra))
+            observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra))
         if opts.power_steps:
             pk = nbody_run.PowerAtStages(sess, ops["fetch"], range(1, len(sim.stages)))
             observers.append(pk)
@@ -118,38 +126,52 @@ class SimulateJob(Job):
                 keep = res["modes"] > 0
                 io.write_power(ctx.outputs.path("power_a%.4f.txt" % sim.stages[j]),
                                res["k"][keep], res["pk"][keep], res["modes"][keep], rank=0)
-        with ctx.timed("gather_s"):
+        with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only
             res = sess.run(ops["fetch"])
-        res["sim"] = sim
+            res["state"] = nbody_run.fetch_state(sess, ops)
+            res["rho"] = sess.run([t for _, t, _ in ops["rho"]])
+        res["ops"] = ops
         return res
 
     def finish(self, ctx, res):
-        res["snapshot"] = nbody_run.snapshot_arrays(res["sim"], res, ctx.conf.a_end)
+        conf = ctx.conf
+        res["parts"] = nbody_run.snapshot_parts(conf, res["state"], res["ops"]["rho"],
+                                                res["rho"], conf.a_end)
+        res["slab"], res["depth"] = nbody_run.density_slab(conf, res["ops"]["rho"], res["rho"],
+                                                           ctx.comm)
         res["keep"] = res["modes"] > 0
-        return {"n_particles": ctx.conf.n_cells}
+        return {"n_particles": conf.n_cells}
+
+    def write_all(self, ctx, res):
+        nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"])
 
     def write(self, ctx, out, res, summary):
         keep = res["keep"]
-        io.write_snapshot(out.path("snapshot.h5"), **res["snapshot"], attrs=ctx.conf, rank=0)
         io.write_power(out.path("power.txt"), res["k"][keep], res["pk"][keep],
                        res["modes"][keep], rank=0)
 
     def plot(self, ctx, out, res, summary):
         keep = res["keep"]
-        overview_plot(out.path("overview.png"), ctx.conf, res["rho"], res["k"][keep],
-                      res["pk"][keep])
+        overview_plot(out.path("overview.png"), ctx.conf, res["slab"], res["k"][keep],
+                      res["pk"][keep], res["depth"])
 
 
-def overview_plot(path, conf, rho, k, pk):
-    """Density slice and measured P(k) vs the growth-scaled linear P(k)."""
+def overview_plot(path, conf, slab, k, pk, depth):
+    """Density slab and measured P(k) vs the growth-scaled linear P(k).
+
+    Parameters
+    ----------
+    slab : ndarray
+        ``[NX, NY]`` mean of 1 + delta over the first ``depth`` cells along z
+        (:func:`flowpm_mtf.jobs.nbody_run.density_slab`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6))
-    depth = max(1, conf.nc[2] // 8)
-    ax0.imshow(np.log10(rho[:, :, :depth].mean(axis=2).T + 1e-2), origin="lower", cmap="magma",
+    ax0.imshow(np.log10(slab.T + 1e-2), origin="lower", cmap="magma",
                extent=[0, conf.box_size[0], 0, conf.box_size[1]])
     ax0.set_xlabel("x [Mpc/h]")
     ax0.set_ylabel("y [Mpc/h]")

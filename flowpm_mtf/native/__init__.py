@@ -128,3 +128,25 @@ def load(name):
             lib = tf.load_op_library(path)
     _cache[name] = lib
     return lib
+
+
+
+_gpu_visible = None  # whether TensorFlow sees a GPU, asked once
+
+
+def runs_on_cpu(t):
+    """Whether an op consuming the tf.Tensor ``t`` runs on a CPU (a native op serves it).
+
+    True when ``t`` is placed on a CPU, or unplaced while TensorFlow sees no GPU
+    (an unplaced op goes to the GPU when there is one): on a GPU the TensorFlow
+    ops stay the path.
+    """
+    global _gpu_visible
+    import tensorflow as tf
+
+    kind = tf.DeviceSpec.from_string(t.device or "").device_type
+    if kind:
+        return kind.upper() == "CPU"
+    if _gpu_visible is None:
+        _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
+    return not _gpu_visible

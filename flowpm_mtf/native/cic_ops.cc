@@ -1,0 +1,518 @@
+// Fused cloud-in-cell (CIC) paint and readout on padded blocks, on the CPU.
+//
+// Ops (the Python side, gradients included, is flowpm_mtf/painting.py):
+//
+//   FlowpmCicPaint(positions [B, n, 3], weights [B, n, C] or [0], halo, px, py, nz,
+//                  components) -> field [B, px, py, nz, C]
+//       field[b, c] = sum_p w[b, p] K_c(pos[b, p])   (w = 1 when weights is empty)
+//   FlowpmCicReadout(field [B, px, py, nz, C], positions [B, n, 3], halo)
+//       -> values [B, n, C]:  values[b, p] = sum_c K_c(pos[b, p]) field[b, c]
+//   FlowpmCicReadoutGradPos(field [B, px, py, nz, C], positions [B, n, 3],
+//                           dvalues [B, n, C] or [0], halo) -> dpos [B, n, 3]
+//       dpos[b, p, a] = sum_C dv[b, p, C] sum_c dK_c/dx_a(pos[b, p]) field[b, c, C]
+//       (dv = 1 when dvalues is empty): the gradient of the readout with respect
+//       to the positions, and (field = upstream gradient, dv = weights) of the paint.
+//   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
+//       particles per block whose stencil leaves the padded block (or non-finite).
+//
+// The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
+// particle at block-local (x, y, z) [cells] touches the padded cells
+// clip(floor(x) + h + {0, 1}, 0, px - 1) along x (same along y) and
+// (floor(z) + {0, 1}) mod nz along z, with the weights (1 - f, f), f = x - floor(x),
+// multiplied as (wx * wy) * wz and then by the particle's weight, corners in the
+// order x, y, z (z fastest): every cell receives its terms in the same order as
+// the TensorFlow path's unsorted_segment_sum (particle order), so the paint is the
+// same to the last bit, whatever the number of threads.
+//
+// A particle with a non-finite coordinate is skipped (paints nothing, reads 0,
+// gets a zero gradient): masked slots of fixed-capacity particle buffers are
+// harmless whatever they hold. Such particles are counted as escaped, so a
+// non-finite *valid* particle is still reported by the escape check.
+//
+// Threading: TensorFlow's intra-op pool (the threads the session gives this
+// process). The readout and the gradient are parallel over particles. The
+// paint is parallel over slabs of the padded x axis: each thread scans all
+// particles and deposits only into its own rows, so there are no atomics, no
+// per-thread copies of the field, and the sums do not depend on the thread
+// count; the scans cost n * threads reads, so the slab count is capped.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::errors::InvalidArgument;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+typedef int64_t i64;
+
+// Most slabs the paint uses (each scans every particle).
+constexpr int kMaxPaintSlabs = 8;
+
+// The CIC stencil of one particle along one axis: two cell indices and weights.
+template <typename T>
+struct Axis {
+  i64 i[2];
+  T w[2];
+  T f;  // fractional part (d w[1] / dx = 1, d w[0] / dx = -1)
+};
+
+template <typename T>
+inline bool finite3(const T* p) {
+  return std::isfinite(p[0]) && std::isfinite(p[1]) && std::isfinite(p[2]);
+}
+
+// Cell index of floor(x) (x finite), clamped far outside any block so that the
+// conversion is defined; the clip that follows maps it to the border.
+template <typename T>
+inline i64 floor_index(T fl) {
+  const T big = T(1 << 30);
+  return static_cast<i64>(std::min(std::max(fl, -big), big));
+}
+
+template <typename T>
+inline void clipped_axis(T x, i64 h, i64 p, Axis<T>* a) {
+  T fl = std::floor(x);
+  a->f = x - fl;
+  a->w[0] = T(1) - a->f;
+  a->w[1] = a->f;
+  i64 c = floor_index(fl) + h;
+  a->i[0] = std::min(std::max<i64>(c, 0), p - 1);
+  a->i[1] = std::min(std::max<i64>(c + 1, 0), p - 1);
+}
+
+template <typename T>
+inline void periodic_axis(T x, i64 n, Axis<T>* a) {
+  T fl = std::floor(x);
+  a->f = x - fl;
+  a->w[0] = T(1) - a->f;
+  a->w[1] = a->f;
+  i64 c = floor_index(fl) % n;
+  if (c < 0) c += n;
+  a->i[0] = c;
+  a->i[1] = (c + 1 == n) ? 0 : c + 1;
+}
+
+struct Geometry {
+  i64 px, py, nz, comps;
+  i64 halo;
+};
+
+template <typename T>
+inline void stencil(const T* p, const Geometry& g, Axis<T>* ax, Axis<T>* ay, Axis<T>* az) {
+  clipped_axis(p[0], g.halo, g.px, ax);
+  clipped_axis(p[1], g.halo, g.py, ay);
+  periodic_axis(p[2], g.nz, az);
+}
+
+// ------------------------------------------------------------------ shapes
+
+::tensorflow::Status paint_shape(InferenceContext* c) {
+  int px, py, nz, comps;
+  TF_RETURN_IF_ERROR(c->GetAttr("px", &px));
+  TF_RETURN_IF_ERROR(c->GetAttr("py", &py));
+  TF_RETURN_IF_ERROR(c->GetAttr("nz", &nz));
+  TF_RETURN_IF_ERROR(c->GetAttr("components", &comps));
+  ShapeHandle pos;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &pos));
+  c->set_output(0, c->MakeShape({c->Dim(pos, 0), px, py, nz, comps}));
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status readout_shape(InferenceContext* c) {
+  ShapeHandle field, pos;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &field));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &pos));
+  c->set_output(0, c->MakeShape({c->Dim(pos, 0), c->Dim(pos, 1), c->Dim(field, 4)}));
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status grad_pos_shape(InferenceContext* c) {
+  c->set_output(0, c->input(1));
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status escaped_shape(InferenceContext* c) {
+  ShapeHandle pos;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &pos));
+  c->set_output(0, c->MakeShape({c->Dim(pos, 0)}));
+  return ::tensorflow::OkStatus();
+}
+
+// Checks shared by the kernels: positions [B, n, 3]; an optional per-particle
+// tensor [B, n, C] (or empty).
+::tensorflow::Status check_positions(const Tensor& pos) {
+  if (pos.dims() != 3 || pos.dim_size(2) != 3)
+    return InvalidArgument("CIC: positions must be [blocks, n, 3], got ",
+                           pos.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status check_per_particle(const Tensor& t, const Tensor& pos, i64 comps,
+                                        const char* what) {
+  if (t.NumElements() == 0) return ::tensorflow::OkStatus();
+  if (t.dims() != 3 || t.dim_size(0) != pos.dim_size(0) || t.dim_size(1) != pos.dim_size(1) ||
+      t.dim_size(2) != comps)
+    return InvalidArgument("CIC: ", what, " must be [", pos.dim_size(0), ", ", pos.dim_size(1),
+                           ", ", comps, "] or empty, got ", t.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status check_field(const Tensor& f, const Tensor& pos, i64 halo) {
+  if (f.dims() != 5 || f.dim_size(0) != pos.dim_size(0))
+    return InvalidArgument("CIC: field must be [blocks, px, py, nz, components] with ",
+                           pos.dim_size(0), " blocks, got ", f.shape().DebugString());
+  if (halo < 0 || f.dim_size(1) < 1 || f.dim_size(2) < 1 || f.dim_size(3) < 1)
+    return InvalidArgument("CIC: empty field or negative halo");
+  return ::tensorflow::OkStatus();
+}
+
+int pool_threads(OpKernelContext* ctx) {
+  return ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
+}
+
+// ------------------------------------------------------------------ paint
+template <typename T>
+class CicPaintOp : public OpKernel {
+ public:
+  explicit CicPaintOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    g_.halo = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("px", &v));
+    g_.px = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("py", &v));
+    g_.py = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nz", &v));
+    g_.nz = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("components", &v));
+    g_.comps = v;
+    OP_REQUIRES(ctx, g_.px > 0 && g_.py > 0 && g_.nz > 0 && g_.comps > 0 && g_.halo >= 0,
+                InvalidArgument("CIC paint: px, py, nz, components must be positive"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pos = ctx->input(0);
+    const Tensor& wts = ctx->input(1);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_per_particle(wts, pos, g_.comps, "weights"));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = g_.comps;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, g_.px, g_.py, g_.nz, C}),
+                                             &out));
+    const T* P = pos.flat<T>().data();
+    const T* W = wts.NumElements() ? wts.flat<T>().data() : nullptr;
+    T* F = out->flat<T>().data();
+    const i64 row = g_.py * g_.nz * C;  // values per padded x row
+    std::memset(F, 0, sizeof(T) * nb * g_.px * row);
+    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g_.px});
+    if (n * nb < (1 << 14)) slabs = 1;
+    const Geometry g = g_;
+    // One unit = one slab of one block.
+    auto work = [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / slabs, s = u % slabs;
+        const i64 r0 = g.px * s / slabs, r1 = g.px * (s + 1) / slabs;
+        const T* pb = P + b * n * 3;
+        const T* wb = W ? W + b * n * C : nullptr;
+        T* fb = F + b * g.px * row;
+        for (i64 p = 0; p < n; ++p) {
+          const T* q = pb + 3 * p;
+          if (!finite3(q)) continue;
+          Axis<T> ax, ay, az;
+          clipped_axis(q[0], g.halo, g.px, &ax);
+          if ((ax.i[0] < r0 || ax.i[0] >= r1) && (ax.i[1] < r0 || ax.i[1] >= r1)) continue;
+          clipped_axis(q[1], g.halo, g.py, &ay);
+          periodic_axis(q[2], g.nz, &az);
+          for (int i = 0; i < 2; ++i) {
+            if (ax.i[i] < r0 || ax.i[i] >= r1) continue;
+            for (int j = 0; j < 2; ++j) {
+              const T wxy = ax.w[i] * ay.w[j];
+              T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+              for (int k = 0; k < 2; ++k) {
+                const T kern = wxy * az.w[k];
+                T* dst = cell + az.i[k] * C;
+                if (wb) {
+                  for (i64 c = 0; c < C; ++c) dst[c] += kern * wb[p * C + c];
+                } else {
+                  for (i64 c = 0; c < C; ++c) dst[c] += kern;
+                }
+              }
+            }
+          }
+        }
+      }
+    };
+    if (slabs * nb == 1) {
+      work(0, 1);
+    } else {
+      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+      // A huge cost per unit: one unit per shard.
+      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
+    }
+  }
+
+ private:
+  Geometry g_;
+};
+
+// Readout of particles [begin, end) (flat over blocks); KC = C known at compile
+// time (1, 3) or 0 for any C.
+template <typename T, int KC>
+void read_range(const T* __restrict__ P, const T* __restrict__ F, T* __restrict__ V,
+                const Geometry& g, i64 n, i64 block, i64 begin,
+                i64 end) {
+  const i64 C = KC ? KC : g.comps;
+  for (i64 u = begin; u < end; ++u) {
+    const i64 b = u / n;
+    const T* q = P + 3 * u;
+    T* v = V + u * C;
+    for (i64 c = 0; c < C; ++c) v[c] = T(0);
+    if (!finite3(q)) continue;
+    Axis<T> ax, ay, az;
+    stencil(q, g, &ax, &ay, &az);
+    const T* fb = F + b * block;
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        const T wxy = ax.w[i] * ay.w[j];
+        const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+        for (int k = 0; k < 2; ++k) {
+          const T kern = wxy * az.w[k];
+          const T* src = cell + az.i[k] * C;
+          for (i64 c = 0; c < C; ++c) v[c] += kern * src[c];
+        }
+      }
+  }
+}
+
+// ------------------------------------------------------------------ readout
+template <typename T>
+class CicReadoutOp : public OpKernel {
+ public:
+  explicit CicReadoutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
+    Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &out));
+    const T* P = pos.flat<T>().data();
+    const T* F = field.flat<T>().data();
+    T* V = out->flat<T>().data();
+    const i64 block = g.px * g.py * g.nz * C;
+    auto work = [&](i64 begin, i64 end) {
+      if (C == 1) {
+        read_range<T, 1>(P, F, V, g, n, block, begin, end);
+      } else if (C == 3) {
+        read_range<T, 3>(P, F, V, g, n, block, begin, end);
+      } else {
+        read_range<T, 0>(P, F, V, g, n, block, begin, end);
+      }
+    };
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    ::tensorflow::Shard(pool_threads(ctx), workers, nb * n, 40 * C, work);
+  }
+
+ private:
+  i64 halo_;
+};
+
+// d readout / d positions of particles [begin, end); KC as in read_range.
+template <typename T, int KC>
+void grad_pos_range(const T* __restrict__ P, const T* __restrict__ F, const T* __restrict__ D,
+                    T* __restrict__ G, const Geometry& g, i64 n, i64 block, i64 begin,
+                    i64 end) {
+  const i64 C = KC ? KC : g.comps;
+  const T sgn[2] = {T(-1), T(1)};
+  for (i64 u = begin; u < end; ++u) {
+    const i64 b = u / n;
+    const T* q = P + 3 * u;
+    T* gp = G + 3 * u;
+    gp[0] = gp[1] = gp[2] = T(0);
+    if (!finite3(q)) continue;
+    Axis<T> ax, ay, az;
+    stencil(q, g, &ax, &ay, &az);
+    const T* fb = F + b * block;
+    const T* d = D ? D + u * C : nullptr;
+    T gx = 0, gy = 0, gz = 0;
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+        for (int k = 0; k < 2; ++k) {
+          const T* src = cell + az.i[k] * C;
+          T s = 0;
+          if (d) {
+            for (i64 c = 0; c < C; ++c) s += d[c] * src[c];
+          } else {
+            for (i64 c = 0; c < C; ++c) s += src[c];
+          }
+          gx += sgn[i] * ay.w[j] * az.w[k] * s;
+          gy += ax.w[i] * sgn[j] * az.w[k] * s;
+          gz += ax.w[i] * ay.w[j] * sgn[k] * s;
+        }
+      }
+    gp[0] = gx;
+    gp[1] = gy;
+    gp[2] = gz;
+  }
+}
+
+// ------------------------------------------------------------------ d readout / d positions
+template <typename T>
+class CicReadoutGradPosOp : public OpKernel {
+ public:
+  explicit CicReadoutGradPosOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    const Tensor& dv = ctx->input(2);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
+    OP_REQUIRES_OK(ctx, check_per_particle(dv, pos, C, "dvalues"));
+    Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, pos.shape(), &out));
+    const T* P = pos.flat<T>().data();
+    const T* F = field.flat<T>().data();
+    const T* D = dv.NumElements() ? dv.flat<T>().data() : nullptr;
+    T* G = out->flat<T>().data();
+    const i64 block = g.px * g.py * g.nz * C;
+    auto work = [&](i64 begin, i64 end) {
+      if (C == 1) {
+        grad_pos_range<T, 1>(P, F, D, G, g, n, block, begin, end);
+      } else if (C == 3) {
+        grad_pos_range<T, 3>(P, F, D, G, g, n, block, begin, end);
+      } else {
+        grad_pos_range<T, 0>(P, F, D, G, g, n, block, begin, end);
+      }
+    };
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    ::tensorflow::Shard(pool_threads(ctx), workers, nb * n, 60 * C, work);
+  }
+
+ private:
+  i64 halo_;
+};
+
+// ------------------------------------------------------------------ escape count
+template <typename T>
+class CicEscapedOp : public OpKernel {
+ public:
+  explicit CicEscapedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sx", &v));
+    sx_ = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sy", &v));
+    sy_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pos = ctx->input(0);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb}), &out));
+    const T* P = pos.flat<T>().data();
+    auto O = out->flat<int32_t>();
+    // floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1)
+    const T lox = T(-halo_), hix = T(sx_ + halo_ - 1);
+    const T loy = T(-halo_), hiy = T(sy_ + halo_ - 1);
+    for (i64 b = 0; b < nb; ++b) {
+      int64_t count = 0;
+      const T* pb = P + b * n * 3;
+      for (i64 p = 0; p < n; ++p) {
+        const T* q = pb + 3 * p;
+        const bool ok = finite3(q) && std::floor(q[0]) >= lox && std::floor(q[0]) < hix &&
+                        std::floor(q[1]) >= loy && std::floor(q[1]) < hiy;
+        count += !ok;
+      }
+      O(b) = static_cast<int32_t>(std::min<int64_t>(count, INT32_MAX));
+    }
+  }
+
+ private:
+  i64 halo_, sx_, sy_;
+};
+
+}  // namespace
+
+REGISTER_OP("FlowpmCicPaint")
+    .Input("positions: T")
+    .Input("weights: T")
+    .Output("field: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .Attr("px: int >= 1")
+    .Attr("py: int >= 1")
+    .Attr("nz: int >= 1")
+    .Attr("components: int >= 1 = 1")
+    .SetShapeFn(paint_shape);
+
+REGISTER_OP("FlowpmCicReadout")
+    .Input("field: T")
+    .Input("positions: T")
+    .Output("values: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn(readout_shape);
+
+REGISTER_OP("FlowpmCicReadoutGradPos")
+    .Input("field: T")
+    .Input("positions: T")
+    .Input("dvalues: T")
+    .Output("dpositions: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn(grad_pos_shape);
+
+REGISTER_OP("FlowpmCicEscaped")
+    .Input("positions: T")
+    .Output("count: int32")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .Attr("sx: int >= 1")
+    .Attr("sy: int >= 1")
+    .SetShapeFn(escaped_shape);
+
+#define REGISTER_CIC(T)                                                                     \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("FlowpmCicPaint").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicPaintOp<T>);    \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("FlowpmCicReadout").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicReadoutOp<T>); \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("FlowpmCicReadoutGradPos").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
+      CicReadoutGradPosOp<T>);                                                              \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("FlowpmCicEscaped").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicEscapedOp<T>);
+
+REGISTER_CIC(float);
+REGISTER_CIC(double);

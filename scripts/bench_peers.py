@@ -1,0 +1,639 @@
+"""Benchmark against the peers: our PM step, 2LPT ICs and FFT vs JaxPM and mpi4py-fft.
+
+Everything runs in one invocation on the same machine, so the ratios compare
+like with like even on a loaded machine::
+
+    # the table (incremental: records are merged into results/bench_peers.json)
+    python scripts/bench_peers.py all --sizes 64 128 --ranks 1 2
+    python scripts/bench_peers.py all --sizes 192 256 --ranks 1 2 4
+    # before/after: also run the code of another revision (extracted with git archive)
+    python scripts/bench_peers.py all --sizes 64 128 --ranks 1 2 --baseline b789294
+    # graph build: HvdSimdMeshImpl per rank vs PlacementMeshImpl's master, N devices
+    python scripts/bench_peers.py all --peers build --build-n 4 16 64
+    # rewrite the Markdown and the plot from the JSON
+    python scripts/bench_peers.py render
+
+Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
+
+``ours``
+    ``mpirun -np R``: the simulation graph of ``flowpm-mtf simulate``
+    (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`: 2LPT at a = 0.1, FastPM
+    kick-drift-kick steps, 200 Mpc/h, float32, halo 25 Mpc/h as
+    ``scripts/bench_sim.py``) with ``HvdSimdMeshImpl``: graph build [s]; ICs
+    (white noise, 2LPT, the first PM force) on their first run, as a job runs
+    them (``ics_s``), and warm (``ics_warm_s``, a second run); the median warm
+    step [s] (steps 2..); the round trip ``c2r(r2c(rho))`` of the distributed FFT
+    (median of 5 after a warm-up); peak resident memory per rank [MB].
+``jaxpm``
+    JaxPM 0.1.6 from PyPI, in its own virtualenv created here
+    (``results/tmp/venv-jaxpm``: ``pip install jaxpm==0.1.6 packaging``; JaxPM
+    needs a newer numpy than our TensorFlow stack): the jitted
+    ``jaxpm.pm.pm_forces`` on a perturbed lattice (one PM force: paint, FFTs,
+    gradient kernels, readout), and a jitted kick-drift-kick step built from it
+    with constant factors (the same work as our step). JaxPM's ``lpt`` needs an
+    unreleased jax_cosmo (KeyError 'h' with jax-cosmo 0.1.0), so its ICs are not
+    timed. One process, XLA's CPU threads (all cores).
+``mpi4py-fft``
+    ``mpirun -np R``: mpi4py-fft (FFTW) real-to-complex forward + backward on
+    the same process grid as ours, float32, median of 5 after a warm-up.
+``build``
+    Graph build + lowering of a small simulation graph (16^3 per rank, 1 step):
+    per rank with ``HvdSimdMeshImpl`` under ``mpirun -np N --oversubscribe``
+    (the slowest rank), and in one process with Mesh TF's ``PlacementMeshImpl``
+    on N logical CPU devices (the master builds every device's graph). Nothing
+    is run. N = 64 ranks import TensorFlow 64 times (~20 GB of memory).
+
+Outputs: ``results/bench_peers.json`` (records keyed by peer, code, size and
+ranks; a new run replaces the records it measures), ``results/bench_peers.md``
+and ``results/bench_peers.png`` (time per particle vs mesh size).
+Oversubscription: with more ranks than cores the times are totals of work.
+"""
+import argparse
+import json
+import logging
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+log = logging.getLogger("bench_peers")
+
+JAXPM_VENV = os.path.join(REPO, "results", "tmp", "venv-jaxpm")
+JAXPM_PKGS = ["jaxpm==0.1.6", "packaging"]
+BUILD_NC_PER_RANK = 16
+
+
+# peak_mb and median_time repeat flowpm_mtf.jobs.runner's on purpose: the ``ours`` run
+# also imports the tree of a --baseline revision, which may predate flowpm_mtf.jobs.
+def peak_mb():
+    """Peak resident memory of this process [MB]."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def median_time(fn, repeats, warmup=1):
+    """Median wall time [s] of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def default_grid(n):
+    """The process grid of ``flowpm_mtf.cli.default_grid`` (kept here: the baseline
+    code and the JaxPM venv must not need it)."""
+    p = int(n**0.5)
+    while n % p:
+        p -= 1
+    return (n // p, p)
+
+
+def _write(path, rec):
+    with open(path, "w") as f:
+        json.dump(rec, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- ours (MPI)
+def simulation_graph_class():
+    """The simulation graph of ``flowpm-mtf simulate``, in the current or an older tree."""
+    try:
+        from flowpm_mtf.jobs.nbody_run import SimulationGraph
+    except ImportError:  # before the jobs package (e.g. a --baseline revision)
+        from flowpm_mtf.simulate import SimulationGraph
+    return SimulationGraph
+
+
+def cmd_ours(args):
+    import mesh_tensorflow as mtf
+    import numpy as np
+    import tensorflow.compat.v1 as tf
+    from mpi4py import MPI
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench_sim import sim_config  # noqa: E402  (the configuration of bench_sim)
+    from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice, runtime
+    from flowpm_mtf import fft
+
+    tf.disable_eager_execution()
+    SimulationGraph = simulation_graph_class()
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    conf = sim_config(args.nc, default_grid(size), args.steps)
+    impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    rec = {"peer": "ours", "nc": args.nc, "ranks": size, "grid": list(conf.grid),
+           "halo": conf.halo_size, "n_steps": conf.n_steps,
+           "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto")}
+    comm.Barrier()
+    t0 = time.perf_counter()
+    graph = mtf.Graph()
+    mesh = mtf.Mesh(graph, "mesh")
+    sim = SimulationGraph(conf, mesh)
+    rt = fft.c2r(fft.r2c(sim.rho, conf, name="bench_r2c"), conf, name="bench_c2r")
+    lowering = mtf.Lowering(graph, {mesh: impl})
+    init_op = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
+    step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
+    rho_local = export_local_slice(lowering, sim.rho)
+    rt_local = export_local_slice(lowering, rt)
+    copy_masters = lowering.copy_masters_to_slices()
+    rec["graph_build_s"] = max(comm.allgather(time.perf_counter() - t0))
+    with tf.Session(config=runtime.session_config()) as sess:
+        sess.run(tf.global_variables_initializer())
+        sess.run(copy_masters)
+        for key in ("ics", "ics_warm"):
+            comm.Barrier()
+            t, c = time.perf_counter(), time.process_time()
+            sess.run(init_op)
+            rec[key + "_cpu_s"] = sum(comm.allgather(time.process_time() - c))
+            rec[key + "_s"] = max(comm.allgather(time.perf_counter() - t))
+        steps, cpu = [], []
+        for factors in sim.step_factors:
+            comm.Barrier()
+            t, c = time.perf_counter(), time.process_time()
+            sess.run(step_op, {sim.factors: factors})
+            cpu.append(sum(comm.allgather(time.process_time() - c)))
+            steps.append(max(comm.allgather(time.perf_counter() - t)))
+        rec["steps_s"] = steps
+        rec["step_s"] = statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
+        rec["step_cpu_s"] = statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0]
+        rho = sess.run(rho_local)
+        feed = {rho_local: rho}
+
+        def roundtrip():
+            comm.Barrier()
+            sess.run(rt_local, feed)
+
+        rec["fft_roundtrip_s"] = max(comm.allgather(median_time(roundtrip, 5)))
+        back = sess.run(rt_local, feed)
+        rec["fft_roundtrip_max_err"] = float(comm.allreduce(float(np.max(np.abs(back - rho))),
+                                                            op=MPI.MAX))
+    rec["peak_memory_mb"] = comm.allgather(peak_mb())
+    if comm.Get_rank() == 0:
+        _write(args.json, rec)
+
+
+# ----------------------------------------------------------------------------- mpi4py-fft (MPI)
+def cmd_mpi4py_fft(args):
+    import numpy as np
+    from mpi4py import MPI
+    from mpi4py_fft import PFFT, newDistArray
+
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    P, Q = default_grid(size)
+    grid = (P, Q, 1) if Q > 1 else (P, 1, 1)
+    nc = (args.nc,) * 3
+    fft = PFFT(comm, nc, axes=(0, 1, 2), dtype=np.float32, grid=grid)
+    u = newDistArray(fft, False)
+    u[:] = np.random.RandomState(comm.Get_rank()).rand(*u.shape).astype(np.float32)
+    uh = newDistArray(fft, True)
+    u2 = newDistArray(fft, False)
+
+    def roundtrip():
+        comm.Barrier()
+        fft.forward(u, uh)
+        fft.backward(uh, u2)
+
+    t = median_time(roundtrip, 5)
+    rec = {"peer": "mpi4py-fft", "nc": args.nc, "ranks": size, "grid": list(grid),
+           "fft_roundtrip_s": max(comm.allgather(t)),
+           "fft_roundtrip_max_err": float(comm.allreduce(float(np.max(np.abs(u2 - u))),
+                                                         op=MPI.MAX)),
+           "peak_memory_mb": comm.allgather(peak_mb())}
+    if comm.Get_rank() == 0:
+        _write(args.json, rec)
+
+
+# ----------------------------------------------------------------------------- JaxPM (own venv)
+JAXPM_CODE = r'''
+import json, resource, statistics, sys, time
+import numpy as np
+import jax, jax.numpy as jnp
+from jaxpm.pm import pm_forces
+
+nc, out = int(sys.argv[1]), sys.argv[2]
+shape = [nc, nc, nc]
+rng = np.random.RandomState(0)
+q = np.stack(np.meshgrid(*[np.arange(nc, dtype=np.float32)] * 3, indexing="ij"), -1)
+pos = jnp.asarray((q.reshape(-1, 3) + rng.randn(nc**3, 3).astype(np.float32)) % nc)
+vel = jnp.zeros_like(pos)
+
+force = jax.jit(lambda x: pm_forces(x, shape) * (1.5 * 0.3))
+
+
+@jax.jit
+def step(x, p, f):
+    # kick-drift-kick with constant factors: one PM force, as our step
+    p = p + f * 0.01
+    x = (x + p * 0.01) % nc
+    f = pm_forces(x, shape) * (1.5 * 0.3)
+    return x, p + f * 0.01, f
+
+
+def timed(fn, n=5):
+    fn()
+    ts, cs = [], []
+    for _ in range(n):
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        ts.append(time.perf_counter() - t)
+        cs.append(time.process_time() - c)
+    return statistics.median(ts), statistics.median(cs)
+
+
+f0 = force(pos).block_until_ready()
+rec = {"peer": "jaxpm", "nc": nc, "ranks": 1, "jax": jax.__version__,
+       "devices": str(jax.devices())}
+rec["force_s"], rec["force_cpu_s"] = timed(lambda: force(pos).block_until_ready())
+x, p, f = pos, vel, f0
+def one():
+    global x, p, f
+    x, p, f = step(x, p, f)
+    f.block_until_ready()
+rec["step_s"], rec["step_cpu_s"] = timed(one)
+rec["peak_memory_mb"] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
+try:
+    import importlib.metadata as md
+    rec["jaxpm"] = md.version("jaxpm")
+except Exception:
+    pass
+json.dump(rec, open(out, "w"), indent=1)
+'''
+
+
+def jaxpm_python():
+    """The JaxPM virtualenv's python, created (once) if missing."""
+    py = os.path.join(JAXPM_VENV, "bin", "python")
+    if not os.path.exists(py):
+        log.info("creating %s (%s)", JAXPM_VENV, " ".join(JAXPM_PKGS))
+        base = shutil.which("python3") or sys.executable
+        subprocess.run([base, "-m", "venv", JAXPM_VENV], check=True)
+        subprocess.run([py, "-m", "pip", "install", "-q"] + JAXPM_PKGS, check=True)
+    return py
+
+
+# ----------------------------------------------------------------------------- graph build
+def _build_graph(conf, impl):
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+
+    graph = mtf.Graph()
+    mesh = mtf.Mesh(graph, "mesh")
+    sim = simulation_graph_class()(conf, mesh)
+    lowering = mtf.Lowering(graph, {mesh: impl})
+    tf.group([lowering.lowered_operation(op) for op in sim.init_ops + sim.step_ops])
+
+
+def build_config(n):
+    from flowpm_mtf.config import SimConfig
+
+    P, Q = default_grid(n)
+    nc = (BUILD_NC_PER_RANK * P, BUILD_NC_PER_RANK * Q, BUILD_NC_PER_RANK)
+    return SimConfig(nc=nc, grid=(P, Q), halo_size=2, n_steps=1, lpt_order=2)
+
+
+def cmd_build_hvd(args):
+    import tensorflow.compat.v1 as tf
+    from mpi4py import MPI
+
+    from hvd_mesh_impl import HvdSimdMeshImpl
+
+    tf.disable_eager_execution()
+    comm = MPI.COMM_WORLD
+    conf = build_config(comm.Get_size())
+    impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    comm.Barrier()
+    t = time.perf_counter()
+    with tf.Graph().as_default():
+        _build_graph(conf, impl)
+    times = comm.allgather(time.perf_counter() - t)
+    if comm.Get_rank() == 0:
+        _write(args.json, {"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": len(times),
+                           "nc": list(conf.nc), "build_s": max(times),
+                           "build_s_median": statistics.median(times),
+                           "peak_memory_mb": comm.allgather(peak_mb())})
+
+
+def cmd_build_placement(args):
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+
+    tf.disable_eager_execution()
+    conf = build_config(args.n)
+    impl = mtf.placement_mesh_impl.PlacementMeshImpl(
+        conf.mesh_shape, conf.layout_rules, ["/cpu:%d" % i for i in range(args.n)])
+    t = time.perf_counter()
+    with tf.Graph().as_default():
+        _build_graph(conf, impl)
+    _write(args.json, {"peer": "build", "backend": "PlacementMeshImpl", "ranks": args.n,
+                       "nc": list(conf.nc), "build_s": time.perf_counter() - t,
+                       "peak_memory_mb": [peak_mb()]})
+
+
+# ----------------------------------------------------------------------------- driver
+def _clean_env(pythonpath=None):
+    """The environment without an enclosing MPI job's variables (nested mpirun fails)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return env
+
+
+def _mpirun():
+    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    return cmd
+
+
+def _launch(cmd, path, timeout, pythonpath=None):
+    log.info("running: %s", " ".join(cmd))
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=_clean_env(pythonpath))
+    except subprocess.TimeoutExpired:
+        log.warning("timed out after %d s: %s", timeout, " ".join(cmd))
+        return {"error": "timeout after %d s" % timeout}
+    if proc.returncode != 0 or not os.path.exists(path):
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        log.warning("failed (%d): %s\n%s", proc.returncode, " ".join(cmd), tail)
+        return {"error": "exit %d: %s" % (proc.returncode, tail.strip().splitlines()[-1:]
+                                          if tail.strip() else "")}
+    with open(path) as f:
+        rec = json.load(f)
+    rec["wall_s"] = time.perf_counter() - t
+    return rec
+
+
+def baseline_code(rev):
+    """The tree of git revision ``rev``, extracted into results/tmp/code-<rev>."""
+    out = os.path.join(REPO, "results", "tmp", "code-" + rev)
+    if not os.path.isdir(out):
+        os.makedirs(out)
+        archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return out
+
+
+def _key(rec):
+    return "%s|%s|%s|%s|%s" % (rec["peer"], rec.get("code", "-"), rec.get("backend", "-"),
+                               rec.get("nc"), rec.get("ranks"))
+
+
+def load_results(path):
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"records": {}}
+
+
+def cmd_all(args):
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_peers.json")
+    result = load_results(path)
+    tmp = tempfile.mkdtemp(prefix="bench_peers")
+    me = os.path.abspath(__file__)
+    codes = [("current", REPO)]
+    if args.baseline:
+        codes.append(("baseline " + args.baseline, baseline_code(args.baseline)))
+    jobs = []  # (record fields, command, pythonpath)
+    for nc in args.sizes:
+        if "jaxpm" in args.peers:
+            code = os.path.join(tmp, "jaxpm_bench.py")
+            with open(code, "w") as f:
+                f.write(JAXPM_CODE)
+            jobs.append(({"peer": "jaxpm", "nc": nc, "ranks": 1},
+                         lambda p, nc=nc, code=code: [jaxpm_python(), code, str(nc), p], ""))
+        for r in args.ranks:
+            if "ours" in args.peers:
+                for label, code in codes:
+                    cmd = (_mpirun() + ["-np", str(r), sys.executable, me, "ours", "--nc",
+                                        str(nc), "--steps", str(args.steps), "--json"])
+                    jobs.append(({"peer": "ours", "nc": nc, "ranks": r, "code": label},
+                                 lambda p, cmd=cmd: cmd + [p], code))
+            if "mpi4py-fft" in args.peers:
+                cmd = _mpirun() + ["-np", str(r), sys.executable, me, "mpi4py-fft", "--nc",
+                                   str(nc), "--json"]
+                jobs.append(({"peer": "mpi4py-fft", "nc": nc, "ranks": r},
+                             lambda p, cmd=cmd: cmd + [p], REPO))
+    if "build" in args.peers:
+        for n in args.build_n:
+            cmd = _mpirun() + ["-np", str(n), sys.executable, me, "build-hvd", "--json"]
+            jobs.append(({"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": n},
+                         lambda p, cmd=cmd: cmd + [p], REPO))
+            cmd = [sys.executable, me, "build-placement", "--n", str(n), "--json"]
+            jobs.append(({"peer": "build", "backend": "PlacementMeshImpl", "ranks": n},
+                         lambda p, cmd=cmd: cmd + [p], REPO))
+    for i, (fields, make, pythonpath) in enumerate(jobs):
+        out = os.path.join(tmp, "rec%d.json" % i)
+        rec = _launch(make(out), out, args.timeout, pythonpath or None)
+        rec = dict(fields, **rec)
+        rec["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        rec["load_avg_1min"] = os.getloadavg()[0]
+        result["records"][_key(rec)] = rec
+        log.info("%s", json.dumps({k: v for k, v in rec.items()
+                                   if k not in ("steps_s", "peak_memory_mb")}))
+        result["machine"] = machine_info()
+        _write(path, result)  # after every record: an interrupted run keeps its results
+    render(result, args.out)
+    return result
+
+
+def cmd_render(args):
+    render(load_results(os.path.join(args.out, "bench_peers.json")), args.out)
+
+
+def machine_info():
+    import psutil
+
+    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+# ----------------------------------------------------------------------------- report
+def _fmt(v, digits=3):
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    return ("%." + str(digits) + "g") % v
+
+
+def _ns_per_particle(t, nc):
+    return None if t is None else 1e9 * t / nc**3
+
+
+def markdown(result):
+    recs = [r for r in result["records"].values() if "error" not in r]
+    errs = [r for r in result["records"].values() if "error" in r]
+    m = result.get("machine", {})
+    rows = ["# Peers benchmark (`scripts/bench_peers.py`)", "",
+            "Machine: %s cores, %s GB, %s. Times in seconds; ratios are taken between "
+            "records of the same table, each measured on this machine (see `date` and "
+            "`load_avg_1min` in the JSON: a loaded machine inflates every time)."
+            % (m.get("cpus"), m.get("memory_gb"), m.get("platform")), ""]
+    jax = {r["nc"]: r for r in recs if r["peer"] == "jaxpm"}
+    mfft = {(r["nc"], r["ranks"]): r for r in recs if r["peer"] == "mpi4py-fft"}
+    ours = sorted((r for r in recs if r["peer"] == "ours"),
+                  key=lambda r: (r["nc"], r["ranks"], r.get("code", "")))
+    if ours or jax:
+        rows += ["## PM step, ICs and FFT", "",
+                 "`step`: our warm kick-drift-kick step (one PM force); `JaxPM force`/`JaxPM "
+                 "step`: jitted `pm_forces` / a jitted KDK step around it (1 process, all "
+                 "cores); `ICs`: white noise + 2LPT + first force, first run (as a job) and "
+                 "warm; `FFT rt`: distributed r2c + c2r round trip; ns/particle: step time "
+                 "per particle; `load`: the machine's 1-minute load average when the record was "
+                 "written.", "",
+                 "CPU columns: process CPU time (all threads, summed over ranks; MPI waits "
+                 "busy-poll), robust on a loaded machine where wall times are not.", "",
+                 "| mesh | code | ranks | step | step / JaxPM force | step / JaxPM step | "
+                 "step CPU | CPU: step / JaxPM force | "
+                 "ICs (first run) | ICs warm | ICs / step | ICs CPU / step CPU | FFT rt | "
+                 "FFT rt / mpi4py-fft | ns/particle | peak MB/rank | build | load |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ours:
+            j = jax.get(r["nc"], {})
+            f = mfft.get((r["nc"], r["ranks"]), {})
+            ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+            rows.append("| %d³ | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
+                        "| %s | %s | %s | %s |"
+                        % (r["nc"], r.get("code", "current"), r["ranks"], _fmt(r["step_s"]),
+                           _fmt(ratio(r["step_s"], j.get("force_s")), 2),
+                           _fmt(ratio(r["step_s"], j.get("step_s")), 2),
+                           _fmt(r.get("step_cpu_s")),
+                           _fmt(ratio(r.get("step_cpu_s"), j.get("force_cpu_s")), 2),
+                           _fmt(r["ics_s"]), _fmt(r["ics_warm_s"]),
+                           _fmt(ratio(r["ics_s"], r["step_s"]), 2),
+                           _fmt(ratio(r.get("ics_cpu_s"), r.get("step_cpu_s")), 2),
+                           _fmt(r["fft_roundtrip_s"]),
+                           _fmt(ratio(r["fft_roundtrip_s"], f.get("fft_roundtrip_s")), 2),
+                           _fmt(_ns_per_particle(r["step_s"], r["nc"])),
+                           _fmt(max(r["peak_memory_mb"]), 4), _fmt(r["graph_build_s"]),
+                           _fmt(r.get("load_avg_1min"), 2)))
+        rows += ["", "| mesh | JaxPM force | JaxPM step | force CPU | step CPU | "
+                 "ns/particle (force) | peak MB | mpi4py-fft rt (ranks) |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for nc in sorted(set(jax) | {k[0] for k in mfft}):
+            j = jax.get(nc, {})
+            ffts = ", ".join("%s (%d)" % (_fmt(v["fft_roundtrip_s"]), k[1])
+                             for k, v in sorted(mfft.items()) if k[0] == nc)
+            rows.append("| %d³ | %s | %s | %s | %s | %s | %s | %s |"
+                        % (nc, _fmt(j.get("force_s")), _fmt(j.get("step_s")),
+                           _fmt(j.get("force_cpu_s")), _fmt(j.get("step_cpu_s")),
+                           _fmt(_ns_per_particle(j.get("force_s"), nc)),
+                           _fmt(max(j["peak_memory_mb"]), 4) if j else "–", ffts or "–"))
+        rows.append("")
+    build = {}
+    for r in recs:
+        if r["peer"] == "build":
+            build.setdefault(r["ranks"], {})[r["backend"]] = r
+    if build:
+        rows += ["## Graph build (build + lowering, nothing run)", "",
+                 "%d³ cells per rank, 2LPT + 1 step. HvdSimdMeshImpl: slowest rank of an "
+                 "oversubscribed `mpirun -np N`; PlacementMeshImpl: one process, N logical "
+                 "CPU devices." % BUILD_NC_PER_RANK, "",
+                 "| N | HvdSimdMeshImpl per rank | PlacementMeshImpl | placement / hvd |",
+                 "|---|---|---|---|"]
+        for n in sorted(build):
+            h = build[n].get("HvdSimdMeshImpl", {}).get("build_s")
+            p = build[n].get("PlacementMeshImpl", {}).get("build_s")
+            rows.append("| %d | %s | %s | %s |" % (n, _fmt(h), _fmt(p),
+                                                   _fmt(p / h if h and p else None, 2)))
+        rows.append("")
+    if errs:
+        rows += ["## Failed runs", ""]
+        rows += ["- %s %s ranks=%s: %s" % (r["peer"], r.get("nc"), r.get("ranks"), r["error"])
+                 for r in errs]
+        rows.append("")
+    return "\n".join(rows)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"].values() if "error" not in r]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    series = {}
+    for r in recs:
+        if r["peer"] == "ours":
+            series.setdefault("ours step, %s, %d rank(s)" % (r.get("code", "current"),
+                                                               r["ranks"]), []).append(
+                (r["nc"], r["step_s"]))
+        elif r["peer"] == "jaxpm":
+            series.setdefault("JaxPM force", []).append((r["nc"], r["force_s"]))
+            series.setdefault("JaxPM step", []).append((r["nc"], r["step_s"]))
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [_ns_per_particle(t, nc) for nc, t in pts], "o-",
+                label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("mesh size n (n³ particles and cells)")
+    ax.set_ylabel("time per particle [ns]")
+    ax.set_title("PM step time per particle")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render(result, out):
+    with open(os.path.join(out, "bench_peers.md"), "w") as f:
+        f.write(markdown(result))
+    try:
+        plot(result, os.path.join(out, "bench_peers.png"))
+    except ImportError as e:  # matplotlib missing: the tables are the result
+        log.warning("no plot: %s", e)
+    log.info("wrote %s", os.path.join(out, "bench_peers.{json,md,png}"))
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("all", help="run the peers and merge into results/bench_peers.*")
+    a.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    a.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    a.add_argument("--peers", nargs="+", default=["ours", "jaxpm", "mpi4py-fft"],
+                   choices=["ours", "jaxpm", "mpi4py-fft", "build"])
+    a.add_argument("--build-n", type=int, nargs="+", default=[4, 16, 64])
+    a.add_argument("--steps", type=int, default=5, help="N-body steps of our run")
+    a.add_argument("--baseline", help="also run our code at this git revision")
+    a.add_argument("--timeout", type=int, default=1800, help="per run [s]")
+    a.add_argument("--out", default=os.path.join(REPO, "results"))
+    r = sub.add_parser("render", help="rewrite the Markdown and plot from the JSON")
+    r.add_argument("--out", default=os.path.join(REPO, "results"))
+    for name in ("ours", "mpi4py-fft"):
+        p = sub.add_parser(name, help="one measurement under mpirun (internal)")
+        p.add_argument("--nc", type=int, required=True)
+        p.add_argument("--steps", type=int, default=5)
+        p.add_argument("--json", required=True)
+    p = sub.add_parser("build-hvd", help="graph build under mpirun (internal)")
+    p.add_argument("--json", required=True)
+    p = sub.add_parser("build-placement", help="graph build, N logical devices (internal)")
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--json", required=True)
+    args = ap.parse_args(argv)
+    {"all": cmd_all, "render": cmd_render, "ours": cmd_ours, "mpi4py-fft": cmd_mpi4py_fft,
+     "build-hvd": cmd_build_hvd, "build-placement": cmd_build_placement}[args.cmd](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""Memory benchmark: peak memory per rank of `flowpm-mtf simulate` for weak scaling, strong
+scaling and the largest run, with a breakdown by phase and a fitted memory model.
+
+One configuration per invocation (each is its own ``mpirun``), merged into the results, so a
+long campaign can be run piece by piece on a quiet machine and resumed::
+
+    python scripts/bench_scaling.py list                  # configurations, which are measured
+    python scripts/bench_scaling.py run weak-1            # one configuration -> results JSON
+    python scripts/bench_scaling.py run largest --nc 384 --ranks 4
+    python scripts/bench_scaling.py missing               # run every configuration not yet measured
+    python scripts/bench_scaling.py render                # JSON -> Markdown + docs/scaling.md
+    python scripts/bench_scaling.py --quick missing       # smoke test: 1/8 of every size
+
+Configurations (the runs of issue 11; ``--steps`` N-body steps, default 2, float32, 2LPT):
+
+==========  =====  ==================  ==================  =====  ====
+name        ranks  particles / mesh    box [Mpc/h]         halo   grid
+==========  =====  ==================  ==================  =====  ====
+floor-R     R      16^3                25                  4      R ranks: the runtime floor
+weak-1      1      128^3 (2.1M/rank)   200                 16     1x1
+weak-2      2      256x128x128         400x200x200         16     2x1
+weak-4      4      256x256x128         400x400x200         16     2x2
+strong-R    1,2,4  192^3               300                 32     1x1, 2x1, 2x2
+largest     -R     --nc (384)          1.5625 Mpc/h cells  16     default for R (4)
+==========  =====  ==================  ==================  =====  ====
+
+What each run records (``simulate``'s ``summary.json``): the peak RSS of every rank, and at
+the phase boundaries (``flowpm_mtf.simulate._mark``) the current RSS and the peak within the
+phase. The breakdown per rank [MB]:
+
+* **runtime**: RSS after imports and backend start-up (TF, Horovod, MPI), before the graph;
+* **graph+state**: peak while building/lowering the graph and allocating the variables
+  (the particle state slices are allocated here) minus runtime;
+* **ICs**: peak during the initial conditions (2LPT temporaries) minus the RSS before;
+* **steps**: peak during the N-body steps minus the RSS before (step temporaries);
+* **output**: peak while writing snapshot/P(k) minus the RSS before.
+
+TensorFlow's allocator keeps freed memory, so each phase's increment is what it needed
+*beyond* what was already held. "Above floor" is the peak minus the peak of the ``floor-R``
+run on the same number of ranks (the issue's definition of the runtime floor).
+
+Memory model (for preflight estimates): peak per rank [MB] = M0 + a n_local + b v_local,
+with n_local the particles per rank and v_local the padded cells per rank
+((nx/P + 2h)(ny/Q + 2h) nz), fitted by least squares over the non-floor runs; the JSON
+``model`` holds M0 [MB], a and b [bytes].
+
+Outputs: ``results/bench_scaling.{json,md}`` (``--quick``: ``results/bench_scaling_quick.*``);
+``render`` also rewrites the section of docs/scaling.md between the BENCH-SCALING markers.
+Measurements on a loaded machine overstate nothing (RSS is not a timing) but the lead's final
+numbers come from a quiet machine: every record carries the commit, the load average and the
+date.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MB = 2.0 ** 20
+STATE_BYTES_PER_PARTICLE = 36  # positions, momenta, forces: 3 x 3 float32
+
+CONFIGS = {
+    "floor-1": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=1, grid=(1, 1), kind="floor"),
+    "floor-2": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=2, grid=(2, 1), kind="floor"),
+    "floor-4": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=4, grid=(2, 2), kind="floor"),
+    "weak-1": dict(nc=(128, 128, 128), box=(200.0,) * 3, halo=16, ranks=1, grid=(1, 1),
+                   kind="weak"),
+    "weak-2": dict(nc=(256, 128, 128), box=(400.0, 200.0, 200.0), halo=16, ranks=2,
+                   grid=(2, 1), kind="weak"),
+    "weak-4": dict(nc=(256, 256, 128), box=(400.0, 400.0, 200.0), halo=16, ranks=4,
+                   grid=(2, 2), kind="weak"),
+    "strong-1": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=1, grid=(1, 1),
+                     kind="strong"),
+    "strong-2": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=2, grid=(2, 1),
+                     kind="strong"),
+    "strong-4": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=4, grid=(2, 2),
+                     kind="strong"),
+}
+QUICK_FACTOR = 8  # --quick: every mesh and halo divided by this (floors unchanged)
+# Extrapolation in the Markdown: (nc, GPUs) of the issue, halo, and the floor of a GPU rank.
+EXTRAPOLATE = [(2048, 64), (2048, 256), (4096, 512), (4096, 4096)]
+EXTRAPOLATE_HALO = 16
+GPU_FLOOR_MB = 1536.0  # assumed CUDA context + TF runtime per GPU rank (untested here)
+
+
+def default_grid(n):
+    q = int(n ** 0.5)
+    while n % q:
+        q -= 1
+    return (n // q, q)
+
+
+def largest_config(nc, ranks):
+    cell = 200.0 / 128  # the weak-scaling runs' cell size [Mpc/h]
+    return dict(nc=(nc,) * 3, box=(nc * cell,) * 3, halo=16, ranks=ranks,
+                grid=default_grid(ranks), kind="largest")
+
+
+def config_for(name, args):
+    if name == "largest" or name.startswith("largest-"):
+        nc = args.nc or (int(name.split("-")[1]) if "-" in name else 384)
+        c = largest_config(nc, args.ranks or 4)
+        name = "largest-%d-np%d" % (nc, c["ranks"])
+    elif name in CONFIGS:
+        c = dict(CONFIGS[name])
+    else:
+        raise SystemExit("unknown configuration %r; see `bench_scaling.py list`" % name)
+    if args.quick and c["kind"] != "floor":
+        c["nc"] = tuple(max(8, n // QUICK_FACTOR) for n in c["nc"])
+        c["halo"] = max(2, c["halo"] // QUICK_FACTOR)
+    return name, c
+
+
+def paths(quick):
+    stem = "bench_scaling_quick" if quick else "bench_scaling"
+    return (os.path.join(REPO, "results", stem + ".json"),
+            os.path.join(REPO, "results", stem + ".md"))
+
+
+def load(path):
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {"records": {}}
+
+
+def save(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def git(*a):
+    try:
+        return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine():
+    try:
+        with open("/proc/meminfo") as f:
+            total = int(f.readline().split()[1]) / 1024.0 ** 2
+    except (OSError, ValueError, IndexError):
+        total = None
+    return {"host": platform.node(), "cores": os.cpu_count(), "memory_gb": total,
+            "loadavg": os.getloadavg()}
+
+
+# ----------------------------------------------------------------------------- run
+def simulate_command(c, out, steps):
+    py = os.path.join(REPO, ".venv", "bin", "python")
+    if not os.path.exists(py):
+        py = sys.executable
+    mpirun = shutil.which("mpirun")
+    cmd = [mpirun, "--oversubscribe", "-np", str(c["ranks"])]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    cmd += [py, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
+            "--steps", str(steps), "--halo", str(c["halo"]), "--grid",
+            "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32"]
+    return cmd  # the (possibly non-cubic) box goes through a --config file
+
+
+def run_one(name, c, args):
+    """Run one configuration under mpirun; returns its record."""
+    out = tempfile.mkdtemp(prefix="bench_scaling_")
+    cfg_file = os.path.join(out, "config.json")
+    with open(cfg_file, "w") as f:
+        json.dump({"box_size": list(c["box"])}, f)
+    cmd = simulate_command(c, os.path.join(out, "run"), args.steps) + ["--config", cfg_file]
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
+    mach = machine()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    n = int(np.prod(c["nc"]))
+    P, Q = c["grid"]
+    h = c["halo"]
+    rec = {"name": name, "kind": c["kind"], "nc": list(c["nc"]), "box": list(c["box"]),
+           "halo": h, "ranks": c["ranks"], "grid": list(c["grid"]), "steps": args.steps,
+           "n_particles": n, "n_local": n // c["ranks"],
+           "padded_cells_local": (c["nc"][0] // P + 2 * h) * (c["nc"][1] // Q + 2 * h)
+           * c["nc"][2],
+           "ok": proc.returncode == 0, "returncode": proc.returncode,
+           "commit": git("rev-parse", "--short", "HEAD"),
+           "dirty": bool(git("status", "--porcelain", "--", "flowpm_mtf", "hvd_mesh_impl")),
+           "date": started, "machine": mach, "note": args.note, "quick": args.quick,
+           "command": " ".join(cmd)}
+    summary_path = os.path.join(out, "run", "summary.json")
+    if rec["ok"] and os.path.exists(summary_path):
+        with open(summary_path) as f:
+            summary = json.load(f)
+        rec["peak_mb_per_rank"] = summary["peak_memory_mb_per_rank"]
+        rec["phases_mb_per_rank"] = summary.get("memory_phases_mb_per_rank")
+        rec["timings"] = {k: v for k, v in summary["timings"].items() if k != "steps_s"}
+    else:
+        rec["ok"] = False
+        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        errors = [l for l in lines if "Error:" in l or "error:" in l or "Killed" in l]
+        rec["error"] = (errors[0] if errors else " | ".join(lines[-5:]))[-1000:] or \
+            "exit status %d" % proc.returncode
+    shutil.rmtree(out, ignore_errors=True)
+    return rec
+
+
+def breakdown(rec):
+    """Per-rank breakdown [MB] of one record (see the module docstring)."""
+    rows = []
+    for r, ph in enumerate(rec.get("phases_mb_per_rank") or []):
+        start, graph, ics, steps, output = (ph[k] for k in ("start", "graph", "ics", "steps",
+                                                            "output"))
+        rows.append({"rank": r, "runtime": start["rss"],
+                     "graph_state": graph["phase_peak"] - start["rss"],
+                     "ics": max(0.0, ics["phase_peak"] - graph["rss"]),
+                     "steps": max(0.0, steps["phase_peak"] - ics["rss"]),
+                     "output": max(0.0, output["phase_peak"] - steps["rss"]),
+                     "peak": rec["peak_mb_per_rank"][r]})
+    return rows
+
+
+# ----------------------------------------------------------------------------- model
+def fit_model(records):
+    """Non-negative least-squares fit peak_rank [MB] = M0 + a n_local + b v_local.
+
+    Over the successful non-floor runs; ``a`` [bytes per particle], ``b`` [bytes per
+    padded cell] and M0 [MB] are constrained to be >= 0.
+    """
+    from scipy.optimize import nnls
+
+    rows = [r for r in records.values() if r["ok"] and r["kind"] != "floor"]
+    if len(rows) < 3:
+        return None
+    A = np.array([[1.0, r["n_local"] / MB, r["padded_cells_local"] / MB] for r in rows])
+    y = np.array([max(r["peak_mb_per_rank"]) for r in rows])
+    coef, _ = nnls(A, y)
+    pred = A @ coef
+    return {"M0_mb": float(coef[0]), "bytes_per_particle": float(coef[1]),
+            "bytes_per_padded_cell": float(coef[2]),
+            "max_rel_residual": float(np.max(np.abs(pred - y) / y)),
+            "fitted_on": sorted(r["name"] for r in rows),
+            "formula": "peak per rank [MB] = M0_mb + (bytes_per_particle * n_local + "
+                       "bytes_per_padded_cell * (nx/P + 2h)(ny/Q + 2h) nz) / 2^20"}
+
+
+def predict_mb(model, nc, n, halo, floor_mb):
+    P, Q = default_grid(n)
+    v = (nc // P + 2 * halo) * (nc // Q + 2 * halo) * nc
+    return floor_mb + (model["bytes_per_particle"] * nc ** 3 / n
+                       + model["bytes_per_padded_cell"] * v) / MB
+
+
+# ----------------------------------------------------------------------------- render
+def _fmt_range(values):
+    lo, hi = min(values), max(values)
+    return "%.0f" % lo if abs(hi - lo) < 0.5 else "%.0f-%.0f" % (lo, hi)
+
+
+def render(data, quick):
+    recs = data["records"]
+    ok = {k: r for k, r in recs.items() if r["ok"]}
+    floors = {r["ranks"]: max(r["peak_mb_per_rank"]) for r in ok.values() if r["kind"] == "floor"}
+    lines = []
+    dates = sorted({r["date"] for r in recs.values()})
+    loads = [r["machine"]["loadavg"][0] for r in recs.values() if r.get("machine")]
+    lines.append("_Generated by `python scripts/bench_scaling.py render` from `%s` (%d runs, "
+                 "%s; 1-min load average at the start of the runs %s; commits %s)._" % (
+                     os.path.relpath(paths(quick)[0], REPO), len(recs),
+                     " to ".join([dates[0], dates[-1]]) if dates else "-",
+                     "%.1f-%.1f" % (min(loads), max(loads)) if loads else "-",
+                     ", ".join(sorted({r["commit"] + ("+dirty" if r["dirty"] else "")
+                                       for r in recs.values()}))))
+    if quick:
+        lines.append("\n**Quick mode (smoke test): every mesh 1/%d of the real size; not a "
+                     "measurement of the targets.**" % QUICK_FACTOR)
+    lines.append("\nRuntime floor (peak of a 16^3 run) per rank count: %s." % (
+        ", ".join("%d rank%s %.0f MB" % (n, "s" if n > 1 else "", v)
+                  for n, v in sorted(floors.items())) or "not measured"))
+
+    def above(r):
+        f = floors.get(r["ranks"])
+        return None if f is None else max(r["peak_mb_per_rank"]) - f
+
+    def table(kind, title, ref_name, target_text, above_floor):
+        rows = [r for r in recs.values() if r["kind"] == kind]
+        if not rows:
+            return
+        lines.append("\n#### %s\n" % title)
+        lines.append("| run | ranks | grid | mesh | particles/rank | peak per rank [MB] | "
+                     "above floor [MB] | ratio to 1 rank | B/particle above floor |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        ref = recs.get(ref_name)
+        for r in sorted(rows, key=lambda r: r["ranks"]):
+            if not r["ok"]:
+                lines.append("| %s | %d | %s | %s | %.3gM | failed: %s | | | |" % (
+                    r["name"], r["ranks"], "x".join(map(str, r["grid"])),
+                    "x".join(map(str, r["nc"])), r["n_local"] / 1e6, r["error"][:80]))
+                continue
+            a = above(r)
+            ratio = ""
+            if ref and ref["ok"]:
+                if above_floor and a is not None and above(ref):
+                    ratio = "%.2f" % (a / above(ref))
+                elif not above_floor:
+                    ratio = "%.2f" % (max(r["peak_mb_per_rank"]) / max(ref["peak_mb_per_rank"]))
+            lines.append("| %s | %d | %s | %s | %.3gM | %s | %s | %s | %s |" % (
+                r["name"], r["ranks"], "x".join(map(str, r["grid"])),
+                "x".join(map(str, r["nc"])), r["n_local"] / 1e6,
+                _fmt_range(r["peak_mb_per_rank"]), "-" if a is None else "%.0f" % a, ratio,
+                "-" if a is None else "%.0f" % (a * MB / r["n_local"])))
+        lines.append("\nTarget: %s." % target_text)
+
+    table("weak", "Weak scaling (2.1M particles per rank)", "weak-1",
+          "peak per rank on 4 ranks <= 1.10x that on 1 rank (ratio column: peak / peak)", False)
+    table("strong", "Strong scaling (192^3, halo 32)", "strong-1",
+          "memory above the floor on 4 ranks <= 0.30x that on 1 rank (ratio column: above "
+          "floor / above floor)", True)
+    largest = [r for r in recs.values() if r["kind"] == "largest"]
+    if largest:
+        lines.append("\n#### Largest runs (2 steps)\n")
+        lines.append("| run | ranks | particles | ok | peak per rank [MB] | total [GB] | "
+                     "B/particle above floor |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in sorted(largest, key=lambda r: (r["n_particles"], r["ranks"])):
+            if r["ok"]:
+                a = above(r)
+                lines.append("| %s | %d | %d^3 | yes | %s | %.1f | %s |" % (
+                    r["name"], r["ranks"], r["nc"][0], _fmt_range(r["peak_mb_per_rank"]),
+                    sum(r["peak_mb_per_rank"]) / 1024.0,
+                    "-" if a is None else "%.0f" % (a * MB / r["n_local"])))
+            else:
+                lines.append("| %s | %d | %d^3 | **no**: %s | | | |" % (
+                    r["name"], r["ranks"], r["nc"][0], r["error"][:80]))
+        lines.append("\nTarget: >= 384^3 particles on this 24 GB machine, aim 512^3.")
+    lines.append("\n#### Breakdown per rank [MB] (rank with the highest peak)\n")
+    lines.append("| run | runtime | graph + state | ICs | steps | output | peak | state "
+                 "slices (36 B/particle) |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for name in sorted(ok, key=lambda k: (ok[k]["kind"], ok[k]["ranks"], k)):
+        rows = breakdown(ok[name])
+        if not rows:
+            continue
+        b = max(rows, key=lambda x: x["peak"])
+        lines.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |" % (
+            name, b["runtime"], b["graph_state"], b["ics"], b["steps"], b["output"], b["peak"],
+            STATE_BYTES_PER_PARTICLE * ok[name]["n_local"] / MB))
+    model = data.get("model")
+    if model:
+        lines.append("\n#### Memory model (for the preflight estimate)\n")
+        lines.append("Fitted on %s: **M0 = %.0f MB, %.0f bytes per particle, %.1f bytes per "
+                     "padded cell** (largest relative residual %.1f%%): %s." % (
+                         ", ".join(model["fitted_on"]), model["M0_mb"],
+                         model["bytes_per_particle"], model["bytes_per_padded_cell"],
+                         100 * model["max_rel_residual"], model["formula"]))
+        lines.append("\nExtrapolated per-rank memory (halo %d, float32, grid the most square "
+                     "P x Q; GPU floor %.1f GB assumed instead of the CPU M0, untested):\n"
+                     % (EXTRAPOLATE_HALO, GPU_FLOOR_MB / 1024))
+        lines.append("| particles | GPUs | grid | per rank [GB] | fits 80 GB |")
+        lines.append("|---|---|---|---|---|")
+        for nc, n in EXTRAPOLATE:
+            gb = predict_mb(model, nc, n, EXTRAPOLATE_HALO, GPU_FLOOR_MB) / 1024.0
+            lines.append("| %d^3 | %d | %s | %.1f | %s |" % (
+                nc, n, "x".join(map(str, default_grid(n))), gb, "yes" if gb < 0.8 * 80 else
+                "no"))
+    return "\n".join(lines) + "\n"
+
+
+DOC_BEGIN = "<!-- BEGIN BENCH-SCALING -->"
+DOC_END = "<!-- END BENCH-SCALING -->"
+
+
+def update_doc(md, doc=os.path.join(REPO, "docs", "scaling.md")):
+    """Replace the BENCH-SCALING section of ``doc`` (appended if absent) by ``md``."""
+    with open(doc) as f:
+        text = f.read()
+    block = "%s\n%s%s" % (DOC_BEGIN, md, DOC_END)
+    if DOC_BEGIN in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        text = head + block + rest.split(DOC_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n## Measured memory per rank (`scripts/bench_scaling.py`)" \
+            "\n\n" + block + "\n"
+    with open(doc, "w") as f:
+        f.write(text)
+
+
+def write_outputs(data, quick):
+    json_path, md_path = paths(quick)
+    data["model"] = fit_model(data["records"])
+    save(json_path, data)
+    md = render(data, quick)
+    with open(md_path, "w") as f:
+        f.write("# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md)
+    if not quick:
+        update_doc(md)
+    return md
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke test: meshes / %d, separate "
+                    "results file, docs untouched" % QUICK_FACTOR)
+    ap.add_argument("--steps", type=int, default=2, help="N-body steps per run")
+    ap.add_argument("--timeout", type=float, default=3600, help="per run [s]")
+    ap.add_argument("--note", default="", help="stored with the record (e.g. 'quiet machine')")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run", help="run one configuration and merge it into the results")
+    p.add_argument("name", help="a configuration of `list`, or largest[-NC]")
+    p.add_argument("--nc", type=int, help="largest: particles per side")
+    p.add_argument("--ranks", type=int, help="largest: MPI ranks (default 4)")
+    sub.add_parser("missing", help="run every listed configuration not measured yet")
+    sub.add_parser("list", help="configurations and their state")
+    sub.add_parser("render", help="JSON -> Markdown (+ docs/scaling.md)")
+    args = ap.parse_args(argv)
+    json_path, _ = paths(args.quick)
+    data = load(json_path)
+    if args.cmd == "list":
+        for name in CONFIGS:
+            _, c = config_for(name, argparse.Namespace(quick=args.quick, nc=None, ranks=None))
+            r = data["records"].get(name)
+            print("%-10s np %d  %-14s %s" % (name, c["ranks"], "x".join(map(str, c["nc"])),
+                                              "-" if r is None else
+                                              ("ok %s" % _fmt_range(r["peak_mb_per_rank"])
+                                               if r["ok"] else "failed")))
+        return 0
+    if args.cmd in ("run", "missing"):
+        if args.cmd == "run":
+            todo = [args.name]
+        else:
+            todo = [n for n in CONFIGS if not data["records"].get(n, {}).get("ok")]
+            args.nc = args.ranks = None
+        for name in todo:
+            name, c = config_for(name, args)
+            print("running %s: %d ranks, mesh %s, halo %d ..." % (
+                name, c["ranks"], "x".join(map(str, c["nc"])), c["halo"]), flush=True)
+            rec = run_one(name, c, args)
+            data = load(json_path)  # merge with what other invocations wrote meanwhile
+            data["records"][name] = rec
+            write_outputs(data, args.quick)
+            print("  %s" % ("peak per rank %s MB" % _fmt_range(rec["peak_mb_per_rank"])
+                            if rec["ok"] else "FAILED: " + rec["error"]), flush=True)
+    md = write_outputs(data, args.quick)
+    if args.cmd == "render":
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

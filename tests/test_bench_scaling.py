@@ -1,0 +1,74 @@
+"""scripts/bench_scaling.py without running MPI: the memory-model fit recovers known
+coefficients, the breakdown and the Markdown/doc rendering work on synthetic records."""
+import os
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+import bench_scaling as bs  # noqa: E402
+
+pytestmark = pytest.mark.rank_independent
+
+TRUE = {"M0_mb": 480.0, "bytes_per_particle": 150.0, "bytes_per_padded_cell": 40.0}
+FIT_RTOL = 1e-6  # exact synthetic data: the fit must recover the coefficients
+
+
+def _record(name, quick=False):
+    c = dict(bs.CONFIGS[name])
+    n = int(np.prod(c["nc"]))
+    P, Q = c["grid"]
+    v = (c["nc"][0] // P + 2 * c["halo"]) * (c["nc"][1] // Q + 2 * c["halo"]) * c["nc"][2]
+    peak = TRUE["M0_mb"] + (TRUE["bytes_per_particle"] * n / c["ranks"]
+                            + TRUE["bytes_per_padded_cell"] * v) / bs.MB
+    phases = {"start": {"rss": 440.0, "peak": 440.0, "phase_peak": 440.0},
+              "graph": {"rss": 470.0, "peak": 475.0, "phase_peak": 475.0},
+              "ics": {"rss": peak - 20, "peak": peak, "phase_peak": peak},
+              "steps": {"rss": peak - 10, "peak": peak, "phase_peak": peak - 5},
+              "output": {"rss": peak - 8, "peak": peak, "phase_peak": peak - 6}}
+    return {"name": name, "kind": c["kind"], "nc": list(c["nc"]), "box": list(c["box"]),
+            "halo": c["halo"], "ranks": c["ranks"], "grid": list(c["grid"]), "steps": 2,
+            "n_particles": n, "n_local": n // c["ranks"], "padded_cells_local": v, "ok": True,
+            "peak_mb_per_rank": [peak] * c["ranks"], "phases_mb_per_rank": [phases] * c["ranks"],
+            "commit": "abc", "dirty": False, "date": "2026-01-01 00:00 UTC",
+            "machine": {"loadavg": [1.0, 1.0, 1.0]}, "quick": quick}
+
+
+def test_fit_recovers_the_model_and_renders():
+    records = {n: _record(n) for n in bs.CONFIGS}
+    records["largest-384-np4"] = dict(_record("strong-4"), name="largest-384-np4",
+                                      kind="largest", ok=False, error="Killed")
+    model = bs.fit_model(records)
+    for k, v in TRUE.items():
+        assert model[k] == pytest.approx(v, rel=FIT_RTOL)
+    data = {"records": records, "model": model}
+    md = bs.render(data, quick=False)
+    assert "#### Weak scaling" in md and "#### Strong scaling" in md and "**no**: Killed" in md
+    assert "M0 = 480 MB, 150 bytes per particle, 40.0 bytes per padded cell" in md
+    assert "| 2048^3 | 64 | 8x8 |" in md
+    b = bs.breakdown(records["weak-1"])[0]
+    assert b["runtime"] == 440.0 and b["graph_state"] == 35.0 and b["steps"] == 15.0
+
+
+def test_update_doc_replaces_only_its_section():
+    doc = os.path.join(tempfile.mkdtemp(), "scaling.md")
+    with open(doc, "w") as f:
+        f.write("# Title\n\nintro\n")
+    bs.update_doc("first\n", doc)
+    bs.update_doc("second\n", doc)
+    text = open(doc).read()
+    assert text.startswith("# Title\n\nintro\n") and "second" in text and "first" not in text
+    assert text.count(bs.DOC_BEGIN) == 1 and text.count(bs.DOC_END) == 1
+
+
+def test_quick_configs_are_small():
+    import argparse
+
+    for name in bs.CONFIGS:
+        _, c = bs.config_for(name, argparse.Namespace(quick=True, nc=None, ranks=None))
+        assert np.prod(c["nc"]) <= 32 ** 3
+    name, c = bs.config_for("largest", argparse.Namespace(quick=False, nc=512, ranks=2))
+    assert name == "largest-512-np2" and c["grid"] == (2, 1) and c["nc"] == (512,) * 3

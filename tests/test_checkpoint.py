@@ -1,0 +1,178 @@
+"""Checkpoints (flowpm_mtf.checkpoint): atomic save, load on the same and on other grids,
+torn/corrupted checkpoints fall back to the previous one on every rank, SIGTERM agreement."""
+import json
+import os
+import shutil
+import signal
+import tempfile
+
+import numpy as np
+import pytest
+
+from flowpm_mtf import checkpoint, io
+from flowpm_mtf.config import SimConfig
+from flowpm_mtf.errors import ResumeError
+from flowpm_mtf.backend import SerialComm as SelfComm
+
+NC = (8, 8, 4)
+# Re-slicing re-expresses float32 block-local positions relative to another block origin
+# (|x| < 8 cells): exact in float64, one float32 rounding of the result.
+RESLICE_RTOL = 1e-6
+
+
+def world_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def shared_tmpdir(comm):
+    d = tempfile.mkdtemp(prefix="ckpt") if comm.rank == 0 else None
+    return comm.bcast(d, root=0)
+
+
+def grid_for(n):
+    return {1: (1, 1), 2: (2, 1), 4: (2, 2)}[n]
+
+
+def truth(conf, block, step):
+    """A synthetic state of one block (lattice order): a function of the global id and step."""
+    ids = io.lagrangian_ids(conf, block)
+    ny, nz = conf.nc[1], conf.nc[2]
+    lattice = np.stack([ids // (ny * nz), (ids // nz) % ny, ids % nz], axis=1).astype(np.float64)
+    disp = 0.3 * np.sin(ids[:, None] * np.array([1.0, 2.0, 3.0]) + step)
+    origin = np.array([block[0] * conf.block_shape[0], block[1] * conf.block_shape[1], 0])
+    return {"positions": (lattice + disp - origin).astype(np.float32),
+            "momenta": (ids[:, None] * [1.0, -1.0, 0.5] + step).astype(np.float32),
+            "forces": np.cos(ids[:, None] + step * np.arange(3)).astype(np.float32)}
+
+
+def blocks_of(conf):
+    P, Q = conf.grid
+    return {bx * Q + by: (bx, by) for bx in range(P) for by in range(Q)}
+
+
+def parts_for(conf, pnums, step):
+    out = {}
+    for p in pnums:
+        block = blocks_of(conf)[p]
+        t = truth(conf, block, step)
+        out[p] = dict(t, block=block, id=io.lagrangian_ids(conf, block),
+                      origin=[block[0] * conf.block_shape[0], block[1] * conf.block_shape[1], 0])
+        out[p]["positions"] = out[p]["positions"].reshape(1, 1, -1, 3)
+    return out
+
+
+def save(out, comm, conf, step, pnums):
+    return checkpoint.save(out, comm, step, 0.1 * step, conf.to_dict(),
+                           parts_for(conf, pnums, step), grid=conf.grid)
+
+
+def test_save_load_same_grid_is_exact_and_torn_ones_are_skipped():
+    comm = world_comm()
+    conf = SimConfig(nc=NC, grid=grid_for(comm.size), halo_size=1)
+    out = shared_tmpdir(comm)
+    mine = {comm.rank: blocks_of(conf)[comm.rank]}
+    for step in (2, 4, 6):
+        save(out, comm, conf, step, [comm.rank])
+    # keep=2: step 2 removed after step 6 was complete
+    assert [os.path.basename(p) for p, _ in checkpoint.candidates(out)] == ["step_000006",
+                                                                             "step_000004"]
+    manifest, parts = checkpoint.load(out, comm, conf, mine)
+    assert manifest["step"] == 6 and manifest["grid"] == list(conf.grid)
+    for k, v in truth(conf, mine[comm.rank], 6).items():
+        np.testing.assert_array_equal(parts[comm.rank][k], v)  # bit for bit
+    comm.barrier()
+    if comm.rank == 0:
+        root = checkpoint.checkpoint_root(out)
+        # a checkpoint being written when the job died: never renamed
+        os.makedirs(os.path.join(root, ".tmp-step_000008"))
+        open(os.path.join(root, ".tmp-step_000008", "rank00000.h5"), "w").close()
+        # a newer directory whose part file is truncated
+        torn = checkpoint.step_dir(out, 9)
+        shutil.copytree(checkpoint.step_dir(out, 6), torn)
+        with open(os.path.join(torn, "rank00000.h5"), "r+b") as f:
+            f.truncate(100)
+        # and one without a manifest
+        os.makedirs(checkpoint.step_dir(out, 10))
+        # step 6: same size, other bytes in the LAST rank's file (only that rank sees it)
+        last = os.path.join(checkpoint.step_dir(out, 6), "rank%05d.h5" % (comm.size - 1))
+        with open(last, "r+b") as f:
+            f.seek(-8, 2)
+            tail = f.read(8)
+            f.seek(-8, 2)
+            f.write(bytes(255 - b for b in tail))
+    comm.barrier()
+    manifest, parts = checkpoint.load(out, comm, conf, mine)
+    assert manifest["step"] == 4  # every rank falls back together
+    np.testing.assert_array_equal(parts[comm.rank]["momenta"],
+                                  truth(conf, mine[comm.rank], 4)["momenta"])
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(checkpoint.step_dir(out, 4))
+    comm.barrier()
+    with pytest.raises(ResumeError, match="no valid checkpoint"):
+        checkpoint.load(out, comm, conf, mine)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(out)
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("old,new", [((2, 1), (2, 2)), ((2, 2), (1, 1)), ((1, 1), (1, 2)),
+                                     ((2, 1), (1, 2))])
+def test_reslice_to_another_grid(old, new):
+    """A checkpoint of grid ``old`` loads on grid ``new`` (one process holding every slice)."""
+    out = tempfile.mkdtemp(prefix="ckpt")
+    conf_old = SimConfig(nc=NC, grid=old, halo_size=1)
+    conf_new = conf_old.replace(grid=new)
+    save(out, SelfComm(), conf_old, 3, list(blocks_of(conf_old)))
+    manifest, parts = checkpoint.load(out, SelfComm(), conf_new, blocks_of(conf_new))
+    assert manifest["grid"] == list(old)
+    for p, block in blocks_of(conf_new).items():
+        for k, v in truth(conf_new, block, 3).items():
+            np.testing.assert_allclose(parts[p][k], v, rtol=RESLICE_RTOL, atol=RESLICE_RTOL)
+    shutil.rmtree(out)
+
+
+@pytest.mark.rank_independent
+def test_resume_config_contradictions():
+    conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=4)
+    manifest = {"config": {"config": conf.to_dict()}, "step": 2}
+    makers = {"config": SimConfig.from_dict}
+    same = checkpoint.check_resume_config(
+        manifest, {"config": {"nc": [8, 8, 4], "grid": (1, 2)}}, makers)["config"]
+    assert same.grid == (1, 2) and same.nc == NC
+    with pytest.raises(ResumeError, match="n_steps=6 contradicts the checkpoint's n_steps=4"):
+        checkpoint.check_resume_config(manifest, {"config": {"n_steps": 6}}, makers)
+    with pytest.raises(ResumeError, match="nc=8 contradicts"):
+        checkpoint.check_resume_config(manifest, {"config": {"nc": 8}}, makers)
+    with pytest.raises(ResumeError, match="seed"):
+        checkpoint.check_resume_config(manifest, {"config": {"seed": 1}}, makers)
+
+
+def test_sigterm_on_one_rank_is_agreed_by_all():
+    comm = world_comm()
+    previous = signal.getsignal(signal.SIGTERM)
+    with checkpoint.StopRequest(comm) as stop:
+        assert not stop.agreed()
+        if comm.rank == comm.size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: only sets the flag
+        assert stop.agreed()
+        assert (stop.received is not None) == (comm.rank == comm.size - 1)
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+@pytest.mark.rank_independent
+def test_manifest_records_files_and_checksums():
+    out = tempfile.mkdtemp(prefix="ckpt")
+    conf = SimConfig(nc=NC, grid=(2, 2), halo_size=1)
+    path = save(out, SelfComm(), conf, 5, list(blocks_of(conf)))
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["format"] == checkpoint.FORMAT and manifest["step"] == 5
+    assert manifest["n_particles"] == int(np.prod(NC))
+    assert sorted(manifest["files"]) == ["rank%05d.h5" % p for p in range(4)]
+    assert all(len(v["sha256"]) == 64 for v in manifest["files"].values())
+    assert not [d for d in os.listdir(checkpoint.checkpoint_root(out)) if d.startswith(".tmp")]
+    shutil.rmtree(out)

@@ -1,0 +1,260 @@
+"""The native CIC ops (``flowpm_mtf/native/cic_ops.cc``) on local slices: equal to
+the TensorFlow path of :mod:`flowpm_mtf.painting`, exact gradients (dot-product and
+finite-difference tests in float64), independent of the thread count, harmless
+for masked (non-finite, zero-weight) particle slots.
+
+The distributed paint/readout (halo exchange, all process grids, against
+``flowpm.tfpm``) is tested in ``test_painting.py``, which runs the native path
+whenever the library is built (``FLOWPM_MTF_NATIVE=require`` in CI).
+"""
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from flowpm_mtf import native, painting
+from flowpm_mtf.config import SimConfig
+
+tf.disable_eager_execution()
+
+pytestmark = [pytest.mark.rank_independent,
+              pytest.mark.skipif(native.load("cic_ops") is None,
+                                 reason="native cic_ops not built (FLOWPM_MTF_NATIVE=0 or "
+                                        "python -m flowpm_mtf.native.build not run)")]
+
+# float32: the paint adds the same products in the same order as
+# unsorted_segment_sum (bit-equal); the readout sums 8 products in another order.
+READ_RTOL32 = 1e-6
+# float64 dot products of ~10^3 terms.
+ADJOINT_RTOL = 1e-12
+# central differences in float64: CIC is polynomial inside a cell (rounding only).
+FD_EPS = 1e-6
+FD_RTOL = 1e-6
+
+# 2 x 2 blocks of 6 x 5 x 4 cells, halo 2 -> padded blocks 10 x 9 x 4
+CONF = SimConfig(nc=(12, 10, 4), grid=(2, 2), halo_size=2, dtype="float64")
+NB = 2 * 2
+N = 300
+
+
+def positions(seed, dtype=np.float64, frac=None):
+    """[nbx, nby, n, 3] block-local positions inside the allowed range."""
+    rng = np.random.RandomState(seed)
+    h = CONF.halo_size
+    sx, sy, nz = CONF.block_shape
+    lo = np.array([-h, -h, -3.0])
+    hi = np.array([sx + h - 1, sy + h - 1, nz + 3.0])
+    if frac is None:
+        pos = lo + (hi - lo) * rng.rand(2, 2, N, 3)
+    else:
+        cells = rng.randint(lo.astype(int), hi.astype(int) - 1, size=(2, 2, N, 3))
+        pos = cells + frac + (1 - 2 * frac) * rng.rand(2, 2, N, 3)
+    return pos.astype(dtype)
+
+
+def run(fetch, feeds=None, threads=2):
+    cfg = tf.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=1)
+    with tf.Session(config=cfg) as sess:
+        return sess.run(fetch, feeds)
+
+
+def tf_path(monkeypatch):
+    """Make painting's local functions use the TensorFlow path."""
+    monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
+
+
+def local_paint(pos, w=None):
+    return painting._native_paint(painting._native_ops(pos), painting._local_particles(pos),
+                                  w, CONF)
+
+
+def local_readout(m, pos, comps=1):
+    return painting._native_readout(painting._native_ops(m, pos), m, pos, CONF, comps)
+
+
+def tf_paint(pos, w=None):
+    idx, kernel = painting._stencil(pos, CONF)
+    if w is not None:
+        kernel = kernel * w[..., None]
+    shape = [2, 2] + list(CONF.padded_block_shape)
+    out = tf.math.unsorted_segment_sum(tf.reshape(kernel, [-1]), tf.reshape(idx, [-1]),
+                                       int(np.prod(shape)))
+    return tf.reshape(out, shape)
+
+
+def tf_readout(m, pos, comps=1):
+    idx, kernel = painting._stencil(pos, CONF)
+    rows = tf.gather(tf.reshape(m, [-1, comps]), idx)
+    return tf.reduce_sum(rows * kernel[..., None], axis=-2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_native_equals_tensorflow_path(dtype):
+    pos = positions(1, dtype)
+    rng = np.random.RandomState(2)
+    w = rng.rand(2, 2, N).astype(dtype)
+    field = rng.randn(2, 2, *CONF.padded_block_shape, 3).astype(dtype)
+    with tf.Graph().as_default():
+        p, wt, f = tf.constant(pos), tf.constant(w), tf.constant(field)
+        out = run({"paint": local_paint(p), "paint_w": local_paint(p, wt),
+                   "ref_paint": tf_paint(p), "ref_paint_w": tf_paint(p, wt),
+                   "read": local_readout(f, p, 3), "ref_read": tf_readout(f, p, 3)})
+    # same products added in the same order as unsorted_segment_sum: bit-equal
+    np.testing.assert_array_equal(out["paint"], out["ref_paint"])
+    np.testing.assert_array_equal(out["paint_w"], out["ref_paint_w"])
+    rtol = READ_RTOL32 if dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(out["read"], out["ref_read"], rtol=rtol, atol=rtol)
+
+
+def test_paint_independent_of_threads():
+    pos = positions(3, np.float32)
+    pos = np.concatenate([pos] * 40, axis=2)  # enough particles for several slabs
+    with tf.Graph().as_default():
+        p = tf.constant(pos)
+        one = run(local_paint(p), threads=1)
+        many = run(local_paint(p), threads=4)
+    np.testing.assert_array_equal(one, many)
+
+
+def test_escaped_count_equals_tensorflow_path(monkeypatch):
+    import mesh_tensorflow as mtf
+    pos = positions(4)
+    h = CONF.halo_size
+    sx, sy, _ = CONF.block_shape
+    pos[0, 0, 0] = [-h, -h, 0.5]                        # lowest allowed
+    pos[1, 1, 1] = [sx + h - 1 - 1e-9, sy + h - 1 - 1e-9, 0.0]
+    pos[0, 0, 2, 0] = sx + h - 1                         # first beyond x
+    pos[1, 0, 3, 1] = -h - 1e-9                          # beyond y
+    pos[0, 1, 4, 2] = np.nan
+    pos[0, 1, 5, 0] = np.inf
+
+    def count():
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "m")
+            shape = mtf.Shape([mtf.Dimension("bx", 2), mtf.Dimension("by", 2),
+                               mtf.Dimension("npart", N), mtf.Dimension("xyz", 3)])
+            p = mtf.import_tf_tensor(mesh, tf.constant(pos), shape)
+            c = painting.escaped_count(p, CONF)
+            impl = mtf.placement_mesh_impl.PlacementMeshImpl([("row", 1), ("col", 1)],
+                                                             CONF.layout_rules, ["/cpu:0"])
+            lowering = mtf.Lowering(graph, {mesh: impl})
+            return run(lowering.export_to_tf_tensor(c))
+
+    native_count = count()
+    tf_path(monkeypatch)
+    assert native_count == count() == 4
+
+
+@pytest.mark.parametrize("comps", [1, 3])
+def test_dot_products(comps):
+    """<paint(w), g> = <w, readout(g)> (vector weights), and the registered
+    gradients are the adjoints: grad_w <paint(w), g> = readout(g),
+    grad_m <readout(m), v> = paint(v)."""
+    lib = native.load("cic_ops")
+    px, py, nz = CONF.padded_block_shape
+    pos = positions(5).reshape(NB, N, 3)
+    rng = np.random.RandomState(6)
+    w0 = rng.randn(NB, N, comps)
+    g0 = rng.randn(NB, px, py, nz, comps)
+    with tf.Graph().as_default():
+        p, w, g = tf.constant(pos), tf.constant(w0), tf.constant(g0)
+        painted = lib.flowpm_cic_paint(p, w, halo=CONF.halo_size, px=px, py=py, nz=nz,
+                                       components=comps)
+        read = lib.flowpm_cic_readout(g, p, halo=CONF.halo_size)
+        lhs, rhs = tf.reduce_sum(painted * g), tf.reduce_sum(w * read)
+        gw, = tf.gradients(lhs, [w])
+        gm, = tf.gradients(rhs, [g])
+        out = run({"lhs": lhs, "rhs": rhs, "gw": gw, "read": read, "gm": gm,
+                   "painted": painted})
+    np.testing.assert_allclose(out["lhs"], out["rhs"], rtol=ADJOINT_RTOL)
+    np.testing.assert_allclose(out["gw"], out["read"], rtol=ADJOINT_RTOL, atol=1e-14)
+    np.testing.assert_allclose(out["gm"], out["painted"], rtol=ADJOINT_RTOL, atol=1e-14)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_finite_differences(weighted):
+    """d/dpos of L = <m, paint(pos, w)> + <c, readout(m2, pos)^2> (3 components), and
+    d/dw, against central differences in float64."""
+    lib = native.load("cic_ops")
+    px, py, nz = CONF.padded_block_shape
+    h = CONF.halo_size
+    pos0 = positions(7, frac=0.1).reshape(NB, N, 3)
+    rng = np.random.RandomState(8)
+    m0 = rng.randn(NB, px, py, nz, 1)
+    m2 = rng.randn(NB, px, py, nz, 3)
+    c0 = rng.rand(NB, N, 3)
+    w0 = rng.rand(NB, N, 1) + 0.5
+    with tf.Graph().as_default():
+        p = tf.placeholder(tf.float64, pos0.shape)
+        w = tf.placeholder(tf.float64, w0.shape)
+        wt = w if weighted else tf.zeros([0], tf.float64)
+        paint = lib.flowpm_cic_paint(p, wt, halo=h, px=px, py=py, nz=nz)
+        read = lib.flowpm_cic_readout(tf.constant(m2), p, halo=h)
+        loss = tf.reduce_sum(paint * m0) + tf.reduce_sum(c0 * read**2)
+        gp, gw = tf.gradients(loss, [p, w])
+        cfg = tf.ConfigProto(intra_op_parallelism_threads=2)
+        with tf.Session(config=cfg) as sess:
+            def f(pp, ww):
+                return sess.run(loss, {p: pp, w: ww})
+            g_pos, g_w = sess.run([gp, gw if weighted else gp], {p: pos0, w: w0})
+            scale = max(1.0, np.max(np.abs(g_pos)))
+            for idx in [(0, 0, 0), (1, 5, 1), (2, 7, 2), (3, N - 1, 0), (3, 11, 2)]:
+                a, b = pos0.copy(), pos0.copy()
+                a[idx] += FD_EPS
+                b[idx] -= FD_EPS
+                fd = (f(a, w0) - f(b, w0)) / (2 * FD_EPS)
+                assert abs(fd - g_pos[idx]) <= FD_RTOL * scale, (idx, fd, g_pos[idx])
+            if weighted:
+                for idx in [(0, 0, 0), (2, 9, 0), (3, N - 1, 0)]:
+                    a, b = w0.copy(), w0.copy()
+                    a[idx] += FD_EPS
+                    b[idx] -= FD_EPS
+                    fd = (f(pos0, a) - f(pos0, b)) / (2 * FD_EPS)
+                    assert abs(fd - g_w[idx]) <= FD_RTOL * max(1.0, np.max(np.abs(g_w)))
+
+
+def test_masked_slots_are_harmless():
+    """Slots with weight 0 and non-finite positions paint nothing, read 0 and get
+    zero gradients; the other particles are unaffected."""
+    lib = native.load("cic_ops")
+    px, py, nz = CONF.padded_block_shape
+    h = CONF.halo_size
+    pos = positions(9).reshape(NB, N, 3)
+    rng = np.random.RandomState(10)
+    w = rng.rand(NB, N, 1)
+    mask = np.zeros((NB, N), bool)
+    mask[:, ::7] = True
+    bad = pos.copy()
+    bad[mask] = np.nan
+    bad[0, 14] = [np.inf, 0, 0]
+    mask[0, 14] = True
+    wm = np.where(mask[..., None], 0.0, w)
+    m = rng.randn(NB, px, py, nz, 3)
+    with tf.Graph().as_default():
+        pb, pw = tf.constant(bad), tf.constant(wm)
+        painted = lib.flowpm_cic_paint(pb, pw, halo=h, px=px, py=py, nz=nz)
+        ref = lib.flowpm_cic_paint(tf.constant(pos), pw, halo=h, px=px, py=py, nz=nz)
+        read = lib.flowpm_cic_readout(tf.constant(m), pb, halo=h)
+        loss = tf.reduce_sum(painted) + tf.reduce_sum(read)
+        gp, = tf.gradients(loss, [pb])
+        out = run({"painted": painted, "ref": ref, "read": read, "gp": gp})
+    np.testing.assert_array_equal(out["painted"], out["ref"])
+    assert np.all(np.isfinite(out["painted"]))
+    assert np.all(out["read"][mask] == 0) and np.all(np.isfinite(out["read"]))
+    assert np.all(out["gp"][mask] == 0) and np.all(np.isfinite(out["gp"]))
+
+
+def test_device_and_dtype_choice():
+    """The native op serves float32/float64 CPU tensors; GPU-placed tensors and
+    half precision take the TensorFlow path."""
+    with tf.Graph().as_default():
+        cpu = tf.constant(np.zeros(3, np.float32))
+        with tf.device("/cpu:0"):
+            pinned = tf.constant(np.zeros(3, np.float64))
+        with tf.device("/gpu:0"):
+            gpu = tf.constant(np.zeros(3, np.float32))
+        half = tf.constant(np.zeros(3, np.float16))
+        assert painting._native_ops(cpu) is not None
+        assert painting._native_ops(cpu, pinned) is not None
+        assert painting._native_ops(cpu, gpu) is None
+        assert painting._native_ops(half) is None

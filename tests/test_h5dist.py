@@ -1,0 +1,177 @@
+"""Per-rank writing of one logical HDF5 file (flowpm_mtf.h5dist): local slices without
+communication on HvdSimdMeshImpl and PlacementMeshImpl, virtual datasets over per-rank
+parts read back with plain h5py, errors on every rank."""
+import os
+import shutil
+import tempfile
+
+import h5py
+import mesh_tensorflow as mtf
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+from flowpm_mtf import h5dist, io
+from flowpm_mtf.backend import SerialComm
+from flowpm_mtf.errors import FlowpmError
+from mtf_harness import hvd_config, hvd_impl, mesh_id, placement_config, placement_impl
+
+tf.disable_eager_execution()
+
+
+def world_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def shared_tmpdir(comm):
+    """One temporary directory for all ranks (created by rank 0)."""
+    d = tempfile.mkdtemp(prefix="h5dist") if comm.rank == 0 else None
+    return comm.bcast(d, root=0)
+
+
+GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
+SHAPE = (8, 4, 3)
+
+
+def _grids():
+    return GRIDS[world_comm().size]
+
+
+@pytest.mark.parametrize("kind", ["hvd", "placement"])
+def test_local_slices_are_the_slices(kind):
+    """Every slice a process holds equals the full tensor at its begin; together they cover it."""
+    full = np.arange(np.prod(SHAPE), dtype=np.float64).reshape(SHAPE)
+    layout = [("a", "m0"), ("b", "m1")]
+    for dims in _grids():
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "mesh")
+            shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip("abc", SHAPE)])
+            x = mtf.import_tf_tensor(mesh, tf.constant(full), shape) * 2.0
+            total = mtf.reduce_sum(x)
+            impl = hvd_impl(dims, layout) if kind == "hvd" else placement_impl(dims, layout)
+            lowering = mtf.Lowering(graph, {mesh: impl})
+            slices = h5dist.local_slices(lowering, x)
+            rep = h5dist.replicated_value(lowering, total)
+            config = hvd_config() if kind == "hvd" else placement_config(int(np.prod(dims)))
+            with tf.Session(config=config) as sess:
+                vals, rep_val = sess.run([[t for _, t, _ in slices], rep])
+            n = int(np.prod(dims))
+            assert len(slices) == (1 if kind == "hvd" else n), mesh_id(dims)
+            covered = np.zeros(SHAPE, int)
+            for (p, _, begin), v in zip(slices, vals):
+                idx = tuple(slice(b, b + s) for b, s in zip(begin, v.shape))
+                np.testing.assert_array_equal(v, 2.0 * full[idx])
+                covered[idx] += 1
+                assert h5dist.owns_slice(impl, shape, p)
+            if kind == "placement":
+                assert np.all(covered == 1)
+            assert rep_val == 2.0 * full.sum()
+            if n > 1:
+                with pytest.raises(ValueError, match="split over the mesh"):
+                    h5dist.replicated_value(lowering, x)
+
+
+def test_owns_slice_writes_replicated_copies_once():
+    """A tensor split over one mesh axis only is owned by one processor per slice."""
+    impl = placement_impl((2, 2), [("a", "m0")])
+    shape = mtf.Shape([mtf.Dimension("a", 4), mtf.Dimension("b", 2)])
+    owners = [p for p in range(4) if h5dist.owns_slice(impl, shape, p)]
+    assert len(owners) == 2
+    assert sorted(impl.slice_begin(shape, p)[0] for p in owners) == [0, 2]
+
+
+def _expected_rows(size):
+    return [np.arange(3 * r * 2, dtype=np.float32).reshape(-1, 2) + 100 * r for r in range(size)]
+
+
+def test_virtual_file_reads_with_plain_h5py_anywhere():
+    """Variable rows per rank (also 0) and blocks: one logical file, read from another working
+    directory and after the directory is moved."""
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    rows = _expected_rows(comm.size)
+    nx = 2 * comm.size
+    field = np.arange(nx * 3 * 5, dtype=np.float64).reshape(nx, 3, 5)
+    parts = {comm.rank: {"rows": h5dist.Rows(rows[comm.rank]),
+                         "ids": h5dist.Rows(np.arange(rows[comm.rank].shape[0]) + 10 * comm.rank),
+                         "field": h5dist.Block(field[2 * comm.rank:2 * comm.rank + 2],
+                                               (2 * comm.rank, 0, 0), field.shape)}}
+    path = os.path.join(d, "run", "data.h5")
+    os.makedirs(os.path.dirname(path), exist_ok=True) if comm.rank == 0 else None
+    comm.barrier()
+    assert h5dist.write_distributed(path, comm, parts, attrs={"note": "x"},
+                                    dataset_attrs={"rows": {"units": "m"}}) == path
+    comm.barrier()
+    if comm.rank == 0:
+        moved = os.path.join(d, "elsewhere")
+        shutil.move(os.path.join(d, "run"), moved)
+        cwd = os.getcwd()
+        os.chdir(tempfile.mkdtemp())
+        try:
+            with h5py.File(os.path.join(moved, "data.h5"), "r") as f:
+                np.testing.assert_array_equal(f["rows"][...], np.concatenate(rows))
+                np.testing.assert_array_equal(f["field"][...], field)
+                assert f["ids"].shape == (sum(r.shape[0] for r in rows),)
+                assert f["rows"].attrs["units"] == "m" and f.attrs["note"] == "x"
+            h5dist.check_sources(os.path.join(moved, "data.h5"))
+            os.remove(h5dist.part_path(os.path.join(moved, "data.h5"), comm.size - 1))
+            with pytest.raises(FlowpmError, match="missing"):
+                h5dist.check_sources(os.path.join(moved, "data.h5"))
+        finally:
+            os.chdir(cwd)
+        shutil.rmtree(d)
+    comm.barrier()
+
+
+def test_failure_on_one_rank_raises_on_every_rank():
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    bad = comm.rank == comm.size - 1
+    data = np.array([object(), object()]) if bad else np.zeros((2,))
+    with pytest.raises(FlowpmError, match="failed on rank %d" % (comm.size - 1)):
+        h5dist.write_distributed(os.path.join(d, "x.h5"), comm, {comm.rank: {"a": h5dist.Rows(data)}})
+    comm.barrier()
+    if comm.rank == 0:
+        assert not os.path.exists(os.path.join(d, "x.h5"))
+        shutil.rmtree(d)
+
+
+def test_gather_slab_assembles_blocks():
+    comm = world_comm()
+    full = np.arange(4 * comm.size * 3, dtype=np.float64).reshape(4 * comm.size, 3)
+    mine = [(full[4 * comm.rank:4 * comm.rank + 4], (4 * comm.rank, 0))]
+    np.testing.assert_array_equal(h5dist.gather_slab(comm, mine, full.shape), full)
+
+
+@pytest.mark.rank_independent
+def test_distributed_snapshot_reads_like_a_serial_one():
+    """io.read_snapshot on a distributed snapshot (one process holding 3 parts)."""
+    from flowpm_mtf.config import SimConfig
+
+    conf = SimConfig(nc=(6, 6, 4), box_size=60.0, grid=(3, 1), halo_size=1)
+    d = tempfile.mkdtemp(prefix="snapdist")
+    rng = np.random.RandomState(0)
+    parts, pos_all = {}, {}
+    for bx in range(3):
+        pos = rng.uniform(0, 2, (2 * 6 * 4, 3))
+        parts[bx] = io.particle_part(conf, (bx, 0), pos, np.zeros_like(pos), a=1.0)
+        pos_all[bx] = pos
+        parts[bx]["density"] = h5dist.Block(np.full((2, 6, 4), bx, np.float64), (2 * bx, 0, 0),
+                                            conf.nc)
+    io.write_snapshot_distributed(os.path.join(d, "snapshot.h5"), SerialComm(), parts,
+                                  attrs=conf)
+    snap = io.read_snapshot(os.path.join(d, "snapshot.h5"))
+    assert sorted(snap["id"]) == list(range(6 * 6 * 4))
+    assert snap["config"]["nc"] == [6, 6, 4] and snap["units"]["position"] == "Mpc/h"
+    assert snap["position"].dtype == np.float64
+    # particle with id i started at lattice cell i (row-major): check one per block
+    for bx in range(3):
+        i = 2 * bx
+        rows = np.nonzero(snap["id"] == i * 24)[0]
+        np.testing.assert_allclose(snap["position"][rows[0]],
+                                   (pos_all[bx][0] + [2 * bx, 0, 0]) * conf.cell_size % 60.0)
+    np.testing.assert_array_equal(snap["density"][:, 0, 0], [0, 0, 1, 1, 2, 2])
+    shutil.rmtree(d)
