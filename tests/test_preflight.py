@@ -176,8 +176,8 @@ def _lower_simulation(nc):
         # step); only the small P(k) outputs are gathered (the backend refuses to
         # gather full-size tensors).
         outs = [lowering.export_to_tf_tensor(getattr(sim, n)) for n in ("k", "pk", "modes")]
-        outs += [lowering.tensors[getattr(sim, n)].to_laid_out_tensor().tensor_list[0]
-                 for n in ("rho", "position")]
+        outs += [lowering.tensors[t].to_laid_out_tensor().tensor_list[0]
+                 for t in (sim.rho, sim.variables.positions)]
         return g.as_graph_def(), outs
 
 

@@ -61,7 +61,9 @@ def assert_one_error_line(proc, pattern):
 def assert_only_manifest_files(out):
     m = rundir.read_manifest(out)
     assert m is not None and rundir.verify_manifest(out) == []
-    assert sorted(os.listdir(out)) == sorted([f["path"] for f in m["files"]] + ["manifest.json"])
+    # every file under OUT (sub-directories too) is the run's: no staging, temporary,
+    # lock or stale file
+    assert sorted(tree(out)) == sorted([f["path"] for f in m["files"]] + ["manifest.json"])
 
 
 def assert_no_step_ran(proc):
