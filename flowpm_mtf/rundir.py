@@ -45,7 +45,6 @@ shared file system), which :meth:`RunDir.open` checks when ``all_ranks_write``.
 """
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -55,6 +54,8 @@ import socket
 import time
 
 from .backend import SerialComm
+from .checkpoint import _fsync_dir  # one directory fsync for checkpoints and runs
+from .checkpoint import _sha256 as sha256_file  # SHA-256 of a file, hex, 4 MiB chunks
 from .errors import FlowpmError, OutputDirError, ResumeError, error_from_name
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
@@ -70,16 +71,6 @@ CHECKPOINT = "checkpoint"
 MANIFEST_FORMAT = "flowpm_mtf.manifest/1"
 # Temporary names of flowpm_mtf.io (``<file>.tmp-<pid>``) and of this module.
 _TMP_RE = re.compile(r"\.tmp-\d+$|\.tmp$")
-_CHUNK = 1 << 22  # bytes read at a time when hashing
-
-
-def sha256_file(path):
-    """SHA-256 of a file's content (hex string), read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(out):
@@ -136,19 +127,6 @@ def has_checkpoint(out):
     except OSError:
         return False
     return any(re.fullmatch(r"step_\d+", n) and os.path.isdir(os.path.join(d, n)) for n in names)
-
-
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove(path):
