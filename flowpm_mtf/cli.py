@@ -28,6 +28,14 @@ imports the Horovod backend).
 
 TensorFlow's C++ start-up lines (CPU features, oneDNN) are hidden by setting
 ``TF_CPP_MIN_LOG_LEVEL=1`` before TensorFlow is imported, unless ``--verbose``.
+
+Safety (:mod:`flowpm_mtf.rundir`, :mod:`flowpm_mtf.preflight`): before any graph
+is built, the numerics of the inputs, the estimated peak memory per rank and the
+run directory ``--out`` are checked (a complete run there is never modified
+without ``--overwrite``, a concurrent run on it fails at once); outputs are
+staged and published whole with ``manifest.json`` written last. Every failure
+prints one line ``flowpm-mtf: error: <message>`` once and exits non-zero on
+every rank (:func:`report_error`); ``--verbose`` adds the traceback.
 """
 import argparse
 import json
@@ -51,13 +59,20 @@ def add_run_arguments(parser, job):
                        help="JSON file of config fields (keys = field names, or sections "
                             "%s); flags override it" % ", ".join(s.key for s in job.sections))
     group.add_argument("--out", default=None,
-                       help="output (run) directory (default: %s)" % job.default_out)
+                       help="run directory; refused if it holds a complete run, unless "
+                            "--overwrite (default: %s)" % job.default_out)
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace the complete earlier run in --out (all of its files)")
+    group.add_argument("--force", action="store_true",
+                       help="run even if the estimated peak memory exceeds what the node has")
     group.add_argument("--backend", choices=BACKENDS, default="hvd",
                        help="hvd: one slice per MPI rank; placement: Mesh TF's "
-                            "PlacementMeshImpl in one process (default: %(default)s)")
+                            "PlacementMeshImpl in one process, without mpirun "
+                            "(default: %(default)s)")
     group.add_argument("--no-plot", action="store_true", help="skip the figure")
     group.add_argument("--verbose", action="store_true",
-                       help="show TensorFlow's C++ start-up lines (and debug output)")
+                       help="tracebacks on errors, TensorFlow's C++ start-up lines, debug "
+                            "output")
     if getattr(job, "checkpoints", False):
         group.add_argument("--checkpoint-every", type=int, metavar="K",
                            help="write a checkpoint into OUT/checkpoint every K steps (SIGTERM "
@@ -68,11 +83,20 @@ def add_run_arguments(parser, job):
                                 "match the checkpoint)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse raising :class:`ConfigError` (printed once) instead of exiting on every rank."""
+
+    def error(self, message):
+        from .errors import ConfigError
+
+        raise ConfigError("%s: %s (see %s --help)" % (self.prog, message, self.prog))
+
+
 def build_parser(jobs):
     """The ``flowpm-mtf`` argument parser for the registered ``jobs`` (name -> Job)."""
     from .jobs.options import add_job_arguments
 
-    ap = argparse.ArgumentParser(prog="flowpm-mtf", description=__doc__.split("\n")[0])
+    ap = _Parser(prog="flowpm-mtf", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     for name, job in jobs.items():
         p = sub.add_parser(name, help=job.help, description=(job.__doc__ or job.help)
@@ -82,23 +106,75 @@ def build_parser(jobs):
     return ap
 
 
+def checked_config(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a configuration or its validation) with ``ValueError``
+    and ``TypeError`` turned into :class:`ConfigError` (reported once, before the compute)."""
+    from .errors import ConfigError
+
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e))
+
+
 def make_configs(job, args):
     """The job's configs from its defaults, ``--config`` and the flags; checks the rank count.
 
     Raises
     ------
-    ValueError
-        For invalid values, or a process grid that does not match the ranks.
+    ConfigError
+        For invalid values.
+    RankCountError
+        A process grid that does not match the ranks, or the placement backend
+        under more than one MPI rank.
     """
+    from .errors import RankCountError
     from .jobs.options import make_configs as generated
 
     n = world()[1]
-    configs = generated(job, args, args.config, n_ranks=n, backend=args.backend)
+    if args.backend == "placement" and n > 1:
+        raise RankCountError("--backend placement runs the whole mesh in one process but the job "
+                             "has %d MPI ranks; launch it without mpirun, or use --backend hvd"
+                             % n)
+    configs = checked_config(generated, job, args, args.config, n_ranks=n, backend=args.backend)
     conf = configs["config"]
     if args.backend == "hvd" and conf.n_ranks != n:
-        raise ValueError("the process grid %s needs %d ranks but the job has %d; launch with "
-                         "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
+        raise RankCountError("the process grid %s needs %d ranks but the job has %d; launch with "
+                             "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
     return configs
+
+
+#: Jobs without an N-body (no numerics or memory-model check).
+NO_NBODY_JOBS = ("fft-demo",)
+
+
+def safety_hooks(job, args, run_dir):
+    """Runner hooks: checks before the compute, then the locked run directory; publish at the end.
+
+    Before any graph is built (collective, every rank raises the same error): the
+    job's own preflight, the numerics of the inputs and the estimated peak memory
+    per rank (N-body jobs; ``--force`` skips the memory check), then
+    :meth:`RunDir.open`. After the outputs are written: :meth:`RunDir.publish`.
+    """
+    from . import preflight
+    from .jobs import runner
+
+    def check(ctx):
+        checked_config(job.preflight, ctx)
+        if job.name not in NO_NBODY_JOBS:
+            preflight.check_numerics(ctx.conf)
+            preflight.check_memory(
+                ctx.conf, ctx.comm, processes=1 if ctx.backend.name == "placement" else None,
+                masters=not getattr(ctx.backend.mesh_impl, "slice_only_variables", False),
+                force=args.force)
+        run_dir.open()
+
+    def publish(ctx, summary):
+        run_dir.publish(config={key: cfg.to_dict() for key, cfg in ctx.configs.items()})
+
+    return runner.Hooks(preflight=[check], after_run=[publish])
 
 
 def explicit_values(job, args):
@@ -155,38 +231,36 @@ def resume_configs(job, args):
 
 
 def main(argv=None):
-    """Parse the command line and run one job; returns the exit code."""
+    """Parse the command line and run one job; returns the exit code (see :func:`report_error`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = "--verbose" in argv
     # Before TensorFlow is imported (by the jobs): its C++ start-up lines on every rank.
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if "--verbose" in argv else os.environ.get(
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbose else os.environ.get(
         "TF_CPP_MIN_LOG_LEVEL", TF_QUIET_LEVEL)
     from . import backend as backend_mod
     from . import jobs
     from .jobs import runner
     from .logs import rank0_only, setup_logging
 
-    registry = jobs.all_jobs()
-    args = build_parser(registry).parse_args(argv)
-    setup_logging("DEBUG" if args.verbose else "INFO")
+    setup_logging("DEBUG" if verbose else "INFO")
     rank0_only(log)
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # Mesh TF's lowering counters
-    if args.backend == "hvd":
-        backend_mod.install_abort_on_exception()  # one failing rank ends the job
-    job = registry[args.command]
-    from .errors import FlowpmError
-
+    args = None
     try:
-        run_job(job, args, backend_mod, runner)
-    except FlowpmError as exc:  # one line, no traceback, non-zero exit on every rank
-        if world()[0] == 0:
-            sys.stderr.write("flowpm-mtf: error: %s\n" % exc)
-        return 1
-    return 0
+        registry = jobs.all_jobs()
+        args = build_parser(registry).parse_args(argv)
+        if args.backend == "hvd" and world()[1] > 1:
+            backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
+        run_job(registry[args.command], args, backend_mod, runner)
+        return 0
+    except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)
+        return report_error(e, args, verbose)
 
 
 def run_job(job, args, backend_mod, runner):
-    """Configs (new run, or ``--resume``), backend, then the runner."""
+    """Configs (new run, or ``--resume``), backend, run directory, then the runner."""
     from .errors import ConfigError, ResumeError
+    from .rundir import RunDir
 
     every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
     if every is not None and every < 1:
@@ -199,12 +273,101 @@ def run_job(job, args, backend_mod, runner):
         configs = resume_configs(job, args)
     else:
         configs = make_configs(job, args)
+    args.conf = configs["config"]  # for the error messages
     out = args.out or job.default_out
     log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
                        for key, cfg in configs.items()))
     backend = backend_mod.make_backend(args.backend, configs["config"])
-    return runner.run(job, configs, backend, out, plot=not args.no_plot, checkpoint_every=every,
-                      resume=bool(resume))
+    run_dir = RunDir(out, job.name, comm=backend.comm, overwrite=args.overwrite,
+                     resume=bool(resume))
+    try:
+        return runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
+                          hooks=safety_hooks(job, args, run_dir), checkpoint_every=every,
+                          resume=bool(resume))
+    finally:
+        run_dir.close()
+
+
+def _as_user_error(exc, args):
+    """The :class:`FlowpmError` a known failure stands for, or ``None`` (an internal error)."""
+    from .errors import FlowpmError, ParticleEscapeError
+
+    if isinstance(exc, FlowpmError):
+        return exc
+    if type(exc).__name__ == "InvalidArgumentError" and "particles escaped" in str(exc):
+        conf = getattr(args, "conf", None)
+        hint = "more --steps or a larger --halo"
+        if conf is not None:
+            limit = min(conf.block_shape[:2]) - 1
+            if conf.halo_size < limit:
+                hint = "--halo %d (at most %d on this grid) or more --steps" % (
+                    min(2 * conf.halo_size + 1, limit), limit)
+            else:
+                hint = "more --steps, or fewer ranks so the blocks can hold a larger --halo"
+        return ParticleEscapeError(
+            "particles moved beyond the %s-cell halo of their block during the N-body (their "
+            "CIC stencil left the padded block); rerun with %s"
+            % (getattr(conf, "halo_size", "?"), hint))
+    return None
+
+
+#: Longest wait [s] of a failing rank for the others before it exits (see _meet_before_exit).
+EXIT_MEETING_S = 30.0
+
+
+def _meet_before_exit():
+    """Wait (bounded) until every rank has reported the collective error.
+
+    The first rank to exit non-zero makes ``mpirun`` kill the others, possibly
+    before rank 0 printed the message: the ranks meet in a non-blocking barrier
+    first, given up after :data:`EXIT_MEETING_S` (an error that hit some ranks
+    only must not hang them).
+    """
+    import time
+
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return
+    req = MPI.COMM_WORLD.Ibarrier()
+    t_end = time.monotonic() + EXIT_MEETING_S
+    while not req.Test() and time.monotonic() < t_end:
+        time.sleep(0.01)
+
+
+def report_error(exc, args, verbose):
+    """Print ``flowpm-mtf: error: <message>`` once and return the exit code.
+
+    Errors of :mod:`flowpm_mtf.errors` are raised identically on every rank (the
+    checks are collective): rank 0 prints them, every rank exits with their
+    ``exit_code`` (the launcher then ends the job). Anything else is unexpected
+    and may have hit one rank only: that rank prints it with its rank and ends
+    the whole MPI job (``MPI_Abort``) so that no rank waits forever.
+    """
+    rank, size = world()
+    err = _as_user_error(exc, args)
+    if verbose:
+        logging.getLogger("flowpm_mtf.cli.error").error("traceback", exc_info=exc)  # every rank
+    if err is not None:
+        if rank == 0 or not getattr(err, "same_on_every_rank", True):
+            prefix = "" if rank == 0 else "[rank %d] " % rank
+            sys.stderr.write("flowpm-mtf: error: %s%s\n" % (prefix, err))
+            sys.stderr.flush()
+        if size > 1 and getattr(err, "same_on_every_rank", True):
+            _meet_before_exit()  # else the launcher may kill rank 0 before it prints
+        return err.exit_code
+    first = (str(exc).strip().splitlines() or [""])[0]
+    sys.stderr.write("flowpm-mtf: error: [rank %d] internal error %s: %s%s\n"
+                     % (rank, type(exc).__name__, first,
+                        "" if verbose else " (--verbose shows the traceback)"))
+    sys.stderr.flush()
+    if size > 1 and getattr(args, "backend", "hvd") == "hvd":
+        try:
+            from mpi4py import MPI
+        except ImportError:  # a broken installation: nothing to abort with
+            return 1
+        MPI.COMM_WORLD.Abort(1)
+    return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .gravity import density, pm_forces
 from .kernels import make_kernels
 from .lpt import State, lpt_init
 
-__all__ = ["default_stages", "nbody", "kdk_step", "step_factors", "forward"]
+__all__ = ["default_stages", "nbody", "kdk_step", "step_factors", "all_step_factors", "forward"]
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,37 @@ def step_factors(conf, a0, a1):
         ``ah = sqrt(a0 a1)``, dtype ``conf.dtype`` (first kick [1/H0 units of
         dp/dF], drift [dx/dp], second kick).
     """
-    cosmo = conf.cosmology
-    ah = float(np.sqrt(a0 * a1))
-    return np.array([cosmo_mod.kick_factor(cosmo, a0, a0, ah),
-                     cosmo_mod.drift_factor(cosmo, a0, ah, a1),
-                     cosmo_mod.kick_factor(cosmo, ah, a1, a1)], dtype=np.float64
-                    ).astype(conf.np_dtype)
+    return all_step_factors(conf, [a0, a1])[0]
+
+
+def all_step_factors(conf, stages):
+    """:func:`step_factors` of every step ``stages[i] -> stages[i + 1]``, vectorised.
+
+    One solution of the growth ODEs serves all steps (a per-step call cost ~27 ms,
+    over 45 minutes for 100000 steps).
+
+    Parameters
+    ----------
+    conf : SimConfig
+    stages : array_like
+        Increasing scale factors [dimensionless], at least two.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``[n_steps, 3]`` (kick, drift, kick) per step, dtype ``conf.dtype``.
+    """
+    st = np.asarray(stages, dtype=np.float64).reshape(-1)
+    a0, a1 = st[:-1], st[1:]
+    ah = np.sqrt(a0 * a1)
+    g = cosmo_mod.growth(conf.cosmology, np.concatenate([a0, ah, a1]))
+    n = a0.size
+    part = lambda arr, i: arr[i * n:(i + 1) * n]  # noqa: E731 (a0, ah, a1 thirds)
+    Gf, gf, D1, E, gp = g.Gf, g.gf, g.D1, g.E, g.gp
+    kick0 = (part(Gf, 1) - part(Gf, 0)) / (a0**2 * part(E, 0) * part(gf, 0))
+    drift = (part(D1, 2) - part(D1, 0)) / (ah**3 * part(E, 1) * part(gp, 1))
+    kick1 = (part(Gf, 2) - part(Gf, 1)) / (a1**2 * part(E, 2) * part(gf, 2))
+    return np.stack([kick0, drift, kick1], axis=1).astype(conf.np_dtype)
 
 
 def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):

@@ -237,7 +237,8 @@ def _stencil(pos, conf):
     Returns
     -------
     idx : tf.Tensor
-        int32 ``[nbx, nby, n, 8]``: flat index into the local padded slice
+        ``[nbx, nby, n, 8]``, int32 (int64 when the padded slice holds 2^31 cells
+        or more): flat index into the local padded slice
         ``[nbx, nby, px, py, nz]`` (row-major), x and y clipped into the
         padded block, z periodic.
     kernel : tf.Tensor
@@ -255,13 +256,16 @@ def _stencil(pos, conf):
     nbx, nby, n, _ = pos.shape.as_list()
     floor = tf.floor(pos)
     frac = pos - floor
-    cell = tf.cast(floor, tf.int32)
+    # int32 flat indices wrap beyond 2^31 cells (e.g. 2048^3 on 4 ranks): int64 there.
+    itype = tf.int64 if nbx * nby * px * py * nz >= 2**31 else tf.int32
+    cell = tf.cast(floor, itype)
     w = tf.stack([1.0 - frac, frac], axis=-1)        # [nbx, nby, n, 3, 2]
     c = tf.stack([cell, cell + 1], axis=-1)          # [nbx, nby, n, 3, 2]
     ix = tf.clip_by_value(c[..., 0, :] + h, 0, px - 1)
     iy = tf.clip_by_value(c[..., 1, :] + h, 0, py - 1)
     iz = tf.math.floormod(c[..., 2, :], nz)
-    block = tf.reshape(tf.range(nbx)[:, None] * nby + tf.range(nby)[None, :], [nbx, nby, 1, 1])
+    block = tf.reshape(tf.range(nbx, dtype=itype)[:, None] * nby
+                       + tf.range(nby, dtype=itype)[None, :], [nbx, nby, 1, 1])
     ix = ix + block * px                              # [nbx, nby, n, 2]
     idx = (ix[..., :, None, None] * py + iy[..., None, :, None]) * nz + iz[..., None, None, :]
     kernel = (w[..., 0, :, None, None] * w[..., 1, None, :, None] * w[..., 2, None, None, :])

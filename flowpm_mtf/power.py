@@ -163,9 +163,11 @@ def bin_index(conf, mesh, edges, name="bin_index"):
         flat = tf.reshape(k, [1, -1])
         idx = tf.searchsorted(tf.constant(edges[None, :], tf.float64), flat, side="right",
                               out_type=tf.int32) - 1
-        idx = tf.where((idx < 0) | (idx >= n_bins) | tf.equal(flat, 0.0),
-                       tf.fill(tf.shape(idx), n_bins), idx)
-        return tf.reshape(idx, tf.shape(k))
+        # Static shapes and a broadcast scalar: tf.shape() is int32 and wraps for
+        # slices of 2^31 cells or more (a 2048^3 mesh on one rank).
+        idx = tf.where_v2((idx < 0) | (idx >= n_bins) | tf.equal(flat, 0.0),
+                          tf.constant(n_bins, tf.int32), idx)
+        return tf.reshape(idx, k.shape)
 
     idx = mtf.slicewise(fn, [knorm], output_shape=knorm.shape, output_dtype=tf.int32,
                         splittable_dims=knorm.shape.dims, grad_function=0, name=name)

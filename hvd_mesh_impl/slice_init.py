@@ -196,9 +196,14 @@ def initial_slice(initializer, full_shape, begin, slice_shape, dtype, name, max_
     if initializer is None:
         initializer = _default_initializer(dtype)
     kind = type(initializer).__name__
-    if kind in ("Zeros", "Ones"):
-        fill = tf.zeros if kind == "Zeros" else tf.ones
-        return fill(slice_shape, dtype)
+    fill_value = {"Zeros": 0, "Ones": 1}.get(kind, getattr(initializer, "fill_value", None))
+    if fill_value is not None:
+        # A Fill of a placeholder_with_default: TF's constant folding would turn
+        # tf.zeros(slice_shape) into a Const of the whole slice in the GraphDef
+        # (beyond 2 GB it cannot be serialised).
+        value = tf.placeholder_with_default(tf.constant(fill_value, dtype), [],
+                                            name="unfoldable_fill")
+        return tf.fill(slice_shape, value)
     if kind == "Constant":
         value = np.asarray(initializer.value)
         if value.size == 1:

@@ -537,6 +537,27 @@ def test_constant_array_initializer_is_sliced(dims):
     assert got["largest_const"] == x_np.size // int(np.prod(dims))
 
 
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("kind", ["zeros", "ones", "fill_value"])
+def test_fill_initializers_stay_slice_local_and_unfolded(kind):
+    """zeros/ones and initializers with a ``fill_value`` (flowpm_mtf's unfoldable zeros)
+    give the slice from a Fill of a placeholder_with_default: never a full-size
+    evaluation (the limit of 1 element would raise) and nothing TF's constant folding
+    turns into a slice-size Const; the values equal the fill value."""
+    from flowpm_mtf.preflight import unfolded_zeros_initializer
+    from hvd_mesh_impl import slice_init
+
+    init, value = {"zeros": (tf.zeros_initializer(), 0.0), "ones": (tf.ones_initializer(), 1.0),
+                   "fill_value": (unfolded_zeros_initializer(), 0.0)}[kind]
+    with tf.Graph().as_default():
+        t = slice_init.initial_slice(init, [4, 6, 4], [2, 0, 0], [2, 6, 4], tf.float64,
+                                     "v", max_full_elements=1)
+        assert t.op.type == "Fill" and t.shape.as_list() == [2, 6, 4]
+        assert t.op.inputs[1].op.type == "PlaceholderWithDefault"
+        with tf.Session() as sess:
+            np.testing.assert_array_equal(sess.run(t), np.full([2, 6, 4], value))
+
+
 @pytest.mark.parametrize("dims", [m for m in MESHES if max(m) > 1] or [None])
 def test_full_size_limit(dims):
     """export / import of a split tensor above max_full_elements raise FullSizeError at

@@ -7,11 +7,10 @@ tolerance.
 import dataclasses
 import logging
 
-import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import fft, io
+from .. import fft, io, noise
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import register, runner
@@ -60,9 +59,11 @@ class FftDemoJob(Job):
 
     def build(self, ctx, mesh):
         conf = ctx.conf
-        rng = np.random.RandomState(conf.seed)
-        field_np = rng.standard_normal(conf.nc).astype(conf.np_dtype)
-        x = mtf.import_tf_tensor(mesh, tf.constant(field_np), fft.real_shape(conf))
+        # Generated in the graph slice by slice (a full-size constant would hit the 2 GB
+        # graph limit); the numpy reference is the bit-identical white_noise_numpy.
+        x = noise.white_noise(mesh, fft.real_shape(conf), conf.seed, conf.tf_dtype,
+                              name="fft_demo_field")
+        field_np = noise.white_noise_numpy(conf.seed, conf.nc, conf.np_dtype)
         k = fft.r2c(x, conf)
         return {"field": field_np, "k": k, "back": fft.c2r(k, conf)}
 

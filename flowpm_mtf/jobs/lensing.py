@@ -28,11 +28,11 @@ import logging
 
 import mesh_tensorflow as mtf
 import numpy as np
-import tensorflow.compat.v1 as tf
 
 from .. import h5dist, io, lensing
 from ..config import SimConfig
 from ..logs import rank0_only
+from ..preflight import unfolded_zeros_initializer
 from . import nbody_run, register, runner
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
@@ -61,7 +61,7 @@ class LensingGraph(SimulationGraph):
         x = self.variables.positions
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
-                                        trainable=False, initializer=tf.zeros_initializer())
+                                        trainable=False, initializer=unfolded_zeros_initializer())
                        for i in range(geom.n_planes)]
         # plane_ops[j]: assignments of the planes painted at stage j
         self.plane_ops = {}

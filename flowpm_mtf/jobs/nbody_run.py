@@ -26,6 +26,7 @@ import tensorflow.compat.v1 as tf
 
 from .. import checkpoint, domain, h5dist, ics, io, lpt, nbody, painting, power, timeloop
 from ..logs import rank0_only
+from ..preflight import unfolded_zeros_initializer
 from . import runner
 
 __all__ = ["SimulationGraph", "lower_simulation", "run_stages", "fetch_state",
@@ -74,10 +75,10 @@ class SimulationGraph:
         shape = init.positions.shape
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
-                             initializer=tf.zeros_initializer())
+                             initializer=unfolded_zeros_initializer())
             for name in ("positions", "momenta", "forces")],
             ids=mtf.get_variable(mesh, "ids", init.ids.shape, dtype=init.ids.dtype,
-                                 trainable=False, initializer=tf.zeros_initializer()))
+                                 trainable=False, initializer=unfolded_zeros_initializer()))
         self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], init[:4])]
         self.init_stats = init.stats     # migration statistics of the ICs (or None)
         # One step for all steps: the time-integration factors are fed per run
@@ -89,8 +90,7 @@ class SimulationGraph:
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
         self.step_stats = new.stats      # migration statistics of the step (or None)
-        self.step_factors = [nbody.step_factors(conf, a0, a1)
-                             for a0, a1 in zip(self.stages[:-1], self.stages[1:])]
+        self.step_factors = list(nbody.all_step_factors(conf, self.stages))
         x = self.variables.positions
         self.weights = domain.weights(self.variables.ids, conf)   # 0 for empty slots
         self.rho = painting.paint_field(x, conf, self.weights)
