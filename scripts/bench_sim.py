@@ -216,7 +216,7 @@ def cmd_run(args):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = args.grid or default_grid(size)
-    from flowpm_mtf import domain
+    from flowpm_mtf import domain, painting
 
     conf = sim_config(args.nc, grid, args.steps, args.box_size, args.decomposition, args.halo)
     if conf.n_ranks != size:
@@ -236,13 +236,14 @@ def cmd_run(args):
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
         sim = SimulationGraph(conf, mesh)
+        position = painting.to_global(sim.variables.positions, conf)   # global [cells]
         lowering = runner.lower(graph, mesh, impl)
         init_op = runner.lowered_group(lowering, sim.init_ops)
         step_op = runner.lowered_group(lowering, sim.step_ops)
         local = {k: export_local_slice(lowering, v)
-                 for k, v in zip(("positions", "momenta", "forces", "ids"), sim.variables)}
+                 for k, v in zip(("positions", "momenta", "forces", "ids"), sim.variables[:4])}
         local["rho"] = export_local_slice(lowering, sim.rho)
-        global_x = export_local_slice(lowering, sim.position)   # global [cells]
+        global_x = export_local_slice(lowering, position)
         stats = (lowering.export_to_tf_tensor(sim.step_stats) if sim.step_stats is not None
                  else tf.no_op())
         particle_shape = sim.variables.positions.shape
