@@ -91,7 +91,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
-from .errors import CapacityError, ParticleEscapeError
+from .errors import CapacityError, ConfigError, ParticleEscapeError
 
 __all__ = ["CHECK_MESSAGE", "STATS", "capacity", "send_capacity", "migration_rounds",
            "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
@@ -312,7 +312,7 @@ def _split_fn(axis, s, m):
             rows = tf.concat([rows[..., :axis], pos[..., None], rows[..., axis + 1:]], axis=-1)
             out.append(tf.reshape(rows, [nbx, nby, m, f]))
         gone = (lo | hi)[..., None]
-        out.append(tf.where_v2(tf.broadcast_to(gone, tf.shape(packed)), tf.zeros_like(packed),
+        out.append(tf.where_v2(tf.broadcast_to(gone, packed.shape.as_list()), tf.zeros_like(packed),
                             packed))
         return tf.concat(out, axis=2)
 
@@ -477,6 +477,11 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
         float64 ``[mig_stat]`` (:data:`STATS`), the maximum over blocks.
     """
     cap = positions.shape.get_dim_by_name(cfg.NPART).size
+    if cap + 2 * cap >= 2**31:
+        # The local row bookkeeping (cumsum ranks, flat row indices) is int32.
+        raise ConfigError(
+            "the eulerian decomposition holds at most %d particle slots per rank, this run "
+            "needs %d: use more ranks or --decomposition lagrangian" % ((2**31 - 1) // 3, cap))
     m = int(send_rows if send_rows is not None else send_capacity(conf))
     m = min(m, cap)
     sx, sy, _ = conf.block_shape

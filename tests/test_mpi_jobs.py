@@ -95,6 +95,9 @@ def test_exit_race_reproduced_without_barrier():
     """The control: with the barrier disabled the same job fails as in the issue."""
     proc, out = _exit_race(barrier=False)
     assert proc.returncode != 0, out[-3000:]
-    assert any("Horovod has been shut down" in rank_text(out, r) for r in (2, 3)), out[-3000:]
+    # The shut-down under a rank's collective shows either way, depending on how far
+    # rank 0's shutdown got: the set's members were told it is gone, or Horovod is.
+    symptoms = ("Horovod has been shut down", "Process set provided does not exist")
+    assert any(sym in rank_text(out, r) for r in (2, 3) for sym in symptoms), out[-3000:]
     for rank in (0, 1):
         assert re.search(r"\[\d+,%d\]<stdout>:rank %d done" % (rank, rank), out), out[-3000:]

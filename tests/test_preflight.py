@@ -157,7 +157,7 @@ def test_all_step_factors_vectorised(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- graph size
-def _lower_simulation(nc):
+def _lower_simulation(nc, decomposition="lagrangian"):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
     from mpi4py import MPI
@@ -165,7 +165,7 @@ def _lower_simulation(nc):
     from flowpm_mtf.jobs import nbody_run
     from hvd_mesh_impl import HvdSimdMeshImpl
 
-    conf = SimConfig(nc=nc, grid=(1, 1), n_steps=2)
+    conf = SimConfig(nc=nc, grid=(1, 1), n_steps=2, decomposition=decomposition)
     with tf.Graph().as_default() as g:
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
@@ -189,6 +189,15 @@ def test_huge_simulation_graph_lowers_on_one_processor(nc):
     assert int(np.prod(outs[4].shape.as_list())) == 3 * nc**3
     assert preflight.large_constants(gd, MAX_CONST_BYTES) == []
     assert gd.ByteSize() < MAX_GRAPH_BYTES
+
+
+def test_eulerian_slot_limit_is_a_clear_error():
+    """The migration's row bookkeeping is int32: a rank with 2^31 / 3 slots or more is
+    refused with the remedy instead of overflowing (2048^3 on one processor)."""
+    from flowpm_mtf.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="at most .* particle slots per rank.*lagrangian"):
+        _lower_simulation(2048, decomposition="eulerian")
 
 
 def _initializer_constants(initializer, n):

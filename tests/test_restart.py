@@ -177,8 +177,10 @@ def test_resume_with_contradicting_config_is_refused(runs, capsys):
     from flowpm_mtf import cli
 
     d, _ = runs
+    from flowpm_mtf.errors import ResumeError
+
     assert cli.main(["simulate", "--resume", d["bad"], "--steps", "5", "--backend",
-                     "placement"]) == 1
+                     "placement"]) == ResumeError.exit_code
     err = capsys.readouterr().err
     assert "flowpm-mtf: error: --resume: n_steps=5 contradicts the checkpoint's n_steps=%d" \
         % STEPS in err

@@ -177,8 +177,10 @@ def test_grid_mismatch_one_line_no_traceback(tmp_path):
 
 
 def test_particle_escape_one_line_with_the_value_that_works(tmp_path):
+    # The fixed (Lagrangian) decomposition: particles stay on their block, so one long
+    # step carries them beyond a 1-cell halo (with migration they change rank instead).
     proc = flowpm("simulate", "--nc", "16", "--halo", "1", "--box-size", "20", "--steps", "1",
-                  "--no-plot", "--out", tmp_path / "D", np_=2)
+                  "--decomposition", "lagrangian", "--no-plot", "--out", tmp_path / "D", np_=2)
     assert_one_error_line(proc, r"beyond the 1-cell halo.*rerun with --halo \d+")
     assert rundir.read_manifest(tmp_path / "D") is None
     assert os.listdir(tmp_path / "D") == []  # no staging or lock left
