@@ -80,19 +80,23 @@ def _grid():
     return H.HVD_GRIDS[H.SIZE][0]
 
 
-def _run(kind, conf, rconf, out):
-    """The reconstruct job on this process's ``kind`` backend; ``out`` None: no files."""
+def _run(kind, conf, rconf, out, comm=None):
+    """The reconstruct job on this process's ``kind`` backend; ``out`` None: no files.
+    ``comm``: the ranks that run the job together (default: this process alone)."""
     return runner.run(jobs.get("reconstruct"), {"config": conf, "reconstruction": rconf},
-                      H.backend(kind, conf), out, plot=False)
+                      H.backend(kind, conf, comm=comm), out, plot=False)
 
 
 # ----------------------------------------------------------------------------- the small run
 @pytest.fixture(scope="module")
 def recon():
     """The small reconstruction on this world's process grid (HvdSimdMeshImpl), via the job."""
+    from mpi4py import MPI
+
     conf = CONF.replace(grid=_grid())
-    out = tempfile.mkdtemp(prefix="recon_rank%d_" % H.RANK)
-    summary = _run("hvd", conf, RCONF, out)  # every rank writes its own private copy
+    comm = MPI.COMM_WORLD  # the outputs are written collectively (each rank its slices)
+    out = comm.bcast(tempfile.mkdtemp(prefix="recon_") if comm.rank == 0 else None)
+    summary = _run("hvd", conf, RCONF, out, comm=comm)
     return summary, out
 
 
@@ -281,6 +285,7 @@ def test_observed_field_of_the_wrong_shape():
             R.ReconstructionGraph(CONF, RCONF, mesh, observed=np.full(CONF.nc, np.nan))
 
 
+@pytest.mark.rank_independent  # the CLI prints the error on rank 0 only
 @pytest.mark.parametrize("extra, word", [(["--learning-rate", "0"], "learning_rate"),
                                          (["--iterations", "0"], "iterations"),
                                          (["--noise", "-1"], "noise")])
@@ -295,6 +300,7 @@ def test_cli_bad_input(extra, word, capsys):
     assert err.count("flowpm-mtf: error: ") == 1 and word in err
 
 
+@pytest.mark.rank_independent
 def test_cli_unknown_forward_model(capsys):
     assert cli.main(["reconstruct", "--forward", "pm", "--backend", "placement"]) == 2
     assert "invalid choice: 'pm'" in capsys.readouterr().err
