@@ -126,7 +126,8 @@ def lower_simulation(sim, lowering):
         phs = [tf.placeholder(t.dtype, t.shape) for t in laid_out.laid_out_tensor.tensor_list]
         restore_ph.append(phs)
         restore.append(laid_out.assign_to_slices(mtf.assign_slice, phs))
-    stats = {k: lowering.export_to_tf_tensor(t) if t is not None else tf.no_op()
+    # The migration statistics are reduced over blocks (replicated): no gather.
+    stats = {k: h5dist.replicated_value(lowering, t) if t is not None else tf.no_op()
              for k, t in (("init", sim.init_stats), ("step", sim.step_stats))}
     return {"init": runner.lowered_group(lowering, sim.init_ops),
             "step": runner.lowered_group(lowering, sim.step_ops), "stats": stats,
