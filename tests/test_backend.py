@@ -507,7 +507,8 @@ def test_slice_initializers_independent_of_layout(dims, init):
         return {"v": mtf.get_variable(mesh, "w_" + init, s, dtype=tf.float64,
                                       initializer=initializer)}
 
-    layouts = [full_layout(dims), [("b", "m0")], []]
+    # split on a, on b (where b divides over m0), fully replicated
+    layouts = [full_layout(dims)] + ([[("b", "m0")]] if DIMS["b"] % dims[0] == 0 else []) + [[]]
     vals = [run_graph("hvd", dims, lay, build)["v"] for lay in layouts]
     for v in vals[1:]:
         np.testing.assert_array_equal(v, vals[0])
