@@ -20,7 +20,7 @@ def record(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bench_sim") / "rec.json"
     cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", "2", sys.executable, SCRIPT, "run",
-           "--nc", "16", "--steps", "1", "--repeats", "1", "--json", str(out)]
+           "--nc", "16", "--steps", "1", "--decomposition", "lagrangian", "--repeats", "1", "--json", str(out)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
