@@ -112,7 +112,6 @@ _S = {name: i for i, name in enumerate(STATS)}
 
 F_DIM = "mig_f"
 """Packed column dimension (fields, id, validity)."""
-ROWS_DIM = "mig_rows"
 SEND_DIM = "mig_send"
 STAT_DIM = "mig_stat"
 
@@ -284,81 +283,155 @@ def _rows_of(sel, m, nb):
     return tf.where_v2(first >= 0, first, -1), tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
 
 
-def _split_masks(packed, axis, s):
-    pos = packed[..., axis]
-    valid = packed[..., -1] > 0.5
+def _leaving(x, ids, axis, s):
+    """Masks ``[.., C]`` of the valid particles below (``< 0``) and above (``>= s``) the block."""
+    pos = x[..., axis]
+    valid = ids >= 0
     return valid & (pos < 0), valid & (pos >= s)
 
 
-def _split_fn(axis, s, m):
-    """Local split: ``packed [nbx, nby, C, F]`` -> ``[lo rows (m), hi rows (m), keep (C)]``."""
+def _below(s, dtype):
+    return tf.constant(np.nextafter(np.asarray(s, dtype.as_numpy_dtype), 0), dtype)
 
-    def fn(packed):
-        nbx, nby, c, f = packed.shape.as_list()
+
+def _wrap_fn(axes, sizes):
+    """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block)."""
+
+    def fn(x):
+        cols = tf.unstack(x, axis=-1)
+        for ax in axes:
+            s = tf.cast(sizes[ax], x.dtype)
+            w = cols[ax] - s * tf.floor(cols[ax] / s)
+            w = tf.where_v2(w < 0, w + s, w)
+            w = tf.where_v2(w >= s, w - s, w)
+            cols[ax] = tf.minimum(w, _below(sizes[ax], x.dtype))
+        return tf.stack(cols, axis=-1)
+
+    return fn
+
+
+def _send_fn(axis, s, m, n_fields):
+    """Local send buffers: ``x, fields.., ids [.., C]`` -> ``[nbx, nby, 2m, F]``.
+
+    Rows ``0..m-1``: the particles leaving downwards (moved into the lower
+    neighbour's frame, ``+ s``), rows ``m..2m-1``: upwards (``- s``); columns:
+    position, fields, id (hi, lo) and validity; unused rows are zero.
+    """
+
+    def fn(*args):
+        x, fields, ids = args[0], list(args[1:1 + n_fields]), args[1 + n_fields]
+        nbx, nby, c, _ = x.shape.as_list()
         nb = nbx * nby
-        flat = tf.reshape(packed, [nb * c, f])
-        lo, hi = _split_masks(packed, axis, s)
-        below_s = np.nextafter(np.asarray(s, packed.dtype.as_numpy_dtype), 0)
+        lo, hi = _leaving(x, ids, axis, s)
+        flat = [tf.reshape(t, [nb * c, 3]) for t in [x] + fields]
+        flat_ids = tf.reshape(tf.cast(ids, tf.int64), [nb * c])
         out = []
         for sel, shift in ((lo, s), (hi, -s)):
             src, _ = _rows_of(tf.reshape(sel, [nb, c]), m, nb)
             ok = src >= 0
-            rows = tf.gather(flat, tf.maximum(src, 0))                    # [nb, m, f]
-            rows = tf.where_v2(ok[..., None], rows, tf.zeros_like(rows))
-            pos = rows[..., axis] + tf.cast(shift, packed.dtype)
+            at = tf.maximum(src, 0)
+            okf = tf.cast(ok, x.dtype)[..., None]
+            cols = [tf.gather(t, at) * okf for t in flat]                   # [nb, m, 3]
+            pos = cols[0][..., axis] + tf.cast(shift, x.dtype)
             if shift > 0:                                              # x + s may round to s
-                pos = tf.minimum(pos, tf.constant(below_s, packed.dtype))
+                pos = tf.minimum(pos, _below(s, x.dtype))
             pos = tf.where_v2(ok, pos, tf.zeros_like(pos))
-            rows = tf.concat([rows[..., :axis], pos[..., None], rows[..., axis + 1:]], axis=-1)
-            out.append(tf.reshape(rows, [nbx, nby, m, f]))
-        gone = (lo | hi)[..., None]
-        out.append(tf.where_v2(tf.broadcast_to(gone, packed.shape.as_list()), tf.zeros_like(packed),
-                            packed))
-        return tf.concat(out, axis=2)
+            cols[0] = tf.concat([cols[0][..., :axis], pos[..., None], cols[0][..., axis + 1:]],
+                                axis=-1)
+            i = tf.where_v2(ok, tf.gather(flat_ids, at), tf.zeros([], tf.int64))
+            idc = tf.stack([i // _ID_SPLIT, i % _ID_SPLIT, tf.cast(ok, tf.int64)], axis=-1)
+            cols.append(tf.cast(idc, x.dtype))
+            out.append(tf.concat(cols, axis=-1))
+        return tf.reshape(tf.concat(out, axis=1), [nbx, nby, 2 * m, -1])
 
     return fn
 
 
-def _merge_fn(m):
-    """Local merge: ``keep [.., C, F]``, two received ``[.., m, F]`` -> ``[.., C, F]``."""
+def _targets(x, ids, recv, axis, s):
+    """Kept slots ``[.., C]`` and, per received row, its flat slot (0 for an unused row).
 
-    def fn(keep, from_lo, from_hi):
-        nbx, nby, c, f = keep.shape.as_list()
-        nb = nbx * nby
-        recv = tf.reshape(tf.concat([from_lo, from_hi], axis=2), [nb, 2 * m, f])
-        rvalid = recv[..., -1] > 0.5
-        empty = tf.reshape(keep[..., -1] < 0.5, [nb, c])
-        slot, _ = _rows_of(empty, 2 * m, nb)            # flat slot of the k-th empty slot
-        rank = tf.cumsum(tf.cast(rvalid, tf.int32), axis=-1, exclusive=True)
-        target = tf.gather(slot, rank, batch_dims=1)     # [nb, 2m]
-        target = tf.where_v2(rvalid & (target >= 0), target, nb * c)     # else: dropped row
-        placed = tf.math.unsorted_segment_sum(tf.reshape(recv, [-1, f]),
-                                              tf.reshape(target, [-1]), nb * c + 1)
-        return keep + tf.reshape(placed[:nb * c], [nbx, nby, c, f])
+    The received valid rows fill the first empty slots (after the leavers left),
+    in order. Rows beyond the free slots also get 0: only with an overflow, which the
+    migration check reports before the result is used.
+    """
+    nbx, nby, c = ids.shape.as_list()
+    nb = nbx * nby
+    lo, hi = _leaving(x, ids, axis, s)
+    keep = (ids >= 0) & ~(lo | hi)
+    rows = recv.shape.as_list()[2]
+    slot, _ = _rows_of(tf.reshape(~keep, [nb, c]), rows, nb)      # flat slot of k-th empty
+    rvalid = tf.reshape(recv[..., -1] > 0.5, [nb, rows])
+    rank = tf.cumsum(tf.cast(rvalid, tf.int32), axis=-1, exclusive=True)
+    target = tf.gather(slot, rank, batch_dims=1)
+    target = tf.where_v2(rvalid & (target >= 0), target, 0)
+    return keep, tf.reshape(target, [nb * rows, 1]), rvalid
+
+
+def _merge_fn(axis, s, col):
+    """Local merge of one per-particle vector: ``field, x, recv, ids`` -> ``field [.., C, 3]``.
+
+    The leavers' slots are zeroed and the received rows' columns ``col..col+2``
+    are added into the empty slots of :func:`_targets` (an unused row adds 0).
+    ``col == 0`` merges the positions themselves (``field`` is ``x``).
+    """
+
+    def fn(*args):
+        if col == 0:
+            field, (x, recv, ids) = args[0], args
+        else:
+            field, x, recv, ids = args
+        shape = field.shape.as_list()
+        keep, target, _ = _targets(x, ids, recv, axis, s)
+        out = tf.reshape(field * tf.cast(keep, field.dtype)[..., None], [-1, 3])
+        upd = tf.reshape(recv[..., col:col + 3], [-1, 3])
+        return tf.reshape(tf.tensor_scatter_nd_add(out, target, upd), shape)
 
     return fn
 
 
-def _count_fn(stat, axis=None, s=None, sizes=None):
-    """Per-block float64 statistic ``[nbx, nby]`` of packed slices (no gradient)."""
+def _merge_ids_fn(axis, s):
+    """Local merge of the ids: ``x, recv, ids`` -> ``ids`` (-1 for an empty slot)."""
+
+    def fn(x, recv, ids):
+        keep, target, rvalid = _targets(x, ids, recv, axis, s)
+        rid = (tf.cast(tf.round(recv[..., -3]), tf.int64) * _ID_SPLIT
+               + tf.cast(tf.round(recv[..., -2]), tf.int64))
+        rid = tf.where_v2(tf.reshape(rvalid, [-1]), tf.reshape(rid, [-1]) + 1, 0)  # 0 adds nothing
+        out = tf.reshape(tf.where_v2(keep, tf.cast(ids, tf.int64) + 1, 0), [-1])
+        out = tf.tensor_scatter_nd_add(out, target, rid) - 1
+        return tf.cast(tf.reshape(out, ids.shape), ids.dtype)
+
+    return fn
+
+
+def _round_stats_fn(axis, s):
+    """Per-block float64 ``[nbx, nby, 3]`` of one round: largest send count of one
+    direction, slots needed after the merge, particles that left."""
+
+    def fn(x, recv, ids):
+        lo, hi = _leaving(x, ids, axis, s)
+        count = lambda t: tf.reduce_sum(tf.cast(t, tf.float64), -1)   # noqa: E731
+        gone = count(lo | hi)
+        need = count(ids >= 0) - gone + count(recv[..., -1] > 0.5)
+        return tf.stack([tf.maximum(count(lo), count(hi)), need, gone], axis=-1)
+
+    return fn
+
+
+def _count_fn(stat, sizes=None):
+    """Per-block float64 statistic ``[nbx, nby]`` (no gradient)."""
 
     def fn(*ts):
-        valid = [t[..., -1] > 0.5 for t in ts]
-        if stat == "send":
-            lo, hi = _split_masks(ts[0], axis, s)
-            n = tf.maximum(tf.reduce_sum(tf.cast(lo, tf.int32), -1),
-                           tf.reduce_sum(tf.cast(hi, tf.int32), -1))
-            return tf.cast(n, tf.float64)
-        if stat == "need":       # valid kept + valid received
-            return tf.add_n([tf.reduce_sum(tf.cast(v, tf.float64), -1) for v in valid])
+        if stat == "count":
+            return tf.reduce_sum(tf.cast(ts[0] >= 0, tf.float64), -1)
         if stat == "outside":     # beyond what the padded block's CIC stencil covers
-            t = ts[0]
+            x, ids = ts
             h = sizes[2]
-            bad = ~tf.reduce_all(tf.math.is_finite(t[..., :3]), axis=-1)
+            bad = ~tf.reduce_all(tf.math.is_finite(x), axis=-1)
             for ax, size in ((0, sizes[0]), (1, sizes[1])):
-                fl = tf.floor(t[..., ax])
+                fl = tf.floor(x[..., ax])
                 bad = bad | (fl < -h) | (fl > size + h - 2)
-            return tf.reduce_sum(tf.cast(valid[0] & bad, tf.float64), -1)
+            return tf.reduce_sum(tf.cast((ids >= 0) & bad, tf.float64), -1)
         if stat == "displacement":
             d = tf.abs(ts[0][..., :2])
             return tf.cast(tf.reduce_max(tf.reshape(d, d.shape.as_list()[:2] + [-1]), -1),
@@ -368,61 +441,43 @@ def _count_fn(stat, axis=None, s=None, sizes=None):
     return fn
 
 
-def _block_stat(stat, inputs, name, **kw):
+def _block_stat(fn, inputs, name, extra=()):
     bdims = inputs[0].shape.dims[:2]
-    return mtf.slicewise(_count_fn(stat, **kw), inputs, output_shape=mtf.Shape(bdims),
+    return mtf.slicewise(fn, inputs, output_shape=mtf.Shape(bdims + list(extra)),
                          output_dtype=tf.float64, splittable_dims=bdims, grad_function=0,
                          name=name)
 
 
-def _isolated(fn, inputs, out_shape, name):
-    from .painting import _isolated_grad
+def _local(fn, inputs, out_shape, name, n_int=1):
+    """``mtf.slicewise`` over the block dims, differentiable w.r.t. its float inputs.
+
+    The last ``n_int`` inputs are integer (ids): no gradient. The gradient of the
+    others is ``tf.gradients`` of ``fn`` re-applied to the local slices (as
+    :func:`flowpm_mtf.painting._isolated_grad`).
+    """
     bdims = inputs[0].shape.dims[:2]
+    nf = len(inputs) - n_int
+
+    def grad_function(op, dy):
+        ins = list(op.inputs)
+
+        def gfn(*args):
+            xs = [tf.identity(a) for a in args[:nf]]
+            y = fn(*(xs + list(args[nf:len(ins)])))
+            return tuple(tf.gradients(y, xs, grad_ys=args[-1],
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+        grads = mtf.slicewise(gfn, ins + [dy], output_shape=[t.shape for t in ins[:nf]],
+                              output_dtype=[t.dtype for t in ins[:nf]],
+                              splittable_dims=bdims, name=name + "_grad")
+        return list(grads) + [None] * n_int
+
     return mtf.slicewise(fn, inputs, output_shape=out_shape, output_dtype=inputs[0].dtype,
-                         splittable_dims=bdims, grad_function=_isolated_grad(fn, bdims, name),
-                         name=name)
+                         splittable_dims=bdims, grad_function=grad_function, name=name)
 
 
-# ----------------------------------------------------------------------------- pack
-def _pack(conf, positions, fields, ids):
-    cols = [mtf.rename_dimension(t, cfg.XYZ, F_DIM) for t in [positions] + list(fields)]
-    bdims = positions.shape.dims[:3]
-    id_shape = mtf.Shape(bdims + [mtf.Dimension(F_DIM, _N_ID_COLS)])
-
-    def id_cols(i):
-        i = tf.cast(i, tf.int64)
-        valid = i >= 0
-        hi = tf.where_v2(valid, i // _ID_SPLIT, tf.zeros_like(i))
-        lo = tf.where_v2(valid, i % _ID_SPLIT, tf.zeros_like(i))
-        return tf.cast(tf.stack([hi, lo, tf.cast(valid, tf.int64)], axis=-1),
-                       positions.dtype.as_numpy_dtype)
-
-    cols.append(mtf.slicewise(id_cols, [ids], output_shape=id_shape,
-                              output_dtype=positions.dtype, splittable_dims=bdims[:2],
-                              grad_function=0, name="migrate_pack_ids"))
-    return mtf.concat(cols, F_DIM)
-
-
-def _unpack(conf, packed, n_fields, id_dt):
-    out = []
-    for i in range(1 + n_fields):
-        out.append(mtf.rename_dimension(mtf.slice(packed, 3 * i, 3, F_DIM), F_DIM, cfg.XYZ))
-    ncol = packed.shape.get_dim_by_name(F_DIM).size
-
-    def ids_of(t):
-        t = t[..., ncol - _N_ID_COLS:]
-        i = (tf.cast(tf.round(t[..., 0]), tf.int64) * _ID_SPLIT
-             + tf.cast(tf.round(t[..., 1]), tf.int64))
-        return tf.cast(tf.where_v2(t[..., 2] > 0.5, i, -tf.ones_like(i)), id_dt)
-
-    bdims = packed.shape.dims[:3]
-    ids = mtf.slicewise(ids_of, [packed], output_shape=mtf.Shape(bdims), output_dtype=id_dt,
-                        splittable_dims=bdims[:2], grad_function=0, name="migrate_unpack_ids")
-    return out[0], out[1:], ids
-
-
-def _gate(packed, stats, cap, m):
-    """``packed`` gated by the assertion that no buffer overflowed and none escaped."""
+def _gate(t, stats, cap, m):
+    """``t`` gated by the assertion that no buffer overflowed and none escaped."""
 
     def fn(x, st):
         ok = ((st[_S["send"]] <= m) & (st[_S["need"]] <= cap)
@@ -434,12 +489,21 @@ def _gate(packed, stats, cap, m):
         with tf.control_dependencies([check]):
             return tf.identity(x)
 
-    return mtf.slicewise(fn, [packed, stats], output_shape=packed.shape,
-                         output_dtype=packed.dtype, splittable_dims=packed.shape.dims[:2],
+    return mtf.slicewise(fn, [t, stats], output_shape=t.shape, output_dtype=t.dtype,
+                         splittable_dims=t.shape.dims[:2],
                          grad_function=lambda op, dy: [dy, None], name="migrate_check")
 
 
 # ----------------------------------------------------------------------------- migrate
+def exchange_axes(conf):
+    """The axes (0: x over ``row``, 1: y over ``col``) split into more than one block.
+
+    Only these exchange particles; along an axis of one block the positions are
+    wrapped periodically instead (no buffers, no communication).
+    """
+    return [ax for ax in (0, 1) if conf.grid[ax] > 1]
+
+
 def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows=None,
             name="migrate"):
     """Move every particle to the block that contains its position.
@@ -485,46 +549,57 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     m = int(send_rows if send_rows is not None else send_capacity(conf))
     m = min(m, cap)
     sx, sy, _ = conf.block_shape
-    packed = _pack(conf, positions, fields, ids)
-    bx, by, npart, fdim = packed.shape.dims
-    parts_shape = mtf.Shape([bx, by, mtf.Dimension(ROWS_DIM, 2 * m + cap), fdim])
-    send_shape = mtf.Shape([bx, by, mtf.Dimension(SEND_DIM, m), fdim])
-    sends, needs, moved = [], [], None
-    for r in range(int(rounds)):
-        for axis, bdim, s in ((0, bx, sx), (1, by, sy)):
+    x, fields = positions, list(fields)
+    bx, by = x.shape.dims[:2]
+    axes = exchange_axes(conf)
+    wrap = [ax for ax in (0, 1) if ax not in axes]
+    if wrap:
+        x = mtf.slicewise(_wrap_fn(wrap, (sx, sy)), [x], output_shape=x.shape,
+                          output_dtype=x.dtype, splittable_dims=[bx, by],
+                          grad_function=lambda op, dy: [dy], name=name + "_wrap")
+    n_cols = 3 * (1 + len(fields)) + _N_ID_COLS
+    recv_shape = mtf.Shape([bx, by, mtf.Dimension(SEND_DIM, 2 * m), mtf.Dimension(F_DIM, n_cols)])
+    rstats = []
+    for r in range(int(rounds) if axes else 0):
+        for axis in axes:
+            bdim, s = (bx, sx) if axis == 0 else (by, sy)
             tag = "%s_r%d_%s" % (name, r, "xy"[axis])
-            sends.append(_block_stat("send", [packed], tag + "_send", axis=axis, s=s))
-            n_out = _block_stat("need", [packed], tag + "_valid")
-            parts = _isolated(_split_fn(axis, s, m), [packed], parts_shape, tag + "_split")
-
-            def part(i, rows, dim_name):
-                t = mtf.slice(parts, i, rows, ROWS_DIM)
-                return mtf.reshape(t, mtf.Shape([bx, by, mtf.Dimension(dim_name, rows), fdim]))
-
-            to_lo, to_hi, keep = part(0, m, SEND_DIM), part(m, m, SEND_DIM), part(
-                2 * m, cap, cfg.NPART)
-            from_lo = mtf.shift(to_hi, 1, bdim, wrap=True)     # block i-1's upward movers
-            from_hi = mtf.shift(to_lo, -1, bdim, wrap=True)    # block i+1's downward movers
-            assert from_lo.shape == send_shape
-            needs.append(_block_stat("need", [keep, from_lo, from_hi], tag + "_need"))
-            n_keep = _block_stat("need", [keep], tag + "_kept")
-            moved = n_out - n_keep if moved is None else moved + n_out - n_keep
-            packed = _isolated(_merge_fn(m), [keep, from_lo, from_hi], packed.shape,
-                               tag + "_merge")
-    per_block = [sends[0] if len(sends) == 1 else _max_of(sends),
-                 needs[0] if len(needs) == 1 else _max_of(needs),
-                 _block_stat("outside", [packed], name + "_outside",
-                             sizes=(sx, sy, conf.halo_size)),
+            send = _local(_send_fn(axis, s, m, len(fields)), [x] + fields + [ids], recv_shape,
+                          tag + "_send")
+            to_lo, to_hi = (mtf.slice(send, i * m, m, SEND_DIM) for i in (0, 1))
+            recv = mtf.concat([mtf.shift(to_hi, 1, bdim, wrap=True),    # block i-1's upward
+                               mtf.shift(to_lo, -1, bdim, wrap=True)],  # block i+1's downward
+                              SEND_DIM)
+            rstats.append(_block_stat(_round_stats_fn(axis, s), [x, recv, ids], tag + "_stats",
+                                      extra=[mtf.Dimension(STAT_DIM, 3)]))
+            fields = [_local(_merge_fn(axis, s, 3 * (k + 1)), [f, x, recv, ids], f.shape,
+                             "%s_merge%d" % (tag, k + 1)) for k, f in enumerate(fields)]
+            new_ids = mtf.slicewise(_merge_ids_fn(axis, s), [x, recv, ids],
+                                    output_shape=ids.shape, output_dtype=ids.dtype,
+                                    splittable_dims=[bx, by], grad_function=0,
+                                    name=tag + "_merge_ids")
+            x = _local(_merge_fn(axis, s, 0), [x, recv, ids], x.shape, tag + "_merge0")
+            ids = new_ids
+    zeros = mtf.zeros(x.mesh, mtf.Shape([bx, by]), dtype=tf.float64)
+    if rstats:
+        def col(i):
+            return [mtf.reshape(mtf.slice(t, i, 1, STAT_DIM), mtf.Shape([bx, by])) for t in rstats]
+        send_max, need_max, moved = _max_of(col(0)), _max_of(col(1)), mtf.add_n(col(2))
+    else:
+        send_max = need_max = moved = zeros
+    per_block = [send_max, need_max,
+                 _block_stat(_count_fn("outside", sizes=(sx, sy, conf.halo_size)), [x, ids],
+                             name + "_outside"),
                  moved,
-                 _block_stat("need", [packed], name + "_count"),
-                 (_block_stat("displacement", [displacement], name + "_disp")
-                  if displacement is not None else mtf.zeros(packed.mesh, mtf.Shape([bx, by]),
-                                                             dtype=tf.float64))]
+                 _block_stat(_count_fn("count"), [ids], name + "_count"),
+                 (_block_stat(_count_fn("displacement"), [displacement], name + "_disp")
+                  if displacement is not None else zeros)]
     stats = mtf.reduce_max(mtf.stack(per_block, STAT_DIM, axis=2),
                            output_shape=mtf.Shape([mtf.Dimension(STAT_DIM, len(STATS))]))
-    packed = _gate(packed, stats, cap, m)
-    pos, out_fields, out_ids = _unpack(conf, packed, len(fields), ids.dtype)
-    return pos, out_fields, out_ids, stats
+    x = _gate(x, stats, cap, m)
+    fields = [_gate(f, stats, cap, m) for f in fields]
+    ids = _gate(ids, stats, cap, m)
+    return x, fields, ids, stats
 
 
 def _max_of(ts):

@@ -120,10 +120,11 @@ def test_migration_exact(case):
     assert st["outside"] == 0 and st["count"] <= domain.capacity(conf)
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases() if c[0] == "hvd"], ids=H.case_id)
+@pytest.mark.parametrize("case", [c for c in H.cases() if c[0] == "hvd" and max(c[1]) > 1],
+                         ids=H.case_id)
 def test_overflow_detected_on_every_rank(case):
     """A send buffer that is too small: every rank raises before anything is assigned,
-    and the error names capacities that work (which then do)."""
+    and the error names capacities that work (which then do). (On 1x1 nothing is sent.)"""
     conf = conf_for(case[1], send_capacity=2)
     (P, Q) = conf.grid
     x, pay, ids = make_particles(conf, np.full((P, Q), 30), seed=3)
@@ -137,6 +138,26 @@ def test_overflow_detected_on_every_rank(case):
     out = H.run(case[0], conf2, run_migrate(case[0], conf2, x2, pay2, ids2),
                 feeds=[{"x": x2, "pay": pay2}])[0]
     check_against_reference(conf2, out, reference(conf2, x2, pay2, ids2))
+
+
+@pytest.mark.parametrize("grid", [(1, 1), (2, 1), (1, 2), (2, 2)],
+                         ids=lambda g: "x".join(map(str, g)))
+def test_exchange_only_along_split_axes(grid):
+    """Only axes split into several blocks get send buffers and shifts (a single block
+    wraps its positions); a 1x1 grid has capacity N and no buffers at all."""
+    conf = conf_for(grid)
+    x, pay, ids = make_particles(conf, np.full(grid, 5))
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        run_migrate("single", conf, x, pay, ids)(mesh)
+        names = [op.name for op in graph.operations]
+    for axis in (0, 1):
+        sends = [n for n in names if n.endswith("_%s_send" % "xy"[axis])]
+        assert bool(sends) == (grid[axis] > 1), (axis, sends)
+    if grid == (1, 1):
+        assert domain.capacity(conf.replace(capacity=None)) == conf.particles_per_block
+        assert not [n for n in names if "shift" in n.lower() or "merge" in n], names
 
 
 def test_escape_reported_with_steps():
