@@ -13,6 +13,7 @@ while it is built) and costs milliseconds:
 
 The writable-OUT check is part of :meth:`flowpm_mtf.rundir.RunDir.open`.
 """
+import json
 import logging
 import os
 import socket
@@ -22,7 +23,8 @@ import numpy as np
 from .errors import ConfigError, MemoryBudgetError
 from .logs import rank0_only
 
-__all__ = ["RUNTIME_MB", "WORKSET_FACTOR", "MASTER_COPIES", "MIN_DISPLACEMENT_ULPS",
+__all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
+           "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "memory_terms", "MIN_DISPLACEMENT_ULPS",
            "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "check_memory",
            "displacement_rms_cells", "check_numerics", "unfolded_zeros_initializer",
            "large_constants"]
@@ -30,26 +32,49 @@ __all__ = ["RUNTIME_MB", "WORKSET_FACTOR", "MASTER_COPIES", "MIN_DISPLACEMENT_UL
 log = rank0_only(logging.getLogger(__name__))  # every rank computes the same verdict
 
 # ----------------------------------------------------------------------------- memory model
-# Fit of the peak RSS of the hvd N-body step graph, docs/scaling.md "Memory per rank":
-#     RSS = M0 + A * (9 b nc^3) + B * (9 b nc^3 / N + 2 b nc^3 / N)
-# (full-size master copies of positions/momenta/forces once per rank, the particle
-# state slices and one local complex field as the unit of the FFT/painting working
-# set). Re-fit with `scripts/bench_scaling.py` (or `scripts/bench_compare.py` +
-# `scripts/scaling_model.py`, which prints M0 and B) and update these constants.
-#: M0: TensorFlow/Horovod runtime per rank [MB] (fit of 2026-11-22, 32^3-128^3, 1-4 ranks).
-RUNTIME_MB = 496.0
-#: B: working set in units of (state slices + one complex field) per rank (same fit).
-WORKSET_FACTOR = 37.9
-#: A: full-size master copies of the state variables per rank (Mesh TF's masters).
+# Peak RSS of one rank of `flowpm-mtf simulate` (slice-only variables, no masters):
+#     RSS [MB] = M0 + (a * slots + b * padded cells) / 2^20 * itemsize / 4
+# slots: the particle slots of the rank's block (flowpm_mtf.domain.capacity: the lattice
+# share for the lagrangian decomposition and on one rank, the eulerian buffers otherwise);
+# padded cells: (nx/P + 2h)(ny/Q + 2h) nz. The constants are the least-squares fit of
+# `scripts/bench_scaling.py` (its `render` rewrites MODEL_FILE from the measured runs, so
+# the benchmark and this estimate share one set of constants); the file also keeps the
+# measured rows the fit was made on (tests/test_preflight.py checks the fit against them).
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_model.json")
+
+
+def load_memory_model(path=MODEL_FILE):
+    """The fitted memory model: ``M0_mb`` [MB], ``bytes_per_slot``, ``bytes_per_padded_cell``
+    [bytes, float32], ``rows`` (the measured runs of the fit) and their provenance."""
+    with open(path) as f:
+        return json.load(f)
+
+
+_MODEL = load_memory_model()
+#: M0: TensorFlow/Horovod runtime per rank [MB] (see MODEL_FILE for the fit).
+RUNTIME_MB = float(_MODEL["M0_mb"])
+#: a: bytes per particle slot of the rank's buffers (state, migration, CIC temporaries), float32.
+BYTES_PER_SLOT = float(_MODEL["bytes_per_slot"])
+#: b: bytes per padded mesh cell of the rank (FFT/painting working set), float32.
+BYTES_PER_PADDED_CELL = float(_MODEL["bytes_per_padded_cell"])
+#: Full-size master copies of the state variables per process, for a backend that keeps them
+#: (stock Mesh TF variables; ``HvdSimdMeshImpl`` has slice-only variables): 36 B per particle.
 MASTER_COPIES = 1.0
 
 
-def _memory_terms(conf, n_ranks):
-    """(slices + field, masters) of one rank [bytes], as ``scripts/scaling_model.memory_terms``."""
-    b = conf.np_dtype.itemsize
-    cells = float(np.prod(conf.nc))  # one particle per cell
-    state = 9.0 * b * cells
-    return state / n_ranks + 2.0 * b * cells / n_ranks, state
+def memory_terms(conf):
+    """(particle slots, padded cells) of one block of ``conf`` [counts]."""
+    from . import domain
+
+    return float(domain.capacity(conf)), float(np.prod(conf.padded_block_shape))
+
+
+def _grid_conf(conf, n):
+    """``conf`` on ``n`` ranks (the most square grid), or None if none fits its mesh."""
+    if n == conf.n_ranks:
+        return conf
+    grid = _grid_fits(conf, n)
+    return None if grid is None else conf.replace(grid=grid, capacity=None, send_capacity=None)
 
 
 def estimate_peak_memory(conf, n_ranks=None, processes=None, masters=True):
@@ -59,26 +84,31 @@ def estimate_peak_memory(conf, n_ranks=None, processes=None, masters=True):
     ----------
     conf : SimConfig
     n_ranks : int, optional
-        Mesh processors sharing the work (default ``conf.n_ranks``).
+        Mesh processors sharing the work (default ``conf.n_ranks``; another
+        count uses its most square grid).
     processes : int, optional
-        Processes the mesh runs in: ``n_ranks`` (one slice per MPI rank, the
-        default) or 1 (``PlacementMeshImpl``: every slice in one process).
+        Processes the mesh runs in: ``n_ranks`` (one block per MPI rank, the
+        default) or 1 (``PlacementMeshImpl``: every block in one process).
     masters : bool
         Whether the backend keeps a full-size master copy of every state
-        variable on each process (Mesh TF's default; ``A`` of the model).
+        variable on each process (stock Mesh TF; not ``HvdSimdMeshImpl``).
 
     Returns
     -------
     float
-        Bytes per process: ``M0 + A masters + B (slices + field)`` with the
-        constants of this module.
+        Bytes per process: ``M0 + blocks (a slots + b padded cells) itemsize/4
+        [+ 36 N itemsize/4 masters]`` with the constants of this module.
     """
     n = conf.n_ranks if n_ranks is None else int(n_ranks)
+    c = _grid_conf(conf, n)
+    if c is None:
+        raise ValueError("no process grid of %d ranks fits the mesh %s" % (n, conf.nc))
     per_process = n if processes is None else int(processes)
-    work, state = _memory_terms(conf, n)
-    work *= n / per_process  # slices living in each process
-    return (RUNTIME_MB * 2**20 + WORKSET_FACTOR * work
-            + (MASTER_COPIES * state if masters else 0.0))
+    slots, cells = memory_terms(c)
+    scale = conf.np_dtype.itemsize / 4.0
+    work = (BYTES_PER_SLOT * slots + BYTES_PER_PADDED_CELL * cells) * scale * n / per_process
+    state = 36.0 * scale * float(np.prod(conf.nc))
+    return RUNTIME_MB * 2**20 + work + (MASTER_COPIES * state if masters else 0.0)
 
 
 def _read_int(path):
@@ -208,7 +238,9 @@ def check_memory(conf, comm, processes=None, masters=True, force=False, availabl
                 "nodes)" % (_gb(budget), best[0], *best[1]) if best else
                 "no rank count fits%s; use a smaller --nc" % (
                     " (the full-size master copies alone need %s per rank)"
-                    % _gb(_memory_terms(conf, 1)[1]) if masters else ""))
+                    % _gb(estimate_peak_memory(conf, n_ranks=1, masters=True)
+                          - estimate_peak_memory(conf, n_ranks=1, masters=False))
+                    if masters else ""))
     message = "%s; %s; --force skips this check" % (what, hint)
     if force:
         log.warning("--force: %s", message)

@@ -11,18 +11,27 @@ long campaign can be run piece by piece on a quiet machine and resumed::
     python scripts/bench_scaling.py render                # JSON -> Markdown + docs/scaling.md
     python scripts/bench_scaling.py --quick missing       # smoke test: 1/8 of every size
 
-Configurations (the runs of issue 11; ``--steps`` N-body steps, default 2, float32, 2LPT):
+Configurations (the runs of issue 11; ``--steps`` N-body steps, default 2, float32, 2LPT).
+Every run is what a user gets by default: the eulerian decomposition (particles migrate to
+the rank that holds their position) with the automatic halo (2 cells) and the automatic
+particle capacity; the decomposition, halo and capacity each run used come from its
+``summary.json`` and are stored in the record. (The issue's halos 16/32 were those the old
+lagrangian decomposition needed; ``--decomposition lagrangian --halo H`` is an expert
+option now and is not benchmarked here.)
 
-==========  =====  ==================  ==================  =====  ====
-name        ranks  particles / mesh    box [Mpc/h]         halo   grid
-==========  =====  ==================  ==================  =====  ====
-floor-R     R      16^3                25                  4      R ranks: the runtime floor
-weak-1      1      128^3 (2.1M/rank)   200                 16     1x1
-weak-2      2      256x128x128         400x200x200         16     2x1
-weak-4      4      256x256x128         400x400x200         16     2x2
-strong-R    1,2,4  192^3               300                 32     1x1, 2x1, 2x2
-largest     -R     --nc (384)          1.5625 Mpc/h cells  16     default for R (4)
-==========  =====  ==================  ==================  =====  ====
+==========  =====  ==================  ==================  ====================
+name        ranks  particles / mesh    box [Mpc/h]         grid
+==========  =====  ==================  ==================  ====================
+floor-R     R      16^3                25                  R ranks: the runtime floor
+weak-1      1      128^3 (2.1M/rank)   200                 1x1
+weak-2      2      256x128x128         400x200x200         2x1
+weak-4      4      256x256x128         400x400x200         2x2
+strong-R    1,2,4  192^3               300                 1x1, 2x1, 2x2
+largest     -R     --nc (384)          1.5625 Mpc/h cells  default for R (4)
+==========  =====  ==================  ==================  ====================
+
+``run`` without a name runs all of them (the floors, weak, strong and ``largest`` at 384^3 on
+4 ranks) and renders; ``missing`` runs those not measured yet.
 
 What each run records (``simulate``'s ``summary.json``): the peak RSS of every rank, and at
 the phase boundaries (``flowpm_mtf.simulate._mark``) the current RSS and the peak within the
@@ -65,29 +74,28 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MB = 2.0 ** 20
-STATE_BYTES_PER_PARTICLE = 36  # positions, momenta, forces: 3 x 3 float32
+STATE_BYTES_PER_SLOT = 40  # positions, momenta, forces: 3 x 3 float32; id: int32
 
 CONFIGS = {
-    "floor-1": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=1, grid=(1, 1), kind="floor"),
-    "floor-2": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=2, grid=(2, 1), kind="floor"),
-    "floor-4": dict(nc=(16, 16, 16), box=(25.0,) * 3, halo=4, ranks=4, grid=(2, 2), kind="floor"),
-    "weak-1": dict(nc=(128, 128, 128), box=(200.0,) * 3, halo=16, ranks=1, grid=(1, 1),
+    "floor-1": dict(nc=(16, 16, 16), box=(25.0,) * 3, ranks=1, grid=(1, 1), kind="floor"),
+    "floor-2": dict(nc=(16, 16, 16), box=(25.0,) * 3, ranks=2, grid=(2, 1), kind="floor"),
+    "floor-4": dict(nc=(16, 16, 16), box=(25.0,) * 3, ranks=4, grid=(2, 2), kind="floor"),
+    "weak-1": dict(nc=(128, 128, 128), box=(200.0,) * 3, ranks=1, grid=(1, 1),
                    kind="weak"),
-    "weak-2": dict(nc=(256, 128, 128), box=(400.0, 200.0, 200.0), halo=16, ranks=2,
+    "weak-2": dict(nc=(256, 128, 128), box=(400.0, 200.0, 200.0), ranks=2,
                    grid=(2, 1), kind="weak"),
-    "weak-4": dict(nc=(256, 256, 128), box=(400.0, 400.0, 200.0), halo=16, ranks=4,
+    "weak-4": dict(nc=(256, 256, 128), box=(400.0, 400.0, 200.0), ranks=4,
                    grid=(2, 2), kind="weak"),
-    "strong-1": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=1, grid=(1, 1),
+    "strong-1": dict(nc=(192,) * 3, box=(300.0,) * 3, ranks=1, grid=(1, 1),
                      kind="strong"),
-    "strong-2": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=2, grid=(2, 1),
+    "strong-2": dict(nc=(192,) * 3, box=(300.0,) * 3, ranks=2, grid=(2, 1),
                      kind="strong"),
-    "strong-4": dict(nc=(192,) * 3, box=(300.0,) * 3, halo=32, ranks=4, grid=(2, 2),
+    "strong-4": dict(nc=(192,) * 3, box=(300.0,) * 3, ranks=4, grid=(2, 2),
                      kind="strong"),
 }
-QUICK_FACTOR = 8  # --quick: every mesh and halo divided by this (floors unchanged)
-# Extrapolation in the Markdown: (nc, GPUs) of the issue, halo, and the floor of a GPU rank.
+QUICK_FACTOR = 8  # --quick: every mesh divided by this (floors unchanged)
+# Extrapolation in the Markdown: (nc, GPUs) of the issue and the floor of a GPU rank.
 EXTRAPOLATE = [(2048, 64), (2048, 256), (4096, 512), (4096, 4096)]
-EXTRAPOLATE_HALO = 16
 GPU_FLOOR_MB = 1536.0  # assumed CUDA context + TF runtime per GPU rank (untested here)
 
 
@@ -100,7 +108,7 @@ def default_grid(n):
 
 def largest_config(nc, ranks):
     cell = 200.0 / 128  # the weak-scaling runs' cell size [Mpc/h]
-    return dict(nc=(nc,) * 3, box=(nc * cell,) * 3, halo=16, ranks=ranks,
+    return dict(nc=(nc,) * 3, box=(nc * cell,) * 3, ranks=ranks,
                 grid=default_grid(ranks), kind="largest")
 
 
@@ -115,7 +123,6 @@ def config_for(name, args):
         raise SystemExit("unknown configuration %r; see `bench_scaling.py list`" % name)
     if args.quick and c["kind"] != "floor":
         c["nc"] = tuple(max(8, n // QUICK_FACTOR) for n in c["nc"])
-        c["halo"] = max(2, c["halo"] // QUICK_FACTOR)
     return name, c
 
 
@@ -168,9 +175,36 @@ def simulate_command(c, out, steps):
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     cmd += [py, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
-            "--steps", str(steps), "--halo", str(c["halo"]), "--grid",
+            "--steps", str(steps), "--grid",
             "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32"]
     return cmd  # the (possibly non-cubic) box goes through a --config file
+
+
+def sim_config(c):
+    """The SimConfig a configuration runs (defaults of ``simulate`` otherwise)."""
+    sys.path.insert(0, REPO)
+    from flowpm_mtf.config import SimConfig
+
+    return SimConfig(nc=tuple(c["nc"]), box_size=tuple(c["box"]), grid=tuple(c["grid"]),
+                     n_steps=2, dtype="float32")
+
+
+def padded_cells(c, halo):
+    """Padded cells of one rank's block, ``(nx/P + 2h)(ny/Q + 2h) nz``."""
+    (nx, ny, nz), (P, Q) = c["nc"], c["grid"]
+    return (nx // P + 2 * halo) * (ny // Q + 2 * halo) * nz
+
+
+def planned(c):
+    """Decomposition, halo, particle slots and padded cells per rank the run is set up with
+    (:func:`flowpm_mtf.preflight.memory_terms`), and the preflight estimate [MB]."""
+    from flowpm_mtf import preflight
+
+    conf = sim_config(c)
+    slots, cells = preflight.memory_terms(conf)
+    return {"decomposition": conf.decomposition, "halo_size": conf.halo_size,
+            "capacity": int(slots), "slots_local": int(slots), "padded_cells_local": int(cells),
+            "preflight_mb": preflight.estimate_peak_memory(conf, masters=False) / MB}
 
 
 def run_one(name, c, args):
@@ -187,18 +221,15 @@ def run_one(name, c, args):
     mach = machine()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     n = int(np.prod(c["nc"]))
-    P, Q = c["grid"]
-    h = c["halo"]
     rec = {"name": name, "kind": c["kind"], "nc": list(c["nc"]), "box": list(c["box"]),
-           "halo": h, "ranks": c["ranks"], "grid": list(c["grid"]), "steps": args.steps,
+           "ranks": c["ranks"], "grid": list(c["grid"]), "steps": args.steps,
            "n_particles": n, "n_local": n // c["ranks"],
-           "padded_cells_local": (c["nc"][0] // P + 2 * h) * (c["nc"][1] // Q + 2 * h)
-           * c["nc"][2],
            "ok": proc.returncode == 0, "returncode": proc.returncode,
            "commit": git("rev-parse", "--short", "HEAD"),
            "dirty": bool(git("status", "--porcelain", "--", "flowpm_mtf", "hvd_mesh_impl")),
            "date": started, "machine": mach, "note": args.note, "quick": args.quick,
            "command": " ".join(cmd)}
+    rec.update(planned(c))
     summary_path = os.path.join(out, "run", "summary.json")
     if rec["ok"] and os.path.exists(summary_path):
         with open(summary_path) as f:
@@ -206,6 +237,13 @@ def run_one(name, c, args):
         rec["peak_mb_per_rank"] = summary["peak_memory_mb_per_rank"]
         rec["phases_mb_per_rank"] = summary.get("memory_phases_mb_per_rank")
         rec["timings"] = {k: v for k, v in summary["timings"].items() if k != "steps_s"}
+        mig = summary.get("migration") or {}
+        # what the run used (a capacity retry may have enlarged the buffers)
+        rec.update({k: mig[k] for k in ("decomposition", "halo_size", "capacity") if k in mig})
+        rec["slots_local"] = rec["capacity"]
+        rec["padded_cells_local"] = padded_cells(c, rec["halo_size"])
+        if "imbalance_max" in mig:
+            rec["imbalance_max"] = mig["imbalance_max"]
     else:
         rec["ok"] = False
         lines = [l for l in proc.stderr.splitlines() if l.strip()]
@@ -233,33 +271,56 @@ def breakdown(rec):
 
 # ----------------------------------------------------------------------------- model
 def fit_model(records):
-    """Non-negative least-squares fit peak_rank [MB] = M0 + a n_local + b v_local.
+    """Non-negative least-squares fit peak_rank [MB] = M0 + (a slots + b cells) / 2^20.
 
-    Over the successful non-floor runs; ``a`` [bytes per particle], ``b`` [bytes per
-    padded cell] and M0 [MB] are constrained to be >= 0.
+    Over the successful non-floor runs: ``slots`` the particle slots of a rank's block
+    (the eulerian capacity), ``cells`` its padded cells; ``a`` [bytes per slot], ``b``
+    [bytes per padded cell] and M0 [MB] are constrained to be >= 0. The same model and
+    constants serve the preflight estimate (:mod:`flowpm_mtf.preflight`, MODEL_FILE,
+    rewritten by ``render``).
     """
     from scipy.optimize import nnls
 
     rows = [r for r in records.values() if r["ok"] and r["kind"] != "floor"]
     if len(rows) < 3:
         return None
-    A = np.array([[1.0, r["n_local"] / MB, r["padded_cells_local"] / MB] for r in rows])
+    A = np.array([[1.0, r["slots_local"] / MB, r["padded_cells_local"] / MB] for r in rows])
     y = np.array([max(r["peak_mb_per_rank"]) for r in rows])
     coef, _ = nnls(A, y)
     pred = A @ coef
-    return {"M0_mb": float(coef[0]), "bytes_per_particle": float(coef[1]),
+    return {"M0_mb": float(coef[0]), "bytes_per_slot": float(coef[1]),
             "bytes_per_padded_cell": float(coef[2]),
             "max_rel_residual": float(np.max(np.abs(pred - y) / y)),
             "fitted_on": sorted(r["name"] for r in rows),
-            "formula": "peak per rank [MB] = M0_mb + (bytes_per_particle * n_local + "
+            "rows": [{"name": r["name"], "ranks": r["ranks"], "slots_local": r["slots_local"],
+                      "padded_cells_local": r["padded_cells_local"], "peak_mb": float(v)}
+                     for r, v in zip(rows, y)],
+            "formula": "peak per rank [MB] = M0_mb + (bytes_per_slot * slots + "
                        "bytes_per_padded_cell * (nx/P + 2h)(ny/Q + 2h) nz) / 2^20"}
 
 
-def predict_mb(model, nc, n, halo, floor_mb):
-    P, Q = default_grid(n)
-    v = (nc // P + 2 * halo) * (nc // Q + 2 * halo) * nc
-    return floor_mb + (model["bytes_per_particle"] * nc ** 3 / n
-                       + model["bytes_per_padded_cell"] * v) / MB
+def predict_mb(model, nc, n, floor_mb, box=None):
+    """Per-rank memory [MB] of nc^3 particles on n ranks (most square grid), with the GPU
+    floor instead of M0; box default: the 0.49 Mpc/h cells of 2048^3 in 1 Gpc/h."""
+    c = {"nc": (nc,) * 3, "box": (box or nc * 1000.0 / 2048,) * 3, "grid": default_grid(n)}
+    from flowpm_mtf import preflight
+
+    slots, cells = preflight.memory_terms(sim_config(c))
+    return floor_mb + (model["bytes_per_slot"] * slots
+                       + model["bytes_per_padded_cell"] * cells) / MB
+
+
+def write_memory_model(model, json_path, path=None):
+    """Write the fitted constants (and the rows they fit) for :mod:`flowpm_mtf.preflight`."""
+    from flowpm_mtf import preflight
+
+    out = dict(model, source="scripts/bench_scaling.py render of %s"
+               % os.path.relpath(json_path, REPO))
+    path = path or preflight.MODEL_FILE
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 # ----------------------------------------------------------------------------- render
@@ -324,7 +385,7 @@ def render(data, quick):
 
     table("weak", "Weak scaling (2.1M particles per rank)", "weak-1",
           "peak per rank on 4 ranks <= 1.10x that on 1 rank (ratio column: peak / peak)", False)
-    table("strong", "Strong scaling (192^3, halo 32)", "strong-1",
+    table("strong", "Strong scaling (192^3)", "strong-1",
           "memory above the floor on 4 ranks <= 0.30x that on 1 rank (ratio column: above "
           "floor / above floor)", True)
     largest = [r for r in recs.values() if r["kind"] == "largest"]
@@ -345,32 +406,39 @@ def render(data, quick):
                     r["name"], r["ranks"], r["nc"][0], r["error"][:80]))
         lines.append("\nTarget: >= 384^3 particles on this 24 GB machine, aim 512^3.")
     lines.append("\n#### Breakdown per rank [MB] (rank with the highest peak)\n")
-    lines.append("| run | runtime | graph + state | ICs | steps | output | peak | state "
-                 "slices (36 B/particle) |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| run | decomposition, halo, slots/rank | runtime | graph + state | ICs | "
+                 "steps | output | peak | state slots (%d B/slot) | preflight estimate |"
+                 % STATE_BYTES_PER_SLOT)
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name in sorted(ok, key=lambda k: (ok[k]["kind"], ok[k]["ranks"], k)):
         rows = breakdown(ok[name])
         if not rows:
             continue
         b = max(rows, key=lambda x: x["peak"])
-        lines.append("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |" % (
-            name, b["runtime"], b["graph_state"], b["ics"], b["steps"], b["output"], b["peak"],
-            STATE_BYTES_PER_PARTICLE * ok[name]["n_local"] / MB))
+        r = ok[name]
+        lines.append("| %s | %s, %s, %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %s |"
+                     % (name, r.get("decomposition", "?"), r.get("halo_size", "?"),
+                        r.get("slots_local", "?"), b["runtime"], b["graph_state"], b["ics"],
+                        b["steps"], b["output"], b["peak"],
+                        STATE_BYTES_PER_SLOT * r.get("slots_local", r["n_local"]) / MB,
+                        "%.0f" % r["preflight_mb"] if "preflight_mb" in r else "-"))
     model = data.get("model")
     if model:
         lines.append("\n#### Memory model (for the preflight estimate)\n")
-        lines.append("Fitted on %s: **M0 = %.0f MB, %.0f bytes per particle, %.1f bytes per "
-                     "padded cell** (largest relative residual %.1f%%): %s." % (
+        lines.append("Fitted on %s: **M0 = %.0f MB, %.0f bytes per particle slot, %.1f bytes "
+                     "per padded cell** (largest relative residual %.1f%%): %s. `render` "
+                     "writes these constants to `flowpm_mtf/memory_model.json`, which the "
+                     "preflight memory check (`flowpm_mtf/preflight.py`) reads." % (
                          ", ".join(model["fitted_on"]), model["M0_mb"],
-                         model["bytes_per_particle"], model["bytes_per_padded_cell"],
+                         model["bytes_per_slot"], model["bytes_per_padded_cell"],
                          100 * model["max_rel_residual"], model["formula"]))
-        lines.append("\nExtrapolated per-rank memory (halo %d, float32, grid the most square "
-                     "P x Q; GPU floor %.1f GB assumed instead of the CPU M0, untested):\n"
-                     % (EXTRAPOLATE_HALO, GPU_FLOOR_MB / 1024))
+        lines.append("\nExtrapolated per-rank memory (eulerian, automatic halo and capacity, "
+                     "0.49 Mpc/h cells, float32, grid the most square P x Q; GPU floor %.1f GB "
+                     "assumed instead of the CPU M0, untested):\n" % (GPU_FLOOR_MB / 1024))
         lines.append("| particles | GPUs | grid | per rank [GB] | fits 80 GB |")
         lines.append("|---|---|---|---|---|")
         for nc, n in EXTRAPOLATE:
-            gb = predict_mb(model, nc, n, EXTRAPOLATE_HALO, GPU_FLOOR_MB) / 1024.0
+            gb = predict_mb(model, nc, n, GPU_FLOOR_MB) / 1024.0
             lines.append("| %d^3 | %d | %s | %.1f | %s |" % (
                 nc, n, "x".join(map(str, default_grid(n))), gb, "yes" if gb < 0.8 * 80 else
                 "no"))
@@ -400,6 +468,8 @@ def write_outputs(data, quick):
     json_path, md_path = paths(quick)
     data["model"] = fit_model(data["records"])
     save(json_path, data)
+    if data["model"] and not quick:
+        write_memory_model(data["model"], json_path)
     md = render(data, quick)
     with open(md_path, "w") as f:
         f.write("# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md)
@@ -418,7 +488,8 @@ def main(argv=None):
     ap.add_argument("--note", default="", help="stored with the record (e.g. 'quiet machine')")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run", help="run one configuration and merge it into the results")
-    p.add_argument("name", help="a configuration of `list`, or largest[-NC]")
+    p.add_argument("name", nargs="?", help="a configuration of `list`, or largest[-NC]; "
+                   "none: every configuration and largest (384^3 on 4 ranks)")
     p.add_argument("--nc", type=int, help="largest: particles per side")
     p.add_argument("--ranks", type=int, help="largest: MPI ranks (default 4)")
     sub.add_parser("missing", help="run every listed configuration not measured yet")
@@ -438,14 +509,14 @@ def main(argv=None):
         return 0
     if args.cmd in ("run", "missing"):
         if args.cmd == "run":
-            todo = [args.name]
+            todo = [args.name] if args.name else list(CONFIGS) + ["largest"]
         else:
             todo = [n for n in CONFIGS if not data["records"].get(n, {}).get("ok")]
             args.nc = args.ranks = None
         for name in todo:
             name, c = config_for(name, args)
-            print("running %s: %d ranks, mesh %s, halo %d ..." % (
-                name, c["ranks"], "x".join(map(str, c["nc"])), c["halo"]), flush=True)
+            print("running %s: %d ranks, mesh %s ..." % (
+                name, c["ranks"], "x".join(map(str, c["nc"]))), flush=True)
             rec = run_one(name, c, args)
             data = load(json_path)  # merge with what other invocations wrote meanwhile
             data["records"][name] = rec

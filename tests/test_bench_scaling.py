@@ -13,16 +13,16 @@ import bench_scaling as bs  # noqa: E402
 
 pytestmark = pytest.mark.rank_independent
 
-TRUE = {"M0_mb": 480.0, "bytes_per_particle": 150.0, "bytes_per_padded_cell": 40.0}
+TRUE = {"M0_mb": 480.0, "bytes_per_slot": 150.0, "bytes_per_padded_cell": 40.0}
 FIT_RTOL = 1e-6  # exact synthetic data: the fit must recover the coefficients
 
 
 def _record(name, quick=False):
     c = dict(bs.CONFIGS[name])
     n = int(np.prod(c["nc"]))
-    P, Q = c["grid"]
-    v = (c["nc"][0] // P + 2 * c["halo"]) * (c["nc"][1] // Q + 2 * c["halo"]) * c["nc"][2]
-    peak = TRUE["M0_mb"] + (TRUE["bytes_per_particle"] * n / c["ranks"]
+    plan = bs.planned(c)
+    v, slots = plan["padded_cells_local"], plan["slots_local"]
+    peak = TRUE["M0_mb"] + (TRUE["bytes_per_slot"] * slots
                             + TRUE["bytes_per_padded_cell"] * v) / bs.MB
     phases = {"start": {"rss": 440.0, "peak": 440.0, "phase_peak": 440.0},
               "graph": {"rss": 470.0, "peak": 475.0, "phase_peak": 475.0},
@@ -30,8 +30,8 @@ def _record(name, quick=False):
               "steps": {"rss": peak - 10, "peak": peak, "phase_peak": peak - 5},
               "output": {"rss": peak - 8, "peak": peak, "phase_peak": peak - 6}}
     return {"name": name, "kind": c["kind"], "nc": list(c["nc"]), "box": list(c["box"]),
-            "halo": c["halo"], "ranks": c["ranks"], "grid": list(c["grid"]), "steps": 2,
-            "n_particles": n, "n_local": n // c["ranks"], "padded_cells_local": v, "ok": True,
+            "ranks": c["ranks"], "grid": list(c["grid"]), "steps": 2, **plan,
+            "n_particles": n, "n_local": n // c["ranks"], "ok": True,
             "peak_mb_per_rank": [peak] * c["ranks"], "phases_mb_per_rank": [phases] * c["ranks"],
             "commit": "abc", "dirty": False, "date": "2026-01-01 00:00 UTC",
             "machine": {"loadavg": [1.0, 1.0, 1.0]}, "quick": quick}
@@ -47,7 +47,8 @@ def test_fit_recovers_the_model_and_renders():
     data = {"records": records, "model": model}
     md = bs.render(data, quick=False)
     assert "#### Weak scaling" in md and "#### Strong scaling" in md and "**no**: Killed" in md
-    assert "M0 = 480 MB, 150 bytes per particle, 40.0 bytes per padded cell" in md
+    assert "M0 = 480 MB, 150 bytes per particle slot, 40.0 bytes per padded cell" in md
+    assert "| eulerian, 2, %d |" % records["weak-4"]["slots_local"] in md
     assert "| 2048^3 | 64 | 8x8 |" in md
     b = bs.breakdown(records["weak-1"])[0]
     assert b["runtime"] == 440.0 and b["graph_state"] == 35.0 and b["steps"] == 15.0
@@ -62,6 +63,28 @@ def test_update_doc_replaces_only_its_section():
     text = open(doc).read()
     assert text.startswith("# Title\n\nintro\n") and "second" in text and "first" not in text
     assert text.count(bs.DOC_BEGIN) == 1 and text.count(bs.DOC_END) == 1
+
+
+def test_runs_measure_the_default_decomposition():
+    """Every configuration runs `simulate` with the default (eulerian) decomposition and
+    automatic halo: no --halo/--decomposition on the command line."""
+    for name in bs.CONFIGS:
+        cmd = bs.simulate_command(bs.CONFIGS[name], "/tmp/x", 2)
+        assert "--halo" not in cmd and "--decomposition" not in cmd
+        plan = bs.planned(bs.CONFIGS[name])
+        assert plan["decomposition"] == "eulerian" and plan["halo_size"] == 2
+
+
+def test_memory_model_file_written_for_preflight(tmp_path):
+    records = {n: _record(n) for n in bs.CONFIGS}
+    model = bs.fit_model(records)
+    path = str(tmp_path / "memory_model.json")
+    bs.write_memory_model(model, bs.paths(False)[0], path)
+    from flowpm_mtf import preflight
+
+    loaded = preflight.load_memory_model(path)
+    assert loaded["bytes_per_slot"] == pytest.approx(TRUE["bytes_per_slot"], rel=FIT_RTOL)
+    assert len(loaded["rows"]) == len([n for n in bs.CONFIGS if not n.startswith("floor")])
 
 
 def test_quick_configs_are_small():

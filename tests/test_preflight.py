@@ -21,6 +21,8 @@ MAX_CONST_BYTES = 1 << 20
 MAX_GRAPH_BYTES = 64 << 20
 # Relative agreement of the module's memory constants with the fit of the benchmark data.
 FIT_RTOL = 0.02
+# The fitted model against each measured peak it was fitted on (issue: within ~20 %).
+MODEL_RTOL = 0.20
 
 
 class FakeComm:
@@ -34,41 +36,60 @@ class FakeComm:
 
 
 # ----------------------------------------------------------------------------- memory
-def test_memory_constants_match_the_measured_fit():
-    """The constants are the fit of docs/scaling.md on results/bench (re-fit together)."""
+def test_memory_constants_fit_the_measured_runs():
+    """The constants (MODEL_FILE, written by `scripts/bench_scaling.py render`) are the fit of
+    the measured peaks stored with them, and the estimate is within MODEL_RTOL of each."""
     sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
     try:
-        import scaling_model
+        import bench_scaling
     finally:
         sys.path.pop(0)
-    import json
+    model = preflight.load_memory_model()
+    rows = model["rows"]
+    assert len(rows) >= 3
+    records = {r["name"]: dict(r, ok=True, kind="measured", peak_mb_per_rank=[r["peak_mb"]])
+               for r in rows}
+    fit = bench_scaling.fit_model(records)
+    for key, value in (("M0_mb", preflight.RUNTIME_MB), ("bytes_per_slot", preflight.BYTES_PER_SLOT),
+                       ("bytes_per_padded_cell", preflight.BYTES_PER_PADDED_CELL)):
+        assert value == pytest.approx(fit[key], rel=FIT_RTOL, abs=1e-6)
+    for r in rows:
+        est = preflight.RUNTIME_MB + (preflight.BYTES_PER_SLOT * r["slots_local"]
+                                      + preflight.BYTES_PER_PADDED_CELL
+                                      * r["padded_cells_local"]) / 2**20
+        assert est == pytest.approx(r["peak_mb"], rel=MODEL_RTOL), r
 
-    path = os.path.join(HERE, "..", "results", "bench", "bench_compare.json")
-    with open(path) as f:
-        data = json.load(f)
-    fit = scaling_model.fit_memory(data["records"])
-    assert fit is not None
-    assert preflight.RUNTIME_MB == pytest.approx(fit["M0_mb"], rel=FIT_RTOL)
-    assert preflight.WORKSET_FACTOR == pytest.approx(fit["B"], rel=FIT_RTOL)
-    assert preflight.MASTER_COPIES == fit["A"]
-    for nc, grid, measured_mb, model_mb in fit["rows"]:
-        conf = SimConfig(nc=nc, grid=grid, halo_size=min(8, nc // max(grid) - 1))
-        assert preflight.estimate_peak_memory(conf) / 2**20 == pytest.approx(model_mb,
-                                                                            rel=FIT_RTOL)
+
+def test_memory_terms_are_the_rank_buffers():
+    """Slots: the lattice share on one rank or lagrangian, the eulerian capacity otherwise."""
+    from flowpm_mtf import domain
+
+    c1 = SimConfig(nc=64, grid=(1, 1))
+    assert preflight.memory_terms(c1) == (64.0**3, 68.0 * 68 * 64)
+    c2 = SimConfig(nc=64, grid=(2, 1))
+    assert preflight.memory_terms(c2) == (domain.capacity(c2), 36.0 * 68 * 64)
+    assert 64**3 / 2 < domain.capacity(c2) < 64**3
+    cl = SimConfig(nc=64, grid=(2, 1), decomposition="lagrangian", halo_size=4)
+    assert preflight.memory_terms(cl) == (64.0**3 / 2, 40.0 * 72 * 64)
 
 
 def test_memory_estimate_scales_with_ranks_and_dtype():
     c1 = SimConfig(nc=256, grid=(1, 1))
     c4 = SimConfig(nc=256, grid=(2, 2))
-    def work(c):
-        return preflight.estimate_peak_memory(c, masters=False) - preflight.RUNTIME_MB * 2**20
 
-    assert work(c1) == pytest.approx(4 * work(c4))
+    def work(c, **kw):
+        return preflight.estimate_peak_memory(c, masters=False, **kw) - preflight.RUNTIME_MB * 2**20
+
+    slots, cells = preflight.memory_terms(c4)
+    assert work(c4) == pytest.approx(preflight.BYTES_PER_SLOT * slots
+                                     + preflight.BYTES_PER_PADDED_CELL * cells)
+    assert work(c1) == pytest.approx(work(c1.replace(grid=(2, 2)), n_ranks=1))
+    assert work(c4) < work(c1) / 2
     c64 = SimConfig(nc=256, grid=(1, 1), dtype="float64")
     assert work(c64) == pytest.approx(2 * work(c1))
-    # Placement: every slice in one process.
-    assert preflight.estimate_peak_memory(c4, processes=1) == pytest.approx(
-        preflight.estimate_peak_memory(c1))
+    # Placement: every block in one process.
+    assert preflight.estimate_peak_memory(c4, processes=1, masters=False) == pytest.approx(
+        preflight.RUNTIME_MB * 2**20 + 4 * work(c4))
 
 
 def test_over_memory_refused_with_estimate_available_and_rank_count():
