@@ -16,6 +16,7 @@ setup(
     license="MIT",
     python_requires=">=3.9,<3.12",
     packages=find_packages(include=["hvd_mesh_impl", "hvd_mesh_impl.*", "flowpm_mtf", "flowpm_mtf.*"]),
+    package_data={"flowpm_mtf": ["memory_model.json"]},
     install_requires=_reqs + ["psutil>=5.9"],
     extras_require={"horovod": ["horovod==0.28.1"], "test": ["pytest>=7.4", "pytest-timeout>=2.2"]},
     entry_points={"console_scripts": ["flowpm-mtf=flowpm_mtf.cli:main"]},

@@ -442,9 +442,7 @@ def _count_fn(stat, sizes=None):
                 bad = bad | (fl < -h) | (fl > size + h - 2)
             return tf.reduce_sum(tf.cast((ids >= 0) & bad, tf.float64), -1)
         if stat == "displacement":
-            d = tf.abs(ts[0][..., :2])
-            return tf.cast(tf.reduce_max(tf.reshape(d, d.shape.as_list()[:2] + [-1]), -1),
-                           tf.float64)
+            return tf.cast(tf.reduce_max(tf.abs(ts[0][..., :2]), axis=[-2, -1]), tf.float64)
         raise ValueError(stat)
 
     return fn
