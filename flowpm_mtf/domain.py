@@ -356,75 +356,60 @@ def _send_fn(axis, s, m, n_fields):
     return fn
 
 
-def _targets(x, ids, recv, axis, s):
-    """Kept slots ``[.., C]`` and, per received row, its flat slot (0 for an unused row).
+def _plan_fn(axis, s):
+    """Local merge plan of one round: ``x, recv, ids`` -> ``keep, target, stats``.
 
-    The received valid rows fill the first empty slots (after the leavers left),
-    in order. Rows beyond the free slots also get 0: only with an overflow, which the
-    migration check reports before the result is used.
+    ``keep`` bool ``[.., C]``: the valid slots that stay; ``target`` int32 ``[.., 2m]``:
+    for each received row, the flat slot it fills (the first empty slots after the
+    leavers left, in order; 0 for an unused row, which adds zeros, and for the rows
+    beyond the free slots, which only happens with an overflow the migration check
+    reports before the result is used); ``stats`` float64 ``[.., 3]``: the largest send
+    count of one direction, the slots needed after the merge, the particles that left.
     """
-    nbx, nby, c = ids.shape.as_list()
-    nb = nbx * nby
-    lo, hi = _leaving(x, ids, axis, s)
-    keep = (ids >= 0) & ~(lo | hi)
-    rows = recv.shape.as_list()[2]
-    slot, _ = _rows_of(tf.reshape(~keep, [nb, c]), rows, nb)      # flat slot of k-th empty
-    rvalid = tf.reshape(recv[..., -1] > 0.5, [nb, rows])
-    rank = tf.cumsum(tf.cast(rvalid, tf.int32), axis=-1, exclusive=True)
-    target = tf.gather(slot, rank, batch_dims=1)
-    target = tf.where_v2(rvalid & (target >= 0), target, 0)
-    return keep, tf.reshape(target, [nb * rows, 1]), rvalid
+
+    def fn(x, recv, ids):
+        nbx, nby, c = ids.shape.as_list()
+        nb, rows = nbx * nby, recv.shape.as_list()[2]
+        lo, hi = _leaving(x, ids, axis, s)
+        keep = (ids >= 0) & ~(lo | hi)
+        slot, _ = _rows_of(tf.reshape(~keep, [nb, c]), rows, nb)     # flat slot of k-th empty
+        rvalid = recv[..., -1] > 0.5
+        rank = tf.cumsum(tf.cast(tf.reshape(rvalid, [nb, rows]), tf.int32), axis=-1,
+                         exclusive=True)
+        target = tf.gather(slot, rank, batch_dims=1)
+        target = tf.where_v2(tf.reshape(rvalid, [nb, rows]) & (target >= 0), target, 0)
+        count = lambda t: tf.reduce_sum(tf.cast(t, tf.float64), -1)   # noqa: E731
+        stats = tf.stack([tf.maximum(count(lo), count(hi)), count(keep) + count(rvalid),
+                          count(lo | hi)], axis=-1)
+        return keep, tf.reshape(target, [nbx, nby, rows]), stats
+
+    return fn
 
 
-def _merge_fn(axis, s, col):
-    """Local merge of one per-particle vector: ``field, x, recv, ids`` -> ``field [.., C, 3]``.
+def _merge_fn(col):
+    """Local merge of one per-particle vector: ``field, recv, keep, target`` -> ``field``.
 
     The leavers' slots are zeroed and the received rows' columns ``col..col+2``
-    are added into the empty slots of :func:`_targets` (an unused row adds 0).
-    ``col == 0`` merges the positions themselves (``field`` is ``x``).
+    are added into their target slots (an unused row adds 0).
     """
 
-    def fn(*args):
-        if col == 0:
-            field, (x, recv, ids) = args[0], args
-        else:
-            field, x, recv, ids = args
-        shape = field.shape.as_list()
-        keep, target, _ = _targets(x, ids, recv, axis, s)
+    def fn(field, recv, keep, target):
         out = tf.reshape(field * tf.cast(keep, field.dtype)[..., None], [-1, 3])
         upd = tf.reshape(recv[..., col:col + 3], [-1, 3])
-        return tf.reshape(tf.tensor_scatter_nd_add(out, target, upd), shape)
+        return tf.reshape(tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), upd),
+                          field.shape)
 
     return fn
 
 
-def _merge_ids_fn(axis, s):
-    """Local merge of the ids: ``x, recv, ids`` -> ``ids`` (-1 for an empty slot)."""
-
-    def fn(x, recv, ids):
-        keep, target, rvalid = _targets(x, ids, recv, axis, s)
-        rid = (tf.cast(tf.round(recv[..., -3]), tf.int64) * _ID_SPLIT
-               + tf.cast(tf.round(recv[..., -2]), tf.int64))
-        rid = tf.where_v2(tf.reshape(rvalid, [-1]), tf.reshape(rid, [-1]) + 1, 0)  # 0 adds nothing
-        out = tf.reshape(tf.where_v2(keep, tf.cast(ids, tf.int64) + 1, 0), [-1])
-        out = tf.tensor_scatter_nd_add(out, target, rid) - 1
-        return tf.cast(tf.reshape(out, ids.shape), ids.dtype)
-
-    return fn
-
-
-def _round_stats_fn(axis, s):
-    """Per-block float64 ``[nbx, nby, 3]`` of one round: largest send count of one
-    direction, slots needed after the merge, particles that left."""
-
-    def fn(x, recv, ids):
-        lo, hi = _leaving(x, ids, axis, s)
-        count = lambda t: tf.reduce_sum(tf.cast(t, tf.float64), -1)   # noqa: E731
-        gone = count(lo | hi)
-        need = count(ids >= 0) - gone + count(recv[..., -1] > 0.5)
-        return tf.stack([tf.maximum(count(lo), count(hi)), need, gone], axis=-1)
-
-    return fn
+def _merge_ids_fn(ids, recv, keep, target):
+    """Local merge of the ids (as :func:`_merge_fn`; -1 for an empty slot)."""
+    rid = (tf.cast(tf.round(recv[..., -3]), tf.int64) * _ID_SPLIT
+           + tf.cast(tf.round(recv[..., -2]), tf.int64))
+    rid = tf.where_v2(recv[..., -1] > 0.5, rid + 1, 0)             # +1: an unused row adds 0
+    out = tf.reshape(tf.where_v2(keep, tf.cast(ids, tf.int64) + 1, 0), [-1])
+    out = tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), tf.reshape(rid, [-1])) - 1
+    return tf.cast(tf.reshape(out, ids.shape), ids.dtype)
 
 
 def _count_fn(stat, sizes=None):
@@ -577,16 +562,20 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
             recv = mtf.concat([mtf.shift(to_hi, 1, bdim, wrap=True),    # block i-1's upward
                                mtf.shift(to_lo, -1, bdim, wrap=True)],  # block i+1's downward
                               SEND_DIM)
-            rstats.append(_block_stat(_round_stats_fn(axis, s), [x, recv, ids], tag + "_stats",
-                                      extra=[mtf.Dimension(STAT_DIM, 3)]))
-            fields = [_local(_merge_fn(axis, s, 3 * (k + 1)), [f, x, recv, ids], f.shape,
-                             "%s_merge%d" % (tag, k + 1)) for k, f in enumerate(fields)]
-            new_ids = mtf.slicewise(_merge_ids_fn(axis, s), [x, recv, ids],
-                                    output_shape=ids.shape, output_dtype=ids.dtype,
-                                    splittable_dims=[bx, by], grad_function=0,
-                                    name=tag + "_merge_ids")
-            x = _local(_merge_fn(axis, s, 0), [x, recv, ids], x.shape, tag + "_merge0")
-            ids = new_ids
+            bdims = [bx, by]
+            keep, target, st = mtf.slicewise(
+                _plan_fn(axis, s), [x, recv, ids],
+                output_shape=[ids.shape, mtf.Shape(bdims + [recv_shape.dims[2]]),
+                              mtf.Shape(bdims + [mtf.Dimension(STAT_DIM, 3)])],
+                output_dtype=[tf.bool, tf.int32, tf.float64], splittable_dims=bdims,
+                grad_function=0, name=tag + "_plan")
+            rstats.append(st)
+            x, *fields = [_local(_merge_fn(3 * k), [f, recv, keep, target], f.shape,
+                                 "%s_merge%d" % (tag, k), n_int=2)
+                          for k, f in enumerate([x] + fields)]
+            ids = mtf.slicewise(_merge_ids_fn, [ids, recv, keep, target], output_shape=ids.shape,
+                                output_dtype=ids.dtype, splittable_dims=bdims, grad_function=0,
+                                name=tag + "_merge_ids")
     zeros = mtf.zeros(x.mesh, mtf.Shape([bx, by]), dtype=tf.float64)
     if rstats:
         def col(i):
