@@ -30,23 +30,32 @@ Empty slots have zero position (block-local), momentum and force, and zero
 weight when painted (:func:`weights`). The lagrangian decomposition has no
 empty slots.
 
-A migration round along one axis (all in ``mtf.slicewise`` on the local
-blocks, plus two ``mtf.shift`` of ``send_capacity`` rows):
+A migration round along one axis split into several blocks (all in
+``mtf.slicewise`` on the local blocks, plus two ``mtf.shift`` of ``send_capacity``
+rows):
 
-1. *split*: the valid particles with block-local coordinate ``< 0`` (``>= s``)
-   are copied, in slot order, into the first rows of the send buffer to the
+1. *send*: the valid particles with block-local coordinate ``< 0`` (``>= s``)
+   are gathered, in slot order, into the first rows of the send buffer to the
    lower (upper) neighbour and moved into its frame (``+ s`` / ``- s``; a
-   coordinate that rounds to ``s`` is set to the largest float below ``s``);
-   their slots are emptied;
+   coordinate that rounds to ``s`` is set to the largest float below ``s``).
+   A send buffer packs only the leavers: ``[bx, by, send_capacity, mig_f]``
+   with the position, the other per-particle fields (momenta; also the LPT
+   forces in :func:`flowpm_mtf.lpt.lpt_init`), the id as two integers below
+   ``2**24`` (exact in float32) and the validity flag;
 2. *shift*: the two send buffers go to the neighbours (``mtf.shift`` by one
-   block, periodic: a single block along an axis sends to itself, which wraps
-   positions into the box);
-3. *merge*: the received particles fill the first empty slots, in order.
+   block, periodic);
+3. *plan*: the slots that keep their particle and, for each received row, the
+   slot it fills (the first empty slots, in order), computed once per round;
+4. *merge*, one field at a time: the leavers' slots are zeroed and the
+   received rows scatter-added into their slots (``tensor_scatter_nd_add``,
+   which TensorFlow runs in place on the zeroed copy). No tensor of the whole
+   buffer times all fields exists: each field is rebuilt on its own, so a
+   round holds at most one extra copy of a field ``[slots, 3]`` and the small
+   send buffers.
 
-Data moves as one packed float tensor per block ``[bx, by, slots, mig_f]``:
-the position, the other per-particle fields (momenta; also the LPT forces in
-:func:`flowpm_mtf.lpt.lpt_init`), the id as two integers below ``2**24``
-(exact in float32) and the validity flag.
+Along an axis with a single block nothing is exchanged: the positions are
+wrapped into the box (periodic); on a 1x1 grid a migration is only that wrap
+and the statistics (and :func:`capacity` is the particle count).
 
 Overflow and escape checks (never a silent loss)
 ------------------------------------------------
