@@ -481,6 +481,11 @@ def _gate(t, stats, cap, m):
     """``t`` gated by the assertion that no buffer overflowed and none escaped."""
 
     def fn(x, st):
+        # A variable slice (ids on a grid with nothing to exchange) is read here, outside
+        # the control dependency: a read gated by the assertion would become a control
+        # input of every assignment of that variable (hvd_mesh_impl.ordered_update_op),
+        # e.g. the initial one, which would then need the step's inputs.
+        x = tf.identity(x)
         ok = ((st[_S["send"]] <= m) & (st[_S["need"]] <= cap)
               & tf.equal(st[_S["outside"]], 0.0))
         check = tf.debugging.Assert(
