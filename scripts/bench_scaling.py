@@ -176,7 +176,8 @@ def simulate_command(c, out, steps):
         cmd.insert(1, "--allow-run-as-root")
     cmd += [py, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
             "--steps", str(steps), "--grid",
-            "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32"]
+            "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32",
+            "--force"]  # measure what runs, not what the preflight estimate expects
     return cmd  # the (possibly non-cubic) box goes through a --config file
 
 
@@ -308,6 +309,18 @@ def predict_mb(model, nc, n, floor_mb, box=None):
     slots, cells = preflight.memory_terms(sim_config(c))
     return floor_mb + (model["bytes_per_slot"] * slots
                        + model["bytes_per_padded_cell"] * cells) / MB
+
+
+MODEL_MIN_RUNS = 5          # a fit for the preflight needs this many measured runs,
+MODEL_MIN_SPAN = 2.0        # slots per rank spanning this factor (else M0 and a are degenerate)
+MODEL_MAX_RESIDUAL = 0.20   # and no run further than this from it
+
+
+def model_spans(model):
+    """Whether a fit is constrained enough to replace the preflight constants."""
+    slots = [r["slots_local"] for r in model["rows"]]
+    return (len(slots) >= MODEL_MIN_RUNS and max(slots) >= MODEL_MIN_SPAN * min(slots)
+            and model["max_rel_residual"] <= MODEL_MAX_RESIDUAL)
 
 
 def write_memory_model(model, json_path, path=None):
@@ -469,7 +482,12 @@ def write_outputs(data, quick):
     data["model"] = fit_model(data["records"])
     save(json_path, data)
     if data["model"] and not quick:
-        write_memory_model(data["model"], json_path)
+        if model_spans(data["model"]):
+            write_memory_model(data["model"], json_path)
+        else:
+            print("memory model not written to flowpm_mtf/memory_model.json: the fit needs >= %d "
+                  "runs whose slots per rank span a factor >= %g, with residuals <= %g"
+                  % (MODEL_MIN_RUNS, MODEL_MIN_SPAN, MODEL_MAX_RESIDUAL), flush=True)
     md = render(data, quick)
     with open(md_path, "w") as f:
         f.write("# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md)

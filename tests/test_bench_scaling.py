@@ -50,6 +50,9 @@ def test_fit_recovers_the_model_and_renders():
     assert "M0 = 480 MB, 150 bytes per particle slot, 40.0 bytes per padded cell" in md
     assert "| eulerian, 2, %d |" % records["weak-4"]["slots_local"] in md
     assert "| 2048^3 | 64 | 8x8 |" in md
+    assert bs.model_spans(model)
+    weak = {n: r for n, r in records.items() if n.startswith("weak")}
+    assert not bs.model_spans(bs.fit_model(weak))  # 3 runs of one size: not for the preflight
     b = bs.breakdown(records["weak-1"])[0]
     assert b["runtime"] == 440.0 and b["graph_state"] == 35.0 and b["steps"] == 15.0
 
