@@ -664,7 +664,9 @@ def error_from_tf(exc, conf):
     if info is None:
         return None
     st, cap, m = info["stats"], info["capacity"], info["send_capacity"]
-    if st["outside"] > 0:
+    # An overflow first: the rows that found no slot were added into slot 0 of the
+    # (discarded) result, so the "outside" count is meaningless then.
+    if st["outside"] > 0 and st["need"] <= cap and st["send"] <= m:
         sx, sy, _ = conf.block_shape
         disp = st["displacement"]
         steps = (int(math.ceil(conf.n_steps * disp / (0.8 * min(sx, sy)))) + 1

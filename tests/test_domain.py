@@ -140,6 +140,21 @@ def test_overflow_detected_on_every_rank(case):
     check_against_reference(conf2, out, reference(conf2, x2, pay2, ids2))
 
 
+@pytest.mark.parametrize("case", [c for c in H.cases(single=True) if max(c[1]) > 1
+                                  and c[0] != "placement"], ids=H.case_id)
+def test_slot_overflow_is_a_capacity_error(case):
+    """Full blocks exchanging particles: a block that would need more slots than it has is
+    reported as a CapacityError naming a capacity that works (not as an escape)."""
+    conf = conf_for(case[1], extra=2, send_capacity=200)
+    (P, Q) = conf.grid
+    cap = domain.capacity(conf)
+    x, pay, ids = make_particles(conf, np.full((P, Q), cap), seed=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=domain.CHECK_MESSAGE) as err:
+        H.run(case[0], conf, run_migrate(case[0], conf, x, pay, ids), feeds=[{"x": x, "pay": pay}])
+    exc = domain.error_from_tf(err.value, conf)
+    assert isinstance(exc, CapacityError) and exc.capacity > cap, exc
+
+
 @pytest.mark.parametrize("grid", [(1, 1), (2, 1), (1, 2), (2, 2)],
                          ids=lambda g: "x".join(map(str, g)))
 def test_exchange_only_along_split_axes(grid):
