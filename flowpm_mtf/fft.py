@@ -561,6 +561,29 @@ def c2r(kfield, conf, name="c2r"):
                           real_output=True, name=name).outputs[0]
 
 
+def c2c_inverse(kfield, conf, name="c2c_inverse"):
+    """Inverse FFT of a complex field to a complex field, normalised like :func:`c2r`.
+
+    Parameters
+    ----------
+    kfield : mtf.Tensor
+        Complex field on the dimensions ``kx, ky, kz``.
+    conf : SimConfig
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Complex field on ``x, y, z``: ``N * numpy.fft.ifftn(kfield)`` (no part
+        discarded; e.g. two real fields packed as ``a + i b``, see
+        :func:`flowpm_mtf.kernels.packed_inverse`).
+    """
+    if not kfield.dtype.is_complex:
+        raise TypeError("c2c_inverse expects a complex field, got %s" % kfield.dtype.name)
+    return FFT3DOperation(kfield, cfg.K_DIMS, cfg.REAL_DIMS, inverse=True,
+                          scale=float(conf.n_cells), name=name).outputs[0]
+
+
 # ----------------------------------------------------------------------------- k-vectors
 def kvec(conf, mesh, units="h/Mpc"):
     """Wave vectors along each axis as mtf tensors on ``kx``, ``ky``, ``kz``.

@@ -49,7 +49,7 @@ from . import layout
 from . import cosmology as cosmo_mod
 from . import domain
 from . import fft, ics
-from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
+from .kernels import HESSIAN_PAIRS, make_kernels, neg_gradient_potential, potential_fields
 from .painting import lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
@@ -203,15 +203,16 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
 
-    out = [displacement(delta_k)]
-    if order == 2:
-        diag = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 0), (1, 1), (2, 2))))
-        off = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 1), (1, 2), (2, 0))))
-        source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
-        for phi in off:
-            source = source - phi * phi
-        out.append(displacement(fft.r2c(source, conf, name="lpt2_source_r2c")))
-    return out
+    if order == 1:
+        return [displacement(delta_k)]
+    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex FFTs
+    grad, hess = potential_fields(delta_k, conf, kernels, HESSIAN_PAIRS)
+    diag, off = hess[:3], hess[3:]
+    source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
+    for phi in off:
+        source = source - phi * phi
+    return [field_to_particles(grad, conf),
+            displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 
 
 def lpt_coefficients(conf, a, order=None):
