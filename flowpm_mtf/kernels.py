@@ -172,16 +172,17 @@ def packed_inverse(specs, conf, groups, name="packed_inverse"):
         dimensions, constant phase. Each product must be Hermitian (e.g. a
         kernel of this module times the transform of a real field).
     conf : SimConfig
-    groups : sequence of (str, int)
+    groups : sequence of (str or None, int)
         Consecutive components returned together: dimension name and size
-        (sizes add up to ``len(specs)``).
+        (sizes add up to ``len(specs)``); ``(None, 1)``: one component
+        without a component dimension.
     name : str, optional
 
     Returns
     -------
     list of mtf.Tensor
-        One real ``[x, y, z, <group dim>]`` tensor per group, dtype
-        ``conf.dtype``.
+        One real ``[x, y, z, <group dim>]`` (or ``[x, y, z]``) tensor per
+        group, dtype ``conf.dtype``.
     """
     n = len(specs)
     if sum(size for _, size in groups) != n:
@@ -197,20 +198,49 @@ def packed_inverse(specs, conf, groups, name="packed_inverse"):
     pair = mtf.Dimension(name + "_pair", len(packed))
     z = mtf.stack(packed, pair.name, axis=packed[0].shape.ndims, name=name + "_stack")
     z = fft.c2c_inverse(z, conf, name=name + "_c2c")
-    real = fft.real_shape(conf)
     out, lo = [], 0
     for dim_name, size in groups:
-        parts = [(m // 2, m % 2 == 1) for m in range(lo, lo + size)]  # (pair, imaginary)
-
-        def pick(t, parts=parts):
-            cols = [(tf.math.imag if im else tf.math.real)(t[..., p]) for p, im in parts]
-            return tf.stack(cols, axis=-1)
-
-        out.append(mtf.slicewise(pick, [z], output_shape=real + [mtf.Dimension(dim_name, size)],
-                                 output_dtype=conf.tf_dtype, splittable_dims=real.dims,
-                                 name="%s_%s" % (name, dim_name)))
+        out.append(_real_components(z, lo, size, dim_name, name="%s_%s" % (name, dim_name)))
         lo += size
     return out
+
+
+def _real_components(z, lo, size, dim_name, name):
+    """Components ``lo .. lo + size - 1`` of ``[..., pair]`` complex read as ``[..., 2 pair]`` real.
+
+    The interleaved (real, imaginary) view is a bitcast (no copy); only the
+    selected components are copied. ``dim_name`` None (``size`` 1) drops the
+    component dimension. Gradient: the selected entries of ``dy`` put back
+    into a complex tensor (``dy_re + i dy_im``, TF's convention), zeros
+    elsewhere.
+    """
+    npair = z.shape.dims[-1].size
+    width = 2 * npair
+    rdtype = tf.float64 if z.dtype == tf.complex128 else tf.float32
+    lead = z.shape.dims[:-1]
+    out_shape = mtf.Shape(lead if dim_name is None else lead + [mtf.Dimension(dim_name, size)])
+
+    def fwd(t):
+        s = t.shape.as_list()
+        r = tf.reshape(tf.bitcast(t, rdtype), s[:-1] + [width])
+        if dim_name is None:
+            return r[..., lo]
+        return r if (lo, size) == (0, width) else r[..., lo:lo + size]
+
+    def bwd(g):
+        if dim_name is None:
+            g = g[..., None]
+        s = g.shape.as_list()
+        if (lo, size) != (0, width):
+            g = tf.pad(g, [[0, 0]] * (len(s) - 1) + [[lo, width - lo - size]])
+        return tf.bitcast(tf.reshape(g, s[:-1] + [npair, 2]), z.dtype)
+
+    def grad(op, dy):
+        return [mtf.slicewise(bwd, [dy], output_shape=z.shape, output_dtype=z.dtype,
+                              splittable_dims=lead, name=name + "_grad")]
+
+    return mtf.slicewise(fwd, [z], output_shape=out_shape, output_dtype=rdtype,
+                         splittable_dims=lead, grad_function=grad, name=name)
 
 
 def _gradient_specs(pot, kernels):
@@ -324,6 +354,6 @@ def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
     """
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
     specs = _gradient_specs(pot, kernels) + _hessian_specs(pot, kernels, pairs, "lpt_hessian")
-    grad, hess = packed_inverse(specs, conf, [(cfg.XYZ, 3), ("hessian", len(pairs))],
-                                name="lpt_fields")
-    return grad, mtf.unstack(hess, hess.shape.dims[-1])
+    out = packed_inverse(specs, conf, [(cfg.XYZ, 3)] + [(None, 1)] * len(pairs),
+                         name="lpt_fields")
+    return out[0], out[1:]
