@@ -54,8 +54,7 @@ from . import fft
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
            "packed_inverse", "neg_gradient_potential", "hessian_potential", "potential_fields",
-           "HESSIAN_PAIRS",
-           "unstack_xyz"]
+           "HESSIAN_PAIRS", "unstack_xyz"]
 
 log = logging.getLogger(__name__)
 
