@@ -282,11 +282,16 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True):
         ``apply_longrange`` before the readout.
     """
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
-    specs = _gradient_specs(pot, kernels)
+    return _inverse_xyz(_gradient_specs(pot, kernels), conf, packed, "grad")
+
+
+def _inverse_xyz(specs, conf, packed, name):
+    """The 3 components of ``specs`` (see :func:`packed_inverse`) as ``[x, y, z, xyz]``."""
     if packed:
-        return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name="grad")[0]
-    comps = [fft.apply_kernel(f, k, ph, name="grad_%d" % d) for d, (f, k, ph) in enumerate(specs)]
-    return fft.c2r(_stack_xyz(comps, "grad_stack"), conf, name="c2r_grad")
+        return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name=name)[0]
+    comps = [fft.apply_kernel(f, k, ph, name="%s_%d" % (name, n))
+             for n, (f, k, ph) in enumerate(specs)]
+    return fft.c2r(_stack_xyz(comps, name + "_stack"), conf, name="c2r_" + name)
 
 
 def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
@@ -317,11 +322,7 @@ def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
     if len(pairs) != 3:
         raise ValueError("hessian_potential: need 3 (i, j) pairs, got %r" % (pairs,))
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
-    specs = _hessian_specs(pot, kernels, pairs, "hessian")
-    if packed:
-        return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name="hessian")[0]
-    comps = [fft.apply_kernel(f, k, ph, name="hessian_%d" % n) for n, (f, k, ph) in enumerate(specs)]
-    return fft.c2r(_stack_xyz(comps, "hessian_stack"), conf, name="c2r_hessian")
+    return _inverse_xyz(_hessian_specs(pot, kernels, pairs, "hessian"), conf, packed, "hessian")
 
 
 HESSIAN_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (1, 2), (2, 0))
