@@ -245,7 +245,7 @@ def lpt_coefficients(conf, a, order=None):
     return coef
 
 
-def lpt_init(linear, conf, a=None, order=None):
+def lpt_init(linear, conf, a=None, order=None, forces=True):
     r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
 
     Parameters
@@ -258,6 +258,10 @@ def lpt_init(linear, conf, a=None, order=None):
         Scale factor of the initial conditions (default ``conf.a_start``).
     order : {1, 2}, optional
         LPT order (default ``conf.lpt_order``).
+    forces : bool, optional
+        False: no LPT force (``forces`` is None), for a caller that replaces
+        it by the PM force (:func:`flowpm_mtf.timeloop.initial_state`); the
+        eulerian migration then carries one field fewer.
 
     Returns
     -------
@@ -287,16 +291,18 @@ def lpt_init(linear, conf, a=None, order=None):
             out = term if out is None else out + term
         return out
 
-    dx, p, f = combine("x"), combine("p"), combine("f")
+    dx, p = combine("x"), combine("p")
+    fields = [p, combine("f")] if forces else [p]
     q = lattice(conf, linear.mesh)
     ids = domain.lattice_ids(conf, linear.mesh)
     if conf.decomposition == "lagrangian":
-        return State(q + dx, p, f, ids)
-    x, p, f = (domain.pad_particles(t, conf) for t in (q + dx, p, f))
+        return State(q + dx, p, fields[1] if forces else None, ids)
+    x = domain.pad_particles(q + dx, conf)
+    fields = [domain.pad_particles(t, conf) for t in fields]
     ids = domain.pad_particles(ids, conf, value=-1)
     disp = domain.lpt_displacement_cells(conf, a)
     rounds = domain.migration_rounds(conf, disp)
-    x, (p, f), ids, stats = domain.migrate(conf, x, [p, f], ids, rounds=rounds,
+    x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,
                                            send_rows=domain.send_capacity(conf, disp, lattice=True),
                                            name="migrate_lpt")
-    return State(x, p, f, ids, stats)
+    return State(x, fields[0], fields[1] if forces else None, ids, stats)
