@@ -160,6 +160,7 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
             files[name] = {"pnum": int(pnum), "block": [int(b) for b in arrays["block"]],
                            "n": int((np.asarray(arrays["id"]) >= 0).sum()),  # valid slots
                            "slots": int(np.asarray(arrays["id"]).size),
+                           "xy_range": _xy_range(arrays),
                            "size": os.path.getsize(path), "sha256": _sha256(path)}
         return files
 
@@ -235,6 +236,57 @@ def _lattice_coords(ids, nc):
     return ids // (ny * nz), (ids // nz) % ny, ids % nz
 
 
+def _xy_range(arrays):
+    """``[[x_min, x_max], [y_min, y_max]]`` [cells] of the valid particles of a part (unwrapped).
+
+    Global positions (block origin + block-local position) before wrapping into
+    the box; ``None`` for a part without particles. Stored per part file in the
+    manifest so that re-slicing reads only the parts that can hold particles of
+    a block (:func:`_may_overlap`).
+    """
+    ids = np.asarray(arrays["id"]).reshape(-1)
+    valid = ids >= 0
+    if not valid.any():
+        return None
+    pos = np.asarray(arrays["positions"]).reshape(-1, 3)[valid, :2].astype(np.float64)
+    pos += np.asarray(arrays["origin"], np.float64)[:2]
+    return [[float(pos[:, d].min()), float(pos[:, d].max())] for d in range(2)]
+
+
+#: Margin [cells] added to the stored position range when testing overlaps, so that
+#: round-off in the wrap ``x % L`` (e.g. -1e-7 -> L) can never make a part skipped.
+RANGE_MARGIN = 1e-3
+
+
+def _may_overlap(xy_range, lo, hi, box):
+    """Whether periodic images of a part's position range meet the block ``[lo, hi)`` in x and y.
+
+    Parameters
+    ----------
+    xy_range : list or None
+        :func:`_xy_range` of the part (``None``: no particles, never overlaps).
+    lo, hi : sequence of 2 float
+        Block bounds [cells].
+    box : sequence of 2 float
+        Box size [cells].
+
+    Returns
+    -------
+    bool
+        False only if no particle of the part can lie in the block (conservative).
+    """
+    if xy_range is None:
+        return False
+    for (a, b), l, h, n in zip(xy_range, lo, hi, box):
+        a, b = a - RANGE_MARGIN, b + RANGE_MARGIN
+        if b - a >= n:
+            continue
+        m = np.ceil((l - b) / n)  # the first image [a + m n, b + m n] that ends at or after l
+        if a + m * n >= h:
+            return False
+    return True
+
+
 def _read_file(path, info):
     import h5py
 
@@ -253,9 +305,11 @@ def _reslice(path, manifest, conf, block):
     lattice slot order (positions re-expressed relative to the new block origin,
     unwrapped). Eulerian: to the block that contains its current position
     (x, y wrapped into the box), in id order, the ``domain.capacity(conf) - n``
-    trailing slots empty (id -1). Every old part file is read in the eulerian
-    case (a particle may sit anywhere); the lagrangian one skips old blocks that
-    cannot hold a particle of ``block``.
+    trailing slots empty (id -1). Only the old part files that can hold a
+    particle of ``block`` are read: in the lagrangian case by their block, in
+    the eulerian one by the position range recorded in the manifest
+    (:func:`_may_overlap`; checkpoints without it are read whole), so a rank
+    reads about its own share, one part at a time, never the whole state.
     """
     from . import domain
 
@@ -272,6 +326,9 @@ def _reslice(path, manifest, conf, block):
         if lagrangian and (obx * osx >= x0 + sx or (obx + 1) * osx <= x0 or
                            oby * osy >= y0 + sy or (oby + 1) * osy <= y0):
             continue  # no particle of this old block can be in the new one
+        if (not lagrangian and "xy_range" in info and
+                not _may_overlap(info["xy_range"], (x0, y0), (x0 + sx, y0 + sy), conf.nc[:2])):
+            continue  # no particle of this part lies in the new block
         data = _read_file(os.path.join(path, name), info)
         ids = np.asarray(data["id"], np.int64).reshape(-1)
         pos = data["positions"].reshape(-1, 3).astype(np.float64) + data["origin"]

@@ -171,6 +171,63 @@ def test_reslice_to_another_grid(old, new, decomposition):
 
 
 @pytest.mark.rank_independent
+def test_eulerian_reslice_reads_only_the_parts_that_can_hold_its_particles(monkeypatch):
+    """Each new block reads the old parts whose recorded position range meets it, not all.
+
+    Old grid 4x1 on x in 16 cells (blocks of 4), positions within 0.3 cells of the
+    lattice: the new block x in [0, 8) of grid 2x2 can only get particles of the
+    old blocks 0 and 1 and of block 2 (which starts at 8 - 0.3), and block 3 wraps
+    to [-4.3, -0.7]: 3 of the 4 parts. The result equals a read of every part.
+    """
+    nc = (16, 8, 4)
+    conf_old = SimConfig(nc=nc, grid=(4, 1), halo_size=1, decomposition="eulerian")
+    conf_new = conf_old.replace(grid=(2, 2))
+    out = tempfile.mkdtemp(prefix="ckpt")
+    save(out, SelfComm(), conf_old, 2, list(blocks_of(conf_old)))
+    reads = []
+    real_read = checkpoint._read_file
+    monkeypatch.setattr(checkpoint, "_read_file",
+                        lambda path, info: reads.append(os.path.basename(path)) or
+                        real_read(path, info))
+    path = checkpoint.step_dir(out, 2)
+    manifest = checkpoint.read_manifest(path)
+    pruned, _ = checkpoint._reslice(path, manifest, conf_new, (0, 0))
+    assert sorted(reads) == ["rank00000.h5", "rank00001.h5", "rank00002.h5"]
+    for info in manifest["files"].values():
+        del info["xy_range"]  # a checkpoint without ranges: every part is read
+    reads.clear()
+    whole, n = checkpoint._reslice(path, manifest, conf_new, (0, 0))
+    assert len(reads) == 4
+    for k in ("id",) + checkpoint.STATE_NAMES:
+        np.testing.assert_array_equal(pruned[k], whole[k])
+    assert n == int((whole["id"] >= 0).sum()) > 0
+    shutil.rmtree(out)
+
+
+def test_may_overlap_agrees_with_sampled_positions():
+    """``_may_overlap`` is False only when no periodic image of the range meets the block."""
+    rng = np.random.default_rng(3)
+    box = (16.0, 12.0)
+    for _ in range(2000):
+        a = rng.uniform(-20, 30, 2)
+        b = a + rng.uniform(0, 14, 2)
+        lo = rng.integers(0, 4, 2) * np.array([4.0, 3.0])
+        hi = lo + np.array([4.0, 3.0])
+        pts = a + (b - a) * np.linspace(0, 1, 801)[:, None]
+        w = pts % box
+        hit = np.any(np.all((w >= lo) & (w < hi), axis=1))
+        rng_list = [[a[0], b[0]], [a[1], b[1]]]
+        if hit:  # never skip a part that holds a particle of the block
+            assert checkpoint._may_overlap(rng_list, lo, hi, box)
+        # and skip when every image is at least the margin plus a cell away, per axis
+        far = [not np.any(((pts[:, d] % box[d]) >= lo[d] - 1) & ((pts[:, d] % box[d]) < hi[d] + 1))
+               and (b[d] - a[d]) < box[d] - 2 for d in range(2)]
+        if any(far):
+            assert not checkpoint._may_overlap(rng_list, lo, hi, box)
+    assert not checkpoint._may_overlap(None, (0, 0), (4, 4), box)
+
+
+@pytest.mark.rank_independent
 def test_resume_config_contradictions():
     conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=4)
     manifest = {"config": {"config": conf.to_dict()}, "step": 2}
