@@ -554,11 +554,36 @@ def c2r(kfield, conf, name="c2r"):
         Real field on ``x, y, z``: ``N * Re(numpy.fft.ifftn(kfield))``. The
         imaginary part (zero for a Hermitian ``kfield``) is discarded.
     """
+    return _inverse(kfield, conf, name, real_output=True)
+
+
+def _inverse(kfield, conf, name, real_output):
     if not kfield.dtype.is_complex:
-        raise TypeError("c2r expects a complex field, got %s" % kfield.dtype.name)
-    n = conf.n_cells
-    return FFT3DOperation(kfield, cfg.K_DIMS, cfg.REAL_DIMS, inverse=True, scale=float(n),
-                          real_output=True, name=name).outputs[0]
+        raise TypeError("%s expects a complex field, got %s"
+                        % ("c2r" if real_output else "c2c_inverse", kfield.dtype.name))
+    return FFT3DOperation(kfield, cfg.K_DIMS, cfg.REAL_DIMS, inverse=True,
+                          scale=float(conf.n_cells), real_output=real_output,
+                          name=name).outputs[0]
+
+
+def c2c_inverse(kfield, conf, name="c2c_inverse"):
+    """Inverse FFT of a complex field to a complex field, normalised like :func:`c2r`.
+
+    Parameters
+    ----------
+    kfield : mtf.Tensor
+        Complex field on the dimensions ``kx, ky, kz``.
+    conf : SimConfig
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Complex field on ``x, y, z``: ``N * numpy.fft.ifftn(kfield)`` (no part
+        discarded; e.g. two real fields packed as ``a + i b``, see
+        :func:`flowpm_mtf.kernels.packed_inverse`).
+    """
+    return _inverse(kfield, conf, name, real_output=False)
 
 
 # ----------------------------------------------------------------------------- k-vectors

@@ -21,6 +21,26 @@ With these, the field :math:`\Psi_d = \mathcal{F}^{-1}[\,i \tilde k_d\, \delta_k
 / |k|^2\,] / c_d` [cells] is :math:`-\partial_d \phi` for :math:`\nabla^2\phi =
 \delta`: the Zel'dovich displacement of the density ``delta`` and, times
 :math:`\tfrac32\Omega_m`, the FastPM force.
+
+Two real fields per inverse FFT
+-------------------------------
+Every field above is the inverse transform of a *Hermitian* spectrum
+(:math:`A_{-k} = \overline{A_k}`) when :math:`\delta_k` is the transform of a
+real field: :math:`1/|k|^2` and :math:`\tilde k_i \tilde k_j` are even and
+real, and :math:`i\tilde k_d` is odd and imaginary *and vanishes at the
+Nyquist mode* (where :math:`-k \equiv k`, so an odd kernel that did not
+vanish there would break the symmetry). For Hermitian :math:`A, B`,
+:math:`\mathcal{F}^{-1}[A + iB] = a + ib` with :math:`a, b` the real fields of
+:math:`A, B`: :func:`packed_inverse` transforms the components two at a time
+with one complex inverse FFT (no real-output shortcut in the last 1D stage,
+but half the first two stages and half the all-to-all bytes: 3 instead of 5
+units of 1D FFT work per pair). A non-Hermitian rounding residue of
+:math:`B` (relative size float epsilon) leaks into :math:`a`; the unpacked
+transform drops it instead, so the two agree to rounding. The packed
+composition is made of differentiable operations (:func:`flowpm_mtf.fft.apply_kernel`,
+add, :func:`flowpm_mtf.fft.c2c_inverse`, real and imaginary parts), so its
+gradient is exact for what it computes; with respect to anything real
+upstream (noise, a linear field, positions) it equals the unpacked one.
 """
 import logging
 
@@ -33,7 +53,8 @@ from . import layout
 from . import fft
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
-           "neg_gradient_potential", "hessian_potential", "unstack_xyz"]
+           "packed_inverse", "neg_gradient_potential", "hessian_potential", "potential_fields",
+           "HESSIAN_PAIRS", "unstack_xyz"]
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +155,124 @@ def unstack_xyz(t):
     return mtf.unstack(t, t.shape.get_dim_by_name(cfg.XYZ))
 
 
-def neg_gradient_potential(delta_k, conf, kernels):
+def packed_inverse(specs, conf, groups, name="packed_inverse"):
+    r"""Real fields :math:`\mathrm{c2r}[\,p_n K_n F_n]`, two per complex inverse FFT.
+
+    Component ``n`` is ``c2r(apply_kernel(F_n, K_n, p_n))`` for
+    ``specs[n] = (F_n, K_n, p_n)``; components ``2m`` and ``2m + 1`` share one
+    complex transform, :math:`\mathcal{F}^{-1}[A + iB] = a + ib` (module
+    docstring), and all pairs go through one batched
+    :func:`flowpm_mtf.fft.c2c_inverse` (two all-to-alls in all).
+
+    Parameters
+    ----------
+    specs : sequence of (mtf.Tensor, mtf.Tensor, complex)
+        Complex ``[kx, ky, kz]`` field, real kernel on a subset of its
+        dimensions, constant phase. Each product must be Hermitian (e.g. a
+        kernel of this module times the transform of a real field).
+    conf : SimConfig
+    groups : sequence of (str or None, int)
+        Consecutive components returned together: dimension name and size
+        (sizes add up to ``len(specs)``); ``(None, 1)``: one component
+        without a component dimension.
+    name : str, optional
+
+    Returns
+    -------
+    list of mtf.Tensor
+        One real ``[x, y, z, <group dim>]`` (or ``[x, y, z]``) tensor per
+        group, dtype ``conf.dtype``.
+    """
+    n = len(specs)
+    if sum(size for _, size in groups) != n:
+        raise ValueError("packed_inverse: groups %r do not cover %d components" % (groups, n))
+    packed = []
+    for m in range(0, n, 2):
+        f, k, ph = specs[m]
+        z = fft.apply_kernel(f, k, ph, name="%s_%d" % (name, m))
+        if m + 1 < n:
+            f, k, ph = specs[m + 1]
+            z = z + fft.apply_kernel(f, k, 1j * complex(ph), name="%s_%d" % (name, m + 1))
+        packed.append(z)
+    pair = mtf.Dimension(name + "_pair", len(packed))
+    z = mtf.stack(packed, pair.name, axis=packed[0].shape.ndims, name=name + "_stack")
+    z = fft.c2c_inverse(z, conf, name=name + "_c2c")
+    out, lo = [], 0
+    for dim_name, size in groups:
+        out.append(_real_components(z, lo, size, dim_name, name="%s_%s" % (name, dim_name)))
+        lo += size
+    return out
+
+
+def _real_components(z, lo, size, dim_name, name):
+    """Components ``lo .. lo + size - 1`` of ``[..., pair]`` complex read as ``[..., 2 pair]`` real.
+
+    The interleaved (real, imaginary) view is a bitcast (no copy); only the
+    selected components are copied. ``dim_name`` None (``size`` 1) drops the
+    component dimension. Gradient: the selected entries of ``dy`` put back
+    into a complex tensor (``dy_re + i dy_im``, TF's convention), zeros
+    elsewhere.
+    """
+    npair = z.shape.dims[-1].size
+    width = 2 * npair
+    rdtype = tf.float64 if z.dtype == tf.complex128 else tf.float32
+    lead = z.shape.dims[:-1]
+    out_shape = mtf.Shape(lead if dim_name is None else lead + [mtf.Dimension(dim_name, size)])
+
+    def fwd(t):
+        s = t.shape.as_list()
+        r = tf.reshape(tf.bitcast(t, rdtype), s[:-1] + [width])
+        if dim_name is None:
+            return r[..., lo]
+        return r if (lo, size) == (0, width) else r[..., lo:lo + size]
+
+    def bwd(g):
+        if dim_name is None:
+            g = g[..., None]
+        s = g.shape.as_list()
+        if (lo, size) != (0, width):
+            g = tf.pad(g, [[0, 0]] * (len(s) - 1) + [[lo, width - lo - size]])
+        return tf.bitcast(tf.reshape(g, s[:-1] + [npair, 2]), z.dtype)
+
+    def grad(op, dy):
+        return [mtf.slicewise(bwd, [dy], output_shape=z.shape, output_dtype=z.dtype,
+                              splittable_dims=lead, name=name + "_grad")]
+
+    return mtf.slicewise(fwd, [z], output_shape=out_shape, output_dtype=rdtype,
+                         splittable_dims=lead, grad_function=grad, name=name)
+
+
+def _gradient_specs(pot, kernels):
+    return [(pot, g, 1j) for g in kernels.grad_cells]
+
+
+def _hessian_specs(pot, kernels, pairs, name):
+    first = {}
+    specs = []
+    for i, j in pairs:
+        if i not in first:
+            first[i] = fft.apply_kernel(pot, kernels.grad[i], 1j, name="%s_grad_%d" % (name, i))
+        specs.append((first[i], kernels.grad[j], 1j))
+    return specs
+
+
+def neg_gradient_potential(delta_k, conf, kernels, packed=True):
     r"""Real-space :math:`-\nabla\phi` [cells] for :math:`\nabla^2\phi = \delta`.
 
-    The three components go through one batched inverse FFT.
+    The three components go through one batched inverse FFT: two complex
+    transforms (:func:`packed_inverse`), or three real-output ones
+    (``packed=False``).
 
     Parameters
     ----------
     delta_k : mtf.Tensor
         Complex ``[kx, ky, kz]``: :func:`flowpm_mtf.fft.r2c` of a real field
-        :math:`\delta` [dimensionless].
+        :math:`\delta` [dimensionless] (Hermitian).
     conf : SimConfig
     kernels : Kernels
+    packed : bool, optional
+        Two components per complex transform (default), or the real part of
+        one transform per component (the same to rounding).
 
     Returns
     -------
@@ -155,27 +282,36 @@ def neg_gradient_potential(delta_k, conf, kernels):
         ``apply_longrange`` before the readout.
     """
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
-    comps = [fft.apply_kernel(pot, g, 1j, name="grad_%d" % d)
-             for d, g in enumerate(kernels.grad_cells)]
-    return fft.c2r(_stack_xyz(comps, "grad_stack"), conf, name="c2r_grad")
+    return _inverse_xyz(_gradient_specs(pot, kernels), conf, packed, "grad")
 
 
-def hessian_potential(delta_k, conf, kernels, pairs):
+def _inverse_xyz(specs, conf, packed, name):
+    """The 3 components of ``specs`` (see :func:`packed_inverse`) as ``[x, y, z, xyz]``."""
+    if packed:
+        return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name=name)[0]
+    comps = [fft.apply_kernel(f, k, ph, name="%s_%d" % (name, n))
+             for n, (f, k, ph) in enumerate(specs)]
+    return fft.c2r(_stack_xyz(comps, name + "_stack"), conf, name="c2r_" + name)
+
+
+def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
     r"""Real-space :math:`-\partial_i\partial_j\phi` for :math:`\nabla^2\phi = \delta` [dimensionless].
 
     As FlowPM's ``lpt2_source``: :math:`\mathcal{F}^{-1}[(i\tilde k_i)(i\tilde
     k_j)\,\delta_k / |k|^2]` (physical finite-difference wave numbers, so the
     result does not depend on the cell size). The three requested components
-    go through one batched inverse FFT.
+    go through one batched inverse FFT (two complex transforms when
+    ``packed``, see :func:`neg_gradient_potential`).
 
     Parameters
     ----------
     delta_k : mtf.Tensor
-        Complex ``[kx, ky, kz]``.
+        Complex ``[kx, ky, kz]`` (Hermitian).
     conf : SimConfig
     kernels : Kernels
     pairs : sequence of 3 (int, int)
         Axes ``(i, j)`` of each component, e.g. ``((0, 0), (1, 1), (2, 2))``.
+    packed : bool, optional
 
     Returns
     -------
@@ -186,8 +322,38 @@ def hessian_potential(delta_k, conf, kernels, pairs):
     if len(pairs) != 3:
         raise ValueError("hessian_potential: need 3 (i, j) pairs, got %r" % (pairs,))
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
-    comps = []
-    for i, j in pairs:
-        t = fft.apply_kernel(pot, kernels.grad[i], 1j, name="grad_%d%d_a" % (i, j))
-        comps.append(fft.apply_kernel(t, kernels.grad[j], 1j, name="grad_%d%d_b" % (i, j)))
-    return fft.c2r(_stack_xyz(comps, "hessian_stack"), conf, name="c2r_hessian")
+    return _inverse_xyz(_hessian_specs(pot, kernels, pairs, "hessian"), conf, packed, "hessian")
+
+
+HESSIAN_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (1, 2), (2, 0))
+
+
+def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
+    r""":math:`-\nabla\phi` and second derivatives :math:`-\partial_i\partial_j\phi` together.
+
+    The 3 + ``len(pairs)`` real fields of :func:`neg_gradient_potential` and
+    :func:`hessian_potential` from one potential, packed two per complex
+    inverse FFT in one batched transform (9 fields: 5 complex transforms
+    instead of 9 real-output ones); what 2LPT needs from the linear modes.
+
+    Parameters
+    ----------
+    delta_k : mtf.Tensor
+        Complex ``[kx, ky, kz]`` (Hermitian).
+    conf : SimConfig
+    kernels : Kernels
+    pairs : sequence of (int, int), optional
+        Axes of the second derivatives (default: the six distinct ones,
+        ``xx, yy, zz, xy, yz, zx``).
+
+    Returns
+    -------
+    (mtf.Tensor, list of mtf.Tensor)
+        Real ``[x, y, z, xyz]`` :math:`-\nabla\phi` [cells], and one real
+        ``[x, y, z]`` field per pair [dimensionless].
+    """
+    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    specs = _gradient_specs(pot, kernels) + _hessian_specs(pot, kernels, pairs, "lpt_hessian")
+    out = packed_inverse(specs, conf, [(cfg.XYZ, 3)] + [(None, 1)] * len(pairs),
+                         name="lpt_fields")
+    return out[0], out[1:]

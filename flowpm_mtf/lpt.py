@@ -49,7 +49,7 @@ from . import layout
 from . import cosmology as cosmo_mod
 from . import domain
 from . import fft, ics
-from .kernels import hessian_potential, make_kernels, neg_gradient_potential, unstack_xyz
+from .kernels import HESSIAN_PAIRS, make_kernels, neg_gradient_potential, potential_fields
 from .painting import lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
@@ -203,15 +203,16 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
 
-    out = [displacement(delta_k)]
-    if order == 2:
-        diag = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 0), (1, 1), (2, 2))))
-        off = unstack_xyz(hessian_potential(delta_k, conf, kernels, ((0, 1), (1, 2), (2, 0))))
-        source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
-        for phi in off:
-            source = source - phi * phi
-        out.append(displacement(fft.r2c(source, conf, name="lpt2_source_r2c")))
-    return out
+    if order == 1:
+        return [displacement(delta_k)]
+    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex FFTs
+    grad, hess = potential_fields(delta_k, conf, kernels, HESSIAN_PAIRS)
+    diag, off = hess[:3], hess[3:]
+    source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
+    for phi in off:
+        source = source - phi * phi
+    return [field_to_particles(grad, conf),
+            displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 
 
 def lpt_coefficients(conf, a, order=None):
@@ -244,7 +245,7 @@ def lpt_coefficients(conf, a, order=None):
     return coef
 
 
-def lpt_init(linear, conf, a=None, order=None):
+def lpt_init(linear, conf, a=None, order=None, forces=True):
     r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
 
     Parameters
@@ -257,6 +258,10 @@ def lpt_init(linear, conf, a=None, order=None):
         Scale factor of the initial conditions (default ``conf.a_start``).
     order : {1, 2}, optional
         LPT order (default ``conf.lpt_order``).
+    forces : bool, optional
+        False: no LPT force (``forces`` is None), for a caller that replaces
+        it by the PM force (:func:`flowpm_mtf.timeloop.initial_state`); the
+        eulerian migration then carries one field fewer.
 
     Returns
     -------
@@ -286,16 +291,18 @@ def lpt_init(linear, conf, a=None, order=None):
             out = term if out is None else out + term
         return out
 
-    dx, p, f = combine("x"), combine("p"), combine("f")
+    dx, p = combine("x"), combine("p")
+    fields = [p, combine("f")] if forces else [p]
     q = lattice(conf, linear.mesh)
     ids = domain.lattice_ids(conf, linear.mesh)
     if conf.decomposition == "lagrangian":
-        return State(q + dx, p, f, ids)
-    x, p, f = (domain.pad_particles(t, conf) for t in (q + dx, p, f))
+        return State(q + dx, p, fields[1] if forces else None, ids)
+    x = domain.pad_particles(q + dx, conf)
+    fields = [domain.pad_particles(t, conf) for t in fields]
     ids = domain.pad_particles(ids, conf, value=-1)
     disp = domain.lpt_displacement_cells(conf, a)
     rounds = domain.migration_rounds(conf, disp)
-    x, (p, f), ids, stats = domain.migrate(conf, x, [p, f], ids, rounds=rounds,
+    x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,
                                            send_rows=domain.send_capacity(conf, disp, lattice=True),
                                            name="migrate_lpt")
-    return State(x, p, f, ids, stats)
+    return State(x, fields[0], fields[1] if forces else None, ids, stats)

@@ -225,7 +225,8 @@ def forward(linear, conf, snapshot_a=None):
     snapshots : list of State
         Only if ``snapshot_a`` is given.
     """
-    state = lpt_init(linear, conf, conf.a_start, conf.lpt_order)
+    # nbody() replaces the LPT force by the PM force
+    state = lpt_init(linear, conf, conf.a_start, conf.lpt_order, forces=False)
     out = nbody(state, conf, snapshot_a=snapshot_a)
     final, snaps = out if snapshot_a is not None else (out, None)
     rho = density(final.positions, conf, domain.weights(final.ids, conf))

@@ -20,11 +20,12 @@ Communication per rank (bytes *received*; "recv" counts as
   wire: F C ((P-1)/P + (Q-1)/Q);
 * one halo fill or reduce: 2 shifts per non-trivial axis of an h-cell slab:
   2 h nz b (py a_P + px a_Q);
-* one N-body step (one PM force): FFT of 1 field + inverse FFT of 3, 1 halo
+* one N-body step (one PM force): FFT of 1 field + inverse FFT of 3 real fields
+  packed into 2 complex ones (:func:`flowpm_mtf.kernels.packed_inverse`), 1 halo
   reduce (painting) + halo fills of the 3 force components (in 1 or 3 readout
   calls, see :func:`readout_calls_per_force`), one scalar int32 allreduce per
   painting/readout call (escape checks);
-* 2LPT initial conditions (with the linear field): 16 FFT-fields, no halo.
+* 2LPT initial conditions (with the linear field): 10 FFT-fields, no halo.
 
 Usage::
 
@@ -43,10 +44,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
-# FFT-fields (complex fields passing through one 3D transform) per workload. LPT:
-# 15 since 2LPT reuses the Fourier modes of the linear field (ics.modes_of) instead
-# of transforming it back and forth (counted at lowering: 15 x the bytes of one).
-FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 15, "nbody_step": 4}
+# FFT-fields (complex fields passing through one 3D transform) per workload. Real
+# fields from Hermitian spectra go two per complex inverse transform
+# (flowpm_mtf.kernels.packed_inverse): the force's 3 components are 2 fields, 2LPT's
+# psi1 + six second derivatives 5 and psi2 2. LPT: noise r2c 1 + linear c2r 1 + 5 +
+# source r2c 1 + 2 = 10 (2LPT reuses the Fourier modes of the linear field,
+# ics.modes_of, instead of transforming it back; counted at lowering: 10 x the bytes
+# of one). Step: r2c 1 + 2 = 3.
+FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 10, "nbody_step": 3}
 
 
 def readout_calls_per_force():

@@ -15,7 +15,7 @@ from scipy import stats
 
 from conftest import world
 from mtf_harness import AXIS_NAMES, MESHES as ALL_MESHES, mesh_id, meshes_for, run_graph
-from flowpm_mtf import noise
+from flowpm_mtf import native, noise
 
 RANK, SIZE = world()
 
@@ -55,8 +55,12 @@ def layout_rules(name, dims):
 
 
 # ------------------------------------------------------------------------- numpy vs TF
+PATHS = ["native", "tf"]   # the native op is required by the test suite (FLOWPM_MTF_NATIVE)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_tf_slices_equal_numpy_bitwise(dtype):
+def test_tf_slices_equal_numpy_bitwise(dtype, path):
     shape = (6, 10, 14)
     ref = noise.white_noise_numpy(7, shape, dtype)
     assert ref.dtype == dtype and ref.shape == shape
@@ -66,9 +70,10 @@ def test_tf_slices_equal_numpy_bitwise(dtype):
 
     size = (3, 5, 7)
     with tf.Graph().as_default():
-        full = noise.white_noise_slice(7, shape, [0, 0, 0], shape, tf.as_dtype(dtype))
+        use = path == "native"
+        full = noise.white_noise_slice(7, shape, [0, 0, 0], shape, tf.as_dtype(dtype), use)
         begin_ph = tf.placeholder(tf.int32, [3])
-        part = noise.white_noise_slice(7, shape, begin_ph, size, tf.as_dtype(dtype))
+        part = noise.white_noise_slice(7, shape, begin_ph, size, tf.as_dtype(dtype), use)
         with tf.Session() as sess:
             got = sess.run(full)
             parts = {b: sess.run(part, {begin_ph: b}) for b in [(0, 0, 0), (1, 2, 3), (3, 5, 7)]}
@@ -76,6 +81,35 @@ def test_tf_slices_equal_numpy_bitwise(dtype):
     np.testing.assert_array_equal(got, ref)
     for b, p in parts.items():
         np.testing.assert_array_equal(p, window(b, size), err_msg=str(b))
+
+
+# seeds whose key has the top bit set and clear (the op takes the key's int64 bit pattern)
+NATIVE_SEEDS = [0, 7, -3, 2**63 + 5]
+
+
+@pytest.mark.skipif(native.load("noise_ops") is None,
+                    reason="native noise_ops not built (FLOWPM_MTF_NATIVE=0 or "
+                           "python -m flowpm_mtf.native.build not run)")
+@pytest.mark.parametrize("seed", NATIVE_SEEDS)
+def test_native_op_equals_numpy_bitwise(seed):
+    """The native op, on a larger odd-sized field (all branches of ln and cos many
+    times, several threads' row ranges), equals the numpy reference bit for bit."""
+    shape = (17, 30, 45)
+    begin, size = (3, 4, 5), (11, 23, 37)
+    with tf.Graph().as_default():
+        z = [noise.white_noise_slice(seed, shape, begin, size, dt, True)
+             for dt in (tf.float64, tf.float32)]
+        assert all(t.op.type == "FlowpmWhiteNoise" for t in z)
+        with tf.Session() as sess:
+            got64, got32 = sess.run(z)
+    ref = noise.white_noise_numpy(seed, shape)[3:14, 4:27, 5:42]
+    np.testing.assert_array_equal(got64, ref)
+    np.testing.assert_array_equal(got32, ref.astype(np.float32))
+
+
+def test_native_key_signs():
+    assert any(noise.seed_key(s) >= 2**63 for s in NATIVE_SEEDS)
+    assert any(noise.seed_key(s) < 2**63 for s in NATIVE_SEEDS)
 
 
 @pytest.mark.parametrize("grappler", ["default", "no_constant_folding", "off"])

@@ -70,7 +70,7 @@ class SimulationGraph:
                                             else [float(a) for a in stages])
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
-        init = timeloop.initial_state(lpt.lpt_init(linear, conf, a=self.stages[0]), conf,
+        init = timeloop.initial_state(lpt.lpt_init(linear, conf, a=self.stages[0], forces=False), conf,
                                       kernels)
         shape = init.positions.shape
         self.variables = lpt.State(*[

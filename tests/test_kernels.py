@@ -1,0 +1,142 @@
+"""flowpm_mtf.kernels: two real fields per complex inverse FFT (packed_inverse).
+
+* the packed gradient, Hessian and 2LPT fields equal the unpacked ones (one
+  real-output transform per component, today's reference path, itself tested
+  against FlowPM in test_lpt.py) and a numpy evaluation of the kernels;
+* the gradient of the packed map (bitcast read-out of the complex result, with
+  its own gradient, after a complex inverse FFT) passes a dot-product test and
+  equals the unpacked map's gradient.
+
+On the process grids of the current world size, HvdSimdMeshImpl and
+PlacementMeshImpl (see ``fpm_harness``).
+"""
+import numpy as np
+import pytest
+import mesh_tensorflow as mtf
+import tensorflow.compat.v1 as tf
+
+import fpm_harness as H
+from flowpm_mtf import fft, kernels
+from flowpm_mtf.config import XYZ, SimConfig
+
+# Packed vs unpacked: the same kernels and 1D FFTs in a different grouping; the
+# packed result also carries the non-Hermitian rounding residue of its partner
+# (relative size epsilon). float64: ~log2(N) * 1e-16 of the largest value;
+# float32: ~log2(N) * 6e-8, with margin (as test_fft.FFT_RTOL).
+PACKED_RTOL = {"float64": 1e-12, "float32": 1e-5}
+# <A x, y> = <x, A^T y> in float64: sums of ~N O(1) products in different orders.
+ADJOINT_RTOL = 1e-12
+
+SHAPES = [(8, 8, 8), (6, 10, 4)]
+CASES = H.cases(single=True)
+
+
+def conf_for(case, nc, dtype="float64"):
+    return SimConfig(nc=nc, box_size=(100.0, 50.0, 25.0), grid=case[1], halo_size=1,
+                     dtype=dtype)
+
+
+def numpy_fields(conf, x):
+    """-grad phi [cells] and the six -d_i d_j phi of nabla^2 phi = x, in numpy (float64)."""
+    n = x.size
+    dk = np.fft.fftn(x.astype(np.float64)) / n
+    k = np.meshgrid(*[2 * np.pi * np.fft.fftfreq(m, c) for m, c in zip(conf.nc, conf.cell_size)],
+                    indexing="ij")
+    kk = sum(ki**2 for ki in k)
+    inv = np.where(kk > 0, 1.0 / np.where(kk > 0, kk, 1.0), 0.0)
+    gk = np.meshgrid(*kernels.gradient_kvec(conf), indexing="ij")
+    pot = dk * inv
+    grad = [n * np.fft.ifftn(1j * gk[d] / c * pot).real for d, c in enumerate(conf.cell_size)]
+    hess = [n * np.fft.ifftn(-gk[i] * gk[j] * pot).real for i, j in kernels.HESSIAN_PAIRS]
+    return np.stack(grad, -1), hess
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("nc", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_packed_equals_unpacked(case, nc, dtype):
+    conf = conf_for(case, nc, dtype)
+    x = np.random.RandomState(4).randn(*nc).astype(dtype)
+
+    def build(mesh):
+        f = mtf.import_tf_tensor(mesh, tf.constant(x), fft.real_shape(conf))
+        dk = fft.r2c(f, conf)
+        kern = kernels.make_kernels(conf, mesh)
+        out = {}
+        for packed in (True, False):
+            tag = "p" if packed else "u"
+            out["grad_" + tag] = kernels.neg_gradient_potential(dk, conf, kern, packed=packed)
+            for name, pairs in (("diag", kernels.HESSIAN_PAIRS[:3]),
+                                ("off", kernels.HESSIAN_PAIRS[3:])):
+                out["%s_%s" % (name, tag)] = kernels.hessian_potential(dk, conf, kern, pairs,
+                                                                       packed=packed)
+        grad, hess = kernels.potential_fields(dk, conf, kern)
+        out["lpt_grad"] = grad
+        for i, h in enumerate(hess):
+            out["lpt_h%d" % i] = h
+        return out
+
+    out = H.run(case[0], conf, build)
+    tol = PACKED_RTOL[dtype]
+    ref_grad, ref_hess = numpy_fields(conf, x)
+    assert out["grad_p"].dtype == np.dtype(dtype) and out["grad_p"].shape == nc + (3,)
+    for key in ("grad_p", "grad_u", "lpt_grad"):
+        assert H.rel_err(out[key], ref_grad) < tol, key
+    assert H.rel_err(out["grad_p"], out["grad_u"]) < tol
+    hess_u = np.concatenate([out["diag_u"], out["off_u"]], -1)
+    hess_p = np.concatenate([out["diag_p"], out["off_p"]], -1)
+    hess_lpt = np.stack([out["lpt_h%d" % i] for i in range(6)], -1)
+    ref = np.stack(ref_hess, -1)
+    for h in (hess_u, hess_p, hess_lpt):
+        assert H.rel_err(h, ref) < tol
+    assert H.rel_err(hess_p, hess_u) < tol and H.rel_err(hess_lpt, hess_u) < tol
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+def test_packed_gradient_adjoint(case):
+    """The linear map x -> (grad, six Hessian fields) with x real: <A x, y> = <x, A^T y>,
+    and A^T y (mtf.gradients through the packed path) equals the unpacked path's."""
+    nc = (6, 10, 4)
+    conf = conf_for(case, nc)
+    rng = np.random.RandomState(5)
+    x0 = rng.randn(*nc)
+    y_grad = rng.randn(*nc + (3,))
+    y_hess = [rng.randn(*nc) for _ in range(6)]
+
+    def build(mesh):
+        real = fft.real_shape(conf)
+        x = mtf.import_tf_tensor(mesh, tf.constant(x0), real)
+        yg = mtf.import_tf_tensor(mesh, tf.constant(y_grad), real + [mtf.Dimension(XYZ, 3)])
+        yh = [mtf.import_tf_tensor(mesh, tf.constant(v), real) for v in y_hess]
+        kern = kernels.make_kernels(conf, mesh)
+        dk = fft.r2c(x, conf)
+        grad, hess = kernels.potential_fields(dk, conf, kern)
+        loss = fft.real_vdot(yg, grad)
+        for y, h in zip(yh, hess):
+            loss = loss + fft.real_vdot(y, h)
+        g, = mtf.gradients([loss], [x])
+        # the unpacked path
+        grad_u = kernels.neg_gradient_potential(dk, conf, kern, packed=False)
+        hu = (kernels.unstack_xyz(kernels.hessian_potential(dk, conf, kern,
+                                                            kernels.HESSIAN_PAIRS[:3], False))
+              + kernels.unstack_xyz(kernels.hessian_potential(dk, conf, kern,
+                                                              kernels.HESSIAN_PAIRS[3:], False)))
+        loss_u = fft.real_vdot(yg, grad_u)
+        for y, h in zip(yh, hu):
+            loss_u = loss_u + fft.real_vdot(y, h)
+        g_u, = mtf.gradients([loss_u], [x])
+        return {"loss": loss, "x_g": fft.real_vdot(x, g), "g": g, "g_u": g_u}
+
+    out = H.run(case[0], conf, build)
+    np.testing.assert_allclose(out["x_g"], out["loss"], rtol=ADJOINT_RTOL)
+    assert H.rel_err(out["g"], out["g_u"]) < PACKED_RTOL["float64"]
+
+
+def test_packed_inverse_rejects_bad_groups():
+    conf = conf_for(("placement", (1, 1)), (4, 4, 4))
+    with tf.Graph().as_default():
+        mesh = mtf.Mesh(mtf.Graph(), "mesh")
+        k = mtf.zeros(mesh, fft.k_shape(conf), tf.complex128)
+        one = mtf.ones(mesh, fft.k_shape(conf), tf.float64)
+        with pytest.raises(ValueError, match="do not cover"):
+            kernels.packed_inverse([(k, one, 1.0)] * 3, conf, [("xyz", 2)])
