@@ -96,10 +96,6 @@ IB_GBS = 12.5                 # per-GPU InfiniBand HDR bandwidth between nodes [
 GPUS_PER_NODE = 8
 LATENCY_S = 30e-6             # per collective call (NCCL/MPI small-message latency)
 TF_OVERHEAD_GB = 1.5          # CUDA context + TF runtime per GPU (assumed)
-FIELD_WORKSET = 10.0          # live padded/complex field buffers per rank, in units of one
-#                               complex local field (fitted value replaces it when present)
-# Full-size copies of the mtf state variables per rank (Mesh TF's masters, see docs).
-MASTER_COPIES = 1.0
 # Multiplicative headroom for TF's allocator fragmentation when sizing the largest run.
 GPU_HEADROOM = 0.8
 
@@ -173,75 +169,38 @@ def measured_vs_predicted_hvd(rec):
 
 
 # ============================================================================ memory
-def memory_terms(nc, n, halo, grid=None, itemsize=4):
-    """Memory terms of one rank [bytes].
+#: Cell size [Mpc/h] of the extrapolated runs (2048^3 in 1 Gpc/h): it sets the particle
+#: capacity of a block (the overdensity a block can reach, see flowpm_mtf.domain.capacity).
+GPU_CELL_MPC_H = 0.5
 
-    Returns
-    -------
-    dict
-        ``state_slices``: positions, momenta, forces of nc^3/N particles (3
-        components each); ``state_masters``: the full-size master copies Mesh TF
-        keeps of every mtf variable on every rank (``HvdSimdMeshImpl``, as used by
-        ``flowpm-mtf simulate``); ``field``: one local complex field (the unit of
-        the FFT/painting working set).
+
+def gpu_memory_per_rank(nc, n, cell=GPU_CELL_MPC_H):
+    """Predicted device memory of one GPU rank [bytes] of the default (eulerian) run.
+
+    The measured CPU memory model of ``flowpm_mtf/memory_model.json`` (fitted by
+    ``scripts/bench_scaling.py render``, used by the preflight check): bytes per
+    particle slot and per padded cell of the rank's block, with the TF/CUDA overhead
+    ``TF_OVERHEAD_GB`` (assumed, untested) instead of the CPU runtime floor. Slices
+    only: no rank holds a full-size array (the variables have no master copies).
     """
-    state = 9 * itemsize * nc**3
-    return {"state_slices": state / n, "state_masters": float(state),
-            "field": 2.0 * itemsize * nc**3 / n}
+    sys.path.insert(0, REPO)
+    from flowpm_mtf import preflight
+    from flowpm_mtf.config import SimConfig
+
+    conf = SimConfig(nc=nc, box_size=cell * nc, grid=_grid(n))
+    slots, cells = preflight.memory_terms(conf)
+    return TF_OVERHEAD_GB * 2**30 + (preflight.BYTES_PER_SLOT * slots
+                                     + preflight.BYTES_PER_PADDED_CELL * cells)
 
 
-def fit_memory(records):
-    """Non-negative least-squares fit of peak RSS of the hvd nbody_step runs.
-
-    Model: ``RSS = M0 + A * state_masters + B * (state_slices + field)`` per rank,
-    with ``A = MASTER_COPIES`` fixed (the master variables exist exactly once per
-    rank; at the small CPU meshes they are a few MB under a runtime M0 of ~450 MB,
-    too little to fit) and ``M0, B >= 0`` fitted by non-negative least squares.
-
-    Returns
-    -------
-    dict
-        ``M0_mb``, ``A``, ``B`` and the rows used (nc, grid, measured, predicted [MB]);
-        None with fewer than 2 mesh sizes (B is then not constrained).
-    """
-    from scipy.optimize import nnls
-
-    rows = [r for r in records if r["backend"] == "hvd" and r["workload"] == "nbody_step"]
-    if len({r["nc"] for r in rows}) < 2:
-        return None
-    X, y = [], []
-    for r in rows:
-        t = memory_terms(r["nc"], r["n"], r["halo"])
-        X.append([1.0, (t["state_slices"] + t["field"]) / 2**20])
-        y.append(r["rss_max_mb"] - MASTER_COPIES * t["state_masters"] / 2**20)
-    X, y = np.array(X), np.array(y)
-    coef, _ = nnls(X, y)
-    pred = X @ coef
-    masters = np.array([MASTER_COPIES * memory_terms(r["nc"], r["n"], r["halo"])
-                        ["state_masters"] / 2**20 for r in rows])
-    return {"M0_mb": float(coef[0]), "A": MASTER_COPIES, "B": float(coef[1]),
-            "rows": [(r["nc"], tuple(r["grid"]), float(m + a), float(p + a))
-                     for r, m, p, a in zip(rows, y, pred, masters)]}
-
-
-def gpu_memory_per_rank(nc, n, halo, fit, masters_on_device):
-    """Predicted device memory of one GPU rank [bytes] (see :func:`fit_memory`)."""
-    t = memory_terms(nc, n, halo)
-    b = fit["B"] if fit else FIELD_WORKSET
-    mem = TF_OVERHEAD_GB * 2**30 + b * (t["state_slices"] + t["field"])
-    if masters_on_device:
-        mem += (fit["A"] if fit else 1.0) * t["state_masters"]
-    return mem
-
-
-def largest_nc(n, mem_gb, halo, fit, masters_on_device, step=64):
+def largest_nc(n, mem_gb, step=64):
     """Largest nc (multiple of ``step`` divisible by the grid) that fits on n GPUs."""
     P, Q = _grid(n)
     best = None
     nc = step
     while nc <= 16384:
-        if nc % P == 0 and nc % Q == 0 and nc // max(P, Q) > halo:
-            if gpu_memory_per_rank(nc, n, halo, fit, masters_on_device) <= GPU_HEADROOM * mem_gb * 2**30:
+        if nc % P == 0 and nc % Q == 0 and nc // max(P, Q) > 2:
+            if gpu_memory_per_rank(nc, n) <= GPU_HEADROOM * mem_gb * 2**30:
                 best = nc
             else:
                 break
@@ -357,21 +316,7 @@ def tables(data):
             "allreduce kinds; the variables' master/slice copies excluded); predicted = "
             "step + lpt.", "",
             "Largest relative difference predicted vs measured/counted: %.2e." % worst, ""]
-    # ---- memory
-    fit = fit_memory(records)
-    out += ["### Memory per rank: fit and check (hvd, N-body step graph)", ""]
-    if fit:
-        out += ["Fit: RSS = %.0f MB + %.0f x (full-size mtf variable masters, 9 b nc^3; fixed) "
-                "+ %.1f x (particle state slices 9 b nc^3/N + one complex field 2 b nc^3/N)."
-                % (fit["M0_mb"], fit["A"], fit["B"]), "",
-                "| nc | grid | measured peak RSS [MB] | model [MB] | rel. diff |",
-                "|---|---|---|---|---|"]
-        for nc, g, m, p in fit["rows"]:
-            out.append("| %d | %dx%d | %.0f | %.0f | %+.1f%% |" % (nc, g[0], g[1], m, p,
-                                                                   100 * (p - m) / m))
-        out.append("")
-    else:
-        out += ["(fewer than 3 hvd nbody_step records: no fit)", ""]
+    # ---- memory: measured by scripts/bench_scaling.py (section BENCH-SCALING below)
     # ---- CPU time
     sizes = sorted({r["nc"] for r in records if r["backend"] == "hvd"
                     and r["workload"] == "nbody_step"})
@@ -397,21 +342,20 @@ def tables(data):
                 "yes" if tr else "**no (prediction)**"))
         out.append("")
     # ---- GPU extrapolation
-    halo = 8
+    halo = 2
     out += ["### Largest mesh (nc^3 particles and cells) on N GPUs", "",
-            "Halo %d, float32, 80%% of device memory usable; memory model from the fit above "
-            "(TF/CUDA overhead %.1f GB assumed instead of the CPU M0). *as is*: the "
-            "full-size master copies of the mtf variables (positions, momenta, forces) on "
-            "every rank, as `flowpm-mtf simulate` builds them now; *slices only*: masters "
-            "kept on the host or not created." % (halo, TF_OVERHEAD_GB), "",
-            "| N GPUs | grid | 40 GB as is | 40 GB slices only | 80 GB as is | "
-            "80 GB slices only |", "|---|---|---|---|---|---|"]
+            "Default eulerian run (halo %d, automatic particle capacity for %.1f Mpc/h "
+            "cells), float32, %.0f%% of device memory usable; memory model of "
+            "`flowpm_mtf/memory_model.json` (measured on the CPU, section *Memory "
+            "benchmark* below) with a TF/CUDA overhead of %.1f GB assumed instead of the "
+            "CPU runtime floor. Untested on GPUs." % (halo, GPU_CELL_MPC_H,
+                                                     100 * GPU_HEADROOM, TF_OVERHEAD_GB), "",
+            "| N GPUs | grid | 40 GB | 80 GB |", "|---|---|---|---|"]
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         row = [str(n), "%dx%d" % _grid(n)]
         for gb in (40.0, 80.0):
-            for masters in (True, False):
-                nc = largest_nc(n, gb, halo, fit, masters)
-                row.append("%d^3" % nc if nc else "-")
+            nc = largest_nc(n, gb)
+            row.append("%d^3" % nc if nc else "-")
         out.append("| " + " | ".join(row) + " |")
     out += ["", "### Expected time per N-body step on A100-80GB", "",
             "Assumed (untested here): cuFFT %.1f TFLOP/s effective on 3D c2c; particle work "
@@ -420,11 +364,11 @@ def tables(data):
             "(InfiniBand HDR); %.0f us per collective." % (
                 GPU_FFT_FLOPS / 1e12, GPU_PART_BYTES, 100 * GPU_HBM_EFFICIENCY, NVLINK_GBS,
                 GPUS_PER_NODE, IB_GBS, LATENCY_S * 1e6), "",
-            "Rows marked *largest*: the largest mesh of the table above (80 GB, slices only); "
+            "Rows marked *largest*: the largest mesh of the table above (80 GB); "
             "the others: a fixed 1024^3 mesh on more GPUs (strong scaling).", "",
             "| N GPUs | nc | case | wire MB/rank/step | comm [ms] | FFT [ms] | particles [ms] | "
             "total [ms] |", "|---|---|---|---|---|---|---|---|"]
-    cases = [(n, largest_nc(n, 80.0, halo, fit, False), "largest")
+    cases = [(n, largest_nc(n, 80.0), "largest")
              for n in (1, 8, 64, 512, 1024)]
     cases += [(n, 1024, "1024^3") for n in (8, 64, 512)]
     for n, nc, case in cases:

@@ -141,34 +141,26 @@ def test_step_bytes_scale_with_ranks():
     assert 0.2 < h[1] / h[0] < 0.3  # (64 + 16) / (256 + 16) ~ 0.29
 
 
-def test_memory_fit_recovers_known_coefficients():
-    truth = (400.0, sm.MASTER_COPIES, 7.0)
-    recs = []
-    for nc in (32, 64, 128):
-        for grid in ((1, 2), (2, 2), (4, 2)):
-            n = grid[0] * grid[1]
-            t = sm.memory_terms(nc, n, 8)
-            rss = truth[0] + truth[1] * t["state_masters"] / 2**20 + truth[2] * (
-                t["state_slices"] + t["field"]) / 2**20
-            recs.append({"backend": "hvd", "workload": "nbody_step", "nc": nc, "n": n,
-                         "grid": list(grid), "halo": 8, "rss_max_mb": rss})
-    fit = sm.fit_memory(recs)
-    assert (fit["M0_mb"], fit["A"], fit["B"]) == pytest.approx(truth, rel=1e-8)
-    assert sm.fit_memory(recs[:3]) is None  # one mesh size: B is not constrained
+def test_gpu_memory_is_the_preflight_model_of_the_rank_buffers():
+    """Device memory per rank = overhead + bytes per slot x capacity + bytes per padded cell
+    x padded block, with the one memory model (flowpm_mtf/memory_model.json)."""
+    from flowpm_mtf import domain, preflight
+    from flowpm_mtf.config import SimConfig
+
+    conf = SimConfig(nc=1024, box_size=512.0, grid=(8, 8))
+    want = (sm.TF_OVERHEAD_GB * 2**30 + preflight.BYTES_PER_SLOT * domain.capacity(conf)
+            + preflight.BYTES_PER_PADDED_CELL * (128 + 4) * (128 + 4) * 1024)
+    assert sm.gpu_memory_per_rank(1024, 64) == pytest.approx(want, rel=1e-12)
+    assert domain.capacity(conf) >= 1024**3 / 64  # a block holds at least its lattice share
 
 
 def test_largest_mesh_grows_with_memory_and_ranks():
-    fit = {"M0_mb": 400.0, "A": 1.0, "B": 8.0}
-    small = sm.largest_nc(8, 40.0, 8, fit, masters_on_device=False)
-    assert small == sm.largest_nc(8, 40.0, 8, fit, False)
-    assert sm.largest_nc(8, 80.0, 8, fit, False) > small
-    assert sm.largest_nc(64, 40.0, 8, fit, False) > small
-    # the full-size masters on every rank cap the size whatever N is
-    capped = [sm.largest_nc(n, 40.0, 8, fit, True) for n in (64, 256, 1024)]
-    assert max(capped) - min(capped) <= 128
-    nc = sm.largest_nc(64, 40.0, 8, fit, False)
-    assert sm.gpu_memory_per_rank(nc, 64, 8, fit, False) <= sm.GPU_HEADROOM * 40 * 2**30
-    assert sm.gpu_memory_per_rank(nc + 64, 64, 8, fit, False) > sm.GPU_HEADROOM * 40 * 2**30
+    small = sm.largest_nc(8, 40.0)
+    assert sm.largest_nc(8, 80.0) > small
+    assert sm.largest_nc(64, 40.0) > small
+    nc = sm.largest_nc(64, 40.0)
+    assert sm.gpu_memory_per_rank(nc, 64) <= sm.GPU_HEADROOM * 40 * 2**30
+    assert sm.gpu_memory_per_rank(nc + 64, 64) > sm.GPU_HEADROOM * 40 * 2**30
 
 
 def test_gpu_step_time_parts():
