@@ -25,13 +25,15 @@ What is measured (``run``)
 
    ``step``      a whole kick-drift-kick step (one PM force);
    ``paint``     CIC paint + halo reduce (the density of the force);
-   ``fft``       forward r2c + gradient/Laplace kernels + batched inverse c2r
-                 of the three force components, all-to-all transposes included;
+   ``fft``       forward r2c + gradient/Laplace kernels + the inverse of the
+                 three force components packed into two complex transforms
+                 (``kernels.packed_inverse``), all-to-all transposes included;
    ``readout``   halo fill + CIC readout of the three components (one pass);
    ``comm_halo`` the halo exchanges of a step alone (one reduce of the density,
                  one fill of the three force components);
    ``comm_fft``  the all-to-all transposes of a step alone (2 for r2c, 2 for
-                 the batched c2r) on complex blocks of the same shapes.
+                 the inverse of the 3 force components packed into 2 complex
+                 fields) on complex blocks of the same shapes.
 
    ``other = step - paint - fft - readout`` (kick/drift updates, escape
    checks) and ``comm = comm_halo + comm_fft``; ``compute = step - comm``.
@@ -184,7 +186,8 @@ def _phase_graphs(conf, impl, slices, particle_shape):
 def _alltoall_graph(conf, impl):
     """The four all-to-alls of a step's FFTs on complex blocks of the same shapes:
     r2c (col: split z, gather y; row: split y, gather x) on one field, and the
-    batched c2r of the three force components (the same two, backwards)."""
+    inverse of the three force components packed into two complex fields
+    (``kernels.packed_inverse``; the same two, backwards)."""
     import tensorflow.compat.v1 as tf
 
     (p, q), (nx, ny, nz) = conf.grid, conf.nc
@@ -196,7 +199,7 @@ def _alltoall_graph(conf, impl):
     before = impl.comm_bytes_received()
     lo = impl.LaidOutTensor([block])
     fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q]
-    batched = tf.stack([fwd.tensor_list[0]] * 3)                  # [3, nx, ny/P, nz/Q]
+    batched = tf.stack([fwd.tensor_list[0]] * 2)                  # [2, nx, ny/P, nz/Q]
     back = impl.alltoall(impl.alltoall(impl.LaidOutTensor([batched]), 0, 1, 2), 1, 2, 3)
     nbytes = impl.comm_bytes_received() - before
     return _fetchable(back.tensor_list), nbytes
@@ -438,7 +441,8 @@ def cmd_migration(args):
                 halo = int(np.ceil(records[0]["lagrangian_halo_needed_cells"]))
             halo = min(halo, args.nc // 2 - 1)
             extra += ["--halo", str(halo)]
-        cmd = _mpirun() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
+        cmd = (_mpirun() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
+               + ["--json", path])
         try:
             records.append(_launch_record(cmd, path, args.timeout))
         except RuntimeError as exc:  # e.g. the lagrangian halo is too small: record it

@@ -44,10 +44,11 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
     # the kick/drift updates communicate nothing
     assert b["step"] == b["paint"] + b["fft"] + b["readout"]
     # the FFT's all-to-alls on grid 2x1: one transpose on the row axis for r2c and one
-    # for the batched c2r of the 3 components; each all-to-all's result is a whole
-    # complex64 block (Horovod's accounting, the rank's own half included)
+    # for the inverse of the 3 force components packed into 2 complex fields
+    # (kernels.packed_inverse); each all-to-all's result is a whole complex64 block
+    # (Horovod's accounting, the rank's own half included)
     block = 16 * 16 * 16 // 2 * 8
-    assert b["fft"] == b["comm_fft"] == (1 + 3) * block
+    assert b["fft"] == b["comm_fft"] == (1 + 2) * block
     # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
     # both margins of h cells x (ny + 2h) x nz float32; paint = one reduce plus the
     # int32 escape-count allreduce (4 bytes received), readout = one fill of the three
@@ -66,3 +67,22 @@ def test_markdown_table(record):
                              "date": "now", "records": [record]})
     assert "| 16^3 | HvdSimdMeshImpl | 2 | 2x1 |" in md
     assert md.count("\n| 16^3 |") == 2  # both tables
+
+
+def test_migration_benchmark_records_both_decompositions(tmp_path):
+    """``bench_sim.py migration`` (tiny): the eulerian run with its automatic halo, then the
+    lagrangian one with the halo the eulerian run measured it needs; both records complete."""
+    cmd = [sys.executable, SCRIPT, "migration", "--nc", "16", "--box-size", "16", "--steps", "2",
+           "--repeats", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "bench_migration.json") as f:
+        recs = json.load(f)["records"]
+    assert [r["decomposition"] for r in recs] == ["eulerian", "lagrangian"]
+    eul, lag = recs
+    assert eul["halo"] == 2 and eul["grid"] == [2, 2] and eul["nc"] == 16
+    assert "failed" not in lag, lag
+    assert lag["halo"] == min(int(-(-eul["lagrangian_halo_needed_cells"] // 1)), 16 // 2 - 1)
+    for r in recs:
+        assert len(r["peak_memory_mb"]) == 4 and len(r["steps_s"]) == 2
+    assert "| eulerian |" in (tmp_path / "bench_migration.md").read_text()
