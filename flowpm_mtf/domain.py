@@ -665,9 +665,14 @@ def error_from_tf(exc, conf):
         return None
     st, cap, m = info["stats"], info["capacity"], info["send_capacity"]
     # An overflow first: the rows that found no slot were added into slot 0 of the
-    # (discarded) result, so the "outside" count is meaningless then.
-    if st["outside"] > 0 and st["need"] <= cap and st["send"] <= m:
-        sx, sy, _ = conf.block_shape
+    # (discarded) result, so the "outside" count is meaningless then -- unless the
+    # step moved particles (the largest x/y displacement, computed before any
+    # exchange) farther than a block along a split axis: no capacity can deliver
+    # those, a larger buffer would only fail again.
+    sx, sy, _ = conf.block_shape
+    split = [s for s, g in zip((sx, sy), conf.grid) if g > 1]
+    too_far = bool(split) and st["displacement"] > min(split)
+    if st["outside"] > 0 and ((st["need"] <= cap and st["send"] <= m) or too_far):
         disp = st["displacement"]
         steps = (int(math.ceil(conf.n_steps * disp / (0.8 * min(sx, sy)))) + 1
                  if disp > 0 else None)
