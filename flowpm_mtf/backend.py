@@ -20,6 +20,7 @@ through the comm object (mpi4py's lower-case API: ``rank``, ``size``,
 ``bcast``, ``allgather``, ``allreduce``, ``barrier``).
 """
 import dataclasses
+import os
 import logging
 
 from .logs import detect_rank, detect_size
@@ -144,12 +145,38 @@ def session_config(backend, n_devices=1, threads=None):
     if backend == "hvd":
         from hvd_mesh_impl import runtime
 
-        return runtime.session_config()
+        return graph_options(runtime.session_config())
     kw = {}
     if threads:
         kw = {"intra_op_parallelism_threads": threads,
               "inter_op_parallelism_threads": max(2, threads)}
-    return tf.ConfigProto(device_count={"CPU": n_devices}, **kw)
+    return graph_options(tf.ConfigProto(device_count={"CPU": n_devices}, **kw))
+
+
+def graph_options(config):
+    """Switch TensorFlow's graph optimiser (Grappler) off unless ``FLOWPM_MTF_GRAPPLER=1``.
+
+    Grappler rewrites the graph when a session first runs a set of fetches. On
+    the simulation graph (custom FFT/CIC ops, elementwise kernels, collectives) it
+    finds little to improve and its passes (constant folding, arithmetic and
+    layout rewrites, remapping) are the largest part of the first run of the ICs:
+    at 128^3 on one rank here the 2LPT ICs took 2.0 s on their first run against
+    0.6 s of op time, 1.3 s without Grappler, and the warm step was not slower
+    (``scripts/bench_peers.py``). ``FLOWPM_MTF_GRAPPLER=1`` restores TF's default.
+
+    Parameters
+    ----------
+    config : tf.ConfigProto
+        Modified in place.
+
+    Returns
+    -------
+    tf.ConfigProto
+        ``config``.
+    """
+    if os.environ.get("FLOWPM_MTF_GRAPPLER", "0") != "1":
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+    return config
 
 
 @dataclasses.dataclass
