@@ -153,3 +153,15 @@ def test_tensorflow_start_up_lines_hidden_unless_verbose(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env)
     assert loud.returncode == 0, loud.stderr[-3000:]
     assert "cpu_feature_guard" in loud.stderr or "oneDNN" in loud.stderr, loud.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["hvd", "placement"])
+def test_session_config_switches_grappler_off_unless_asked(backend, monkeypatch):
+    """The jobs' sessions run without Grappler (its passes were most of the ICs' first
+    run); FLOWPM_MTF_GRAPPLER=1 gives TensorFlow's default back."""
+    from flowpm_mtf.backend import session_config
+
+    monkeypatch.delenv("FLOWPM_MTF_GRAPPLER", raising=False)
+    assert session_config(backend).graph_options.rewrite_options.disable_meta_optimizer
+    monkeypatch.setenv("FLOWPM_MTF_GRAPPLER", "1")
+    assert not session_config(backend).graph_options.rewrite_options.disable_meta_optimizer
