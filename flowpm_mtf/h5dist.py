@@ -73,12 +73,46 @@ class Rows:
     data : array_like
         ``[n, ...]``; ``n`` may differ between parts (also 0), the trailing
         shape and dtype may not.
+    transform : callable, optional
+        ``transform(rows) -> array`` applied to consecutive pieces of ``data``
+        (at most :data:`PIECE_ROWS` rows) as they are written, so that a
+        converted copy (e.g. float32 cells -> float64 Mpc/h) of a rank's whole
+        share never exists; it must map rows to rows, elementwise along the
+        first axis.
+    dtype : dtype, optional
+        Dtype of the written rows (default: that of ``data``).
     """
 
-    def __init__(self, data):
-        self.data = np.asarray(data)
-        if self.data.ndim < 1:
+    def __init__(self, data, transform=None, dtype=None):
+        self.source = np.asarray(data)
+        if self.source.ndim < 1:
             raise ValueError("Rows needs at least one axis, got a scalar")
+        self.transform = transform
+        self.dtype = np.dtype(dtype) if dtype is not None else self.source.dtype
+
+    @property
+    def rows_shape(self):
+        """Shape of the written rows."""
+        return self.source.shape
+
+    def _convert(self, rows):
+        out = rows if self.transform is None else self.transform(rows)
+        return np.asarray(out, self.dtype)
+
+    def pieces(self, rows=None):
+        """``(first row, array)`` of consecutive pieces of at most ``rows`` rows."""
+        rows = PIECE_ROWS if rows is None else int(rows)
+        for i in range(0, self.source.shape[0], rows):
+            yield i, self._convert(self.source[i:i + rows])
+
+    @property
+    def data(self):
+        """All rows, converted (a full copy of this part: for small data and tests)."""
+        return self._convert(self.source)
+
+
+#: Rows converted and written at a time by :class:`Rows` with a transform.
+PIECE_ROWS = 1 << 20
 
 
 class Block:
@@ -188,7 +222,12 @@ def _write_h5(path, datasets, attrs, dataset_attrs):
     try:
         with h5py.File(tmp, "w") as f:
             for name, value in datasets.items():
-                dset = f.create_dataset(name, data=value)
+                if isinstance(value, Rows):  # written piece by piece (no converted copy)
+                    dset = f.create_dataset(name, shape=value.rows_shape, dtype=value.dtype)
+                    for i, piece in value.pieces():
+                        dset[i:i + piece.shape[0]] = piece
+                else:
+                    dset = f.create_dataset(name, data=value)
                 for k, v in (dataset_attrs or {}).get(name, {}).items():
                     dset.attrs[k] = v
             for k, v in (attrs or {}).items():
@@ -305,7 +344,8 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
         meta = {}
         os.makedirs(os.path.dirname(part_path(path, 0)), exist_ok=True)
         for pnum, items in parts.items():
-            data = {name: item.data for name, item in items.items()}
+            data = {name: item if isinstance(item, Rows) else item.data
+                    for name, item in items.items()}
             pattrs = dict(attrs or {}, pnum=int(pnum))
             for name, item in items.items():
                 if isinstance(item, Block):
@@ -314,8 +354,11 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
             _write_h5(ppath, data, pattrs, dataset_attrs)
             meta[int(pnum)] = {
                 "file": os.path.relpath(ppath, base),
-                "datasets": {name: {"kind": type(item).__name__, "shape": item.data.shape,
-                                    "dtype": item.data.dtype.str,
+                "datasets": {name: {"kind": type(item).__name__,
+                                    "shape": (item.rows_shape if isinstance(item, Rows)
+                                              else item.data.shape),
+                                    "dtype": (item.dtype if isinstance(item, Rows)
+                                              else item.data.dtype).str,
                                     "begin": getattr(item, "begin", None),
                                     "global": getattr(item, "shape", None)}
                              for name, item in items.items()}}

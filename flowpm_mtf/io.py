@@ -623,15 +623,24 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None):
     if valid is not None:
         keep = np.asarray(valid, bool).reshape(-1)
         x, p, ids = x[keep], p[keep], ids[keep]
-    # One float64 array per output, transformed in place (no full-size temporaries:
-    # this runs on every rank's share of the particles at the peak of a run).
-    x = x.astype(np.float64)
-    x += origin
-    x *= cell
-    np.mod(x, np.asarray(conf.box_size, np.float64), out=x)
-    p = p.astype(np.float64)
-    p *= cell * (100.0 / a)
-    return {"position": h5dist.Rows(x), "velocity": h5dist.Rows(p), "id": h5dist.Rows(ids)}
+    box = np.asarray(conf.box_size, np.float64)
+
+    def position(rows):  # block-local cells -> Mpc/h in [0, box)
+        out = rows.astype(np.float64)
+        out += origin
+        out *= cell
+        return np.mod(out, box, out=out)
+
+    def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
+        out = rows.astype(np.float64)
+        out *= cell * (100.0 / a)
+        return out
+
+    # Converted to float64 piece by piece while the part file is written: no float64
+    # copy of this rank's whole share exists at the peak of a run.
+    return {"position": h5dist.Rows(x, position, np.float64),
+            "velocity": h5dist.Rows(p, velocity, np.float64),
+            "id": h5dist.Rows(ids)}
 
 
 def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):

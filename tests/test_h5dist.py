@@ -126,6 +126,35 @@ def test_virtual_file_reads_with_plain_h5py_anywhere():
     comm.barrier()
 
 
+def test_rows_with_a_transform_are_written_piece_by_piece(monkeypatch):
+    """A transform (float32 -> float64 here) is applied to pieces of PIECE_ROWS rows as they
+    are written; the file holds exactly the whole conversion, also for 0 rows and for a
+    last piece shorter than the others."""
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    monkeypatch.setattr(h5dist, "PIECE_ROWS", 7)
+    n = 23 + 5 * comm.rank if comm.rank != 1 else 0
+    src = (np.arange(3 * n, dtype=np.float32).reshape(n, 3) + 0.1 * comm.rank) / 3
+    pieces = []
+
+    def transform(rows):
+        pieces.append(rows.shape[0])
+        return rows.astype(np.float64) * 2.5 + 1.0
+
+    rows = h5dist.Rows(src, transform, np.float64)
+    path = os.path.join(d, "t.h5")
+    h5dist.write_distributed(path, comm, {comm.rank: {"x": rows}})
+    assert pieces == [min(7, n - i) for i in range(0, n, 7)]
+    want = np.concatenate(comm.allgather(src.astype(np.float64) * 2.5 + 1.0))
+    with h5py.File(path, "r") as f:
+        assert f["x"].dtype == np.float64
+        np.testing.assert_array_equal(f["x"][...], want)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(d)
+    comm.barrier()
+
+
 def test_failure_on_one_rank_raises_on_every_rank():
     comm = world_comm()
     d = shared_tmpdir(comm)
