@@ -316,11 +316,12 @@ def cmd_build_hvd(args):
     with tf.Graph().as_default():
         _build_graph(conf, impl)
     times = comm.allgather(time.perf_counter() - t)
+    peaks = comm.allgather(peak_mb())  # collective: every rank, not only rank 0
     if comm.Get_rank() == 0:
         _write(args.json, {"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": len(times),
                            "nc": list(conf.nc), "build_s": max(times),
                            "build_s_median": statistics.median(times),
-                           "peak_memory_mb": comm.allgather(peak_mb())})
+                           "peak_memory_mb": peaks})
 
 
 def cmd_build_placement(args):
