@@ -498,26 +498,36 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
             return x
         t = x.one_slice
         shape = t.shape.as_list()
-        rank = len(shape)
         if shape[split_axis] % n:
             raise ValueError("alltoall: axis %d of size %d is not divisible by %d ranks"
                              % (split_axis, shape[split_axis], n))
-        wire, back = _to_wire(_move_axis_to_front(t, split_axis))
-        recv = self._issue("alltoall", hvd.alltoall, wire,
+        wire, back = _to_wire(t)  # complex: a trailing axis of 2 reals, no copy
+        ws = wire.shape.as_list()
+        s = ws[split_axis] // n
+        # Send buffer [n, piece]: piece j = wire[.., j*s:(j+1)*s, ..] made contiguous. With the
+        # axes before split_axis merged into a and those after into b, that is one
+        # block transpose [a, n, s*b] -> [n, a, s*b]; none at all when a == 1 (split
+        # along the leading axis).
+        a, b = int(np.prod(ws[:split_axis])), int(np.prod(ws[split_axis + 1:]))
+        send = tf.reshape(wire, [n, a * s * b] if a == 1 else [a, n, s * b])
+        if a > 1:
+            send = tf.reshape(tf.transpose(send, [1, 0, 2]), [n, a * s * b])
+        recv = self._issue("alltoall", hvd.alltoall, send,
                            process_set=self._axis_sets[mesh_axis])
         self._record("alltoall", recv)
-        others = [i for i in range(rank) if i != split_axis]
-        recv = tf.reshape(back(recv), [n, shape[split_axis] // n] + [shape[i] for i in others])
-        # recv axes: 0 = source rank, 1 = (reduced) split axis, 2.. = the others in order.
-        pos = {split_axis: 1}
-        pos.update({ax: 2 + j for j, ax in enumerate(others)})
-        perm = []
-        for i in range(rank):
-            perm += [0, pos[i]] if i == concat_axis else [pos[i]]
-        new_shape = list(shape)
-        new_shape[split_axis] //= n
+        # recv [n, piece] (in the order of the source rank), each piece of the wire shape
+        # with split_axis reduced to s; concatenating along concat_axis is the inverse
+        # block transpose [n, c, d] -> [c, n, d] (c: the piece's axes before
+        # concat_axis merged, d: concat_axis and the axes after), none when c == 1.
+        piece = list(ws)
+        piece[split_axis] = s
+        c = int(np.prod(piece[:concat_axis]))
+        if c > 1:
+            recv = tf.transpose(tf.reshape(recv, [n, c, -1]), [1, 0, 2])
+        new_shape = list(ws)
+        new_shape[split_axis] = s
         new_shape[concat_axis] *= n
-        return self.LaidOutTensor([tf.reshape(tf.transpose(recv, perm), new_shape)])
+        return self.LaidOutTensor([back(tf.reshape(recv, new_shape))])
 
     def receive(self, x, mesh_axis, source_pcoord):
         """Each rank receives the slice of rank ``source_pcoord[own pcoord]`` along the axis.
