@@ -367,6 +367,88 @@ def _c2r_grad(op, dy):
     return w * native.load("fft_ops").flowpm_fft_r2c(dy, **kw)
 
 
+def _reflect(t, axes):
+    """``t`` at the negated indices (mod the length) along ``axes``."""
+    for a in axes:
+        size = tf.compat.dimension_value(t.shape[a])
+        t = tf.gather(t, (-np.arange(size)) % size, axis=a)
+    return t
+
+
+def hermitian_extend(t, n, axis, reflect):
+    """Full spectrum (``n`` modes along ``axis``) of a real field from its half.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128 with ``n // 2 + 1`` modes along ``axis``: the
+        transform of a real field along ``axis`` and the Fourier axes ``reflect``
+        (e.g. :func:`rfft_along` then :func:`fft_along`); other axes are positions.
+    n : int
+    axis : int
+    reflect : sequence of int
+        The other Fourier axes (their indices are negated in the mirror modes).
+
+    Returns
+    -------
+    tf.Tensor
+        ``n`` modes along ``axis``: ``t[k]`` for ``k < n // 2 + 1``, else
+        ``conj(t[-reflect, n - k])``. Native op ``FlowpmHermitian`` (one pass);
+        CPU only (see :func:`uses_native`).
+    """
+    return native.load("fft_ops").flowpm_hermitian(t, n=int(n), axis=_axis(t, axis),
+                                                   reflect=[_axis(t, a) for a in reflect],
+                                                   fold=False)
+
+
+def hermitian_fold(t, n, axis, reflect):
+    """Hermitian part of a spectrum, half of it kept (``n // 2 + 1`` modes along ``axis``).
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128 with ``n`` modes along ``axis``.
+    n : int
+    axis : int
+    reflect : sequence of int
+        The other Fourier axes.
+
+    Returns
+    -------
+    tf.Tensor
+        ``(t[k] + conj(t[-reflect, -k])) / 2`` for ``k < n // 2 + 1``: its inverse
+        transform (:func:`fft_along` over ``reflect``, then :func:`irfft_along`
+        along ``axis``) is the real part of the inverse transform of ``t``.
+        Native op ``FlowpmHermitian``; CPU only.
+    """
+    return native.load("fft_ops").flowpm_hermitian(t, n=int(n), axis=_axis(t, axis),
+                                                   reflect=[_axis(t, a) for a in reflect],
+                                                   fold=True)
+
+
+# Gradients of FlowpmHermitian (R-linear: conj has the gradient conj(dy) in TF's
+# convention). With k' = (n - k) mod n and sigma the reflection of ``reflect``:
+#   extend: grad x[k] = dy[k] + [k' >= m] conj(dy[sigma, k']),  k < m;
+#   fold:   grad x[k] = (dy0[k] + conj(dy0[sigma, k'])) / 2,  dy0 = dy zero-padded to n.
+# Built from TF ops (FFT3DOperation never differentiates them: its gradient is another
+# FFT3DOperation); tested by dot-product tests in tests/test_native_fft.py.
+@tf.RegisterGradient("FlowpmHermitian")
+def _hermitian_grad(op, dy):
+    n, axis = op.get_attr("n"), op.get_attr("axis")
+    axes = list(op.get_attr("reflect")) + [axis]
+    m = n // 2 + 1
+    if op.get_attr("fold"):
+        pad = [[0, 0]] * dy.shape.ndims
+        pad[axis] = [0, n - m]
+        dy0 = tf.pad(dy, pad)
+        return 0.5 * (dy0 + tf.math.conj(_reflect(dy0, axes)))
+    mask = ((n - np.arange(m)) % n >= m).astype(np.float64)
+    mask = tf.constant(mask.reshape((-1,) + (1,) * (dy.shape.ndims - axis - 1)), dy.dtype)
+    mirror = tf.math.conj(_reflect(dy, axes))
+    return (tf.gather(dy, np.arange(m), axis=axis)
+            + mask * tf.gather(mirror, np.arange(m), axis=axis))
+
+
 # ----------------------------------------------------------------------------- FFT op
 class FFT3DOperation(mtf.Operation):
     """``y = s * T(x)`` with ``T`` the unnormalised 3D DFT or the inverse DFT.
@@ -474,33 +556,70 @@ class FFT3DOperation(mtf.Operation):
         def one_d(t, axis):
             return fft_along(t, axis, self._inverse, normalized=choose(t)["normalized"])
 
+        def trivial(mesh_axis):
+            return mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1
+
+        # Half spectrum (native path, real input of the forward / real output of the
+        # inverse): the transform along z keeps nz // 2 + 1 modes and the next stages
+        # transform only those, as long as the Hermitian symmetry can be completed (or
+        # folded) locally, i.e. while every Fourier axis is on this rank: kz is local
+        # in the middle stage when mesh axis b is trivial, every axis is when a is too.
+        # Forward: rfft along z, FFTs on the half, then hermitian_extend (kz -> nz)
+        # after the middle (b trivial) or the last stage (a and b trivial). Inverse:
+        # hermitian_fold (the Hermitian part, whose inverse is the real part sought)
+        # before the first (a, b trivial) or the middle stage (b trivial), FFTs on the
+        # half, irfft along z. Otherwise (b split): the full spectrum throughout.
+        t = lowering.tensors[x]
+        nz = x.shape.dims[pos[2]].size
+        half = None
+        native_slice = uses_native(t.to_laid_out_tensor().tensor_list[0])
+        if native_slice and trivial(b) and (
+                (not self._inverse and not x.dtype.is_complex)
+                or (self._inverse and self._real_output)):
+            half = "outer" if trivial(a) else "middle"
+
         def first(t):
+            if half and not self._inverse:  # rfft: nz // 2 + 1 modes
+                return native.load("fft_ops").flowpm_fft_r2c(
+                    t, Tcomplex=cdtype, axis=pos[2], normalized=choose(t)["normalized"])
             axis = pos[2] if not self._inverse else pos[0]
             if not t.dtype.is_complex and not self._inverse:  # r2c: no cast, half the work
                 return fft_of_real_along(t, axis, normalized=choose(t)["normalized"])
             t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
+            if half == "outer":
+                t = hermitian_fold(t, nz, pos[2], [pos[0], pos[1]])
             return one_d(t, axis)
 
         def middle(t):
-            return one_d(t, pos[1])
+            if half == "middle" and self._inverse:
+                t = hermitian_fold(t, nz, pos[2], [pos[1]])
+            t = one_d(t, pos[1])
+            if half == "middle" and not self._inverse:
+                t = hermitian_extend(t, nz, pos[2], [pos[1]])
+            return t
 
         def last(t):
             axis = pos[0] if not self._inverse else pos[2]
             real_out = self._real_output and self._inverse  # c2r: half the work
-            if real_out:
+            if half and real_out:
+                t = native.load("fft_ops").flowpm_fft_c2r(
+                    t, Treal=_real_of(t.dtype), n=nz, axis=axis,
+                    normalized=choose(t)["normalized"])
+            elif real_out:
                 t = ifft_real_part_along(t, axis, normalized=choose(t)["normalized"])
             else:
                 t = one_d(t, axis)
             factor = choose(t)["factor"]
             t = t * tf.constant(factor, t.dtype) if factor != 1.0 else t
+            if half == "outer" and not self._inverse:
+                t = hermitian_extend(t, nz, pos[2], [pos[0], pos[1]])
             return tf.math.real(t) if self._real_output and not real_out else t
 
         def exchange(t, mesh_axis, split, concat):
-            if mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1:
+            if trivial(mesh_axis):
                 return t
             return mesh_impl.alltoall(t, mesh_axis, split, concat)
 
-        t = lowering.tensors[x]
         t = mesh_impl.slicewise(first, t)
         if not self._inverse:
             t = exchange(t, b, pos[2], pos[1])

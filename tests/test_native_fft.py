@@ -1,4 +1,5 @@
-"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``):
+"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``) and the
+Hermitian extend/fold op (``hermitian_extend``/``hermitian_fold``):
 the native FFTW op against numpy.fft, its gradients by dot-product and finite
 differences, the TensorFlow fallback, and concurrent planning.
 
@@ -221,6 +222,68 @@ def test_native_gradients_finite_difference(op):
                     fd = (sess.run(loss, {xp: x0 + d}) - sess.run(loss, {xp: x0 - d})) / (2 * FD_EPS)
                     gv = grad[idx].real if part == "re" else grad[idx].imag
                     assert abs(fd - gv) <= FD_RTOL * max(1.0, np.max(np.abs(grad))), (idx, part)
+
+
+# FlowpmHermitian (hermitian_extend / hermitian_fold): half <-> full spectrum along the
+# last or a middle axis, with one or two reflected Fourier axes and a position axis.
+HERMITIAN_CASES = [  # (shape of the real field, half axis, Fourier axes reflected)
+    ((4, 6, 8), 2, [1]), ((4, 6, 7), 2, [0, 1]), ((5, 9, 3), 1, [0]), ((6, 4, 5, 2), 2, [0, 3])]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape,axis,reflect", HERMITIAN_CASES)
+def test_hermitian_matches_numpy(shape, axis, reflect, dtype):
+    """extend: the full FFT of a real field from its half; fold: the Hermitian part,
+    whose inverse (FFTs over ``reflect``, irfft along ``axis``) is Re(ifftn)."""
+    rng = np.random.RandomState(len(shape) + axis)
+    n, m = shape[axis], shape[axis] // 2 + 1
+    axes = tuple(reflect) + (axis,)
+    f = rng.randn(*shape)
+    full = np.fft.fftn(f, axes=axes)
+    z = rng.randn(*shape) + 1j * rng.randn(*shape)
+    c = COMPLEX[dtype]
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        half = np.take(full, np.arange(m), axis=axis).astype(c)
+        ext = fft.hermitian_extend(tf.constant(half), n, axis, reflect)
+        fold = fft.hermitian_fold(tf.constant(z.astype(c)), n, axis, reflect)
+        ext, fold = run([ext, fold])
+    assert ext.dtype == c and fold.dtype == c
+    assert rel_err(ext, full) <= RTOL[dtype]
+    back = np.fft.ifftn(fold.astype(np.complex128), axes=tuple(reflect), norm="forward")
+    back = np.fft.irfft(back, n=n, axis=axis, norm="forward")
+    want = np.fft.ifftn(z, axes=axes, norm="forward").real
+    assert rel_err(back, want) <= RTOL[dtype] * 10
+
+
+@needs_native
+@pytest.mark.parametrize("shape,axis,reflect", HERMITIAN_CASES)
+def test_hermitian_gradients_adjoint(shape, axis, reflect):
+    """<A x, y> = <x, A^T y> for extend and fold (A^T y from tf.gradients), float64."""
+    rng = np.random.RandomState(sum(shape))
+    n, m = shape[axis], shape[axis] // 2 + 1
+    half = list(shape)
+    half[axis] = m
+
+    def cplx(s):
+        return rng.randn(*s) + 1j * rng.randn(*s)
+
+    cases = []
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        for name, fn, x, y in (
+                ("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect), cplx(half),
+                 cplx(shape)),
+                ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect), cplx(shape),
+                 cplx(half))):
+            xt, yt = tf.constant(x), tf.constant(y)
+            ax = fn(xt)
+            loss = tf.reduce_sum(tf.math.real(tf.math.conj(ax) * yt))
+            g, = tf.gradients(loss, [xt])
+            cases.append((name, x, y, ax, g))
+        out = run([(c[3], c[4]) for c in cases])
+    for (name, x, y, _, _), (ax, aty) in zip(cases, out):
+        lhs, rhs = _real_dot(ax, y), _real_dot(x, aty)
+        assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (name, lhs, rhs)
 
 
 @needs_native

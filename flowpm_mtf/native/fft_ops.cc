@@ -11,6 +11,17 @@
 //   FlowpmFftC2r(x: complex, n, axis, normalized) -> real, n along axis
 //       unnormalised inverse of the Hermitian extension (imaginary parts of the
 //       zero and Nyquist modes ignored), times c: numpy.fft.irfft when normalized
+//   FlowpmHermitian(x: complex, n, axis, reflect, fold) -> complex
+//       Between the half (m = n // 2 + 1 modes) and the full (n modes) spectrum along
+//       `axis` of a field whose other Fourier axes are `reflect` (indices taken mod
+//       their length; the remaining axes are positions, not reflected). With sigma
+//       negating the `reflect` indices and k' = (n - k) mod n:
+//         fold=false (extend, m -> n): y[k] = x[k] (k < m), conj(x[sigma, k']) (k >= m),
+//           the spectrum of a real field from its half (exact for such a field);
+//         fold=true (n -> m): y[k] = (x[k] + conj(x[sigma, k'])) / 2, the Hermitian
+//           part, whose inverse transform is the real part of x's (k < m kept).
+//       One pass over the data, on the intra-op pool; the gradients (Python side) are
+//       built from TensorFlow ops.
 //
 // with c = 1/n when `normalized`, else 1; n is the transform length (the real
 // length for r2c/c2r). numpy.fft.fft = (inverse=False, normalized=False),
@@ -37,6 +48,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -507,6 +519,109 @@ class C2ROp : public OpKernel {
   bool normalized_, full_;
 };
 
+
+// ---------------------------------------------------------------- Hermitian extend / fold
+// Index of the reflected (negated mod length) multi-index, for the flat indices of a
+// block of axes [lo, hi) of shape s (row-major), reflecting the axes flagged in `refl`.
+std::vector<i64> reflected_index(const TensorShape& s, int lo, int hi,
+                                 const std::vector<bool>& refl) {
+  i64 count = 1;
+  for (int d = lo; d < hi; ++d) count *= s.dim_size(d);
+  std::vector<i64> out(count);
+  for (i64 f = 0; f < count; ++f) {
+    i64 rest = f, src = 0, stride = 1;
+    for (int d = hi - 1; d >= lo; --d) {
+      const i64 len = s.dim_size(d), i = rest % len;
+      rest /= len;
+      src += (refl[d] ? (len - i) % len : i) * stride;
+      stride *= len;
+    }
+    out[f] = src;
+  }
+  return out;
+}
+
+template <typename R>
+class HermitianOp : public OpKernel {
+ public:
+  explicit HermitianOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
+    OP_REQUIRES_OK(c, c->GetAttr("n", &n_));
+    OP_REQUIRES_OK(c, c->GetAttr("reflect", &reflect_));
+    OP_REQUIRES_OK(c, c->GetAttr("fold", &fold_));
+    OP_REQUIRES(c, n_ >= 1, InvalidArgument("hermitian: the length n must be >= 1"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    typedef std::complex<R> Cx;
+    const Tensor& x = ctx->input(0);
+    checked_axis(ctx, axis_, x.shape());
+    if (!ctx->status().ok()) return;
+    const int rank = x.dims();
+    std::vector<bool> refl(rank, false);
+    for (int a : reflect_) {
+      OP_REQUIRES(ctx, a >= 0 && a < rank && a != axis_,
+                  InvalidArgument("hermitian: reflect axis ", a, " out of range or equal to axis"));
+      refl[a] = true;
+    }
+    const i64 n = n_, m = n_ / 2 + 1, in_len = fold_ ? n : m, out_len = fold_ ? m : n;
+    OP_REQUIRES(ctx, x.dim_size(axis_) == in_len,
+                InvalidArgument("hermitian: axis ", axis_, " has length ", x.dim_size(axis_),
+                                ", expected ", in_len, " for n = ", n));
+    TensorShape os = x.shape();
+    os.set_dim(axis_, out_len);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
+    if (y->NumElements() == 0) return;
+    const std::vector<i64> so = reflected_index(x.shape(), 0, axis_, refl);
+    const std::vector<i64> si = reflected_index(x.shape(), axis_ + 1, rank, refl);
+    const i64 outer = static_cast<i64>(so.size()), inner = static_cast<i64>(si.size());
+    const Cx* in = x.flat<Cx>().data();
+    Cx* out = y->flat<Cx>().data();
+    const bool fold = fold_;
+    auto work = [&](i64 o0, i64 o1) {
+      for (i64 o = o0; o < o1; ++o) {
+        const Cx* src = in + o * in_len * inner;
+        const Cx* mir = in + so[o] * in_len * inner;
+        Cx* dst = out + o * out_len * inner;
+        if (inner == 1) {  // the usual case (the half axis last): contiguous rows
+          if (fold) {
+            dst[0] = R(0.5) * (src[0] + std::conj(mir[0]));
+            for (i64 k = 1; k < out_len; ++k) dst[k] = R(0.5) * (src[k] + std::conj(mir[n - k]));
+          } else {
+            std::memcpy(dst, src, sizeof(Cx) * m);
+            for (i64 k = m; k < n; ++k) dst[k] = std::conj(mir[n - k]);
+          }
+          continue;
+        }
+        for (i64 k = 0; k < out_len; ++k) {
+          const i64 kk = (n - k) % n;
+          const Cx* row = src + k * inner;
+          const Cx* mrow = mir + kk * inner;
+          Cx* drow = dst + k * inner;
+          if (fold) {
+            for (i64 i = 0; i < inner; ++i)
+              drow[i] = R(0.5) * (row[i] + std::conj(mrow[si[i]]));
+          } else if (k < m) {
+            std::memcpy(drow, row, sizeof(Cx) * inner);
+          } else {
+            for (i64 i = 0; i < inner; ++i) drow[i] = std::conj(mrow[si[i]]);
+          }
+        }
+      }
+    };
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
+    ::tensorflow::Shard(workers->num_threads, workers->workers, outer,
+                        (in_len + out_len) * inner * 4, work);
+  }
+
+ private:
+  int axis_;
+  ::tensorflow::int64 n_;
+  std::vector<int> reflect_;
+  bool fold_;
+};
+
 // ---------------------------------------------------------------- registration
 ::tensorflow::Status axis_attr(InferenceContext* c, int* axis) {
   TF_RETURN_IF_ERROR(c->GetAttr("axis", axis));
@@ -586,6 +701,34 @@ REGISTER_OP("FlowpmFftC2r")
     .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`; with "
          "`full`, n input modes: numpy.fft.ifft(x).real).");
 
+REGISTER_OP("FlowpmHermitian")
+    .Input("x: T")
+    .Output("y: T")
+    .Attr("T: {complex64, complex128}")
+    .Attr("n: int")
+    .Attr("axis: int")
+    .Attr("reflect: list(int) = []")
+    .Attr("fold: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      int axis;
+      ::tensorflow::int64 n;
+      bool fold;
+      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
+      TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("fold", &fold));
+      if (!c->RankKnown(c->input(0))) {
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(
+          c->ReplaceDim(c->input(0), axis, c->MakeDim(fold ? n / 2 + 1 : n), &out));
+      c->set_output(0, out);
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Half <-> full spectrum along `axis` of a field with Fourier axes `reflect` "
+         "(fold=false: Hermitian extension; fold=true: Hermitian part, half kept).");
+
 #define REGISTER(R, C)                                                                    \
   REGISTER_KERNEL_BUILDER(                                                                \
       Name("FlowpmFftC2c").Device(::tensorflow::DEVICE_CPU).TypeConstraint<C>("T"),       \
@@ -599,7 +742,10 @@ REGISTER_OP("FlowpmFftC2r")
                               .Device(::tensorflow::DEVICE_CPU)                           \
                               .TypeConstraint<R>("Treal")                                 \
                               .TypeConstraint<C>("Tcomplex"),                             \
-                          C2ROp<R>);
+                          C2ROp<R>);                                                      \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("FlowpmHermitian").Device(::tensorflow::DEVICE_CPU).TypeConstraint<C>("T"),    \
+      HermitianOp<R>);
 
 REGISTER(float, ::tensorflow::complex64)
 REGISTER(double, ::tensorflow::complex128)
