@@ -34,19 +34,28 @@ documented but not testable on this CPU-only machine.
 ``FLOWPM_MTF_NATIVE=0`` forces the TensorFlow path, ``require`` fails when the
 op is not built (the test suite sets it).
 
-This is a *full complex* (c2c) transform of the real field cast to complex:
-the k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum).
-A real-to-complex transform would halve the FFT work, the all-to-all bytes and
-the complex buffers, but its half axis (``kz``, ``nc[2] // 2 + 1`` modes, from
-the first, local transform) is rarely divisible by ``Q``. Two designs, neither
-done yet: (a) a ``kz`` dimension padded to a multiple of ``Q`` (zero modes;
-the k-space shape then depends on the grid, and every sum over k-space --
-power spectra, priors, ``real_vdot``, kernel gradients -- counts the modes
-``0 < kz < nc[2] / 2`` twice and the padding zero times); (b) the layout
-``kx`` on ``col``, ``ky`` on ``row``, ``kz`` local (half axis), with the padding
-internal to the operation and a third, half-size all-to-all (0.75x the bytes).
-Both change the k-space contract of every caller (kernels, power, ics, lpt,
-reconstruct, the fft-demo), so they belong in one change with those modules.
+The k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum
+contract). Inside the operation, on the native path, the transform of a real
+field (``r2c``) and to a real field (``c2r``, and the gradients of both) works
+on the half spectrum along z (``nz // 2 + 1`` modes) for as many stages as the
+Hermitian symmetry ``F[-k] = conj(F[k])`` can be restored on the rank: when
+``z``/``kz`` is not split (Q = 1, e.g. 1 or 2 ranks with the default grid) the
+middle stage and, on one rank, the last stage transform half the data, and the
+native op ``FlowpmHermitian`` (:func:`hermitian_extend` /
+:func:`hermitian_fold`, one pass) completes the full spectrum after them (r2c)
+or takes the Hermitian part before them (c2r; its inverse transform is the real
+part of the full one). With ``kz`` split (Q > 1) the stages stay full complex
+after the first: the half axis (``nc[2] // 2 + 1``) is rarely divisible by Q and
+``kz``, ``-kz`` sit on different ranks. A half-spectrum k-space contract
+would also halve the all-to-all bytes there; two designs, neither done: (a) a
+``kz`` dimension padded to a multiple of ``Q`` (zero modes; the k-space shape
+then depends on the grid, and every sum over k-space -- power spectra, priors,
+``real_vdot``, kernel gradients -- counts the modes ``0 < kz < nc[2] / 2``
+twice and the padding zero times); (b) the layout ``kx`` on ``col``, ``ky`` on
+``row``, ``kz`` local (half axis), with the padding internal to the operation
+and a third, half-size all-to-all (0.75x the bytes). Both change the k-space
+contract of every caller (kernels, power, ics, lpt, reconstruct, the
+fft-demo), so they belong in one change with those modules.
 
 Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
 ---------------------------------------------------------------------------

@@ -250,6 +250,11 @@ R* fw(R* p) {
 
 // Work per panel: about this many bytes, so that a panel stays in cache.
 constexpr i64 kPanelBytes = 1 << 17;
+// Row stride of the panel buffers: `block` + kPanelPad elements. A power-of-two
+// stride (block = 64 or 128 columns at n = 256 or 128) maps a column's elements to a
+// few cache sets; 2 more (rows stay 16-byte aligned) made the strided transforms
+// 1.5-2.6x faster at n = 128 and 256 here (complex64, 1 thread), no change at 192.
+constexpr i64 kPanelPad = 2;
 // Below this many values the thread pool costs more than it saves.
 constexpr i64 kMinParallel = 1 << 15;
 
@@ -348,15 +353,16 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   const i64 block =
       std::min(inner, std::max<i64>(4, kPanelBytes / (len * static_cast<i64>(sizeof(In)))));
   const i64 blocks = (inner + block - 1) / block;
+  const i64 ld = block + kPanelPad;  // row stride of the panel buffers
   const i64 units = outer * blocks;
   const int panel_kind = kind == kC2R ? kC2RDestroy : kind;
   const i64 buf_in_len = fold ? m : in_len;  // rows FFTW reads
   const bool same_buffer = kind == kC2C;
   auto work = [&](int64_t begin, int64_t end) {
-    In* buf_in = static_cast<In*>(F::malloc(sizeof(In) * buf_in_len * block));
+    In* buf_in = static_cast<In*>(F::malloc(sizeof(In) * buf_in_len * ld));
     Out* buf_out =
         same_buffer ? reinterpret_cast<Out*>(buf_in)
-                    : static_cast<Out*>(F::malloc(sizeof(Out) * out_len * block));
+                    : static_cast<Out*>(F::malloc(sizeof(Out) * out_len * ld));
     for (i64 u = begin; u < end && ok; ++u) {
       const i64 o = u / blocks, b0 = (u % blocks) * block, bc = std::min(block, inner - b0);
       const In* src = in + o * in_len * inner + b0;
@@ -364,14 +370,14 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
         for (i64 k = 0; k < m; ++k) {
           const In* a = src + k * inner;
           const In* b = src + ((n - k) % n) * inner;
-          In* row = buf_in + k * block;
+          In* row = buf_in + k * ld;
           for (i64 i = 0; i < bc; ++i) row[i] = R(0.5) * (a[i] + conj_of(b[i]));
         }
       } else {
         for (i64 j = 0; j < in_len; ++j)
-          std::memcpy(buf_in + j * block, src + j * inner, sizeof(In) * bc);
+          std::memcpy(buf_in + j * ld, src + j * inner, sizeof(In) * bc);
       }
-      Piece p{n, buf_in_len, out_len, block, 1, bc};
+      Piece p{n, buf_in_len, out_len, ld, 1, bc};
       void* plan = get_plan<R>(panel_kind, sign, p, fw<R>(buf_in), fw<R>(buf_out));
       if (!plan) {
         ok = false;
@@ -380,13 +386,13 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
       F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf_in), fw<R>(buf_out));
       if (fill)
         for (i64 k = m; k < n; ++k) {
-          Out* row = buf_out + k * block;
-          const Out* mirror = buf_out + (n - k) * block;
+          Out* row = buf_out + k * ld;
+          const Out* mirror = buf_out + (n - k) * ld;
           for (i64 i = 0; i < bc; ++i) row[i] = conj_of(mirror[i]);
         }
       Out* dst = out + o * out_len * inner + b0;
       for (i64 j = 0; j < out_len; ++j) {
-        Out* row = buf_out + j * block;
+        Out* row = buf_out + j * ld;
         if (normalized)
           for (i64 i = 0; i < bc; ++i) row[i] *= s;
         std::memcpy(dst + j * inner, row, sizeof(Out) * bc);
