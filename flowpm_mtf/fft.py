@@ -384,7 +384,46 @@ def _reflect(t, axes):
     return t
 
 
-def hermitian_extend(t, n, axis, reflect):
+def _pack(t, blocks, axis):
+    """``[.., L, ..] -> [blocks, .., L / blocks, ..]``: block ``j`` of ``axis`` first."""
+    shape = t.shape.as_list()
+    split = shape[:axis] + [blocks, shape[axis] // blocks] + shape[axis + 1:]
+    perm = [axis] + [i for i in range(len(split)) if i != axis]
+    return tf.transpose(tf.reshape(t, split), perm)
+
+
+def _unpack(t, axis):
+    """Inverse of :func:`_pack` (``axis`` of the unpacked tensor)."""
+    shape = t.shape.as_list()
+    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
+    merged = shape[1:axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2:]
+    return tf.reshape(tf.transpose(t, perm), merged)
+
+
+def _hermitian(t, n, axis, reflect, fold, blocks, block_axis):
+    ndims = t.shape.ndims - (1 if fold and blocks > 1 else 0)  # logical rank
+    if not -ndims <= axis < ndims:
+        raise ValueError("axis %r out of range for a tensor of rank %d" % (axis, ndims))
+    axis %= ndims
+    block_axis = -1 if blocks == 1 else block_axis % ndims
+    y = native.load("fft_ops").flowpm_hermitian(
+        t, n=int(n), axis=axis, reflect=[a % ndims for a in reflect], fold=fold,
+        blocks=int(blocks), block_axis=block_axis)
+    if blocks > 1:  # the shape function leaves packed shapes unknown
+        shape = t.shape.as_list()
+        if fold:
+            shape = shape[1:]
+            shape[block_axis] *= blocks
+            shape[axis] = n // 2 + 1
+        else:
+            shape[axis] = n
+            shape[block_axis] //= blocks
+            shape = [blocks] + shape
+        y.set_shape(shape)
+    return y
+
+
+def hermitian_extend(t, n, axis, reflect, blocks=1, block_axis=None):
     """Full spectrum (``n`` modes along ``axis``) of a real field from its half.
 
     Parameters
@@ -397,6 +436,11 @@ def hermitian_extend(t, n, axis, reflect):
     axis : int
     reflect : sequence of int
         The other Fourier axes (their indices are negated in the mirror modes).
+    blocks : int
+        With ``blocks > 1``, write the result packed for an all-to-all: split
+        ``block_axis`` (before ``axis``) into ``blocks`` blocks and put the block
+        index first, ``[blocks, .., L / blocks, ..]`` (no extra pass).
+    block_axis : int, optional
 
     Returns
     -------
@@ -405,12 +449,10 @@ def hermitian_extend(t, n, axis, reflect):
         ``conj(t[-reflect, n - k])``. Native op ``FlowpmHermitian`` (one pass);
         CPU only (see :func:`uses_native`).
     """
-    return native.load("fft_ops").flowpm_hermitian(t, n=int(n), axis=_axis(t, axis),
-                                                   reflect=[_axis(t, a) for a in reflect],
-                                                   fold=False)
+    return _hermitian(t, n, axis, reflect, False, blocks, block_axis)
 
 
-def hermitian_fold(t, n, axis, reflect):
+def hermitian_fold(t, n, axis, reflect, blocks=1, block_axis=None):
     """Hermitian part of a spectrum, half of it kept (``n // 2 + 1`` modes along ``axis``).
 
     Parameters
@@ -421,6 +463,11 @@ def hermitian_fold(t, n, axis, reflect):
     axis : int
     reflect : sequence of int
         The other Fourier axes.
+    blocks : int
+        With ``blocks > 1``, ``t`` is packed (see :func:`hermitian_extend`; e.g. the
+        pieces received from an all-to-all): ``axis``, ``reflect`` and
+        ``block_axis`` refer to the unpacked tensor, which is returned.
+    block_axis : int, optional
 
     Returns
     -------
@@ -430,27 +477,30 @@ def hermitian_fold(t, n, axis, reflect):
         along ``axis``) is the real part of the inverse transform of ``t``.
         Native op ``FlowpmHermitian``; CPU only.
     """
-    return native.load("fft_ops").flowpm_hermitian(t, n=int(n), axis=_axis(t, axis),
-                                                   reflect=[_axis(t, a) for a in reflect],
-                                                   fold=True)
+    return _hermitian(t, n, axis, reflect, True, blocks, block_axis)
 
 
 # Gradients of FlowpmHermitian (R-linear: conj has the gradient conj(dy) in TF's
 # convention). With k' = (n - k) mod n and sigma the reflection of ``reflect``:
 #   extend: grad x[k] = dy[k] + [k' >= m] conj(dy[sigma, k']),  k < m;
-#   fold:   grad x[k] = (dy0[k] + conj(dy0[sigma, k'])) / 2,  dy0 = dy zero-padded to n.
+#   fold:   grad x[k] = (dy0[k] + conj(dy0[sigma, k'])) / 2,  dy0 = dy zero-padded to n;
+# packed (blocks > 1) extend: dy unpacked first; packed fold: the gradient packed.
 # Built from TF ops (FFT3DOperation never differentiates them: its gradient is another
 # FFT3DOperation); tested by dot-product tests in tests/test_native_fft.py.
 @tf.RegisterGradient("FlowpmHermitian")
 def _hermitian_grad(op, dy):
     n, axis = op.get_attr("n"), op.get_attr("axis")
+    blocks, block_axis = op.get_attr("blocks"), op.get_attr("block_axis")
     axes = list(op.get_attr("reflect")) + [axis]
     m = n // 2 + 1
     if op.get_attr("fold"):
         pad = [[0, 0]] * dy.shape.ndims
         pad[axis] = [0, n - m]
         dy0 = tf.pad(dy, pad)
-        return 0.5 * (dy0 + tf.math.conj(_reflect(dy0, axes)))
+        g = 0.5 * (dy0 + tf.math.conj(_reflect(dy0, axes)))
+        return _pack(g, blocks, block_axis) if blocks > 1 else g
+    if blocks > 1:
+        dy = _unpack(dy, block_axis)
     mask = ((n - np.arange(m)) % n >= m).astype(np.float64)
     mask = tf.constant(mask.reshape((-1,) + (1,) * (dy.shape.ndims - axis - 1)), dy.dtype)
     mirror = tf.math.conj(_reflect(dy, axes))
@@ -586,6 +636,15 @@ class FFT3DOperation(mtf.Operation):
                 (not self._inverse and not x.dtype.is_complex)
                 or (self._inverse and self._real_output)):
             half = "outer" if trivial(a) else "middle"
+        # Exchange on a (split ky, concat x, or the reverse) with the pack fused into
+        # hermitian_extend (forward) and the unpack into hermitian_fold (inverse):
+        # needs a MeshImpl that exchanges laid-out pieces (``alltoall_pieces``, e.g.
+        # HvdSimdMeshImpl) and x as the leading axis (the pieces then concatenate
+        # along x for free). Saves a transpose of the full field per exchange.
+        pieces = getattr(mesh_impl, "alltoall_pieces", None)
+        fused = half == "middle" and pieces is not None and pos[0] == 0 and pos[1] < pos[2]
+        blocks = mesh_impl.shape[a].size if fused else 1
+        packed = dict(blocks=blocks, block_axis=pos[1]) if fused else {}
 
         def first(t):
             if half and not self._inverse:  # rfft: nz // 2 + 1 modes
@@ -601,10 +660,10 @@ class FFT3DOperation(mtf.Operation):
 
         def middle(t):
             if half == "middle" and self._inverse:
-                t = hermitian_fold(t, nz, pos[2], [pos[1]])
+                t = hermitian_fold(t, nz, pos[2], [pos[1]], **packed)
             t = one_d(t, pos[1])
             if half == "middle" and not self._inverse:
-                t = hermitian_extend(t, nz, pos[2], [pos[1]])
+                t = hermitian_extend(t, nz, pos[2], [pos[1]], **packed)
             return t
 
         def last(t):
@@ -627,6 +686,14 @@ class FFT3DOperation(mtf.Operation):
         def exchange(t, mesh_axis, split, concat):
             if trivial(mesh_axis):
                 return t
+            if fused and mesh_axis == a:  # pieces laid out by extend / read by fold
+                if self._inverse:  # split x, the leading axis: pieces = a reshape
+                    t = mesh_impl.slicewise(
+                        lambda u: tf.reshape(u, [blocks, -1] + u.shape.as_list()[1:]), t)
+                    return pieces(t, mesh_axis)
+                t = pieces(t, mesh_axis)  # [blocks, x / blocks, ..]: concatenated along x
+                return mesh_impl.slicewise(
+                    lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), t)
             return mesh_impl.alltoall(t, mesh_axis, split, concat)
 
         t = mesh_impl.slicewise(first, t)

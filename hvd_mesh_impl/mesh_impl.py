@@ -512,9 +512,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         send = tf.reshape(wire, [n, a * s * b] if a == 1 else [a, n, s * b])
         if a > 1:
             send = tf.reshape(tf.transpose(send, [1, 0, 2]), [n, a * s * b])
-        recv = self._issue("alltoall", hvd.alltoall, send,
-                           process_set=self._axis_sets[mesh_axis])
-        self._record("alltoall", recv)
+        recv = self._exchange_pieces(send, mesh_axis)
         # recv [n, piece] (in the order of the source rank), each piece of the wire shape
         # with split_axis reduced to s; concatenating along concat_axis is the inverse
         # block transpose [n, c, d] -> [c, n, d] (c: the piece's axes before
@@ -528,6 +526,43 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
         new_shape[split_axis] = s
         new_shape[concat_axis] *= n
         return self.LaidOutTensor([back(tf.reshape(recv, new_shape))])
+
+    def _exchange_pieces(self, send, mesh_axis):
+        """Row ``j`` of ``send`` (``[n, ...]``, wire dtype) to rank ``j`` along the axis;
+        the rows received, in the order of the source rank."""
+        recv = self._issue("alltoall", hvd.alltoall, send, process_set=self._axis_sets[mesh_axis])
+        self._record("alltoall", recv)
+        return recv
+
+    def alltoall_pieces(self, x, mesh_axis):
+        """Exchange pieces that are already laid out: ``x[j]`` goes to rank ``j``.
+
+        The building block of :meth:`alltoall` for callers that write the send
+        buffer in this layout themselves (e.g. fused into the op before the exchange,
+        see ``flowpm_mtf.fft.FFT3DOperation``) and read the received pieces directly.
+
+        Parameters
+        ----------
+        x : LaidOutTensor
+            Slice of shape ``[n, ...]``, ``n`` the size of ``mesh_axis``.
+        mesh_axis : int
+
+        Returns
+        -------
+        LaidOutTensor
+            Shape ``[n, ...]``: row ``i`` is the piece rank ``i`` sent to this rank.
+        """
+        t = x.to_laid_out_tensor().one_slice
+        n = self.shape[mesh_axis].size
+        shape = t.shape.as_list()
+        if not shape or shape[0] != n:
+            raise ValueError("alltoall_pieces: the slice must have a leading axis of %d pieces, "
+                             "got shape %s" % (n, shape))
+        if n == 1:
+            return self.LaidOutTensor([t])
+        wire, back = _to_wire(t)
+        recv = self._exchange_pieces(tf.reshape(wire, [n, -1]), mesh_axis)
+        return self.LaidOutTensor([back(tf.reshape(recv, wire.shape))])
 
     def receive(self, x, mesh_axis, source_pcoord):
         """Each rank receives the slice of rank ``source_pcoord[own pcoord]`` along the axis.

@@ -286,6 +286,51 @@ def test_hermitian_gradients_adjoint(shape, axis, reflect):
         assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (name, lhs, rhs)
 
 
+# Packed layouts (blocks > 1): (shape, half axis, reflect, blocks, block axis).
+PACKED_CASES = [((4, 6, 8), 2, [1], 2, 1), ((4, 6, 7), 2, [0, 1], 3, 1),
+                ((6, 4, 5, 2), 2, [0, 3], 2, 0), ((6, 4, 5, 2), 2, [0, 3], 4, 1)]
+
+
+def _np_pack(a, blocks, axis):
+    shape = a.shape[:axis] + (blocks, a.shape[axis] // blocks) + a.shape[axis + 1:]
+    return np.moveaxis(a.reshape(shape), axis, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("shape,axis,reflect,blocks,block_axis", PACKED_CASES)
+def test_hermitian_packed(shape, axis, reflect, blocks, block_axis):
+    """extend with blocks writes the packed layout of extend; fold with blocks reads it;
+    both adjoint to their gradients (dot-product test, float64)."""
+    rng = np.random.RandomState(blocks + block_axis)
+    n, m = shape[axis], shape[axis] // 2 + 1
+    half = list(shape)
+    half[axis] = m
+
+    def cplx(s):
+        return rng.randn(*s) + 1j * rng.randn(*s)
+
+    xe, xf = cplx(half), cplx(shape)
+    kw = dict(blocks=blocks, block_axis=block_axis)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        te, tf_ = tf.constant(xe), tf.constant(_np_pack(xf, blocks, block_axis))
+        pe = fft.hermitian_extend(te, n, axis, reflect, **kw)
+        pf = fft.hermitian_fold(tf_, n, axis, reflect, **kw)
+        ref_e = fft.hermitian_extend(te, n, axis, reflect)
+        ref_f = fft.hermitian_fold(tf.constant(xf), n, axis, reflect)
+        ye, yf = cplx(pe.shape.as_list()), cplx(pf.shape.as_list())
+        grads = []
+        for x, y in ((te, ye), (tf_, yf)):
+            out = pe if x is te else pf
+            loss = tf.reduce_sum(tf.math.real(tf.math.conj(out) * tf.constant(y)))
+            grads.append(tf.gradients(loss, [x])[0])
+        pe, pf, ref_e, ref_f, ge, gf = run([pe, pf, ref_e, ref_f] + grads)
+    assert np.array_equal(pe, _np_pack(ref_e, blocks, block_axis))
+    assert np.array_equal(pf, ref_f)
+    for ax, y, x, g in ((pe, ye, xe, ge), (pf, yf, _np_pack(xf, blocks, block_axis), gf)):
+        lhs, rhs = _real_dot(ax, y), _real_dot(x, g)
+        assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (lhs, rhs)
+
+
 @needs_native
 def test_native_concurrent_planning():
     """Many first-time plans of different shapes in one run, on 2 inter-op threads:

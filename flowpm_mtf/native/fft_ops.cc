@@ -555,15 +555,36 @@ class HermitianOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("n", &n_));
     OP_REQUIRES_OK(c, c->GetAttr("reflect", &reflect_));
     OP_REQUIRES_OK(c, c->GetAttr("fold", &fold_));
+    OP_REQUIRES_OK(c, c->GetAttr("blocks", &blocks_));
+    OP_REQUIRES_OK(c, c->GetAttr("block_axis", &block_axis_));
     OP_REQUIRES(c, n_ >= 1, InvalidArgument("hermitian: the length n must be >= 1"));
+    OP_REQUIRES(c, blocks_ >= 1, InvalidArgument("hermitian: blocks must be >= 1"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     typedef std::complex<R> Cx;
     const Tensor& x = ctx->input(0);
-    checked_axis(ctx, axis_, x.shape());
+    // The logical input shape: with blocks > 1, fold reads the packed layout
+    // [blocks, ..., block_axis / blocks, ...]; extend writes it.
+    const bool packed = blocks_ > 1;
+    TensorShape ls = x.shape();
+    if (packed && fold_) {
+      OP_REQUIRES(ctx, ls.dims() >= 2 && ls.dim_size(0) == blocks_,
+                  InvalidArgument("hermitian: packed input needs a leading axis of ", blocks_));
+      ls.RemoveDim(0);
+    }
+    checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
-    const int rank = x.dims();
+    const int rank = ls.dims();
+    if (packed) {
+      OP_REQUIRES(ctx, block_axis_ >= 0 && block_axis_ < axis_,
+                  InvalidArgument("hermitian: block_axis ", block_axis_, " must precede axis ",
+                                  axis_));
+      if (fold_) ls.set_dim(block_axis_, ls.dim_size(block_axis_) * blocks_);
+      OP_REQUIRES(ctx, ls.dim_size(block_axis_) % blocks_ == 0,
+                  InvalidArgument("hermitian: block_axis of length ", ls.dim_size(block_axis_),
+                                  " is not divisible by ", blocks_, " blocks"));
+    }
     std::vector<bool> refl(rank, false);
     for (int a : reflect_) {
       OP_REQUIRES(ctx, a >= 0 && a < rank && a != axis_,
@@ -571,25 +592,42 @@ class HermitianOp : public OpKernel {
       refl[a] = true;
     }
     const i64 n = n_, m = n_ / 2 + 1, in_len = fold_ ? n : m, out_len = fold_ ? m : n;
-    OP_REQUIRES(ctx, x.dim_size(axis_) == in_len,
-                InvalidArgument("hermitian: axis ", axis_, " has length ", x.dim_size(axis_),
+    OP_REQUIRES(ctx, ls.dim_size(axis_) == in_len,
+                InvalidArgument("hermitian: axis ", axis_, " has length ", ls.dim_size(axis_),
                                 ", expected ", in_len, " for n = ", n));
-    TensorShape os = x.shape();
+    TensorShape os = ls;
     os.set_dim(axis_, out_len);
+    if (packed && !fold_) {
+      os.set_dim(block_axis_, os.dim_size(block_axis_) / blocks_);
+      os.InsertDim(0, blocks_);
+    }
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
     if (y->NumElements() == 0) return;
-    const std::vector<i64> so = reflected_index(x.shape(), 0, axis_, refl);
-    const std::vector<i64> si = reflected_index(x.shape(), axis_ + 1, rank, refl);
+    const std::vector<i64> so = reflected_index(ls, 0, axis_, refl);
+    const std::vector<i64> si = reflected_index(ls, axis_ + 1, rank, refl);
     const i64 outer = static_cast<i64>(so.size()), inner = static_cast<i64>(si.size());
+    // Row (outer index) in the packed layout of each logical outer index.
+    std::vector<i64> po;
+    if (packed) {
+      po.resize(outer);
+      i64 after = 1;  // the outer axes after block_axis
+      for (int d = block_axis_ + 1; d < axis_; ++d) after *= ls.dim_size(d);
+      const i64 len = ls.dim_size(block_axis_), sb = len / blocks_, per = outer / blocks_;
+      for (i64 o = 0; o < outer; ++o) {
+        const i64 lo = o % after, ib = (o / after) % len, hi = o / (after * len);
+        po[o] = (ib / sb) * per + (hi * sb + ib % sb) * after + lo;
+      }
+    }
     const Cx* in = x.flat<Cx>().data();
     Cx* out = y->flat<Cx>().data();
     const bool fold = fold_;
     auto work = [&](i64 o0, i64 o1) {
       for (i64 o = o0; o < o1; ++o) {
-        const Cx* src = in + o * in_len * inner;
-        const Cx* mir = in + so[o] * in_len * inner;
-        Cx* dst = out + o * out_len * inner;
+        const bool pin = packed && fold, pout = packed && !fold;
+        const Cx* src = in + (pin ? po[o] : o) * in_len * inner;
+        const Cx* mir = in + (pin ? po[so[o]] : so[o]) * in_len * inner;
+        Cx* dst = out + (pout ? po[o] : o) * out_len * inner;
         if (inner == 1) {  // the usual case (the half axis last): contiguous rows
           if (fold) {
             dst[0] = R(0.5) * (src[0] + std::conj(mir[0]));
@@ -626,6 +664,7 @@ class HermitianOp : public OpKernel {
   ::tensorflow::int64 n_;
   std::vector<int> reflect_;
   bool fold_;
+  ::tensorflow::int64 blocks_, block_axis_;
 };
 
 // ---------------------------------------------------------------- registration
@@ -715,13 +754,20 @@ REGISTER_OP("FlowpmHermitian")
     .Attr("axis: int")
     .Attr("reflect: list(int) = []")
     .Attr("fold: bool")
+    .Attr("blocks: int = 1")
+    .Attr("block_axis: int = -1")
     .SetShapeFn([](InferenceContext* c) {
       int axis;
-      ::tensorflow::int64 n;
+      ::tensorflow::int64 n, blocks;
       bool fold;
-      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
       TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("fold", &fold));
+      TF_RETURN_IF_ERROR(c->GetAttr("blocks", &blocks));
+      if (blocks > 1) {  // packed layouts (checked by the kernel)
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
+      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
       if (!c->RankKnown(c->input(0))) {
         c->set_output(0, c->UnknownShape());
         return ::tensorflow::OkStatus();
