@@ -11,7 +11,7 @@
 //   FlowpmFftC2r(x: complex, n, axis, normalized) -> real, n along axis
 //       unnormalised inverse of the Hermitian extension (imaginary parts of the
 //       zero and Nyquist modes ignored), times c: numpy.fft.irfft when normalized
-//   FlowpmHermitian(x: complex, n, axis, reflect, fold) -> complex
+//   FlowpmHermitian(x: complex, n, axis, reflect, fold, blocks, block_axis) -> complex
 //       Between the half (m = n // 2 + 1 modes) and the full (n modes) spectrum along
 //       `axis` of a field whose other Fourier axes are `reflect` (indices taken mod
 //       their length; the remaining axes are positions, not reflected). With sigma
@@ -20,6 +20,9 @@
 //           the spectrum of a real field from its half (exact for such a field);
 //         fold=true (n -> m): y[k] = (x[k] + conj(x[sigma, k'])) / 2, the Hermitian
 //           part, whose inverse transform is the real part of x's (k < m kept).
+//       With blocks > 1 the full-spectrum side is packed for an all-to-all: block_axis
+//       (before `axis`) split into `blocks` blocks, the block index first
+//       ([blocks, .., L / blocks, ..]); extend writes it, fold reads it.
 //       One pass over the data, on the intra-op pool; the gradients (Python side) are
 //       built from TensorFlow ops.
 //
