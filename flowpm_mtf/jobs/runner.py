@@ -44,7 +44,7 @@ import resource
 import statistics
 import time
 
-from .. import checkpoint, domain, h5dist, io
+from .. import allocator, checkpoint, domain, h5dist, io
 from ..errors import CapacityError
 from ..logs import rank0_only
 
@@ -425,6 +425,7 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     timings["total_s"] = ctx.elapsed()
     summary = {key: cfg.to_dict() for key, cfg in configs.items()}
     summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions(),
+                   allocator=allocator.active(),
                    memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
     if resume:
         summary["resumed"] = True
