@@ -148,27 +148,11 @@ def _real_dot(a, b):
     return np.sum(np.real(np.conj(a) * b))
 
 
-@needs_native
-@pytest.mark.parametrize("n", [30, 7, 96])
-def test_native_gradients_adjoint(n):
-    """<A x, y> = <x, A^T y> for every op (A^T y from tf.gradients), float64."""
-    rng = np.random.RandomState(n + 1)
-    shape = (4, n, 3)
-    m = n // 2 + 1
-    x_c = rng.randn(*shape) + 1j * rng.randn(*shape)
-    y_c = rng.randn(*shape) + 1j * rng.randn(*shape)
-    x_r, y_r = rng.randn(*shape), rng.randn(*shape)
-    x_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
-    y_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
+def _assert_adjoint(specs):
+    """<A x, y> = <x, A^T y> for each (name, A, x, y), A^T y from tf.gradients (float64)."""
+    cases = []
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        cases = []
-        for name, fn, x, y in (
-                ("fft", lambda t: fft.fft_along(t, 1), x_c, y_c),
-                ("ifft", lambda t: fft.fft_along(t, 1, inverse=True), x_c, y_c),
-                ("rfft", lambda t: fft.rfft_along(t, 1), x_r, y_h),
-                ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r),
-                ("fft_of_real", lambda t: fft.fft_of_real_along(t, 1), x_r, y_c),
-                ("ifft_real", lambda t: fft.ifft_real_part_along(t, 1), x_c, y_r)):
+        for name, fn, x, y in specs:
             xt, yt = tf.constant(x), tf.constant(y)
             ax = fn(xt)
             # loss = <A x, y> (real inner product): its gradient is A^T y
@@ -181,6 +165,27 @@ def test_native_gradients_adjoint(n):
         lhs, rhs = _real_dot(ax, y), _real_dot(x, aty)
         assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (name, lhs, rhs)
         assert aty.dtype == x.dtype, name
+
+
+@needs_native
+@pytest.mark.parametrize("n", [30, 7, 96])
+def test_native_gradients_adjoint(n):
+    """<A x, y> = <x, A^T y> for every op (A^T y from tf.gradients), float64."""
+    rng = np.random.RandomState(n + 1)
+    shape = (4, n, 3)
+    m = n // 2 + 1
+    x_c = rng.randn(*shape) + 1j * rng.randn(*shape)
+    y_c = rng.randn(*shape) + 1j * rng.randn(*shape)
+    x_r, y_r = rng.randn(*shape), rng.randn(*shape)
+    x_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
+    y_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
+    _assert_adjoint([
+        ("fft", lambda t: fft.fft_along(t, 1), x_c, y_c),
+        ("ifft", lambda t: fft.fft_along(t, 1, inverse=True), x_c, y_c),
+        ("rfft", lambda t: fft.rfft_along(t, 1), x_r, y_h),
+        ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r),
+        ("fft_of_real", lambda t: fft.fft_of_real_along(t, 1), x_r, y_c),
+        ("ifft_real", lambda t: fft.ifft_real_part_along(t, 1), x_c, y_r)])
 
 
 @needs_native
@@ -268,22 +273,9 @@ def test_hermitian_gradients_adjoint(shape, axis, reflect):
     def cplx(s):
         return rng.randn(*s) + 1j * rng.randn(*s)
 
-    cases = []
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        for name, fn, x, y in (
-                ("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect), cplx(half),
-                 cplx(shape)),
-                ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect), cplx(shape),
-                 cplx(half))):
-            xt, yt = tf.constant(x), tf.constant(y)
-            ax = fn(xt)
-            loss = tf.reduce_sum(tf.math.real(tf.math.conj(ax) * yt))
-            g, = tf.gradients(loss, [xt])
-            cases.append((name, x, y, ax, g))
-        out = run([(c[3], c[4]) for c in cases])
-    for (name, x, y, _, _), (ax, aty) in zip(cases, out):
-        lhs, rhs = _real_dot(ax, y), _real_dot(x, aty)
-        assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (name, lhs, rhs)
+    _assert_adjoint([
+        ("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect), cplx(half), cplx(shape)),
+        ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect), cplx(shape), cplx(half))])
 
 
 # Packed layouts (blocks > 1): (shape, half axis, reflect, blocks, block axis).
@@ -294,6 +286,11 @@ PACKED_CASES = [((4, 6, 8), 2, [1], 2, 1), ((4, 6, 7), 2, [0, 1], 3, 1),
 def _np_pack(a, blocks, axis):
     shape = a.shape[:axis] + (blocks, a.shape[axis] // blocks) + a.shape[axis + 1:]
     return np.moveaxis(a.reshape(shape), axis, 0)
+
+
+def _np_unpack(a, axis):
+    b = np.moveaxis(a, 0, axis)
+    return b.reshape(b.shape[:axis] + (b.shape[axis] * b.shape[axis + 1],) + b.shape[axis + 2:])
 
 
 @needs_native
@@ -309,26 +306,21 @@ def test_hermitian_packed(shape, axis, reflect, blocks, block_axis):
     def cplx(s):
         return rng.randn(*s) + 1j * rng.randn(*s)
 
-    xe, xf = cplx(half), cplx(shape)
+    xe, xf = cplx(half), _np_pack(cplx(shape), blocks, block_axis)
     kw = dict(blocks=blocks, block_axis=block_axis)
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        te, tf_ = tf.constant(xe), tf.constant(_np_pack(xf, blocks, block_axis))
-        pe = fft.hermitian_extend(te, n, axis, reflect, **kw)
-        pf = fft.hermitian_fold(tf_, n, axis, reflect, **kw)
-        ref_e = fft.hermitian_extend(te, n, axis, reflect)
-        ref_f = fft.hermitian_fold(tf.constant(xf), n, axis, reflect)
-        ye, yf = cplx(pe.shape.as_list()), cplx(pf.shape.as_list())
-        grads = []
-        for x, y in ((te, ye), (tf_, yf)):
-            out = pe if x is te else pf
-            loss = tf.reduce_sum(tf.math.real(tf.math.conj(out) * tf.constant(y)))
-            grads.append(tf.gradients(loss, [x])[0])
-        pe, pf, ref_e, ref_f, ge, gf = run([pe, pf, ref_e, ref_f] + grads)
+        te, tp = tf.constant(xe), tf.constant(xf)
+        out = run([fft.hermitian_extend(te, n, axis, reflect, **kw),
+                   fft.hermitian_fold(tp, n, axis, reflect, **kw),
+                   fft.hermitian_extend(te, n, axis, reflect),
+                   fft.hermitian_fold(tf.constant(_np_unpack(xf, block_axis)), n, axis, reflect)])
+    pe, pf, ref_e, ref_f = out
     assert np.array_equal(pe, _np_pack(ref_e, blocks, block_axis))
     assert np.array_equal(pf, ref_f)
-    for ax, y, x, g in ((pe, ye, xe, ge), (pf, yf, _np_pack(xf, blocks, block_axis), gf)):
-        lhs, rhs = _real_dot(ax, y), _real_dot(x, g)
-        assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), 1.0), (lhs, rhs)
+    _assert_adjoint([("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect, **kw), xe,
+                      cplx(pe.shape)),
+                     ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect, **kw), xf,
+                      cplx(pf.shape))])
 
 
 @needs_native
