@@ -49,7 +49,8 @@ from . import layout
 from . import cosmology as cosmo_mod
 from . import domain
 from . import fft, ics
-from .kernels import HESSIAN_PAIRS, make_kernels, neg_gradient_potential, potential_fields
+from .kernels import (HESSIAN_PAIRS, after, gradient_spec, hessian_spec, inverse_after,
+                      make_kernels, neg_gradient_potential, stack_xyz)
 from .painting import lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
@@ -201,18 +202,32 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
 
     def displacement(dk):
-        return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
+        return field_to_particles(neg_gradient_potential(dk, conf, kernels, sequential=True),
+                                  conf)
 
     if order == 1:
         return [displacement(delta_k)]
-    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex FFTs
-    grad, hess = potential_fields(delta_k, conf, kernels, HESSIAN_PAIRS)
-    diag, off = hess[:3], hess[3:]
-    source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
-    for phi in off:
-        source = source - phi * phi
-    return [field_to_particles(grad, conf),
-            displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
+    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex
+    # inverse FFTs (two fields each), one after the other, each pair consumed
+    # into the 2LPT source before the next starts: a batched transform of all
+    # five held ~10 complex fields at once (the ICs' peak). Same pairing and
+    # arithmetic as kernels.potential_fields, so the same values.
+    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    grad = [gradient_spec(kernels, d) for d in range(3)]
+    hess = {p: hessian_spec(kernels, *p, name="lpt_hessian") for p in HESSIAN_PAIRS}
+    yy, zz = inverse_after(pot, [hess[1, 1], hess[2, 2]], conf, name="lpt_fields_yy_zz")
+    gz, xx = inverse_after(pot, [grad[2], hess[0, 0]], conf, [yy, zz], name="lpt_fields_z_xx")
+    source = yy * zz + zz * xx + xx * yy
+    xy, yz = inverse_after(pot, [hess[0, 1], hess[1, 2]], conf, [source],
+                           name="lpt_fields_xy_yz")
+    source = source - xy * xy
+    source = source - yz * yz
+    zx, = inverse_after(pot, [hess[2, 0]], conf, [source], name="lpt_fields_zx")
+    source = source - zx * zx
+    gx, gy = inverse_after(pot, [grad[0], grad[1]], conf, [source], name="lpt_fields_x_y")
+    psi1 = field_to_particles(stack_xyz([gx, gy, gz], "lpt_psi1"), conf)
+    source = after(source, [gx, gy], name="lpt2_source_after")    # pot is free by then
+    return [psi1, displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 
 
 def lpt_coefficients(conf, a, order=None):
