@@ -51,6 +51,7 @@ import tensorflow.compat.v1 as tf
 from . import config as cfg
 from . import layout
 from . import fft
+from .ordering import after
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
            "packed_inverse", "after", "gradient_spec", "hessian_spec", "inverse_after",
@@ -155,44 +156,6 @@ def stack_xyz(components, name):
 def unstack_xyz(t):
     """Split a tensor along its ``xyz`` dimension into a list of 3 tensors."""
     return mtf.unstack(t, t.shape.get_dim_by_name(cfg.XYZ))
-
-
-def after(t, deps, name="after"):
-    """``t`` itself (a TF identity, no copy), evaluated only after the ops of ``deps``.
-
-    Orders memory-heavy work: the consumers of the result start only once
-    ``deps`` are computed (e.g. one inverse FFT after the previous one's
-    fields were consumed), so TensorFlow does not hold the intermediates of
-    several of them at once. The gradient is the identity for ``t`` and none
-    for ``deps``.
-
-    Parameters
-    ----------
-    t : mtf.Tensor
-    deps : sequence of mtf.Tensor or None
-        Tensors (any shape on the same mesh) to compute first; None entries
-        are ignored.
-    name : str, optional
-
-    Returns
-    -------
-    mtf.Tensor
-        Same value, shape and dtype as ``t``.
-    """
-    deps = [d for d in deps if d is not None]
-    if not deps:
-        return t
-
-    def fn(x, *ds):
-        with tf.control_dependencies([d.op for d in ds]):
-            return tf.identity(x)
-
-    dims = []
-    for u in [t] + deps:
-        dims += [d for d in u.shape.dims if d not in dims]
-    return mtf.slicewise(fn, [t] + deps, output_shape=t.shape, output_dtype=t.dtype,
-                         splittable_dims=dims,
-                         grad_function=lambda op, dy: [dy] + [None] * len(deps), name=name)
 
 
 def packed_inverse(specs, conf, groups, name="packed_inverse"):

@@ -49,9 +49,10 @@ from . import layout
 from . import cosmology as cosmo_mod
 from . import domain
 from . import fft, ics
-from .kernels import (HESSIAN_PAIRS, after, gradient_spec, hessian_spec, inverse_after,
+from .ordering import after
+from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       make_kernels, neg_gradient_potential, stack_xyz)
-from .painting import lattice
+from .painting import displace_lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
            "particles_to_lattice_order", "lpt_coefficients"]
@@ -260,7 +261,7 @@ def lpt_coefficients(conf, a, order=None):
     return coef
 
 
-def lpt_init(linear, conf, a=None, order=None, forces=True):
+def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
 
     Parameters
@@ -277,6 +278,8 @@ def lpt_init(linear, conf, a=None, order=None, forces=True):
         False: no LPT force (``forces`` is None), for a caller that replaces
         it by the PM force (:func:`flowpm_mtf.timeloop.initial_state`); the
         eulerian migration then carries one field fewer.
+    kernels : flowpm_mtf.kernels.Kernels, optional
+        Shared with the caller's PM force (built here if None).
 
     Returns
     -------
@@ -295,25 +298,28 @@ def lpt_init(linear, conf, a=None, order=None, forces=True):
     """
     a = conf.a_start if a is None else float(a)
     order = conf.lpt_order if order is None else int(order)
-    psis = lpt_displacements(linear, conf, order)
+    psis = lpt_displacements(linear, conf, order, kernels)
     coef = lpt_coefficients(conf, a, order)
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
-    def combine(key):
+    def combine(key, deps):
         out = None
         for c, psi in zip(coef[key], psis):
-            term = psi * np.asarray(c, conf.np_dtype).item()
+            term = after(psi, deps, name="lpt_after") * np.asarray(c, conf.np_dtype).item()
             out = term if out is None else out + term
         return out
 
-    dx, p = combine("x"), combine("p")
-    fields = [p, combine("f")] if forces else [p]
-    q = lattice(conf, linear.mesh)
-    ids = domain.lattice_ids(conf, linear.mesh)
-    if conf.decomposition == "lagrangian":
-        return State(q + dx, p, fields[1] if forces else None, ids)
-    x = domain.pad_particles(q + dx, conf)
-    fields = [domain.pad_particles(t, conf) for t in fields]
+    # One full-size result at a time (each waits for the previous one), and the
+    # data-independent lattice and ids only when they are needed.
+    lagrangian = conf.decomposition == "lagrangian"
+    pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
+    x = pad(displace_lattice(combine("x", ()), conf))
+    fields = []
+    for key in ("p", "f") if forces else ("p",):
+        fields.append(pad(combine(key, [fields[-1] if fields else x])))
+    ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
+    if lagrangian:
+        return State(x, fields[0], fields[1] if forces else None, ids)
     ids = domain.pad_particles(ids, conf, value=-1)
     disp = domain.lpt_displacement_cells(conf, a)
     rounds = domain.migration_rounds(conf, disp)
