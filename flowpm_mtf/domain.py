@@ -49,7 +49,8 @@ rows):
 4. *merge*, one field at a time: the leavers' slots are zeroed and the
    received rows scatter-added into their slots (``tensor_scatter_nd_add``,
    which TensorFlow runs in place on the zeroed copy). No tensor of the whole
-   buffer times all fields exists: each field is rebuilt on its own, so a
+   buffer times all fields exists: each field is rebuilt on its own, and each
+   merge waits for the previous one (:func:`flowpm_mtf.ordering.after`), so a
    round holds at most one extra copy of a field ``[slots, 3]`` and the small
    send buffers.
 
