@@ -19,5 +19,5 @@ setup(
     package_data={"flowpm_mtf": ["memory_model.json"]},
     install_requires=_reqs + ["psutil>=5.9"],
     extras_require={"horovod": ["horovod==0.28.1"], "test": ["pytest>=7.4", "pytest-timeout>=2.2"]},
-    entry_points={"console_scripts": ["flowpm-mtf=flowpm_mtf.cli:main"]},
+    entry_points={"console_scripts": ["flowpm-mtf=flowpm_mtf.cli:entry"]},
 )

@@ -370,5 +370,22 @@ def report_error(exc, args, verbose):
     return 1
 
 
+def entry():
+    """The ``flowpm-mtf`` command: start under the chosen memory allocator, then :func:`main`.
+
+    :func:`flowpm_mtf.allocator.ensure` re-executes the process once with the
+    environment of ``FLOWPM_MTF_ALLOCATOR`` (before MPI, Horovod or TensorFlow
+    are loaded); an unknown mode is a one-line error (exit 2) on every rank.
+    """
+    from . import allocator
+
+    try:
+        allocator.ensure()
+    except allocator.AllocatorError as e:
+        sys.stderr.write("flowpm-mtf: error: %s\n" % e)
+        return 2
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

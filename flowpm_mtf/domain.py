@@ -101,6 +101,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
+from . import native
 from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
 
@@ -316,9 +317,19 @@ def _below(s, dtype):
 
 
 def _wrap_fn(axes, sizes):
-    """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block)."""
+    """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block).
+
+    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/cic_ops.cc``) does it
+    in one pass over the positions, in place, with the same float operations as the
+    TensorFlow path below (which unstacks, wraps and restacks the coordinates: ~3 % of
+    a 256^3 step); its gradient is the identity, as the caller's ``grad_function``.
+    """
 
     def fn(x):
+        lib = native.load("cic_ops")
+        if lib is not None and x.dtype in (tf.float32, tf.float64) and native.runs_on_cpu(x):
+            return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
+                                             for ax in range(3)])
         cols = tf.unstack(x, axis=-1)
         for ax in axes:
             s = tf.cast(sizes[ax], x.dtype)
@@ -329,6 +340,12 @@ def _wrap_fn(axes, sizes):
         return tf.stack(cols, axis=-1)
 
     return fn
+
+
+@tf.RegisterGradient("FlowpmWrap")
+def _wrap_grad(op, dy):
+    """The wrap is a translation by a whole period: its gradient is the identity."""
+    return dy
 
 
 def _send_fn(axis, s, m, n_fields):

@@ -23,7 +23,8 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
     (white noise, 2LPT, the first PM force) on their first run, as a job runs
     them (``ics_s``), and warm (``ics_warm_s``, a second run); the median warm
     step [s] (steps 2..); the round trip ``c2r(r2c(rho))`` of the distributed FFT
-    (median of 5 after a warm-up); peak resident memory per rank [MB].
+    (median of 5 after a warm-up); peak resident memory per rank [MB]. Under the host
+    allocator of the jobs (:mod:`flowpm_mtf.allocator`, tcmalloc by default; recorded).
 ``jaxpm``
     JaxPM 0.1.6 from PyPI, in its own virtualenv created here
     (``results/tmp/venv-jaxpm``: ``pip install jaxpm==0.1.6 packaging``; JaxPM
@@ -112,7 +113,20 @@ def simulation_graph_class():
     return SimulationGraph
 
 
+def start_allocator():
+    """Re-execute under the host allocator of ``flowpm-mtf`` (:mod:`flowpm_mtf.allocator`,
+    before TensorFlow loads), so ours is timed as a job runs; the mode in effect, or
+    ``"tf"`` for a revision without the module."""
+    try:
+        from flowpm_mtf import allocator
+    except ImportError:
+        return "tf"
+    allocator.ensure()
+    return allocator.active()
+
+
 def cmd_ours(args):
+    mode = start_allocator()
     import mesh_tensorflow as mtf
     import numpy as np
     import tensorflow.compat.v1 as tf
@@ -132,7 +146,7 @@ def cmd_ours(args):
     impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
     rec = {"peer": "ours", "nc": args.nc, "ranks": size, "grid": list(conf.grid),
            "halo": conf.halo_size, "n_steps": conf.n_steps,
-           "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto")}
+           "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto"), "allocator": mode}
     comm.Barrier()
     t0 = time.perf_counter()
     graph = mtf.Graph()

@@ -28,6 +28,8 @@ command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++   >/dev/null 2>&1 || need_apt+=(g++)
 [ -f /usr/include/fftw3.h ]        || need_apt+=(libfftw3-dev)  # native FFT op; mpi4py-fft (benchmark)
 command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck) # tests/test_batch_scripts.py
+ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 \
+  || need_apt+=(libtcmalloc-minimal4)                          # default host allocator (flowpm_mtf/allocator.py)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
     log "missing system packages: ${need_apt[*]}; install them (needs root) and re-run"; exit 1

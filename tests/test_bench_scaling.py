@@ -98,3 +98,21 @@ def test_quick_configs_are_small():
         assert np.prod(c["nc"]) <= 32 ** 3
     name, c = bs.config_for("largest", argparse.Namespace(quick=False, nc=512, ranks=2))
     assert name == "largest-512-np2" and c["grid"] == (2, 1) and c["nc"] == (512,) * 3
+
+
+def test_other_allocator_records_get_their_own_tables_and_stay_out_of_the_fit():
+    records = {n: _record(n) for n in bs.CONFIGS}
+    lean = {n + "@lean": dict(_record(n), peak_mb_per_rank=[1.0e4] * bs.CONFIGS[n]["ranks"])
+            for n in ("weak-1", "weak-4")}
+    data = {"records": dict(records, **lean)}
+    data["model"] = bs.fit_model(bs.allocator_groups(data["records"]).get(None, {}))
+    for k, v in TRUE.items():   # the lean records (10 GB) did not enter the fit
+        assert data["model"][k] == pytest.approx(v, rel=FIT_RTOL)
+    md = bs.render(data, quick=False)
+    head, lean_part = md.split("### Host allocator `FLOWPM_MTF_ALLOCATOR=lean`")
+    assert "#### Weak scaling" in head and "#### Weak scaling" in lean_part
+    assert "| weak-4 | 4 | 2x2 |" in lean_part.split("#### Breakdown")[0]
+    assert "| 10000 |" in lean_part.split("#### Breakdown")[0]   # the lean peaks
+    assert "| weak-4@lean |" in md                      # breakdown rows keep the key
+    assert bs.split_key("weak-4@lean") == ("weak-4", "lean")
+    assert bs.record_key("weak-4", bs.default_allocator()) == "weak-4"

@@ -258,3 +258,23 @@ def test_device_and_dtype_choice():
         assert painting._native_ops(cpu, pinned) is not None
         assert painting._native_ops(cpu, gpu) is None
         assert painting._native_ops(half) is None
+
+
+def test_escaped_count_per_block_independent_of_threads():
+    """The parallel count (shards cross block boundaries) equals a numpy count per block
+    on 1 and 4 threads."""
+    from flowpm_mtf import native
+
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(7)
+    h, (sx, sy, _) = CONF.halo_size, CONF.block_shape
+    pos = rng.uniform(-h - 1.5, max(sx, sy) + h + 0.5, (NB, 20011, 3))
+    pos[1, ::97, 2] = np.nan
+    ok = ((pos[..., 0] >= -h) & (pos[..., 0] < sx + h - 1) & (pos[..., 1] >= -h)
+          & (pos[..., 1] < sy + h - 1) & np.isfinite(pos[..., 2]))
+    with tf.Graph().as_default():
+        c = lib.flowpm_cic_escaped(tf.constant(pos), halo=h, sx=sx, sy=sy)
+        one, many = run(c, threads=1), run(c, threads=4)
+    np.testing.assert_array_equal(one, (~ok).sum(axis=1))
+    np.testing.assert_array_equal(many, one)
+    assert one.min() > 0

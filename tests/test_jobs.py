@@ -165,3 +165,47 @@ def test_session_config_switches_grappler_off_unless_asked(backend, monkeypatch)
     assert session_config(backend).graph_options.rewrite_options.disable_meta_optimizer
     monkeypatch.setenv("FLOWPM_MTF_GRAPPLER", "1")
     assert not session_config(backend).graph_options.rewrite_options.disable_meta_optimizer
+
+
+def _folded(config):
+    """Whether TF folded a constant subgraph into a constant when running it."""
+    import tensorflow.compat.v1 as tf
+
+    with tf.Graph().as_default():
+        x = tf.cast(tf.range(1000), tf.float32) * 2.0 + 1.0
+        md = tf.RunMetadata()
+        with tf.Session(config=config) as sess:
+            val = sess.run(x, options=tf.RunOptions(output_partition_graphs=True),
+                           run_metadata=md)
+    np.testing.assert_array_equal(val, np.arange(1000) * 2.0 + 1.0)
+    ops = [n.op for g in md.partition_graphs for n in g.node]
+    return "Range" not in ops and "Mul" not in ops   # folded into one Const
+
+
+@pytest.mark.parametrize("backend", ["hvd", "placement"])
+def test_session_config_switches_constant_folding_off_unless_asked(backend, monkeypatch):
+    """The executor's constant folding (L1) held folded slice-size kernels and slowed the
+    first run: off by default, back with FLOWPM_MTF_GRAPPLER=1."""
+    from flowpm_mtf.backend import session_config
+
+    monkeypatch.delenv("FLOWPM_MTF_GRAPPLER", raising=False)
+    assert not _folded(session_config(backend))
+    monkeypatch.setenv("FLOWPM_MTF_GRAPPLER", "1")
+    assert _folded(session_config(backend))
+
+
+def test_peak_memory_survives_the_phase_resets():
+    """The run's peak [MB] is kept across ``clear_refs`` resets of the kernel's counter
+    (which also lower what ``ru_maxrss`` reports afterwards)."""
+    from flowpm_mtf.jobs import runner
+
+    if runner._phase_peak_mb() is None:
+        pytest.skip("no /proc/self/status VmHWM on this system")
+    base = runner.current_memory_mb()
+    big = np.ones(300 * 2**20 // 8)   # 300 MB touched, then freed
+    held = runner.current_memory_mb()
+    del big
+    runner._reset_phase_peak()
+    assert runner._phase_peak_mb() < held - 200    # the counter was reset ...
+    assert runner.peak_memory_mb() >= held - 1     # ... the peak was not lost
+    assert held > base + 250

@@ -44,7 +44,7 @@ import resource
 import statistics
 import time
 
-from .. import checkpoint, domain, h5dist, io
+from .. import allocator, checkpoint, domain, h5dist, io
 from ..errors import CapacityError
 from ..logs import rank0_only
 
@@ -55,9 +55,21 @@ __all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_mem
 log = rank0_only(logging.getLogger(__name__))
 
 
+_PEAK_BEFORE_RESET = [0.0]
+"""The largest ``VmHWM`` [MB] seen at a reset of the kernel's peak counter."""
+
+
 def peak_memory_mb():
-    """Peak resident memory of this process [MB] (``ru_maxrss``)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Peak resident memory of this process [MB] since it started.
+
+    ``ru_maxrss`` alone is not enough: resetting the kernel's peak counter
+    (:meth:`RunContext.mark`, ``clear_refs 5``) also lowers what ``ru_maxrss``
+    reports afterwards (Linux takes the larger of the reset counter and the
+    peaks recorded at thread exits), so the peak seen at each reset is kept.
+    """
+    phase = _phase_peak_mb() or 0.0
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, phase,
+               _PEAK_BEFORE_RESET[0])
 
 
 def current_memory_mb():
@@ -83,6 +95,7 @@ def _phase_peak_mb():
 
 def _reset_phase_peak():
     """Reset the kernel's peak-RSS counter of this process (Linux >= 4.0: clear_refs 5)."""
+    _PEAK_BEFORE_RESET[0] = peak_memory_mb()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -412,6 +425,7 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     timings["total_s"] = ctx.elapsed()
     summary = {key: cfg.to_dict() for key, cfg in configs.items()}
     summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions(),
+                   allocator=allocator.active(),
                    memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
     if resume:
         summary["resumed"] = True

@@ -14,6 +14,8 @@
 //       to the positions, and (field = upstream gradient, dv = weights) of the paint.
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
+//   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
+//       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
 //
 // The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
 // particle at block-local (x, y, z) [cells] touches the padded cells
@@ -36,7 +38,9 @@
 // per-thread copies of the field, and the sums do not depend on the thread
 // count; the scans cost n * threads reads, so the slab count is capped.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <vector>
 #include <cstdint>
 #include <cstring>
 
@@ -443,27 +447,94 @@ class CicEscapedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb}), &out));
     const T* P = pos.flat<T>().data();
     auto O = out->flat<int32_t>();
-    // floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1)
+    // floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1) (integer bounds); NaN and
+    // +-inf fail a comparison, a non-finite z is tested on its own.
     const T lox = T(-halo_), hix = T(sx_ + halo_ - 1);
     const T loy = T(-halo_), hiy = T(sy_ + halo_ - 1);
-    for (i64 b = 0; b < nb; ++b) {
+    std::vector<std::atomic<int64_t>> counts(nb);
+    for (auto& c : counts) c = 0;
+    auto work = [&](int64_t begin, int64_t end) {
+      i64 b = begin / n;
       int64_t count = 0;
-      const T* pb = P + b * n * 3;
-      for (i64 p = 0; p < n; ++p) {
-        const T* q = pb + 3 * p;
-        const bool ok = finite3(q) && std::floor(q[0]) >= lox && std::floor(q[0]) < hix &&
-                        std::floor(q[1]) >= loy && std::floor(q[1]) < hiy;
+      for (i64 i = begin; i < end; ++i) {
+        if (i / n != b) {
+          counts[b] += count;
+          count = 0;
+          b = i / n;
+        }
+        const T* q = P + 3 * i;
+        const bool ok = q[0] >= lox && q[0] < hix && q[1] >= loy && q[1] < hiy &&
+                        std::isfinite(q[2]);
         count += !ok;
       }
-      O(b) = static_cast<int32_t>(std::min<int64_t>(count, INT32_MAX));
-    }
+      if (end > begin) counts[b] += count;
+    };
+    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
+                        nb * n, 12, work);
+    for (i64 b = 0; b < nb; ++b)
+      O(b) = static_cast<int32_t>(std::min<int64_t>(counts[b].load(), INT32_MAX));
   }
 
  private:
   i64 halo_, sx_, sy_;
 };
 
+// ------------------------------------------------------------------ wrap
+// FlowpmWrap(positions [..., 3], sizes [3]) -> positions wrapped into [0, s) along
+// every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.domain's TensorFlow path
+// computes it, operation for operation (the same float results):
+//   w = x - s * floor(x / s); w += s if w < 0; w -= s if w >= s; w = min(w, below(s))
+// with below(s) the largest float below s. In place when TensorFlow forwards the
+// input; parallel over particles.
+template <typename T>
+class WrapOp : public OpKernel {
+ public:
+  explicit WrapOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::vector<float> s;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &s));
+    OP_REQUIRES(ctx, s.size() == 3, InvalidArgument("FlowpmWrap: sizes must have 3 values"));
+    for (int a = 0; a < 3; ++a) {
+      OP_REQUIRES(ctx, s[a] >= 0, InvalidArgument("FlowpmWrap: negative size"));
+      size_[a] = T(s[a]);
+      below_[a] = std::nextafter(size_[a], T(0));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pos = ctx->input(0);
+    OP_REQUIRES(ctx, pos.dims() >= 1 && pos.dim_size(pos.dims() - 1) == 3,
+                InvalidArgument("FlowpmWrap: positions must be [..., 3], got ",
+                                pos.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, pos.shape(), &out));
+    const i64 n = pos.NumElements() / 3;
+    const T* P = pos.flat<T>().data();
+    T* O = out->flat<T>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 i = begin; i < end; ++i)
+        for (int a = 0; a < 3; ++a) {
+          const T x = P[3 * i + a];
+          const T s = size_[a];
+          if (s == T(0)) {
+            O[3 * i + a] = x;
+            continue;
+          }
+          T w = x - s * std::floor(x / s);
+          if (w < T(0)) w = w + s;
+          if (w >= s) w = w - s;
+          O[3 * i + a] = std::min(w, below_[a]);
+        }
+    };
+    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
+                        n, 30, work);
+  }
+
+ private:
+  T size_[3], below_[3];
+};
+
 }  // namespace
+
 
 REGISTER_OP("FlowpmCicPaint")
     .Input("positions: T")
@@ -503,6 +574,16 @@ REGISTER_OP("FlowpmCicEscaped")
     .Attr("sy: int >= 1")
     .SetShapeFn(escaped_shape);
 
+REGISTER_OP("FlowpmWrap")
+    .Input("positions: T")
+    .Output("wrapped: T")
+    .Attr("T: {float, double}")
+    .Attr("sizes: list(float)")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    });
+
 #define REGISTER_CIC(T)                                                                     \
   REGISTER_KERNEL_BUILDER(                                                                  \
       Name("FlowpmCicPaint").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicPaintOp<T>);    \
@@ -512,7 +593,9 @@ REGISTER_OP("FlowpmCicEscaped")
       Name("FlowpmCicReadoutGradPos").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
       CicReadoutGradPosOp<T>);                                                              \
   REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmCicEscaped").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicEscapedOp<T>);
+      Name("FlowpmCicEscaped").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicEscapedOp<T>); \
+  REGISTER_KERNEL_BUILDER(Name("FlowpmWrap").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
+                          WrapOp<T>);
 
 REGISTER_CIC(float);
 REGISTER_CIC(double);
