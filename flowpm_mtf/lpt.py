@@ -318,6 +318,9 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     for key in ("p", "f") if forces else ("p",):
         fields.append(pad(combine(key, [fields[-1] if fields else x])))
     ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
+    # What uses the positions (the migration, a PM force) waits for the other results
+    # too: psi1, psi2 are freed first.
+    x = after(x, fields + [ids], name="lpt_after")
     if lagrangian:
         return State(x, fields[0], fields[1] if forces else None, ids)
     ids = domain.pad_particles(ids, conf, value=-1)
