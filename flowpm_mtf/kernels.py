@@ -398,6 +398,9 @@ def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
     :func:`hessian_potential` from one potential, packed two per complex
     inverse FFT in one batched transform (9 fields: 5 complex transforms
     instead of 9 real-output ones); what 2LPT needs from the linear modes.
+    :func:`flowpm_mtf.lpt.lpt_displacements` computes the same fields with
+    the same pairing one transform at a time (:func:`inverse_after`), which
+    holds far less memory than this batched form.
 
     Parameters
     ----------
