@@ -159,21 +159,56 @@ def _fold_axis(k):
     return np.unique(np.abs(k), return_inverse=True)
 
 
-def _amplitude_numpy(kx, ky, kz, pk, factor, dtype):
-    """``sqrt(factor * P(|k|))`` on the outer grid of 1-d k slices, 0 at ``k = 0``.
+def _radial_numpy(kx, ky, kz, values, dtype):
+    """``values(|k|)`` on the distinct ``(|kx|, |ky|, |kz|)`` of 1-d k slices.
 
-    ``P`` is evaluated once per distinct ``(|kx|, |ky|, |kz|)`` (about 1/8 of the
-    cells of a full-spectrum slice: ``+k`` and ``-k`` give the same ``|k|``), then
-    gathered to the slice; the values are those of an evaluation in every cell,
-    bit for bit (``(-k)^2 == k^2``).
+    Returns the kernel on the grid of distinct values (about 1/8 of the cells of a
+    full-spectrum slice: ``+k`` and ``-k`` give the same ``|k|``), 0 at ``k = 0``,
+    and per axis the index of each entry of the slice among them (int32): gathered
+    along the three axes (:func:`radial_kernel`) they give the values of an
+    evaluation in every cell, bit for bit (``(-k)^2 == k^2``).
     """
     (ux, ix), (uy, iy), (uz, iz) = _fold_axis(kx), _fold_axis(ky), _fold_axis(kz)
     k2 = ux[:, None, None]**2 + uy[None, :, None]**2 + uz[None, None, :]**2
     k = np.sqrt(k2)
     small = np.zeros(k.shape, np.float64)
     pos = k > 0
-    small[pos] = np.sqrt(factor * pk(k[pos]))
-    return small.astype(dtype)[np.ix_(ix, iy, iz)]
+    small[pos] = values(k[pos])
+    return (small.astype(dtype), ix.astype(np.int32), iy.astype(np.int32),
+            iz.astype(np.int32))
+
+
+def radial_kernel(conf, mesh, values, name):
+    """Real k-space kernel ``values(|k|)`` [whatever ``values`` gives], 0 at ``k = 0``.
+
+    Each processor evaluates ``values`` (numpy in, numpy out, ``|k|`` [h/Mpc] > 0,
+    float64) once per distinct ``(|kx|, |ky|, |kz|)`` of its slice, at run time
+    (``tf.numpy_function``: no k-space constant in the graph), and expands the
+    result to the slice with TensorFlow gathers (multi-threaded), smallest first:
+    along z (1/4 of the cells), y (1/2), then x, which copies whole (y, z) planes.
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[kx, ky, kz]``, dtype ``conf.dtype``.
+    """
+    np_dtype = conf.np_dtype
+    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
+    shape = fft.k_shape(conf)
+
+    def fn(kx, ky, kz):
+        small, ix, iy, iz = tf.numpy_function(
+            lambda x, y, z: _radial_numpy(x, y, z, values, np_dtype),
+            [kx, ky, kz], [conf.tf_dtype, tf.int32, tf.int32, tf.int32], name=name + "_values")
+        small.set_shape([None, None, None])
+        out = tf.gather(small, tf.reshape(iz, [kz.shape[0]]), axis=2)
+        out = tf.gather(out, tf.reshape(iy, [ky.shape[0]]), axis=1)
+        out = tf.gather(out, tf.reshape(ix, [kx.shape[0]]), axis=0)
+        out.set_shape([kx.shape[0], ky.shape[0], kz.shape[0]])
+        return out
+
+    return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
+                         splittable_dims=shape.dims, grad_function=0, name=name)
 
 
 def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
@@ -196,19 +231,7 @@ def linear_amplitude(conf, mesh, power=None, a=1.0, name="linear_amplitude"):
     """
     pk = power_function(conf, power, a)
     factor = conf.n_cells / float(np.prod(conf.box_size))
-    np_dtype = conf.np_dtype
-    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
-    shape = fft.k_shape(conf)
-
-    def fn(kx, ky, kz):
-        out = tf.numpy_function(
-            lambda x, y, z: _amplitude_numpy(x, y, z, pk, factor, np_dtype),
-            [kx, ky, kz], conf.tf_dtype, name="power_spectrum_amplitude")
-        out.set_shape([kx.shape[0], ky.shape[0], kz.shape[0]])
-        return out
-
-    return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
-                         splittable_dims=shape.dims, grad_function=0, name=name)
+    return radial_kernel(conf, mesh, lambda k: np.sqrt(factor * pk(k)), name)
 
 
 def linear_modes(conf, mesh, power=None, a=1.0, noise=None, name="linear_modes"):

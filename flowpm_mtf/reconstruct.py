@@ -50,7 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import domain, fft, gravity, ics, layout, lpt, nbody, power
+from . import domain, fft, gravity, ics, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
@@ -183,14 +183,6 @@ def forward_model(linear, conf, forward="lpt"):
     raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, forward))
 
 
-def _inverse_amplitude_numpy(kx, ky, kz, pk, volume, dtype):
-    k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
-    out = np.zeros(k.shape, np.float64)
-    pos = k > 0
-    out[pos] = np.sqrt(volume / pk(k[pos]))
-    return out.astype(dtype)
-
-
 def inverse_power_kernel(conf, mesh, power_fn=None, name="inverse_power_kernel"):
     r"""Real k-space kernel :math:`\sqrt{V / P(|\mathbf k|)}`, zero at ``k = 0``.
 
@@ -213,19 +205,7 @@ def inverse_power_kernel(conf, mesh, power_fn=None, name="inverse_power_kernel")
     """
     pk = ics.power_function(conf, power_fn, a=1.0)
     volume = float(np.prod(conf.box_size))
-    np_dtype = conf.np_dtype
-    kvecs = layout.kvec_tensors(conf, mesh, tf.float64, name)
-    shape = fft.k_shape(conf)
-
-    def fn(kx, ky, kz):
-        out = tf.numpy_function(
-            lambda x, y, z: _inverse_amplitude_numpy(x, y, z, pk, volume, np_dtype),
-            [kx, ky, kz], conf.tf_dtype, name="inverse_power")
-        out.set_shape([kx.shape[0], ky.shape[0], kz.shape[0]])
-        return out
-
-    return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
-                         splittable_dims=shape.dims, grad_function=0, name=name)
+    return ics.radial_kernel(conf, mesh, lambda k: np.sqrt(volume / pk(k)), name)
 
 
 def prior_chi2(linear, conf, kernel=None, name="prior_chi2"):
