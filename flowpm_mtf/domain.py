@@ -166,10 +166,13 @@ def capacity(conf):
     ``conf.capacity`` if set; the lattice count ``sx sy nz`` for the lagrangian
     decomposition or a single block; otherwise the lattice count times
     ``1.05 + k sigma``, with ``sigma`` the linear density rms of a sphere with a
-    block's volume at ``conf.a_end`` and ``k = min(4, 1 + sqrt(2 ln B))`` for
-    ``B`` blocks (the expected largest of B Gaussian draws, plus one sigma), bounded
-    by the total particle count, rounded up to a multiple of 64. Measured (200
-    Mpc/h, 64^3 on 2x1, a = 1): fullest block 1.07x the mean, capacity 1.20x.
+    block's volume at ``conf.a_end`` and ``k = min(4, sqrt(2 ln B))`` for ``B``
+    blocks (about the expected largest of B Gaussian draws), bounded by the total
+    particle count, rounded up to a multiple of 64. Measured fullest blocks at
+    a = 1 against this capacity: 1.07x the mean for 1.13x (200 Mpc/h, 64^3 on
+    2x1), 1.04x for 1.13x (400x400x200 Mpc/h, 256x256x128 on 2x2), 1.26x for
+    1.59x (64 Mpc/h, 128^3 on 2x2); the block counts fluctuate less than the
+    linear sphere's (the blocks tile the box: their counts sum to the total).
     An underestimate is caught before any loss and retried with a larger one.
     """
     npb = conf.particles_per_block
@@ -177,7 +180,7 @@ def capacity(conf):
         return conf.capacity
     if conf.decomposition == "lagrangian" or conf.n_ranks == 1:
         return npb
-    k = min(CAPACITY_SIGMAS, 1.0 + math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
+    k = min(CAPACITY_SIGMAS, math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
     factor = CAPACITY_MARGIN + k * _sigma_block(conf, conf.a_end)
     return int(min(conf.n_particles, 64 * math.ceil(npb * factor / 64)))
 
