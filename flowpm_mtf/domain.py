@@ -49,7 +49,8 @@ rows):
 4. *merge*, one field at a time: the leavers' slots are zeroed and the
    received rows scatter-added into their slots (``tensor_scatter_nd_add``,
    which TensorFlow runs in place on the zeroed copy). No tensor of the whole
-   buffer times all fields exists: each field is rebuilt on its own, so a
+   buffer times all fields exists: each field is rebuilt on its own, and each
+   merge waits for the previous one (:func:`flowpm_mtf.ordering.after`), so a
    round holds at most one extra copy of a field ``[slots, 3]`` and the small
    send buffers.
 
@@ -102,6 +103,7 @@ import tensorflow.compat.v1 as tf
 from . import config as cfg
 from . import native
 from .errors import CapacityError, ConfigError, ParticleEscapeError
+from .ordering import after
 
 __all__ = ["CHECK_MESSAGE", "STATS", "capacity", "send_capacity", "migration_rounds",
            "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
@@ -164,10 +166,13 @@ def capacity(conf):
     ``conf.capacity`` if set; the lattice count ``sx sy nz`` for the lagrangian
     decomposition or a single block; otherwise the lattice count times
     ``1.05 + k sigma``, with ``sigma`` the linear density rms of a sphere with a
-    block's volume at ``conf.a_end`` and ``k = min(4, 1 + sqrt(2 ln B))`` for
-    ``B`` blocks (the expected largest of B Gaussian draws, plus one sigma), bounded
-    by the total particle count, rounded up to a multiple of 64. Measured (200
-    Mpc/h, 64^3 on 2x1, a = 1): fullest block 1.07x the mean, capacity 1.20x.
+    block's volume at ``conf.a_end`` and ``k = min(4, sqrt(2 ln B))`` for ``B``
+    blocks (about the expected largest of B Gaussian draws), bounded by the total
+    particle count, rounded up to a multiple of 64. Measured fullest blocks at
+    a = 1 against this capacity: 1.07x the mean for 1.13x (200 Mpc/h, 64^3 on
+    2x1), 1.04x for 1.13x (400x400x200 Mpc/h, 256x256x128 on 2x2), 1.26x for
+    1.59x (64 Mpc/h, 128^3 on 2x2); the block counts fluctuate less than the
+    linear sphere's (the blocks tile the box: their counts sum to the total).
     An underestimate is caught before any loss and retried with a larger one.
     """
     npb = conf.particles_per_block
@@ -175,7 +180,7 @@ def capacity(conf):
         return conf.capacity
     if conf.decomposition == "lagrangian" or conf.n_ranks == 1:
         return npb
-    k = min(CAPACITY_SIGMAS, 1.0 + math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
+    k = min(CAPACITY_SIGMAS, math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
     factor = CAPACITY_MARGIN + k * _sigma_block(conf, conf.a_end)
     return int(min(conf.n_particles, 64 * math.ceil(npb * factor / 64)))
 
@@ -232,12 +237,13 @@ def id_dtype(conf):
 
 
 # ----------------------------------------------------------------------------- ids
-def lattice_ids(conf, mesh):
+def lattice_ids(conf, mesh, deps=()):
     """Global ids of the lattice particles of every block, ``[bx, by, npart]``.
 
     The id of the particle that starts at global cell ``(i, j, k)`` is
     ``(i ny + j) nz + k`` (row-major; FlowPM's particle order), in the slot
     order of :func:`flowpm_mtf.painting.lattice`; dtype :func:`id_dtype`.
+    Built only after ``deps`` (:func:`flowpm_mtf.ordering.after`), if given.
     """
     (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
     ny = conf.nc[1]
@@ -247,7 +253,7 @@ def lattice_ids(conf, mesh):
                     mtf.Dimension(cfg.Z, nz))
     gx = mtf.range(mesh, bx, dtype=dt) * sx + mtf.range(mesh, dsx, dtype=dt)   # [bx, sx]
     gy = mtf.range(mesh, by, dtype=dt) * sy + mtf.range(mesh, dsy, dtype=dt)   # [by, sy]
-    ids = (gx * ny + gy) * nz + mtf.range(mesh, dz, dtype=dt)
+    ids = (after(gx, deps) * ny + gy) * nz + mtf.range(mesh, dz, dtype=dt)
     ids = mtf.transpose(ids, mtf.Shape([bx, by, dsx, dsy, dz]))
     return mtf.reshape(ids, mtf.Shape([bx, by, mtf.Dimension(cfg.NPART, sx * sy * nz)]))
 
@@ -359,7 +365,7 @@ def _send_fn(axis, s, m, n_fields):
         nb = nbx * nby
         lo, hi = _leaving(x, ids, axis, s)
         flat = [tf.reshape(t, [nb * c, 3]) for t in [x] + fields]
-        flat_ids = tf.reshape(tf.cast(ids, tf.int64), [nb * c])
+        flat_ids = tf.reshape(ids, [nb * c])     # cast only the gathered rows (no int64 copy)
         out = []
         for sel, shift in ((lo, s), (hi, -s)):
             src, _ = _rows_of(tf.reshape(sel, [nb, c]), m, nb)
@@ -373,7 +379,7 @@ def _send_fn(axis, s, m, n_fields):
             pos = tf.where_v2(ok, pos, tf.zeros_like(pos))
             cols[0] = tf.concat([cols[0][..., :axis], pos[..., None], cols[0][..., axis + 1:]],
                                 axis=-1)
-            i = tf.where_v2(ok, tf.gather(flat_ids, at), tf.zeros([], tf.int64))
+            i = tf.where_v2(ok, tf.cast(tf.gather(flat_ids, at), tf.int64), tf.zeros([], tf.int64))
             idc = tf.stack([i // _ID_SPLIT, i % _ID_SPLIT, tf.cast(ok, tf.int64)], axis=-1)
             cols.append(tf.cast(idc, x.dtype))
             out.append(tf.concat(cols, axis=-1))
@@ -404,7 +410,8 @@ def _plan_fn(axis, s):
                          exclusive=True)
         target = tf.gather(slot, rank, batch_dims=1)
         target = tf.where_v2(tf.reshape(rvalid, [nb, rows]) & (target >= 0), target, 0)
-        count = lambda t: tf.reduce_sum(tf.cast(t, tf.float64), -1)   # noqa: E731
+        # exact int32 counts (no float64 copy of the slots), then float64
+        count = lambda t: tf.cast(tf.reduce_sum(tf.cast(t, tf.int32), -1), tf.float64)  # noqa: E731
         stats = tf.stack([tf.maximum(count(lo), count(hi)), count(keep) + count(rvalid),
                           count(lo | hi)], axis=-1)
         return keep, tf.reshape(target, [nbx, nby, rows]), stats
@@ -433,9 +440,11 @@ def _merge_ids_fn(ids, recv, keep, target):
     rid = (tf.cast(tf.round(recv[..., -3]), tf.int64) * _ID_SPLIT
            + tf.cast(tf.round(recv[..., -2]), tf.int64))
     rid = tf.where_v2(recv[..., -1] > 0.5, rid + 1, 0)             # +1: an unused row adds 0
-    out = tf.reshape(tf.where_v2(keep, tf.cast(ids, tf.int64) + 1, 0), [-1])
+    # In the ids' own dtype (int32 below 2**31 particles: no int64 copy of the slots).
+    rid = tf.cast(rid, ids.dtype)
+    out = tf.reshape(tf.where_v2(keep, ids + 1, tf.zeros([], ids.dtype)), [-1])
     out = tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), tf.reshape(rid, [-1])) - 1
-    return tf.cast(tf.reshape(out, ids.shape), ids.dtype)
+    return tf.reshape(out, ids.shape)
 
 
 def _count_fn(stat, sizes=None):
@@ -601,10 +610,16 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
                 output_dtype=[tf.bool, tf.int32, tf.float64], splittable_dims=bdims,
                 grad_function=0, name=tag + "_plan")
             rstats.append(st)
-            x, *fields = [_local(_merge_fn(3 * k), [f, recv, keep, target], f.shape,
-                                 "%s_merge%d" % (tag, k), n_int=2)
-                          for k, f in enumerate([x] + fields)]
-            ids = mtf.slicewise(_merge_ids_fn, [ids, recv, keep, target], output_shape=ids.shape,
+            # One field at a time (each merge waits for the previous one): the old
+            # and new buffers of one field only are live together.
+            merged = []
+            for k, f in enumerate([x] + fields):
+                merged.append(_local(_merge_fn(3 * k), [after(f, merged[-1:], tag + "_after"),
+                                                        recv, keep, target],
+                                     f.shape, "%s_merge%d" % (tag, k), n_int=2))
+            x, *fields = merged
+            ids = mtf.slicewise(_merge_ids_fn, [after(ids, merged[-1:], tag + "_after"), recv,
+                                                keep, target], output_shape=ids.shape,
                                 output_dtype=ids.dtype, splittable_dims=bdims, grad_function=0,
                                 name=tag + "_merge_ids")
     zeros = mtf.zeros(x.mesh, mtf.Shape([bx, by]), dtype=tf.float64)

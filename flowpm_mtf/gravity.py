@@ -76,7 +76,9 @@ def pm_forces(positions, conf, kernels=None, weight=None):
         kernels = make_kernels(conf, positions.mesh)
     rho = density(positions, conf, weight)
     delta_k = fft.r2c(rho, conf, name="force_r2c")
-    grad = neg_gradient_potential(delta_k, conf, kernels)            # [x, y, z, xyz]
+    # [x, y, z, xyz]; the two packed transforms one after the other (half the
+    # live spectra and all-to-all buffers of a batched pair).
+    grad = neg_gradient_potential(delta_k, conf, kernels, sequential=True)
     # The three components in one readout: one stencil, one halo fill.
     force = cic_readout(field_to_padded(grad, conf, fill=False), positions, conf,
                         name="force_readout")

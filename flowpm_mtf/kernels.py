@@ -51,10 +51,12 @@ import tensorflow.compat.v1 as tf
 from . import config as cfg
 from . import layout
 from . import fft
+from .ordering import after
 
 __all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
-           "packed_inverse", "neg_gradient_potential", "hessian_potential", "potential_fields",
-           "HESSIAN_PAIRS", "unstack_xyz"]
+           "packed_inverse", "after", "gradient_spec", "hessian_spec", "inverse_after",
+           "neg_gradient_potential", "hessian_potential", "potential_fields",
+           "HESSIAN_PAIRS", "stack_xyz", "unstack_xyz"]
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +148,8 @@ def make_kernels(conf, mesh):
     return Kernels(inverse_laplace_kernel(conf, mesh), grad, grad_cells)
 
 
-def _stack_xyz(components, name):
+def stack_xyz(components, name):
+    """Stack 3 tensors along a new last dimension ``xyz`` (e.g. ``[x, y, z]`` -> ``[x, y, z, xyz]``)."""
     return mtf.stack(components, cfg.XYZ, axis=components[0].shape.ndims, name=name)
 
 
@@ -256,7 +259,57 @@ def _hessian_specs(pot, kernels, pairs, name):
     return specs
 
 
-def neg_gradient_potential(delta_k, conf, kernels, packed=True):
+def gradient_spec(kernels, d):
+    """Spec builder (see :func:`inverse_after`) of the ``-d_d phi`` component [cells]."""
+    return lambda pot: (pot, kernels.grad_cells[d], 1j)
+
+
+def hessian_spec(kernels, i, j, name="hessian"):
+    """Spec builder (see :func:`inverse_after`) of ``-d_i d_j phi`` [dimensionless].
+
+    The same operations as :func:`hessian_potential`'s components (the first
+    derivative is rebuilt per use instead of being shared: one elementwise
+    product, and no complex field kept between transforms).
+    """
+    return lambda pot: (fft.apply_kernel(pot, kernels.grad[i], 1j, name="%s_grad_%d" % (name, i)),
+                        kernels.grad[j], 1j)
+
+
+def inverse_after(pot, builders, conf, deps=(), name="inverse_after"):
+    r"""One or two real fields of ``pot`` through one packed inverse FFT, after ``deps``.
+
+    For computing several fields one transform at a time (instead of one
+    batched transform of all of them, which holds every packed spectrum and
+    its all-to-all buffers at once): chain the calls through ``deps``.
+
+    Parameters
+    ----------
+    pot : mtf.Tensor
+        Complex ``[kx, ky, kz]`` potential (Hermitian).
+    builders : sequence of callable
+        One or two ``pot -> (field, kernel, phase)`` (:func:`gradient_spec`,
+        :func:`hessian_spec`): the specs of :func:`packed_inverse`.
+    conf : SimConfig
+    deps : sequence of mtf.Tensor, optional
+        The transform starts only after these are computed (:func:`after`).
+    name : str, optional
+
+    Returns
+    -------
+    list of mtf.Tensor
+        One real ``[x, y, z]`` field per builder, dtype ``conf.dtype``; equal
+        to the corresponding components of a batched :func:`packed_inverse`
+        with the same pairing.
+    """
+    if len(builders) not in (1, 2):
+        raise ValueError("inverse_after: one or two fields per transform, got %d"
+                         % len(builders))
+    pot = after(pot, deps, name=name + "_after")
+    return packed_inverse([b(pot) for b in builders], conf, [(None, 1)] * len(builders),
+                          name=name)
+
+
+def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False):
     r"""Real-space :math:`-\nabla\phi` [cells] for :math:`\nabla^2\phi = \delta`.
 
     The three components go through one batched inverse FFT: two complex
@@ -273,6 +326,11 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True):
     packed : bool, optional
         Two components per complex transform (default), or the real part of
         one transform per component (the same to rounding).
+    sequential : bool, optional
+        With ``packed``: the two complex transforms one after the other
+        (:func:`inverse_after`) instead of batched, so only one packed
+        spectrum and its all-to-all buffers are live at a time (the same
+        values; one more all-to-all round trip).
 
     Returns
     -------
@@ -282,6 +340,11 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True):
         ``apply_longrange`` before the readout.
     """
     pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
+    if packed and sequential:
+        first = inverse_after(pot, [gradient_spec(kernels, 0), gradient_spec(kernels, 1)], conf,
+                              name="grad_0")
+        last = inverse_after(pot, [gradient_spec(kernels, 2)], conf, first, name="grad_1")
+        return stack_xyz(first + last, "grad_stack")
     return _inverse_xyz(_gradient_specs(pot, kernels), conf, packed, "grad")
 
 
@@ -291,7 +354,7 @@ def _inverse_xyz(specs, conf, packed, name):
         return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name=name)[0]
     comps = [fft.apply_kernel(f, k, ph, name="%s_%d" % (name, n))
              for n, (f, k, ph) in enumerate(specs)]
-    return fft.c2r(_stack_xyz(comps, name + "_stack"), conf, name="c2r_" + name)
+    return fft.c2r(stack_xyz(comps, name + "_stack"), conf, name="c2r_" + name)
 
 
 def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
@@ -335,6 +398,9 @@ def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
     :func:`hessian_potential` from one potential, packed two per complex
     inverse FFT in one batched transform (9 fields: 5 complex transforms
     instead of 9 real-output ones); what 2LPT needs from the linear modes.
+    :func:`flowpm_mtf.lpt.lpt_displacements` computes the same fields with
+    the same pairing one transform at a time (:func:`inverse_after`), which
+    holds far less memory than this batched form.
 
     Parameters
     ----------

@@ -495,7 +495,8 @@ def lightcone_forward(linear, conf, geom):
                                       weight=domain.weights(state.ids, conf))
 
     state = timeloop.integrate(
-        timeloop.initial_state(lpt_init(linear, conf, a=stages[0], forces=False), conf, kernels),
+        timeloop.initial_state(lpt_init(linear, conf, a=stages[0], forces=False, kernels=kernels),
+                               conf, kernels),
         stages,
         lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels), [paint_planes])
     log.debug("lightcone_forward: %d stages, %d planes", stages.size, geom.n_planes)

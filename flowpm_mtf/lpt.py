@@ -49,8 +49,10 @@ from . import layout
 from . import cosmology as cosmo_mod
 from . import domain
 from . import fft, ics
-from .kernels import HESSIAN_PAIRS, make_kernels, neg_gradient_potential, potential_fields
-from .painting import lattice
+from .ordering import after
+from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
+                      make_kernels, neg_gradient_potential, stack_xyz)
+from .painting import displace_lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
            "particles_to_lattice_order", "lpt_coefficients"]
@@ -201,18 +203,32 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
 
     def displacement(dk):
-        return field_to_particles(neg_gradient_potential(dk, conf, kernels), conf)
+        return field_to_particles(neg_gradient_potential(dk, conf, kernels, sequential=True),
+                                  conf)
 
     if order == 1:
         return [displacement(delta_k)]
-    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex FFTs
-    grad, hess = potential_fields(delta_k, conf, kernels, HESSIAN_PAIRS)
-    diag, off = hess[:3], hess[3:]
-    source = diag[1] * diag[2] + diag[2] * diag[0] + diag[0] * diag[1]
-    for phi in off:
-        source = source - phi * phi
-    return [field_to_particles(grad, conf),
-            displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
+    # psi1 and the six second derivatives of phi1: 9 real fields, 5 complex
+    # inverse FFTs (two fields each), one after the other, each pair consumed
+    # into the 2LPT source before the next starts: a batched transform of all
+    # five held ~10 complex fields at once (the ICs' peak). Same pairing and
+    # arithmetic as kernels.potential_fields, so the same values.
+    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    grad = [gradient_spec(kernels, d) for d in range(3)]
+    hess = {p: hessian_spec(kernels, *p, name="lpt_hessian") for p in HESSIAN_PAIRS}
+    yy, zz = inverse_after(pot, [hess[1, 1], hess[2, 2]], conf, name="lpt_fields_yy_zz")
+    gz, xx = inverse_after(pot, [grad[2], hess[0, 0]], conf, [yy, zz], name="lpt_fields_z_xx")
+    source = yy * zz + zz * xx + xx * yy
+    xy, yz = inverse_after(pot, [hess[0, 1], hess[1, 2]], conf, [source],
+                           name="lpt_fields_xy_yz")
+    source = source - xy * xy
+    source = source - yz * yz
+    zx, = inverse_after(pot, [hess[2, 0]], conf, [source], name="lpt_fields_zx")
+    source = source - zx * zx
+    gx, gy = inverse_after(pot, [grad[0], grad[1]], conf, [source], name="lpt_fields_x_y")
+    psi1 = field_to_particles(stack_xyz([gx, gy, gz], "lpt_psi1"), conf)
+    source = after(source, [gx, gy], name="lpt2_source_after")    # pot is free by then
+    return [psi1, displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 
 
 def lpt_coefficients(conf, a, order=None):
@@ -245,7 +261,7 @@ def lpt_coefficients(conf, a, order=None):
     return coef
 
 
-def lpt_init(linear, conf, a=None, order=None, forces=True):
+def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
 
     Parameters
@@ -262,6 +278,8 @@ def lpt_init(linear, conf, a=None, order=None, forces=True):
         False: no LPT force (``forces`` is None), for a caller that replaces
         it by the PM force (:func:`flowpm_mtf.timeloop.initial_state`); the
         eulerian migration then carries one field fewer.
+    kernels : flowpm_mtf.kernels.Kernels, optional
+        Shared with the caller's PM force (built here if None).
 
     Returns
     -------
@@ -280,25 +298,31 @@ def lpt_init(linear, conf, a=None, order=None, forces=True):
     """
     a = conf.a_start if a is None else float(a)
     order = conf.lpt_order if order is None else int(order)
-    psis = lpt_displacements(linear, conf, order)
+    psis = lpt_displacements(linear, conf, order, kernels)
     coef = lpt_coefficients(conf, a, order)
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
-    def combine(key):
+    def combine(key, deps):
         out = None
         for c, psi in zip(coef[key], psis):
-            term = psi * np.asarray(c, conf.np_dtype).item()
+            term = after(psi, deps, name="lpt_after") * np.asarray(c, conf.np_dtype).item()
             out = term if out is None else out + term
         return out
 
-    dx, p = combine("x"), combine("p")
-    fields = [p, combine("f")] if forces else [p]
-    q = lattice(conf, linear.mesh)
-    ids = domain.lattice_ids(conf, linear.mesh)
-    if conf.decomposition == "lagrangian":
-        return State(q + dx, p, fields[1] if forces else None, ids)
-    x = domain.pad_particles(q + dx, conf)
-    fields = [domain.pad_particles(t, conf) for t in fields]
+    # One full-size result at a time (each waits for the previous one), and the
+    # data-independent lattice and ids only when they are needed.
+    lagrangian = conf.decomposition == "lagrangian"
+    pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
+    x = pad(displace_lattice(combine("x", ()), conf))
+    fields = []
+    for key in ("p", "f") if forces else ("p",):
+        fields.append(pad(combine(key, [fields[-1] if fields else x])))
+    ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
+    # What uses the positions (the migration, a PM force) waits for the other results
+    # too: psi1, psi2 are freed first.
+    x = after(x, fields + [ids], name="lpt_after")
+    if lagrangian:
+        return State(x, fields[0], fields[1] if forces else None, ids)
     ids = domain.pad_particles(ids, conf, value=-1)
     disp = domain.lpt_displacement_cells(conf, a)
     rounds = domain.migration_rounds(conf, disp)

@@ -32,6 +32,18 @@ _lock = threading.Lock()
 _process_sets = {}  # tuple(ranks) -> hvd.ProcessSet
 _exit = {"comm": None, "done": False}  # the exit barrier's communicator (a Dup), state
 
+FUSION_THRESHOLD_BYTES = 4 << 20
+"""Default of ``HOROVOD_FUSION_THRESHOLD`` set by :func:`init` [bytes] (Horovod's own: 128 MiB).
+
+Workaround of Horovod's memory use: the first time Horovod fuses two
+collectives (allreduce, allgather) it allocates a fusion buffer of the whole
+threshold through TensorFlow's allocator, and keeps it for the life of the
+process. With the default that is 128 MiB on every rank of a multi-rank run
+(measured: the largest single live buffer of the initial conditions on 2x2),
+while our fused collectives are scalars and P(k) bins. A collective larger
+than the threshold simply runs unfused, on its own buffers. A value already
+in the environment (e.g. ``HOROVOD_FUSION_THRESHOLD=134217728``) is kept."""
+
 EXIT_BARRIER_TIMEOUT_S = 1800.0
 """Default of ``FLOWPM_MTF_EXIT_TIMEOUT``: seconds a rank waits at exit for the others
 before it aborts the job (0: wait forever)."""
@@ -59,7 +71,8 @@ def init(comm=None):
     Notes
     -----
     When this call starts Horovod it also registers the exit barrier (module
-    docstring). ``FLOWPM_MTF_EXIT_BARRIER=0`` disables it (only to reproduce
+    docstring), and sets ``HOROVOD_FUSION_THRESHOLD`` to
+    :data:`FUSION_THRESHOLD_BYTES` unless it is set. ``FLOWPM_MTF_EXIT_BARRIER=0`` disables it (only to reproduce
     the exit race in tests).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -67,6 +80,8 @@ def init(comm=None):
         if not hvd.is_initialized():
             # Dynamic process sets let several meshes register their axes later.
             os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+            # Small fusion buffer (read by Horovod at init): FUSION_THRESHOLD_BYTES.
+            os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(FUSION_THRESHOLD_BYTES))
             hvd.init(comm=comm, process_sets="dynamic")  # registers hvd.shutdown at exit
             log.debug("horovod initialised: rank %d of %d", hvd.rank(), hvd.size())
             _register_exit_barrier(comm)

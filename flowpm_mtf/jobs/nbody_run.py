@@ -70,8 +70,8 @@ class SimulationGraph:
                                             else [float(a) for a in stages])
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
-        init = timeloop.initial_state(lpt.lpt_init(linear, conf, a=self.stages[0], forces=False), conf,
-                                      kernels)
+        init = timeloop.initial_state(lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
+                                                   kernels=kernels), conf, kernels)
         shape = init.positions.shape
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
