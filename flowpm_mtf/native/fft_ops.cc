@@ -75,6 +75,19 @@ typedef int64_t i64;
 enum Kind { kC2C = 0, kR2C = 1, kC2R = 2, kC2RDestroy = 3 };
 
 // ---------------------------------------------------------------- FFTW by precision
+// Work buffers (panels, Hermitian folds, planner scratch) start on a 64-byte
+// boundary, as TensorFlow's tensors do. Plans are cached per alignment (mod 64)
+// of their arrays and FFTW picks its codelets by alignment, so buffers whose
+// alignment varied from call to call (fftw_malloc guarantees 16 or 32 bytes;
+// where a 32-byte block lands mod 64 depends on the heap, e.g. under tcmalloc)
+// gave a different plan, and different last bits, for the same data: a run
+// resumed from a checkpoint was not bit-identical to the uninterrupted one.
+inline void* aligned_buffer(size_t n) {
+  void* p = nullptr;
+  if (posix_memalign(&p, 64, n ? n : 64) != 0) return nullptr;
+  return p;
+}
+
 template <typename R>
 struct Fftw;
 
@@ -98,8 +111,8 @@ struct Fftw<float> {
   static void exec(Plan p, C* in, C* out) { fftwf_execute_dft(p, in, out); }
   static void exec(Plan p, float* in, C* out) { fftwf_execute_dft_r2c(p, in, out); }
   static void exec(Plan p, C* in, float* out) { fftwf_execute_dft_c2r(p, in, out); }
-  static void* malloc(size_t n) { return fftwf_malloc(n); }
-  static void free(void* p) { fftwf_free(p); }
+  static void* malloc(size_t n) { return aligned_buffer(n); }
+  static void free(void* p) { std::free(p); }
 };
 
 template <>
@@ -122,8 +135,8 @@ struct Fftw<double> {
   static void exec(Plan p, C* in, C* out) { fftw_execute_dft(p, in, out); }
   static void exec(Plan p, double* in, C* out) { fftw_execute_dft_r2c(p, in, out); }
   static void exec(Plan p, C* in, double* out) { fftw_execute_dft_c2r(p, in, out); }
-  static void* malloc(size_t n) { return fftw_malloc(n); }
-  static void free(void* p) { fftw_free(p); }
+  static void* malloc(size_t n) { return aligned_buffer(n); }
+  static void free(void* p) { std::free(p); }
 };
 
 // ---------------------------------------------------------------- plan cache
