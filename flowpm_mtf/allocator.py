@@ -28,8 +28,9 @@ package ``libtcmalloc-minimal4``, installed by ``scripts/setup_env.sh``)
     glibc.malloc.trim_threshold=1048576:glibc.malloc.hugetlb=1``; huge pages
     need glibc >= 2.35 and ``/sys/kernel/mm/transparent_hugepage/enabled`` =
     ``madvise`` or ``always``). RSS then follows the live tensors: 839 / 1007
-    MB in the runs above (-23 % / -33 %), for ~25-30 % longer steps (the
-    kernel zeroes every new page). For the largest runs of a machine.
+    MB in the runs above (-23 % / -33 %), for longer steps (the kernel
+    zeroes every new page): ~30 % at 128^3, up to ~2x at 256^3 on one rank
+    (measured under load). For a run that does not fit otherwise.
 ``tf``
     TensorFlow's default, unchanged.
 
