@@ -164,7 +164,7 @@ def test_unwritable_out_fails_before_the_compute(tmp_path, case):
 
 
 def test_over_memory_config_fails_before_the_compute(tmp_path):
-    proc = flowpm("simulate", "--nc", "512", "--out", tmp_path / "D")
+    proc = flowpm("simulate", "--nc", "1024", "--out", tmp_path / "D")
     assert_one_error_line(proc, r"estimated peak memory .* per process .* available per rank "
                                 r".*smallest rank count that fits .* --force")
     assert_no_step_ran(proc)
