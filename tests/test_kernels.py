@@ -16,7 +16,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, kernels
+from flowpm_mtf import fft, kernels, native
 from flowpm_mtf.config import XYZ, SimConfig
 
 # Packed vs unpacked: the same kernels and 1D FFTs in a different grouping; the
@@ -134,9 +134,16 @@ def test_packed_gradient_adjoint(case):
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_sequential_equals_batched(case, dtype):
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "tf"])
+def test_sequential_equals_batched(case, dtype, use_native, monkeypatch):
     """neg_gradient_potential(sequential=True): the two packed transforms one after the
-    other (ordering.after) give the batched values exactly, and the same gradient."""
+    other (ordering.after), assembled by xyz_from_packed (the native FlowpmInterleave,
+    or tf.stack as with FLOWPM_MTF_NATIVE=0), give the batched values exactly, and the
+    same gradient."""
+    if not use_native:
+        monkeypatch.setattr(native, "load", lambda name: None)
+    elif native.load("cic_ops") is None:
+        pytest.skip("native cic_ops not built")
     nc = (6, 10, 4)
     conf = conf_for(case, nc, dtype)
     rng = np.random.RandomState(6)
@@ -180,3 +187,17 @@ def test_packed_inverse_rejects_bad_groups():
         one = mtf.ones(mesh, fft.k_shape(conf), tf.float64)
         with pytest.raises(ValueError, match="do not cover"):
             kernels.packed_inverse([(k, one, 1.0)] * 3, conf, [("xyz", 2)])
+
+
+def test_xyz_from_packed_rejects_bad_inputs():
+    conf = conf_for(("placement", (1, 1)), (4, 4, 4))
+    with tf.Graph().as_default():
+        mesh = mtf.Mesh(mtf.Graph(), "mesh")
+        pair = mtf.Dimension("pair", 1)
+        z = mtf.zeros(mesh, fft.real_shape(conf) + [pair], tf.complex128)
+        two = mtf.zeros(mesh, fft.real_shape(conf) + [mtf.Dimension("pair", 2)], tf.complex128)
+        real = mtf.zeros(mesh, fft.real_shape(conf) + [pair], tf.float64)
+        with pytest.raises(ValueError, match="pair\\(1\\)"):
+            kernels.xyz_from_packed(z, two)
+        with pytest.raises(ValueError, match="pair\\(1\\)"):
+            kernels.xyz_from_packed(real, z)

@@ -16,6 +16,10 @@
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
 //       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
+//   FlowpmInterleave(inputs N x [..., w_i], picks) -> [..., K]: out[..., j] =
+//       inputs[picks[2j]][..., picks[2j + 1]] (one pass; e.g. the (x, y) pair and z
+//       of the force read from two packed inverse FFTs into [x, y, z, xyz], which
+//       tf.stack / tf.concat copy one element at a time along a short last axis).
 //
 // The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
 // particle at block-local (x, y, z) [cells] touches the padded cells
@@ -533,8 +537,86 @@ class WrapOp : public OpKernel {
   T size_[3], below_[3];
 };
 
+// ------------------------------------------------------------------ interleave
+// FlowpmInterleave(inputs: N tensors [..., w_i] with the same leading shape, picks:
+// 2K ints (input, column)) -> [..., K]; parallel over rows.
+template <typename T>
+class InterleaveOp : public OpKernel {
+ public:
+  explicit InterleaveOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("picks", &picks_));
+    OP_REQUIRES(ctx, !picks_.empty() && picks_.size() % 2 == 0,
+                InvalidArgument("FlowpmInterleave: picks must hold (input, column) pairs"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::OpInputList ins;
+    OP_REQUIRES_OK(ctx, ctx->input_list("inputs", &ins));
+    const int n_in = ins.size();
+    const TensorShape& s0 = ins[0].shape();
+    OP_REQUIRES(ctx, s0.dims() >= 1, InvalidArgument("FlowpmInterleave: inputs need rank >= 1"));
+    const i64 rows = s0.num_elements() / std::max<i64>(1, s0.dim_size(s0.dims() - 1));
+    std::vector<const T*> src(n_in);
+    std::vector<i64> width(n_in);
+    for (int i = 0; i < n_in; ++i) {
+      const TensorShape& s = ins[i].shape();
+      bool same = s.dims() == s0.dims();
+      for (int d = 0; same && d + 1 < s.dims(); ++d) same = s.dim_size(d) == s0.dim_size(d);
+      OP_REQUIRES(ctx, same, InvalidArgument("FlowpmInterleave: inputs ", i, " and 0 differ "
+                                             "before the last axis: ", s.DebugString(), " vs ",
+                                             s0.DebugString()));
+      src[i] = ins[i].flat<T>().data();
+      width[i] = s.dim_size(s.dims() - 1);
+    }
+    const i64 K = picks_.size() / 2;
+    std::vector<const T*> col(K);
+    std::vector<i64> stride(K);
+    for (i64 j = 0; j < K; ++j) {
+      const int a = picks_[2 * j], c = picks_[2 * j + 1];
+      OP_REQUIRES(ctx, a >= 0 && a < n_in && c >= 0 && c < width[a],
+                  InvalidArgument("FlowpmInterleave: pick (", a, ", ", c, ") out of range"));
+      col[j] = src[a] + c;
+      stride[j] = width[a];
+    }
+    TensorShape os = s0;
+    os.set_dim(os.dims() - 1, K);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &out));
+    T* O = out->flat<T>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 r = begin; r < end; ++r)
+        for (i64 j = 0; j < K; ++j) O[r * K + j] = col[j][r * stride[j]];
+    };
+    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
+                        rows, 2 * K, work);
+  }
+
+ private:
+  std::vector<int> picks_;
+};
+
 }  // namespace
 
+
+REGISTER_OP("FlowpmInterleave")
+    .Input("inputs: N * T")
+    .Output("output: T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("picks: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int> picks;
+      TF_RETURN_IF_ERROR(c->GetAttr("picks", &picks));
+      ShapeHandle s0 = c->input(0), out;
+      if (!c->RankKnown(s0)) {
+        c->set_output(0, c->UnknownShape());
+        return ::tensorflow::OkStatus();
+      }
+      TF_RETURN_IF_ERROR(c->ReplaceDim(s0, -1, c->MakeDim(static_cast<int64_t>(picks.size() / 2)),
+                                       &out));
+      c->set_output(0, out);
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("FlowpmCicPaint")
     .Input("positions: T")
@@ -595,7 +677,9 @@ REGISTER_OP("FlowpmWrap")
   REGISTER_KERNEL_BUILDER(                                                                  \
       Name("FlowpmCicEscaped").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicEscapedOp<T>); \
   REGISTER_KERNEL_BUILDER(Name("FlowpmWrap").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
-                          WrapOp<T>);
+                          WrapOp<T>);                                                       \
+  REGISTER_KERNEL_BUILDER(                                                                  \
+      Name("FlowpmInterleave").Device(DEVICE_CPU).TypeConstraint<T>("T"), InterleaveOp<T>);
 
 REGISTER_CIC(float);
 REGISTER_CIC(double);
