@@ -19,9 +19,8 @@ raise ``tf.errors.InvalidArgumentError`` at run time.
 import logging
 
 from . import fft
-from .halo import field_to_padded, padded_to_field
 from .kernels import make_kernels, neg_gradient_potential
-from .painting import cic_paint, cic_readout
+from .painting import paint_field, readout_field
 
 __all__ = ["density", "pm_forces"]
 
@@ -46,8 +45,7 @@ def density(positions, conf, weight=None):
         Real field ``[x, y, z]``: particles per cell [dimensionless] (mean 1
         with one particle per cell).
     """
-    return padded_to_field(cic_paint(None, positions, conf, weight=weight,
-                                     name="paint_density"), conf)
+    return paint_field(positions, conf, weight=weight, name="paint_density")
 
 
 def pm_forces(positions, conf, kernels=None, weight=None):
@@ -80,7 +78,6 @@ def pm_forces(positions, conf, kernels=None, weight=None):
     # live spectra and all-to-all buffers of a batched pair).
     grad = neg_gradient_potential(delta_k, conf, kernels, sequential=True)
     # The three components in one readout: one stencil, one halo fill.
-    force = cic_readout(field_to_padded(grad, conf, fill=False), positions, conf,
-                        name="force_readout")
+    force = readout_field(grad, positions, conf, name="force_readout")
     force = force * (1.5 * conf.cosmology.Omega_m)
     return force if weight is None else force * weight

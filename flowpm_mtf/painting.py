@@ -81,7 +81,7 @@ from . import config as cfg
 from . import layout
 from . import native
 from .halo import (_check_shape, field_to_padded, halo_fill, halo_reduce, halo_reduce_plane,
-                   padded_shape, padded_to_field)
+                   padded_shape, padded_to_field, reduced_to_field)
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def _isolated_grad(forward_fn, splittable_dims, name):
     return grad_function
 
 
-def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
+def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=False):
     """Paint particles on padded blocks with CIC, then reduce the halos.
 
     Parameters
@@ -421,6 +421,9 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
     weight : mtf.Tensor, optional
         ``[bx, by, <particle dims>]`` particle weights (default 1).
     name : str, optional
+    _unreduced : bool, optional
+        Internal (:func:`paint_field`): return the padded blocks before the halo
+        reduction.
 
     Returns
     -------
@@ -471,7 +474,7 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint"):
                             splittable_dims=shape.dims[:2],
                             grad_function=_isolated_grad(fn, shape.dims[:2], name), name=name)
     painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
-    return halo_reduce(painted, conf)
+    return painted if _unreduced else halo_reduce(painted, conf)
 
 
 def cic_readout(mesh, positions, conf, name="cic_readout"):
@@ -505,14 +508,24 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     _check_particles(positions, name)
     _check_halo(conf, name)
     mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
-    extra = mesh.shape.dims[5:]
-    if any(d in positions.shape.dims[:-1] for d in extra):
-        raise ValueError("%s: the mesh's component dimensions %s clash with the particle "
-                         "dimensions %s" % (name, extra, positions.shape.dims[:-1]))
-    n_comp = int(np.prod([d.size for d in extra]))
+    _check_components(mesh.shape.dims[5:], positions, name)
     # Check before the halo exchange, so that no rank enters a collective alone.
     mesh = halo_fill(_assert_none_escaped(mesh, escaped_count(positions, conf), "cic_readout"),
                      conf)
+    return _readout_filled(mesh, positions, conf, name)
+
+
+def _check_components(extra, positions, name):
+    if any(d in positions.shape.dims[:-1] for d in extra):
+        raise ValueError("%s: the mesh's component dimensions %s clash with the particle "
+                         "dimensions %s" % (name, extra, positions.shape.dims[:-1]))
+
+
+def _readout_filled(mesh, positions, conf, name):
+    """The readout of :func:`cic_readout` from padded blocks whose margins are filled."""
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    extra = mesh.shape.dims[5:]
+    n_comp = int(np.prod([d.size for d in extra]))
     out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
 
     def fn(m, pos):
@@ -532,20 +545,31 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
                          name=name)
 
 
-def paint_field(positions, conf, weight=None):
+def paint_field(positions, conf, weight=None, name="paint_field"):
     """CIC-paint particles and return the real-space field ``[x, y, z]``.
 
-    See :func:`cic_paint`; the result is the unpadded, halo-reduced mesh.
+    See :func:`cic_paint`; the result is the unpadded, halo-reduced mesh
+    (:func:`~flowpm_mtf.halo.reduced_to_field`: the reduction and the unpadding
+    in one, with fewer copies of the field).
     """
-    return padded_to_field(cic_paint(None, positions, conf, weight), conf)
+    return reduced_to_field(cic_paint(None, positions, conf, weight, name=name,
+                                      _unreduced=True), conf)
 
 
-def readout_field(field, positions, conf):
-    """CIC-read a real-space field ``[x, y, z]`` at the particle positions.
+def readout_field(field, positions, conf, name="readout_field"):
+    """CIC-read a real-space field ``[x, y, z]`` (optionally followed by component
+    dimensions, e.g. ``xyz``) at the particle positions.
 
-    See :func:`cic_readout`.
+    :func:`cic_readout` of the field's padded blocks, the margins filled as the
+    blocks are padded (:func:`~flowpm_mtf.halo.field_to_padded`: one copy of the
+    field per axis instead of three); the same values. The escape check runs
+    before the halo exchange, as in :func:`cic_readout`.
     """
-    return cic_readout(field_to_padded(field, conf, fill=False), positions, conf)
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    _check_components(field.shape.dims[3:], positions, name)
+    field = _assert_none_escaped(field, escaped_count(positions, conf), name)
+    return _readout_filled(field_to_padded(field, conf), positions, conf, name)
 
 
 # ----------------------------------------------------------------------------- 2D planes

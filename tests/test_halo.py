@@ -84,7 +84,8 @@ def test_blocks_and_halo_exact_on_arange(case, h, dtype):
                 "unpadded": halo.unpad_blocks(p, conf),
                 "fill": halo.halo_fill(p, conf),
                 "reduce": halo.halo_reduce(p, conf),
-                "to_field": halo.padded_to_field(halo.halo_reduce(p, conf), conf)}
+                "to_field": halo.padded_to_field(halo.halo_reduce(p, conf), conf),
+                "reduced_to_field": halo.reduced_to_field(p, conf)}
 
     out = H.run(case[0], conf, build)
     (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
@@ -101,6 +102,7 @@ def test_blocks_and_halo_exact_on_arange(case, h, dtype):
     red = np_reduce(padded0, conf)
     np.testing.assert_array_equal(out["to_field"],
                                   np_from_blocks(red[:, :, h:h + sx, h:h + sy], conf))
+    np.testing.assert_array_equal(out["reduced_to_field"], out["to_field"])
     # the filled margins of the field hold its periodic neighbours
     gx, gy = np_global_index(conf)
     np.testing.assert_array_equal(out["filled_field"], field[gx, gy])
@@ -166,3 +168,29 @@ def test_shape_errors():
             halo.halo_fill(mtf.zeros(mesh, halo.block_shape(conf)), conf)
         with pytest.raises(ValueError, match="to_blocks"):
             halo.to_blocks(mtf.zeros(mesh, fft.k_shape(conf)), conf)
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("h", [1, 2, 3])
+def test_field_fill_and_reduce_are_adjoint(case, h):
+    """The one-copy-per-axis forms: field_to_padded (filled) and reduced_to_field are
+    each other's adjoint and gradient (h = 3 on small blocks takes the general path)."""
+    conf = conf_for(case, h)
+    pshape = conf.grid + conf.padded_block_shape
+    rng = np.random.RandomState(6)
+    f0, b0 = rng.randn(*NC), rng.randn(*pshape)
+
+    def build(mesh):
+        f = mtf.import_tf_tensor(mesh, tf.constant(f0), fft.real_shape(conf))
+        b = mtf.import_tf_tensor(mesh, tf.constant(b0), halo.padded_shape(conf))
+        ff, rb = halo.field_to_padded(f, conf), halo.reduced_to_field(b, conf)
+        l_fill, l_red = fft.real_vdot(b, ff), fft.real_vdot(rb, f)
+        g_fill, = mtf.gradients([l_fill], [f])
+        g_red, = mtf.gradients([l_red], [b])
+        return {"l_fill": l_fill, "l_red": l_red, "ff": ff, "rb": rb,
+                "g_fill": g_fill, "g_red": g_red}
+
+    out = H.run(case[0], conf, build)
+    np.testing.assert_allclose(out["l_fill"], out["l_red"], rtol=ADJOINT_RTOL)
+    np.testing.assert_array_equal(out["g_fill"], out["rb"])
+    np.testing.assert_array_equal(out["g_red"], out["ff"])
