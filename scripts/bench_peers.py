@@ -42,7 +42,8 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
     per rank with ``HvdSimdMeshImpl`` under ``mpirun -np N --oversubscribe``
     (the slowest rank), and in one process with Mesh TF's ``PlacementMeshImpl``
     on N logical CPU devices (the master builds every device's graph). Nothing
-    is run. N = 64 ranks import TensorFlow 64 times (~20 GB of memory).
+    is run. Wall and CPU time per rank (under oversubscription the CPU time is
+    what a rank with its own core spends), and the memory private to each process.
 
 Outputs: ``results/bench_peers.json`` (records keyed by peer, code, size and
 ranks; a new run replaces the records it measures), ``results/bench_peers.md``
@@ -75,6 +76,17 @@ BUILD_NC_PER_RANK = 16
 def peak_mb():
     """Peak resident memory of this process [MB]."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def private_mb():
+    """Memory private to this process now [MB] (``/proc/self/smaps_rollup``: what N
+    processes need together, unlike the RSS, which counts the shared libraries in each)."""
+    total = 0
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1])
+    return total / 1024.0
 
 
 def median_time(fn, repeats, warmup=1):
@@ -156,6 +168,9 @@ def cmd_ours(args):
     lowering = mtf.Lowering(graph, {mesh: impl})
     init_op = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
     step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
+    lpt = getattr(sim, "lpt_state", None)  # None in a revision before it
+    lpt_op = (tf.group([export_local_slice(lowering, t) for t in (lpt.positions, lpt.momenta)])
+              if lpt is not None else None)
     rho_local = export_local_slice(lowering, sim.rho)
     rt_local = export_local_slice(lowering, rt)
     copy_masters = lowering.copy_masters_to_slices()
@@ -169,6 +184,15 @@ def cmd_ours(args):
             sess.run(init_op)
             rec[key + "_cpu_s"] = sum(comm.allgather(time.process_time() - c))
             rec[key + "_s"] = max(comm.allgather(time.perf_counter() - t))
+        if lpt_op is not None:  # 2LPT alone (warm: init_op ran it), without the first force
+            lpt_t, lpt_c = [], []
+            for _ in range(3):
+                comm.Barrier()
+                t, c = time.perf_counter(), time.process_time()
+                sess.run(lpt_op)
+                lpt_c.append(sum(comm.allgather(time.process_time() - c)))
+                lpt_t.append(max(comm.allgather(time.perf_counter() - t)))
+            rec["lpt_s"], rec["lpt_cpu_s"] = statistics.median(lpt_t), statistics.median(lpt_c)
         steps, cpu = [], []
         for factors in sim.step_factors:
             comm.Barrier()
@@ -326,16 +350,19 @@ def cmd_build_hvd(args):
     conf = build_config(comm.Get_size())
     impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
     comm.Barrier()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     with tf.Graph().as_default():
         _build_graph(conf, impl)
     times = comm.allgather(time.perf_counter() - t)
+    cpu = comm.allgather(time.process_time() - c)
     peaks = comm.allgather(peak_mb())  # collective: every rank, not only rank 0
+    private = comm.allgather(private_mb())
     if comm.Get_rank() == 0:
         _write(args.json, {"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": len(times),
                            "nc": list(conf.nc), "build_s": max(times),
                            "build_s_median": statistics.median(times),
-                           "peak_memory_mb": peaks})
+                           "build_cpu_s": max(cpu), "build_cpu_s_median": statistics.median(cpu),
+                           "peak_memory_mb": peaks, "private_memory_mb": private})
 
 
 def cmd_build_placement(args):
@@ -346,12 +373,13 @@ def cmd_build_placement(args):
     conf = build_config(args.n)
     impl = mtf.placement_mesh_impl.PlacementMeshImpl(
         conf.mesh_shape, conf.layout_rules, ["/cpu:%d" % i for i in range(args.n)])
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     with tf.Graph().as_default():
         _build_graph(conf, impl)
     _write(args.json, {"peer": "build", "backend": "PlacementMeshImpl", "ranks": args.n,
                        "nc": list(conf.nc), "build_s": time.perf_counter() - t,
-                       "peak_memory_mb": [peak_mb()]})
+                       "build_cpu_s": time.process_time() - c,
+                       "peak_memory_mb": [peak_mb()], "private_memory_mb": [private_mb()]})
 
 
 # ----------------------------------------------------------------------------- driver
@@ -509,22 +537,23 @@ def markdown(result):
                  "`step`: our warm kick-drift-kick step (one PM force); `JaxPM force`/`JaxPM "
                  "step`: jitted `pm_forces` / a jitted KDK step around it (1 process, all "
                  "cores); `ICs`: white noise + 2LPT + first force, first run (as a job) and "
-                 "warm; `FFT rt`: distributed r2c + c2r round trip; ns/particle: step time "
+                 "warm; `2LPT`: white noise + 2LPT alone (the issue's \"2LPT ICs\"; warm, "
+                 "median of 3), without the first force, which is the integrator's; `FFT rt`: distributed r2c + c2r round trip; ns/particle: step time "
                  "per particle; `load`: the machine's 1-minute load average when the record was "
                  "written.", "",
                  "CPU columns: process CPU time (all threads, summed over ranks; MPI waits "
                  "busy-poll), robust on a loaded machine where wall times are not.", "",
                  "| mesh | code | ranks | step | step / JaxPM force | step / JaxPM step | "
                  "step CPU | CPU: step / JaxPM force | "
-                 "ICs (first run) | ICs warm | ICs / step | ICs CPU / step CPU | FFT rt | "
-                 "FFT rt / mpi4py-fft | ns/particle | peak MB/rank | build | load |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "ICs (first run) | ICs warm | ICs / step | ICs CPU / step CPU | 2LPT | 2LPT / step | "
+                 "FFT rt | FFT rt / mpi4py-fft | ns/particle | peak MB/rank | build | load |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in ours:
             j = jax.get(r["nc"], {})
             f = mfft.get((r["nc"], r["ranks"]), {})
             ratio = lambda a, b: a / b if a and b else None  # noqa: E731
             rows.append("| %d³ | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
-                        "| %s | %s | %s | %s |"
+                        "| %s | %s | %s | %s | %s | %s |"
                         % (r["nc"], r.get("code", "current"), r["ranks"], _fmt(r["step_s"]),
                            _fmt(ratio(r["step_s"], j.get("force_s")), 2),
                            _fmt(ratio(r["step_s"], j.get("step_s")), 2),
@@ -533,6 +562,7 @@ def markdown(result):
                            _fmt(r["ics_s"]), _fmt(r["ics_warm_s"]),
                            _fmt(ratio(r["ics_s"], r["step_s"]), 2),
                            _fmt(ratio(r.get("ics_cpu_s"), r.get("step_cpu_s")), 2),
+                           _fmt(r.get("lpt_s")), _fmt(ratio(r.get("lpt_s"), r["step_s"]), 2),
                            _fmt(r["fft_roundtrip_s"]),
                            _fmt(ratio(r["fft_roundtrip_s"], f.get("fft_roundtrip_s")), 2),
                            _fmt(_ns_per_particle(r["step_s"], r["nc"])),
@@ -557,16 +587,24 @@ def markdown(result):
             build.setdefault(r["ranks"], {})[r["backend"]] = r
     if build:
         rows += ["## Graph build (build + lowering, nothing run)", "",
-                 "%d³ cells per rank, 2LPT + 1 step. HvdSimdMeshImpl: slowest rank of an "
-                 "oversubscribed `mpirun -np N`; PlacementMeshImpl: one process, N logical "
-                 "CPU devices." % BUILD_NC_PER_RANK, "",
-                 "| N | HvdSimdMeshImpl per rank | PlacementMeshImpl | placement / hvd |",
-                 "|---|---|---|---|"]
+                 "%d³ cells per rank, 2LPT + 1 step. HvdSimdMeshImpl: the slowest rank of an "
+                 "`mpirun -np N --oversubscribe` on this machine's cores; its wall time is "
+                 "inflated by the oversubscription (N ranks share the cores), its CPU time is "
+                 "what a rank with its own core spends. PlacementMeshImpl: one process (the "
+                 "master) with N logical CPU devices. Private MB: memory private to a process "
+                 "(the largest rank), what N processes need together." % BUILD_NC_PER_RANK, "",
+                 "| N | hvd per rank: wall | hvd per rank: CPU | placement: wall | placement: "
+                 "CPU | placement / hvd (CPU) | hvd private MB/rank | placement private MB |",
+                 "|---|---|---|---|---|---|---|---|"]
         for n in sorted(build):
-            h = build[n].get("HvdSimdMeshImpl", {}).get("build_s")
-            p = build[n].get("PlacementMeshImpl", {}).get("build_s")
-            rows.append("| %d | %s | %s | %s |" % (n, _fmt(h), _fmt(p),
-                                                   _fmt(p / h if h and p else None, 2)))
+            h = build[n].get("HvdSimdMeshImpl", {})
+            p = build[n].get("PlacementMeshImpl", {})
+            hc, pc = h.get("build_cpu_s"), p.get("build_cpu_s")
+            rows.append("| %d | %s | %s | %s | %s | %s | %s | %s |"
+                        % (n, _fmt(h.get("build_s")), _fmt(hc), _fmt(p.get("build_s")), _fmt(pc),
+                           _fmt(pc / hc if hc and pc else None, 2),
+                           _fmt(max(h.get("private_memory_mb") or [0]) or None, 4),
+                           _fmt(max(p.get("private_memory_mb") or [0]) or None, 4)))
         rows.append("")
     if errs:
         rows += ["## Failed runs", ""]

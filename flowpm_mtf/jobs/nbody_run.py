@@ -56,6 +56,9 @@ class SimulationGraph:
     ----------
     variables : lpt.State
         Positions, momenta, forces as mtf variables.
+    lpt_state : lpt.State
+        The 2LPT state at the first stage, before the first PM force (its
+        ``forces`` is None): what ``init_ops`` assigns, less that force.
     init_ops, step_ops : list of mtf.Operation
         The IC assignments, and the assignments of one KDK step whose factors
         are fed through the placeholder ``factors``: ``step_factors[i]`` for
@@ -70,8 +73,9 @@ class SimulationGraph:
                                             else [float(a) for a in stages])
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
-        init = timeloop.initial_state(lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
-                                                   kernels=kernels), conf, kernels)
+        self.lpt_state = lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
+                                      kernels=kernels)
+        init = timeloop.initial_state(self.lpt_state, conf, kernels)
         shape = init.positions.shape
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,

@@ -1,0 +1,95 @@
+"""scripts/bench_peers.py: its records (a small run of ``ours`` and of both graph builds)
+and the derived columns of its Markdown.
+
+The runs start their own TF process, so they run in the 1-rank pass only; the
+rendering and memory-accounting tests are pure Python and run in every pass.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "bench_peers.py")
+# One process building and running 32^3 (2LPT, 2 steps) or a 16^3-per-device graph:
+# well under a minute on a loaded 2-core machine; a hang is cut off here.
+RUN_TIMEOUT_S = 600
+# The FFT round trip c2r(r2c(rho)) of O(1) densities in float32.
+FFT_ROUND_TRIP_TOL = 1e-4
+# Touched pages of a fresh array show up in the private memory; the allocator may
+# reuse a little memory freed earlier, so at least this fraction of the array.
+PRIVATE_FRACTION = 0.9
+
+spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
+bp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bp)
+
+
+def _run(args, tmp_path, name):
+    out = str(tmp_path / (name + ".json"))
+    proc = subprocess.run([sys.executable, SCRIPT] + args + ["--json", out], capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S, env=bp._clean_env(REPO))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.single_process
+def test_ours_record_times_2lpt_alone(tmp_path):
+    rec = _run(["ours", "--nc", "32", "--steps", "2"], tmp_path, "ours")
+    assert rec["peer"] == "ours" and rec["nc"] == 32 and rec["ranks"] == 1
+    for key in ("graph_build_s", "ics_s", "ics_warm_s", "lpt_s", "step_s", "fft_roundtrip_s"):
+        assert rec[key] > 0, key
+    assert len(rec["steps_s"]) == 2
+    assert rec["lpt_cpu_s"] > 0 and rec["ics_cpu_s"] > 0
+    assert rec["fft_roundtrip_max_err"] < FFT_ROUND_TRIP_TOL
+
+
+@pytest.mark.single_process
+def test_build_records_have_cpu_time_and_private_memory(tmp_path):
+    hvd = _run(["build-hvd"], tmp_path, "hvd")
+    pl = _run(["build-placement", "--n", "2"], tmp_path, "placement")
+    assert hvd["backend"] == "HvdSimdMeshImpl" and hvd["ranks"] == 1
+    assert pl["backend"] == "PlacementMeshImpl" and pl["ranks"] == 2
+    for rec in (hvd, pl):
+        assert rec["build_s"] > 0 and rec["build_cpu_s"] > 0
+        # private memory is part of the resident memory
+        assert 0 < max(rec["private_memory_mb"]) <= max(rec["peak_memory_mb"])
+
+
+def test_private_mb_counts_touched_memory():
+    before = bp.private_mb()
+    a = np.ones(256 * 2**20 // 8)  # 256 MB, every page touched
+    grown = bp.private_mb() - before
+    assert grown >= PRIVATE_FRACTION * 256, grown
+    del a
+
+
+def test_markdown_derives_the_ratios():
+    ours = {"peer": "ours", "code": "current", "nc": 64, "ranks": 1, "step_s": 0.2,
+            "step_cpu_s": 0.2, "ics_s": 0.7, "ics_warm_s": 0.6, "ics_cpu_s": 0.6,
+            "lpt_s": 0.3, "fft_roundtrip_s": 0.01, "peak_memory_mb": [500.0],
+            "graph_build_s": 1.0, "load_avg_1min": 0.5}
+    build = [{"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": 64, "build_s": 60.0,
+              "build_cpu_s": 2.0, "private_memory_mb": [250.0, 240.0]},
+             {"peer": "build", "backend": "PlacementMeshImpl", "ranks": 64, "build_s": 130.0,
+              "build_cpu_s": 120.0, "private_memory_mb": [2700.0]}]
+    recs = {bp._key(r): r for r in [ours] + build}
+    md = bp.markdown({"records": recs, "machine": {}})
+    row = [line for line in md.splitlines() if line.startswith("| 64³ | current | 1 |")]
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    header = [line for line in md.splitlines() if "| 2LPT / step |" in line][0]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[names.index("2LPT")] == "0.3"
+    assert cells[names.index("2LPT / step")] == "1.5"       # 0.3 / 0.2
+    assert cells[names.index("ICs / step")] == "3.5"        # 0.7 / 0.2
+    build_row = [line for line in md.splitlines() if line.startswith("| 64 |")]
+    assert len(build_row) == 1
+    cells = [c.strip() for c in build_row[0].strip("|").split("|")]
+    assert cells[2] == "2" and cells[4] == "120" and cells[5] == "60"   # 120 / 2
+    assert cells[6] == "250" and cells[7] == "2700"                      # the largest rank
