@@ -109,28 +109,38 @@ def test_blocks_and_halo_exact_on_arange(case, h, dtype):
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
-def test_fill_and_reduce_are_adjoint(case):
-    conf = conf_for(case, 2)
+@pytest.mark.parametrize("h", [1, 2, 3])
+def test_fill_and_reduce_are_adjoint(case, h):
+    """On padded blocks (halo_fill, halo_reduce) and between a field and padded blocks
+    (field_to_padded filled, reduced_to_field: one copy per axis; h = 3 on small blocks
+    takes their general path): each pair is adjoint, and each is the other's gradient."""
+    conf = conf_for(case, h)
     pshape = conf.grid + conf.padded_block_shape
     rng = np.random.RandomState(5)
-    a0, b0 = rng.randn(*pshape), rng.randn(*pshape)
+    a0, b0, f0 = rng.randn(*pshape), rng.randn(*pshape), rng.randn(*NC)
 
     def build(mesh):
         a = mtf.import_tf_tensor(mesh, tf.constant(a0), halo.padded_shape(conf))
         b = mtf.import_tf_tensor(mesh, tf.constant(b0), halo.padded_shape(conf))
-        fa, rb = halo.halo_fill(a, conf), halo.halo_reduce(b, conf)
-        l_fill = fft.real_vdot(b, fa)     # <fill a, b>
-        l_red = fft.real_vdot(rb, a)      # <a, reduce b>
-        g_fill, = mtf.gradients([l_fill], [a])
-        g_red, = mtf.gradients([l_red], [b])
-        return {"l_fill": l_fill, "l_red": l_red, "fa": fa, "rb": rb,
-                "g_fill": g_fill, "g_red": g_red}
+        f = mtf.import_tf_tensor(mesh, tf.constant(f0), fft.real_shape(conf))
+        out = {}
+        for tag, x, fill, red in (("", a, halo.halo_fill(a, conf), halo.halo_reduce(b, conf)),
+                                  ("field_", f, halo.field_to_padded(f, conf),
+                                   halo.reduced_to_field(b, conf))):
+            l_fill = fft.real_vdot(b, fill)   # <fill x, b>
+            l_red = fft.real_vdot(red, x)     # <x, reduce b>
+            g_fill, = mtf.gradients([l_fill], [x])
+            g_red, = mtf.gradients([l_red], [b])
+            out.update({tag + "l_fill": l_fill, tag + "l_red": l_red, tag + "fill": fill,
+                        tag + "red": red, tag + "g_fill": g_fill, tag + "g_red": g_red})
+        return out
 
     out = H.run(case[0], conf, build)
-    np.testing.assert_allclose(out["l_fill"], out["l_red"], rtol=ADJOINT_RTOL)
-    # gradient of fill is reduce and vice versa (same linear data movement: exact)
-    np.testing.assert_array_equal(out["g_fill"], out["rb"])
-    np.testing.assert_array_equal(out["g_red"], out["fa"])
+    for tag in ("", "field_"):
+        np.testing.assert_allclose(out[tag + "l_fill"], out[tag + "l_red"], rtol=ADJOINT_RTOL)
+        # gradient of fill is reduce and vice versa (same linear data movement: exact)
+        np.testing.assert_array_equal(out[tag + "g_fill"], out[tag + "red"])
+        np.testing.assert_array_equal(out[tag + "g_red"], out[tag + "fill"])
 
 
 @pytest.mark.skipif(H.SIZE == 1, reason="no communication on one rank")
@@ -169,28 +179,3 @@ def test_shape_errors():
         with pytest.raises(ValueError, match="to_blocks"):
             halo.to_blocks(mtf.zeros(mesh, fft.k_shape(conf)), conf)
 
-
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
-@pytest.mark.parametrize("h", [1, 2, 3])
-def test_field_fill_and_reduce_are_adjoint(case, h):
-    """The one-copy-per-axis forms: field_to_padded (filled) and reduced_to_field are
-    each other's adjoint and gradient (h = 3 on small blocks takes the general path)."""
-    conf = conf_for(case, h)
-    pshape = conf.grid + conf.padded_block_shape
-    rng = np.random.RandomState(6)
-    f0, b0 = rng.randn(*NC), rng.randn(*pshape)
-
-    def build(mesh):
-        f = mtf.import_tf_tensor(mesh, tf.constant(f0), fft.real_shape(conf))
-        b = mtf.import_tf_tensor(mesh, tf.constant(b0), halo.padded_shape(conf))
-        ff, rb = halo.field_to_padded(f, conf), halo.reduced_to_field(b, conf)
-        l_fill, l_red = fft.real_vdot(b, ff), fft.real_vdot(rb, f)
-        g_fill, = mtf.gradients([l_fill], [f])
-        g_red, = mtf.gradients([l_red], [b])
-        return {"l_fill": l_fill, "l_red": l_red, "ff": ff, "rb": rb,
-                "g_fill": g_fill, "g_red": g_red}
-
-    out = H.run(case[0], conf, build)
-    np.testing.assert_allclose(out["l_fill"], out["l_red"], rtol=ADJOINT_RTOL)
-    np.testing.assert_array_equal(out["g_fill"], out["rb"])
-    np.testing.assert_array_equal(out["g_red"], out["ff"])
