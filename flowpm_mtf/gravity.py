@@ -10,7 +10,9 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
    (:func:`flowpm_mtf.kernels.neg_gradient_potential`; the :math:`k = 0` mode
    is dropped, so the mean density does not matter);
 4. fill the halos and read the three components out at the particles
-   (:func:`flowpm_mtf.painting.cic_readout`);
+   (:func:`flowpm_mtf.painting.readout_field`; on one block the three
+   components are written with their periodic margins as they are
+   assembled, :func:`flowpm_mtf.painting.readout_padded`);
 5. multiply by :math:`\tfrac32 \Omega_m`.
 
 Particles that escaped their block's halo make the painting (and readout)
@@ -20,7 +22,7 @@ import logging
 
 from . import fft
 from .kernels import make_kernels, neg_gradient_potential
-from .painting import paint_field, readout_field
+from .painting import paint_field, readout_field, readout_padded
 
 __all__ = ["density", "pm_forces"]
 
@@ -75,9 +77,15 @@ def pm_forces(positions, conf, kernels=None, weight=None):
     rho = density(positions, conf, weight)
     delta_k = fft.r2c(rho, conf, name="force_r2c")
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
-    # live spectra and all-to-all buffers of a batched pair).
-    grad = neg_gradient_potential(delta_k, conf, kernels, sequential=True)
+    # live spectra and all-to-all buffers of a batched pair). One block (one
+    # rank): written directly as the padded block with its periodic margins.
+    sx, sy, _ = conf.block_shape
+    one_block = tuple(conf.grid) == (1, 1) and conf.halo_size <= min(sx, sy)
+    grad = neg_gradient_potential(delta_k, conf, kernels, sequential=True, padded=one_block)
     # The three components in one readout: one stencil, one halo fill.
-    force = readout_field(grad, positions, conf, name="force_readout")
+    if one_block:
+        force = readout_padded(grad, positions, conf, name="force_readout")
+    else:
+        force = readout_field(grad, positions, conf, name="force_readout")
     force = force * (1.5 * conf.cosmology.Omega_m)
     return force if weight is None else force * weight

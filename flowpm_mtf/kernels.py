@@ -250,7 +250,7 @@ def _real_components(z, lo, size, dim_name, name):
                          splittable_dims=lead, grad_function=grad, name=name)
 
 
-def xyz_from_packed(first, last, name="xyz_from_packed"):
+def xyz_from_packed(first, last, name="xyz_from_packed", padded_conf=None):
     r"""``[x, y, z, xyz]`` real from two packed complex transforms, in one pass.
 
     Component 0 and 1 are the real and imaginary parts of ``first``, component 2
@@ -270,11 +270,18 @@ def xyz_from_packed(first, last, name="xyz_from_packed"):
         Complex ``[x, y, z, pair]`` with a pair dimension of size 1 (any
         leading dimensions, the same in both).
     name : str, optional
+    padded_conf : SimConfig, optional
+        A configuration of one block (``grid`` (1, 1)) whose transforms
+        ``first``, ``last`` are on ``[x, y, z, pair]``: return the padded block
+        ``[bx, by, px, py, z, xyz]`` with periodic margins instead (what
+        :func:`flowpm_mtf.halo.field_to_padded` makes of the field, written in
+        the same pass: no copy of the field per axis). Gradient: the margins
+        added back into the cells they copy.
 
     Returns
     -------
     mtf.Tensor
-        Real ``[..., xyz]``, the real dtype of the inputs.
+        Real ``[..., xyz]`` (or the padded block), the real dtype of the inputs.
     """
     for t in (first, last):
         if t.shape.dims[-1].size != 1 or not t.dtype.is_complex:
@@ -285,34 +292,77 @@ def xyz_from_packed(first, last, name="xyz_from_packed"):
         raise ValueError("xyz_from_packed: leading shapes differ: %s vs %s"
                          % (first.shape, last.shape))
     rdtype = tf.float64 if first.dtype == tf.complex128 else tf.float32
-    out_shape = mtf.Shape(lead + [mtf.Dimension(cfg.XYZ, 3)])
+    xyz = mtf.Dimension(cfg.XYZ, 3)
+    out_shape = mtf.Shape(lead + [xyz])
+    wrap = 0
+    if padded_conf is not None:
+        h, (sx, sy, nz) = padded_conf.halo_size, padded_conf.block_shape
+        if (tuple(padded_conf.grid) != (1, 1) or [d.size for d in lead] != [sx, sy, nz]
+                or not 0 < h <= min(sx, sy)):
+            raise ValueError("xyz_from_packed: padded_conf must be one block [x, y, z] with "
+                             "0 < halo <= the block, got grid %s, halo %d and %s"
+                             % (padded_conf.grid, h, first.shape))
+        wrap = h
+        out_shape = mtf.Shape(layout.padded_shape(padded_conf).dims + [xyz])
+
+    def wrap_pad(t):
+        for ax in (0, 1):
+            n = t.shape.as_list()[ax]
+            t = tf.gather(t, np.arange(-wrap, n + wrap) % n, axis=ax)
+        return t
 
     def fwd(a, b):
         ra, rb = [tf.reshape(tf.bitcast(t, rdtype), t.shape.as_list()[:-1] + [2]) for t in (a, b)]
         lib = native.load("cic_ops")
         if lib is not None and native.runs_on_cpu(ra):
-            return lib.flowpm_interleave([ra, rb], picks=[0, 0, 0, 1, 1, 0])
-        return tf.stack([ra[..., 0], ra[..., 1], rb[..., 0]], axis=-1)
+            out = lib.flowpm_interleave([ra, rb], picks=[0, 0, 0, 1, 1, 0], wrap=wrap)
+        else:
+            out = tf.stack([ra[..., 0], ra[..., 1], rb[..., 0]], axis=-1)
+            out = wrap_pad(out) if wrap else out
+        return tf.reshape(out, out_shape.to_integer_list) if wrap else out
 
     def bwd(g):
+        if wrap:  # the adjoint of the periodic padding: margins added back
+            g = _unwrap(tf.reshape(g, [sx + 2 * wrap, sy + 2 * wrap, nz, 3]), wrap, (sx, sy))
         zero = tf.zeros_like(g[..., 2])
         return (tf.complex(g[..., 0], g[..., 1])[..., None],
                 tf.complex(g[..., 2], zero)[..., None])
 
+    # one block: the mesh axes have size 1 (declared splittable, nothing is split)
+    split = lead + out_shape.dims[:2] if wrap else lead
+
     def grad(op, dy):
         da = mtf.slicewise(lambda g: bwd(g)[0], [dy], output_shape=first.shape,
-                           output_dtype=first.dtype, splittable_dims=lead, name=name + "_grad_0")
+                           output_dtype=first.dtype, splittable_dims=split,
+                           name=name + "_grad_0")
         db = mtf.slicewise(lambda g: bwd(g)[1], [dy], output_shape=last.shape,
-                           output_dtype=last.dtype, splittable_dims=lead, name=name + "_grad_1")
+                           output_dtype=last.dtype, splittable_dims=split, name=name + "_grad_1")
         return [da, db]
 
     return mtf.slicewise(fwd, [first, last], output_shape=out_shape, output_dtype=rdtype,
-                         splittable_dims=lead, grad_function=grad, name=name)
+                         splittable_dims=split, grad_function=grad, name=name)
+
+
+def _unwrap(t, wrap, sizes):
+    """Adjoint of padding the first two axes of ``t`` periodically by ``wrap``: each
+    margin entry added to the entry it copies (axis lengths ``sizes`` unpadded)."""
+    for ax, n in zip((0, 1), sizes):
+        seg = np.arange(-wrap, n + wrap) % n
+        if ax == 1:
+            t = tf.transpose(t, [1, 0] + list(range(2, t.shape.ndims)))
+        t = tf.math.unsorted_segment_sum(t, seg, n)
+        if ax == 1:
+            t = tf.transpose(t, [1, 0] + list(range(2, t.shape.ndims)))
+    return t
 
 
 def _interleave_grad(op, dy):
-    """Gradient of ``FlowpmInterleave``: each picked column of ``dy`` back to its input."""
+    """Gradient of ``FlowpmInterleave``: each picked column of ``dy`` back to its input
+    (after the adjoint of the periodic padding, with ``wrap``)."""
     picks = op.get_attr("picks")
+    wrap = op.get_attr("wrap")
+    if wrap:
+        dy = _unwrap(dy, wrap, op.inputs[0].shape.as_list()[:2])
     pairs = [(picks[2 * j], picks[2 * j + 1]) for j in range(len(picks) // 2)]
     grads = []
     for i, x in enumerate(op.inputs):
@@ -396,7 +446,8 @@ def inverse_after(pot, builders, conf, deps=(), name="inverse_after", raw=False)
                           name=name, raw=raw)
 
 
-def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False):
+def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False,
+                           padded=False):
     r"""Real-space :math:`-\nabla\phi` [cells] for :math:`\nabla^2\phi = \delta`.
 
     The three components go through one batched inverse FFT: two complex
@@ -418,6 +469,11 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False
         (:func:`inverse_after`) instead of batched, so only one packed
         spectrum and its all-to-all buffers are live at a time (the same
         values; one more all-to-all round trip).
+    padded : bool, optional
+        With ``packed`` and ``sequential``, on one block (``conf.grid`` (1, 1)):
+        return the padded block with periodic margins, ``[bx, by, px, py, z,
+        xyz]`` (:func:`xyz_from_packed` with ``padded_conf``), ready for
+        :func:`flowpm_mtf.painting.readout_padded`.
 
     Returns
     -------
@@ -432,7 +488,10 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False
                               name="grad_0", raw=True)
         last = inverse_after(pot, [gradient_spec(kernels, 2)], conf, first, name="grad_1",
                              raw=True)
-        return xyz_from_packed(first[0], last[0], name="grad_stack")
+        return xyz_from_packed(first[0], last[0], name="grad_stack",
+                               padded_conf=conf if padded else None)
+    if padded:
+        raise ValueError("neg_gradient_potential: padded needs packed and sequential")
     return _inverse_xyz(_gradient_specs(pot, kernels), conf, packed, "grad")
 
 

@@ -515,6 +515,21 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     return _readout_filled(mesh, positions, conf, name)
 
 
+def readout_padded(mesh, positions, conf, name="readout_padded"):
+    """:func:`cic_readout` of padded blocks whose margins are already filled.
+
+    E.g. the force field of one block written with its periodic margins
+    (:func:`flowpm_mtf.kernels.xyz_from_packed` with ``padded_conf``): no halo
+    exchange and no copy of the field. Same checks and escape check.
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    _check_components(mesh.shape.dims[5:], positions, name)
+    mesh = _assert_none_escaped(mesh, escaped_count(positions, conf), name)
+    return _readout_filled(mesh, positions, conf, name)
+
+
 def _check_components(extra, positions, name):
     if any(d in positions.shape.dims[:-1] for d in extra):
         raise ValueError("%s: the mesh's component dimensions %s clash with the particle "

@@ -298,23 +298,45 @@ def test_interleave_equals_numpy(dtype):
             np.testing.assert_array_equal(run(out, threads=threads), ref)
 
 
-def test_interleave_gradient_dot_product():
-    """The registered gradient of FlowpmInterleave is its adjoint (repeated picks add):
-    <interleave(a, b), y> = <a, ga> + <b, gb>."""
+def test_interleave_wrap_equals_numpy():
+    """FlowpmInterleave with wrap = h: the first two axes padded periodically (np.pad
+    mode 'wrap'), h up to the axis length."""
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(13)
+    a = rng.randn(3, 4, 5, 2).astype(np.float32)
+    b = rng.randn(3, 4, 5, 1).astype(np.float32)
+    ref = np.concatenate([a, b], axis=-1)
+    with tf.Graph().as_default():
+        outs = {h: lib.flowpm_interleave([tf.constant(a), tf.constant(b)],
+                                         picks=[0, 0, 0, 1, 1, 0], wrap=h) for h in (1, 3)}
+        for h, out in outs.items():
+            assert out.shape.as_list() == [3 + 2 * h, 4 + 2 * h, 5, 3]
+        res = run(outs, threads=3)
+    for h in (1, 3):
+        np.testing.assert_array_equal(res[h], np.pad(ref, [(h, h), (h, h), (0, 0), (0, 0)],
+                                                     mode="wrap"))
+
+
+@pytest.mark.parametrize("wrap", [0, 2])
+def test_interleave_gradient_dot_product(wrap):
+    """The registered gradient of FlowpmInterleave is its adjoint (repeated picks and
+    periodic margins add): <interleave(a, b), y> = <a, ga> + <b, gb>."""
     lib = native.load("cic_ops")
     rng = np.random.RandomState(12)
-    a0, b0 = rng.randn(4, 6, 2), rng.randn(4, 6, 3)
-    y0 = rng.randn(4, 6, 4)
+    a0, b0 = rng.randn(4, 6, 3, 2), rng.randn(4, 6, 3, 3)
+    y0 = rng.randn(4 + 2 * wrap, 6 + 2 * wrap, 3, 4)
     with tf.Graph().as_default():
         a, b, y = tf.constant(a0), tf.constant(b0), tf.constant(y0)
-        out = lib.flowpm_interleave([a, b], picks=[1, 2, 0, 0, 1, 2, 0, 1])
+        out = lib.flowpm_interleave([a, b], picks=[1, 2, 0, 0, 1, 2, 0, 1], wrap=wrap)
         lhs = tf.reduce_sum(out * y)
         ga, gb = tf.gradients(lhs, [a, b])
         rhs = tf.reduce_sum(a * ga) + tf.reduce_sum(b * gb)
         res = run({"lhs": lhs, "rhs": rhs, "gb": gb})
     np.testing.assert_allclose(res["lhs"], res["rhs"], rtol=ADJOINT_RTOL)
     np.testing.assert_array_equal(res["gb"][..., 1], 0.0)  # column never picked
-    np.testing.assert_allclose(res["gb"][..., 2], y0[..., 0] + y0[..., 2], rtol=ADJOINT_RTOL)
+    if not wrap:
+        np.testing.assert_allclose(res["gb"][..., 2], y0[..., 0] + y0[..., 2],
+                                   rtol=ADJOINT_RTOL)
 
 
 def test_interleave_rejects_bad_picks_and_shapes():

@@ -201,3 +201,54 @@ def test_xyz_from_packed_rejects_bad_inputs():
             kernels.xyz_from_packed(z, two)
         with pytest.raises(ValueError, match="pair\\(1\\)"):
             kernels.xyz_from_packed(real, z)
+
+
+ONE_BLOCK = [c for c in CASES if tuple(c[1]) == (1, 1)]
+
+
+@pytest.mark.skipif(not ONE_BLOCK, reason="one block: one rank")
+@pytest.mark.parametrize("case", ONE_BLOCK, ids=H.case_id)
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "tf"])
+def test_padded_gradient_field_on_one_block(case, use_native, monkeypatch):
+    """neg_gradient_potential(padded=True) on one block: the padded block with periodic
+    margins, equal to field_to_padded of the field exactly (native FlowpmInterleave with
+    wrap, or the TensorFlow path), with the same gradient."""
+    from flowpm_mtf import halo
+    if not use_native:
+        monkeypatch.setattr(native, "load", lambda name: None)
+    elif native.load("cic_ops") is None:
+        pytest.skip("native cic_ops not built")
+    nc = (6, 10, 4)
+    conf = SimConfig(nc=nc, box_size=(100.0, 50.0, 25.0), grid=(1, 1), halo_size=2)
+    rng = np.random.RandomState(7)
+    x0 = rng.randn(*nc)
+    y0 = rng.randn(*(conf.grid + conf.padded_block_shape + (3,)))
+
+    def build(mesh):
+        x = mtf.import_tf_tensor(mesh, tf.constant(x0), fft.real_shape(conf))
+        y = mtf.import_tf_tensor(mesh, tf.constant(y0), halo.padded_shape(conf)
+                                 + [mtf.Dimension(XYZ, 3)])
+        kern = kernels.make_kernels(conf, mesh)
+        dk = fft.r2c(x, conf)
+        out = {"p": kernels.neg_gradient_potential(dk, conf, kern, sequential=True, padded=True),
+               "f": halo.field_to_padded(kernels.neg_gradient_potential(dk, conf, kern,
+                                                                        sequential=True), conf)}
+        for tag in ("p", "f"):
+            out["g_" + tag], = mtf.gradients([fft.real_vdot(y, out[tag])], [x])
+        return out
+
+    out = H.run(case[0], conf, build)
+    np.testing.assert_array_equal(out["p"], out["f"])
+    np.testing.assert_allclose(out["g_p"], out["g_f"], rtol=1e-12, atol=1e-14)
+
+
+def test_padded_gradient_field_needs_one_block():
+    conf = conf_for(("placement", (2, 1)), (8, 4, 4))
+    with tf.Graph().as_default():
+        mesh = mtf.Mesh(mtf.Graph(), "mesh")
+        dk = mtf.zeros(mesh, fft.k_shape(conf), tf.complex128)
+        kern = kernels.make_kernels(conf, mesh)
+        with pytest.raises(ValueError, match="one block"):
+            kernels.neg_gradient_potential(dk, conf, kern, sequential=True, padded=True)
+        with pytest.raises(ValueError, match="packed and sequential"):
+            kernels.neg_gradient_potential(dk, conf, kern, padded=True)

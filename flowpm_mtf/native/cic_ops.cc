@@ -16,10 +16,13 @@
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
 //       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
-//   FlowpmInterleave(inputs N x [..., w_i], picks) -> [..., K]: out[..., j] =
-//       inputs[picks[2j]][..., picks[2j + 1]] (one pass; e.g. the (x, y) pair and z
+//   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
+//       b + 2 wrap, ..., K]: out[i, j, ..., k] = inputs[picks[2k]][(i - wrap) mod a,
+//       (j - wrap) mod b, ..., picks[2k + 1]] (one pass; e.g. the (x, y) pair and z
 //       of the force read from two packed inverse FFTs into [x, y, z, xyz], which
-//       tf.stack / tf.concat copy one element at a time along a short last axis).
+//       tf.stack / tf.concat copy one element at a time along a short last axis;
+//       with wrap = h, directly the padded block with periodic margins of a
+//       one-block mesh).
 //
 // The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
 // particle at block-local (x, y, z) [cells] touches the padded cells
@@ -539,14 +542,17 @@ class WrapOp : public OpKernel {
 
 // ------------------------------------------------------------------ interleave
 // FlowpmInterleave(inputs: N tensors [..., w_i] with the same leading shape, picks:
-// 2K ints (input, column)) -> [..., K]; parallel over rows.
+// 2K ints (input, column), wrap >= 0) -> [..., K], the first two axes padded
+// periodically by `wrap` on both sides; parallel over output rows.
 template <typename T>
 class InterleaveOp : public OpKernel {
  public:
   explicit InterleaveOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("picks", &picks_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("wrap", &wrap_));
     OP_REQUIRES(ctx, !picks_.empty() && picks_.size() % 2 == 0,
                 InvalidArgument("FlowpmInterleave: picks must hold (input, column) pairs"));
+    OP_REQUIRES(ctx, wrap_ >= 0, InvalidArgument("FlowpmInterleave: wrap must be >= 0"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -554,7 +560,9 @@ class InterleaveOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->input_list("inputs", &ins));
     const int n_in = ins.size();
     const TensorShape& s0 = ins[0].shape();
-    OP_REQUIRES(ctx, s0.dims() >= 1, InvalidArgument("FlowpmInterleave: inputs need rank >= 1"));
+    const int lead = wrap_ > 0 ? 2 : 0;  // the wrapped axes
+    OP_REQUIRES(ctx, s0.dims() >= 1 + lead,
+                InvalidArgument("FlowpmInterleave: inputs need rank >= ", 1 + lead));
     const i64 rows = s0.num_elements() / std::max<i64>(1, s0.dim_size(s0.dims() - 1));
     std::vector<const T*> src(n_in);
     std::vector<i64> width(n_in);
@@ -580,19 +588,37 @@ class InterleaveOp : public OpKernel {
     }
     TensorShape os = s0;
     os.set_dim(os.dims() - 1, K);
+    i64 a = 1, b = 1;
+    if (lead) {
+      a = s0.dim_size(0);
+      b = s0.dim_size(1);
+      OP_REQUIRES(ctx, a > 0 && b > 0, InvalidArgument("FlowpmInterleave: empty wrapped axis"));
+      os.set_dim(0, a + 2 * wrap_);
+      os.set_dim(1, b + 2 * wrap_);
+    }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &out));
     T* O = out->flat<T>().data();
+    // rows of the output = (i, j) pairs of the wrapped axes x `inner` rows each
+    const i64 inner = rows / (a * b);
+    const i64 pa = a + 2 * wrap_, pb = b + 2 * wrap_;
     auto work = [&](int64_t begin, int64_t end) {
-      for (i64 r = begin; r < end; ++r)
-        for (i64 j = 0; j < K; ++j) O[r * K + j] = col[j][r * stride[j]];
+      for (i64 ij = begin; ij < end; ++ij) {
+        const i64 i = ij / pb, j = ij % pb;
+        const i64 si = ((i - wrap_) % a + a) % a, sj = ((j - wrap_) % b + b) % b;
+        const i64 r0 = (si * b + sj) * inner;
+        T* o = O + ij * inner * K;
+        for (i64 r = 0; r < inner; ++r)
+          for (i64 k = 0; k < K; ++k) o[r * K + k] = col[k][(r0 + r) * stride[k]];
+      }
     };
     ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        rows, 2 * K, work);
+                        pa * pb, 2 * K * inner, work);
   }
 
  private:
   std::vector<int> picks_;
+  int wrap_;
 };
 
 }  // namespace
@@ -604,9 +630,12 @@ REGISTER_OP("FlowpmInterleave")
     .Attr("N: int >= 1")
     .Attr("T: {float, double}")
     .Attr("picks: list(int)")
+    .Attr("wrap: int = 0")
     .SetShapeFn([](InferenceContext* c) {
       std::vector<int> picks;
+      int wrap;
       TF_RETURN_IF_ERROR(c->GetAttr("picks", &picks));
+      TF_RETURN_IF_ERROR(c->GetAttr("wrap", &wrap));
       ShapeHandle s0 = c->input(0), out;
       if (!c->RankKnown(s0)) {
         c->set_output(0, c->UnknownShape());
@@ -614,6 +643,11 @@ REGISTER_OP("FlowpmInterleave")
       }
       TF_RETURN_IF_ERROR(c->ReplaceDim(s0, -1, c->MakeDim(static_cast<int64_t>(picks.size() / 2)),
                                        &out));
+      for (int d = 0; d < 2 && wrap > 0 && d + 1 < c->Rank(s0); ++d) {
+        DimensionHandle padded;
+        TF_RETURN_IF_ERROR(c->Add(c->Dim(s0, d), 2 * wrap, &padded));
+        TF_RETURN_IF_ERROR(c->ReplaceDim(out, d, padded, &out));
+      }
       c->set_output(0, out);
       return ::tensorflow::OkStatus();
     });
