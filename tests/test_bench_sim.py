@@ -50,14 +50,17 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
     block = 16 * 16 * 16 // 2 * 8
     assert b["fft"] == b["comm_fft"] == (1 + 2) * block
     # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
-    # both margins of h cells x (ny + 2h) x nz float32; paint = one reduce plus the
-    # int32 escape-count allreduce (4 bytes received), readout = one fill of the three
-    # force components (+ 4)
+    # both margins of h cells x ny x nz float32 (halo.field_to_padded fills x before
+    # the y margins exist; halo.reduced_to_field folds the y margins before x's);
+    # paint = one reduce plus the int32 escape-count allreduce (4 bytes received),
+    # readout = one fill of the three force components (+ 4)
     h = record["halo"]
-    halo = 2 * h * (16 + 2 * h) * 16 * 4
+    halo = 2 * h * 16 * 16 * 4
     assert b["paint"] == halo + 4
     assert b["readout"] == 3 * halo + 4
-    assert b["comm_halo"] == 4 * halo
+    # the comm_halo phase exchanges the padded form (halo_fill / halo_reduce): its x
+    # margins include the y margins, h x (ny + 2h) x nz
+    assert b["comm_halo"] == 4 * 2 * h * (16 + 2 * h) * 16 * 4
 
 def test_markdown_table(record):
     sys.path.insert(0, os.path.join(REPO, "scripts"))
