@@ -45,6 +45,28 @@ marks the re-executed process and names the mode in effect (written to
 ``summary.json``). Library use (``import flowpm_mtf``) and the test suite keep
 whatever allocator the process started with. The GPU's device memory is
 TensorFlow's own allocator in every mode (untested here: no GPU for TF 2.12).
+
+numpy on its baseline code paths under tcmalloc
+-----------------------------------------------
+numpy (1.24) evaluates ``sin``, ``cos``, ``exp``, ``log``, ``power``, ``arctan2``
+... of float64 (and several of float32) arrays with its AVX-512 loops (SVML)
+unless it judges the input and output arrays to overlap, and then falls back
+to the C library. Its overlap test also counts an output that starts exactly
+where the input ends, which tcmalloc does all the time (blocks of one size
+class are packed back to back; glibc puts a header between blocks). The two
+code paths differ in the last bit of ~25-65 % of the values, so which one ran
+depended on the heap: the k-space gradient kernel, the linear power
+spectrum and the step factors, all evaluated in numpy when the graph is
+built, differed in the last bit between two launches of the same job, and so
+did every result after (a resumed run was not bit-identical to the
+uninterrupted one). In the ``tcmalloc`` mode, ``NPY_DISABLE_CPU_FEATURES`` is
+therefore set to every dispatched (non-baseline) CPU feature that this
+machine's numpy uses: numpy then runs one code path whatever the heap, and
+results are reproducible launch to launch. A user's own
+``NPY_DISABLE_CPU_FEATURES`` is kept as given. The other modes allocate with
+glibc and keep numpy's fast paths; a job's results differ between modes in
+the last bits (resume a run in the mode it started with for bit-identical
+results).
 """
 import ctypes.util
 import os
@@ -56,6 +78,7 @@ MODES = ("tcmalloc", "lean", "tf")
 TCMALLOC = "tcmalloc_minimal"
 LEAN_TUNABLES = ("glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=1048576:"
                  "glibc.malloc.hugetlb=1")
+NUMPY_FEATURES_ENV = "NPY_DISABLE_CPU_FEATURES"
 
 __all__ = ["ENV", "MODES", "AllocatorError", "environment", "ensure", "active"]
 
@@ -67,6 +90,18 @@ class AllocatorError(ValueError):
 def _tcmalloc_library():
     """The soname of gperftools' tcmalloc (minimal), or None."""
     return ctypes.util.find_library(TCMALLOC)
+
+
+def numpy_dispatched_features():
+    """The non-baseline CPU features numpy dispatches to on this machine (space-separated).
+
+    Naming a feature numpy does not dispatch to, or this machine lacks, in
+    ``NPY_DISABLE_CPU_FEATURES`` makes every numpy import warn: the list is
+    numpy's own (imports numpy; no MPI, Horovod or TensorFlow).
+    """
+    from numpy.core import _multiarray_umath as umath
+
+    return " ".join(f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f))
 
 
 def environment(mode=None, env=None):
@@ -84,7 +119,8 @@ def environment(mode=None, env=None):
     -------
     (str, dict)
         The mode and the new environment (a copy of ``env`` with the mode's
-        variables and ``FLOWPM_MTF_ALLOCATOR_ACTIVE`` set).
+        variables and ``FLOWPM_MTF_ALLOCATOR_ACTIVE`` set; ``tcmalloc`` also
+        sets ``NPY_DISABLE_CPU_FEATURES``, see the module docstring).
 
     Raises
     ------
@@ -108,6 +144,8 @@ def environment(mode=None, env=None):
             preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
             if lib not in preload:
                 env["LD_PRELOAD"] = ":".join([lib] + preload)
+            if NUMPY_FEATURES_ENV not in env:   # see "numpy on its baseline code paths"
+                env[NUMPY_FEATURES_ENV] = numpy_dispatched_features()
     if mode == "lean":
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         env["GLIBC_TUNABLES"] = ":".join(tunables + [LEAN_TUNABLES])
