@@ -421,13 +421,23 @@ def _launch(cmd, path, timeout, pythonpath=None):
 
 
 def baseline_code(rev):
-    """The tree of git revision ``rev``, extracted into results/tmp/code-<rev>."""
+    """The tree of git revision ``rev``, extracted into results/tmp/code-<rev>.
+
+    Its native ops are built (``flowpm_mtf.native.build``, idempotent) when the
+    revision has them: unbuilt, that tree would silently run its TensorFlow path.
+    """
     out = os.path.join(REPO, "results", "tmp", "code-" + rev)
     if not os.path.isdir(out):
         os.makedirs(out)
         archive = subprocess.run(["git", "-C", REPO, "archive", rev], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    if os.path.exists(os.path.join(out, "flowpm_mtf", "native", "build.py")):
+        proc = subprocess.run([sys.executable, "-m", "flowpm_mtf.native.build"], cwd=out,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit("bench_peers: building the native ops of %s failed: %s"
+                             % (rev, (proc.stderr.strip().splitlines() or ["?"])[-1]))
     return out
 
 

@@ -93,3 +93,27 @@ def test_markdown_derives_the_ratios():
     cells = [c.strip() for c in build_row[0].strip("|").split("|")]
     assert cells[2] == "2" and cells[4] == "120" and cells[5] == "60"   # 120 / 2
     assert cells[6] == "250" and cells[7] == "2700"                      # the largest rank
+
+
+@pytest.mark.single_process
+def test_baseline_tree_gets_its_native_ops_built(tmp_path, monkeypatch):
+    """A --baseline tree is extracted with ``git archive`` (no built libraries): without
+    the build its runs would silently take the TF path."""
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", REPO, str(repo)], check=True)
+    monkeypatch.setattr(bp, "REPO", str(repo))
+    out = bp.baseline_code("HEAD")
+    native = os.path.join(out, "flowpm_mtf", "native")
+    sources = sorted(f[:-3] for f in os.listdir(native) if f.endswith(".cc"))
+    assert sources
+    for name in sources:
+        assert os.path.getsize(os.path.join(native, "lib%s.so" % name)) > 0
+    # The baseline's own package loads every library as up to date (require: else an error).
+    code = ("import flowpm_mtf.native as n; print(n.__file__); "
+            "print(all(n.load(s) is not None for s in %r))" % sources)
+    env = dict(bp._clean_env(out), FLOWPM_MTF_NATIVE="require")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=out, capture_output=True, text=True,
+                          env=env, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path, ok = proc.stdout.split()
+    assert path.startswith(out) and ok == "True"
