@@ -67,12 +67,15 @@ def test_tcmalloc_mode_puts_numpy_on_its_baseline_paths_unless_the_user_chose():
 # takes its AVX-512 (SVML) loop for the second only (its overlap test counts touching
 # arrays); the two differ in the last bit of about half the values.
 ADJACENT_PROBE = (
-    "import sys; from flowpm_mtf import allocator; allocator.ensure(); import numpy as np; "
+    "from flowpm_mtf import allocator; allocator.ensure(); import numpy as np; "
     "x = np.linspace(0.01, 3.0, 4096); buf = np.empty(2 * x.size); buf[:x.size] = x; "
     "np.sin(buf[:x.size], out=buf[x.size:]); "
     "far = np.empty(x.size + 16)[8:-8]; np.sin(x, out=far); "
     "print(allocator.active(), int(np.sum(buf[x.size:] != far)), "
     "int(np.sum(far != [__import__('math').sin(v) for v in x])))")
+# With numpy's fast paths on, at least this many of the 4096 values differ between the two
+# outputs (measured here: ~half); fewer would not be the hazard this mode removes.
+HAZARD_MIN_DIFFERING = 100
 
 
 def _adjacent_probe(mode):
@@ -93,7 +96,7 @@ def test_numpy_results_do_not_depend_on_where_tcmalloc_puts_the_output():
     assert active == "tf"
     if differ == 0:
         pytest.skip("this machine's numpy has no heap-dependent code path for sin")
-    assert differ > 100              # the hazard, with numpy's fast paths on
+    assert differ > HAZARD_MIN_DIFFERING   # the hazard, with numpy's fast paths on
     active, differ, differ_libm = _adjacent_probe("tcmalloc")
     assert active == "tcmalloc" and differ == 0 and differ_libm == 0   # one path: the C library
 
