@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+import horovod
 import horovod.tensorflow as hvd
 from mpi4py import MPI
 
@@ -43,6 +44,18 @@ process. With the default that is 128 MiB on every rank of a multi-rank run
 while our fused collectives are scalars and P(k) bins. A collective larger
 than the threshold simply runs unfused, on its own buffers. A value already
 in the environment (e.g. ``HOROVOD_FUSION_THRESHOLD=134217728``) is kept."""
+
+PATCHED_HOROVOD_VERSION = "0.28.1+flowpm.1"
+"""``horovod.__version__`` of the build ``scripts/setup_env.sh`` makes from the PyPI source
+with ``patches/horovod-0.28.1-flowpm.patch``.
+
+The patch re-anchors the cycle of Horovod's background thread at the collective that
+synchronises all ranks every cycle. Upstream, a rank whose cycle starts early
+busy-polls in that collective for its phase offset to the latest rank, every cycle:
+idle ranks burnt up to a full core each here (0.02 and 1.00 of a core on 2 ranks,
+0.21-0.71 on 4 oversubscribed ranks; patched: 0.03-0.05), taken from TensorFlow's
+threads whenever the rank computes while its collectives wait. :func:`init` warns on
+another build (it works, only slower)."""
 
 EXIT_BARRIER_TIMEOUT_S = 1800.0
 """Default of ``FLOWPM_MTF_EXIT_TIMEOUT``: seconds a rank waits at exit for the others
@@ -84,12 +97,22 @@ def init(comm=None):
             os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(FUSION_THRESHOLD_BYTES))
             hvd.init(comm=comm, process_sets="dynamic")  # registers hvd.shutdown at exit
             log.debug("horovod initialised: rank %d of %d", hvd.rank(), hvd.size())
+            if hvd.size() > 1 and not horovod_patched():
+                log.warning("Horovod %s is not the patched build %s of scripts/setup_env.sh: "
+                            "its background thread busy-polls up to a core per rank "
+                            "(see hvd_mesh_impl.runtime.PATCHED_HOROVOD_VERSION)",
+                            horovod.__version__, PATCHED_HOROVOD_VERSION)
             _register_exit_barrier(comm)
         if hvd.size() != comm.Get_size():
             raise RuntimeError(
                 "Horovod runs on %d ranks but the communicator given has %d; "
                 "use one communicator per program" % (hvd.size(), comm.Get_size()))
     return comm
+
+
+def horovod_patched():
+    """Whether the Horovod in use is the patched build (:data:`PATCHED_HOROVOD_VERSION`)."""
+    return horovod.__version__ == PATCHED_HOROVOD_VERSION
 
 
 def _register_exit_barrier(comm):

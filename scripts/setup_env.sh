@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything this package needs on a fresh Debian machine:
 # OpenMPI (apt), a Python 3.11 virtualenv in .venv, the pinned stack, Horovod
-# built from source with MPI + Gloo, and this package in editable mode.
+# built from source with MPI + Gloo and our patch (patches/), and this package in editable mode.
 # A second run with nothing to do takes a few seconds.
 #
 # Environment:
@@ -18,7 +18,8 @@ log() { echo "[setup_env] $*" >&2; }
 
 # Hash of the inputs that determine the environment: a change re-runs the pip steps.
 inputs_hash() {
-  cat "$REPO/scripts/setup_env.sh" "$REPO/requirements.txt" "$REPO/setup.py" 2>/dev/null | sha256sum | cut -c1-16
+  cat "$REPO/scripts/setup_env.sh" "$REPO/requirements.txt" "$REPO/setup.py" \
+      "$REPO"/patches/*.patch 2>/dev/null | sha256sum | cut -c1-16
 }
 
 # ---------------------------------------------------------------- 1. system
@@ -75,18 +76,38 @@ log "installing pinned Python packages"
 "${PIP[@]}" install -q -r "$REPO/requirements.txt"
 
 # ---------------------------------------------------------------- 4. horovod
-if ! "$VENV/bin/python" - <<'PY' 2>/dev/null
-import horovod.tensorflow as hvd
+# Horovod 0.28.1 from its PyPI source with our patch (patches/horovod-0.28.1-flowpm.patch:
+# the background thread's cycle re-anchored at the global synchronisation, so idle ranks
+# stop busy-polling; the version it sets is HOROVOD_VERSION). The wheel is kept in
+# HVD_WHEELS (per patch and GPU option), so a re-install does not rebuild.
+HVD_PATCH="$REPO/patches/horovod-0.28.1-flowpm.patch"
+HOROVOD_VERSION="$(sed -n "s/^+__version__ = '\(.*\)'$/\1/p" "$HVD_PATCH")"
+HVD_KEY="$(cat "$HVD_PATCH" <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
+HVD_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/flowpm-mtf/horovod-$HVD_KEY"
+if ! HOROVOD_VERSION="$HOROVOD_VERSION" "$VENV/bin/python" - <<'PY' 2>/dev/null
+import os
+import horovod, horovod.tensorflow as hvd
 assert hvd.mpi_built() and hvd.gloo_built()
+assert horovod.__version__ == os.environ["HOROVOD_VERSION"]
 PY
 then
-  log "building horovod 0.28.1 with MPI and Gloo (about 4 minutes on 2 cores; the wheel is cached)"
-  # Use the system cmake: the cmake 4.x wheel from PyPI breaks the gloo sub-build.
-  "${PIP[@]}" uninstall -y -q cmake >/dev/null 2>&1 || true
-  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-  MAKEFLAGS="-j$(nproc)" \
-    "${PIP[@]}" install -q --no-build-isolation horovod==0.28.1
+  if ! ls "$HVD_WHEELS"/horovod-*.whl >/dev/null 2>&1; then
+    log "building horovod $HOROVOD_VERSION with MPI and Gloo (about 4 minutes on 2 cores; the wheel is kept in $HVD_WHEELS)"
+    # Use the system cmake: the cmake 4.x wheel from PyPI breaks the gloo sub-build.
+    "${PIP[@]}" uninstall -y -q cmake >/dev/null 2>&1 || true
+    src="$(mktemp -d)"
+    "${PIP[@]}" download -q --no-deps --no-binary :all: horovod==0.28.1 -d "$src"
+    tar -xzf "$src"/horovod-0.28.1.tar.gz -C "$src"
+    (cd "$src/horovod-0.28.1" && git apply "$HVD_PATCH") \
+      || { log "the Horovod patch does not apply to the downloaded source"; exit 1; }
+    mkdir -p "$HVD_WHEELS"
+    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+    MAKEFLAGS="-j$(nproc)" \
+      "${PIP[@]}" wheel -q --no-build-isolation --no-deps "$src/horovod-0.28.1" -w "$HVD_WHEELS"
+    rm -rf "$src"
+  fi
+  "${PIP[@]}" install -q --no-deps --force-reinstall "$HVD_WHEELS"/horovod-*.whl
 fi
 
 # ---------------------------------------------------------------- 5. this package
