@@ -323,6 +323,84 @@ def test_hermitian_packed(shape, axis, reflect, blocks, block_axis):
                       cplx(pf.shape))])
 
 
+# Blocked layouts of the transforms (the pieces of an all-to-all, fft.FFT3DOperation):
+# (shape, axis, in_blocks, out_blocks). Along the last axis the rows path runs (panels
+# of rows gathered / scattered), along the others the strided panel path; the second
+# shape is above the threaded size (kMinParallel).
+BLOCKED_CASES = [((5, 12, 60), 2, 1, 2), ((5, 12, 60), 2, 3, 1), ((5, 12, 60), 2, 4, 6),
+                 ((5, 12, 60), 1, 2, 3), ((5, 12, 60), 1, 4, 1), ((5, 12, 60), 0, 1, 5),
+                 ((8, 24, 180), 1, 2, 2), ((8, 24, 180), 2, 2, 4), ((8, 24, 180), 2, 4, 1)]
+
+
+def _pack(a, blocks, axis):
+    return a if blocks == 1 else _np_pack(a, blocks, axis)
+
+
+def _unpack(a, blocks, axis):
+    return a if blocks == 1 else _np_unpack(a, axis)
+
+
+def _blocked_ops(axis, bi, bo, normalized):
+    return {
+        "fft": lambda t: fft.fft_along(t, axis, False, normalized, in_blocks=bi, out_blocks=bo),
+        "ifft": lambda t: fft.fft_along(t, axis, True, normalized, in_blocks=bi, out_blocks=bo),
+        "fft_of_real": lambda t: fft.fft_of_real_along(t, axis, normalized, in_blocks=bi,
+                                                       out_blocks=bo),
+        "ifft_real": lambda t: fft.ifft_real_part_along(t, axis, normalized, in_blocks=bi,
+                                                        out_blocks=bo)}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape,axis,bi,bo", BLOCKED_CASES)
+def test_blocked_layouts_match_numpy(shape, axis, bi, bo, dtype):
+    """Every transform reading in_blocks and writing out_blocks pieces equals numpy's
+    transform of the unpacked input, packed."""
+    rng = np.random.RandomState(sum(shape) + axis + 10 * bi + bo)
+    n = shape[axis]
+    x_c = (rng.randn(*shape) + 1j * rng.randn(*shape)).astype(COMPLEX[dtype])
+    x_r = rng.randn(*shape).astype(dtype)
+    ref = {"fft": np.fft.fft(x_c, axis=axis) / n, "ifft": np.fft.ifft(x_c, axis=axis),
+           "fft_of_real": np.fft.fft(x_r, axis=axis) / n,
+           "ifft_real": np.fft.ifft(x_c, axis=axis).real}
+    inputs = {"fft": x_c, "ifft": x_c, "fft_of_real": x_r, "ifft_real": x_c}
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        ops = _blocked_ops(axis, bi, bo, True)
+        fetches = {k: ops[k](tf.constant(_pack(inputs[k], bi, axis))) for k in ops}
+        out = run(fetches)
+    for k in ops:
+        assert out[k].shape == _pack(ref[k], bo, axis).shape, k
+        assert rel_err(_unpack(out[k], bo, axis), ref[k]) < RTOL[dtype], k
+
+
+@needs_native
+@pytest.mark.parametrize("shape,axis,bi,bo", BLOCKED_CASES[:6])
+def test_blocked_layouts_gradients_adjoint(shape, axis, bi, bo):
+    """<A x, y> = <x, A^T y> with the blocked layouts on both sides (float64; the
+    gradient reads the output's blocks and writes the input's)."""
+    rng = np.random.RandomState(7 + axis + bi + bo)
+    packed_in = _pack(np.zeros(shape), bi, axis).shape
+    packed_out = _pack(np.zeros(shape), bo, axis).shape
+    x_c = rng.randn(*packed_in) + 1j * rng.randn(*packed_in)
+    y_c = rng.randn(*packed_out) + 1j * rng.randn(*packed_out)
+    x_r, y_r = rng.randn(*packed_in), rng.randn(*packed_out)
+    ops = _blocked_ops(axis, bi, bo, False)
+    _assert_adjoint([("fft", ops["fft"], x_c, y_c), ("ifft", ops["ifft"], x_c, y_c),
+                     ("fft_of_real", ops["fft_of_real"], x_r, y_c),
+                     ("ifft_real", ops["ifft_real"], x_c, y_r)])
+
+
+@needs_native
+def test_blocked_layouts_bad_input_raise():
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        with pytest.raises(ValueError, match="does not split into 4 blocks"):
+            fft.fft_along(tf.zeros([4, 6, 10], tf.complex64), 1, out_blocks=4)
+        with pytest.raises(ValueError, match="leading axis of 3 blocks"):
+            fft.fft_along(tf.zeros([2, 6, 10], tf.complex64), 1, in_blocks=3)
+        with pytest.raises(ValueError, match="out of range"):
+            fft.fft_along(tf.zeros([2, 6, 10], tf.complex64), 2, in_blocks=2)
+
+
 @needs_native
 def test_native_concurrent_planning():
     """Many first-time plans of different shapes in one run, on 2 inter-op threads:

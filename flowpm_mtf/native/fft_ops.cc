@@ -26,6 +26,11 @@
 //       One pass over the data, on the intra-op pool; the gradients (Python side) are
 //       built from TensorFlow ops.
 //
+// FlowpmFftC2c, and FlowpmFftR2c / FlowpmFftC2r with full = true, take in_blocks and
+// out_blocks (default 1): the input / output stored as the pieces of an all-to-all,
+// [blocks, .., len / blocks along axis, ..] (`axis` counts the unblocked axes); the
+// panel copies read / write that layout, so no transpose packs or unpacks an exchange.
+//
 // with c = 1/n when `normalized`, else 1; n is the transform length (the real
 // length for r2c/c2r). numpy.fft.fft = (inverse=False, normalized=False),
 // numpy.fft.ifft = (inverse=True, normalized=True).
@@ -295,6 +300,13 @@ std::complex<R> conj_of(const std::complex<R>& v) {
 // into out [outer, out_len, inner] (transform length n), times 1/n when
 // `normalized`. Returns false if FFTW could not plan.
 //
+// Blocked layouts (in_blocks / out_blocks > 1, the pieces of an all-to-all): the
+// array is stored as [blocks, outer, len / blocks, inner], the transform axis split
+// into `blocks` blocks with the block index first. Row j of batch o is then at
+// (j / lb) * outer * lb * inner + o * lb * inner + (j % lb) * inner (lb = len / blocks),
+// which for one block is the plain layout. The copies into and out of the panel
+// buffers read and write these rows directly, so the exchange needs no transpose.
+//
 // Along the last axis (inner == 1) the rows are contiguous: the threads each
 // take a group of rows, transformed in place in the tensors. Along any other
 // axis the transforms are strided by `inner` elements (often a multiple of
@@ -305,7 +317,7 @@ std::complex<R> conj_of(const std::complex<R>& v) {
 template <typename R, typename In, typename Out>
 bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out* out, i64 outer,
                    i64 n, i64 in_len, i64 out_len, i64 inner, bool normalized,
-                   int layout = kHalf) {
+                   int layout = kHalf, i64 in_blocks = 1, i64 out_blocks = 1) {
   typedef Fftw<R> F;
   typedef std::complex<R> Cx;
   In* in = const_cast<In*>(in_c);  // FFTW's signature; the input is never written (see kinds)
@@ -317,6 +329,78 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   i64 threads = workers->num_threads;
   if (outer * std::max(in_len, out_len) * inner < kMinParallel) threads = 1;
+  const i64 lb_in = in_len / in_blocks, lb_out = out_len / out_blocks;
+  // Offsets of row j of batch o (blocked layouts, see above).
+  auto row_in = [&](i64 o, i64 j) {
+    return (j / lb_in) * outer * lb_in * inner + o * lb_in * inner + (j % lb_in) * inner;
+  };
+  auto row_out = [&](i64 o, i64 j) {
+    return (j / lb_out) * outer * lb_out * inner + o * lb_out * inner + (j % lb_out) * inner;
+  };
+
+  if (inner == 1 && (in_blocks > 1 || out_blocks > 1)) {
+    // Contiguous rows, blocked on one side or both: groups of rows that fit a cache
+    // panel are gathered into a buffer (blocked input), transformed as in the plain
+    // case below, and scattered from a buffer (blocked output).
+    const i64 rows = std::max<i64>(1, kPanelBytes / (std::max(in_len, out_len) *
+                                                     static_cast<i64>(sizeof(Cx))));
+    const i64 groups = (outer + rows - 1) / rows;
+    auto work = [&](int64_t begin, int64_t end) {
+      In* tin = in_blocks > 1 ? static_cast<In*>(F::malloc(sizeof(In) * rows * in_len)) : nullptr;
+      Out* tout =
+          out_blocks > 1 ? static_cast<Out*>(F::malloc(sizeof(Out) * rows * out_len)) : nullptr;
+      Cx* buf = fold ? static_cast<Cx*>(F::malloc(sizeof(Cx) * rows * m)) : nullptr;
+      for (i64 q = begin; q < end && ok; ++q) {
+        const i64 o0 = q * rows, oc = std::min(rows, outer - o0);
+        In* pin = in + o0 * in_len;
+        if (tin) {
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 b = 0; b < in_blocks; ++b)
+              std::memcpy(tin + o * in_len + b * lb_in, in + row_in(o0 + o, b * lb_in),
+                          sizeof(In) * lb_in);
+          pin = tin;
+        }
+        Out* pout = tout ? tout : out + o0 * out_len;
+        void* plan = nullptr;
+        if (fold) {
+          const Cx* src = reinterpret_cast<const Cx*>(pin);
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = 0; k < m; ++k)
+              buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
+          Piece p{n, m, n, 1, oc, 1};
+          plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
+          if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+        } else {
+          Piece p{n, in_len, out_len, 1, oc, 1};
+          plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
+          if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
+        }
+        if (!plan) {
+          ok = false;
+          break;
+        }
+        if (fill)
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
+        if (normalized)
+          for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
+        if (tout)
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 b = 0; b < out_blocks; ++b)
+              std::memcpy(out + row_out(o0 + o, b * lb_out), tout + o * out_len + b * lb_out,
+                          sizeof(Out) * lb_out);
+      }
+      if (buf) F::free(buf);
+      if (tout) F::free(tout);
+      if (tin) F::free(tin);
+    };
+    if (threads == 1 || groups == 1)
+      work(0, groups);
+    else
+      ::tensorflow::Shard(static_cast<int>(threads), workers->workers, groups,
+                          rows * std::max(in_len, out_len) * 20, work);
+    return ok;
+  }
 
   if (inner == 1) {
     i64 pieces = std::max<i64>(1, std::min(threads, outer));
@@ -381,17 +465,17 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
                     : static_cast<Out*>(F::malloc(sizeof(Out) * out_len * ld));
     for (i64 u = begin; u < end && ok; ++u) {
       const i64 o = u / blocks, b0 = (u % blocks) * block, bc = std::min(block, inner - b0);
-      const In* src = in + o * in_len * inner + b0;
+      const In* src = in + b0;
       if (fold) {
         for (i64 k = 0; k < m; ++k) {
-          const In* a = src + k * inner;
-          const In* b = src + ((n - k) % n) * inner;
+          const In* a = src + row_in(o, k);
+          const In* b = src + row_in(o, (n - k) % n);
           In* row = buf_in + k * ld;
           for (i64 i = 0; i < bc; ++i) row[i] = R(0.5) * (a[i] + conj_of(b[i]));
         }
       } else {
         for (i64 j = 0; j < in_len; ++j)
-          std::memcpy(buf_in + j * ld, src + j * inner, sizeof(In) * bc);
+          std::memcpy(buf_in + j * ld, src + row_in(o, j), sizeof(In) * bc);
       }
       Piece p{n, buf_in_len, out_len, ld, 1, bc};
       void* plan = get_plan<R>(panel_kind, sign, p, fw<R>(buf_in), fw<R>(buf_out));
@@ -406,12 +490,12 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
           const Out* mirror = buf_out + (n - k) * ld;
           for (i64 i = 0; i < bc; ++i) row[i] = conj_of(mirror[i]);
         }
-      Out* dst = out + o * out_len * inner + b0;
+      Out* dst = out + b0;
       for (i64 j = 0; j < out_len; ++j) {
         Out* row = buf_out + j * ld;
         if (normalized)
           for (i64 i = 0; i < bc; ++i) row[i] *= s;
-        std::memcpy(dst + j * inner, row, sizeof(Out) * bc);
+        std::memcpy(dst + row_out(o, j), row, sizeof(Out) * bc);
       }
     }
     if (!same_buffer) F::free(buf_out);
@@ -423,6 +507,37 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     ::tensorflow::Shard(static_cast<int>(threads), workers->workers, units,
                         len * block * 20, work);
   return ok;
+}
+
+// The logical shape of x stored with `blocks` blocks along `axis`
+// ([blocks, .., len / blocks, ..] -> [.., len, ..]; one block: x's own shape).
+::tensorflow::Status logical_shape(const TensorShape& x, int axis, i64 blocks,
+                                   TensorShape* out) {
+  if (blocks < 1) return InvalidArgument("blocks must be >= 1, got ", blocks);
+  *out = x;
+  if (blocks == 1) return ::tensorflow::OkStatus();
+  if (x.dims() < 2 || x.dim_size(0) != blocks)
+    return InvalidArgument("a blocked input needs a leading axis of ", blocks,
+                           " blocks, got shape ", x.DebugString());
+  out->RemoveDim(0);
+  if (axis < 0 || axis >= out->dims())
+    return InvalidArgument("axis ", axis, " out of range for a tensor of rank ", out->dims());
+  out->set_dim(axis, out->dim_size(axis) * blocks);
+  return ::tensorflow::OkStatus();
+}
+
+// The stored shape of a logical shape with `blocks` blocks along `axis`.
+::tensorflow::Status blocked_shape(const TensorShape& logical, int axis, i64 blocks,
+                                   TensorShape* out) {
+  if (blocks < 1) return InvalidArgument("blocks must be >= 1, got ", blocks);
+  *out = logical;
+  if (blocks == 1) return ::tensorflow::OkStatus();
+  if (logical.dim_size(axis) % blocks)
+    return InvalidArgument("axis ", axis, " of length ", logical.dim_size(axis),
+                           " does not split into ", blocks, " blocks");
+  out->set_dim(axis, logical.dim_size(axis) / blocks);
+  out->InsertDim(0, blocks);
+  return ::tensorflow::OkStatus();
 }
 
 void checked_axis(OpKernelContext* ctx, int axis, const TensorShape& s) {
@@ -442,28 +557,37 @@ class C2COp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
     OP_REQUIRES_OK(c, c->GetAttr("inverse", &inverse_));
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
+    OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
+    OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     typedef std::complex<R> Cx;
     const Tensor& x = ctx->input(0);
-    checked_axis(ctx, axis_, x.shape());
+    TensorShape ls, os;
+    OP_REQUIRES_OK(ctx, logical_shape(x.shape(), axis_, in_blocks_, &ls));
+    checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
+    OP_REQUIRES_OK(ctx, blocked_shape(ls, axis_, out_blocks_, &os));
     Tensor* y = nullptr;  // in place when TensorFlow lets us reuse the input buffer
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &y));
+    if (in_blocks_ == 1 && out_blocks_ == 1)
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, os, &y));
+    else
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
     if (x.NumElements() == 0) return;
-    const i64 n = x.dim_size(axis_);
-    Geometry g = geometry(x.shape(), axis_);
+    const i64 n = ls.dim_size(axis_);
+    Geometry g = geometry(ls, axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kC2C, inverse_ ? FFTW_BACKWARD : FFTW_FORWARD,
                                  x.flat<Cx>().data(), y->flat<Cx>().data(), g.outer, n, n, n,
-                                 g.inner, normalized_),
+                                 g.inner, normalized_, kHalf, in_blocks_, out_blocks_),
                 plan_failed("c2c"));
   }
 
  private:
   int axis_;
   bool inverse_, normalized_;
+  ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
 // ---------------------------------------------------------------- r2c
@@ -474,31 +598,40 @@ class R2COp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
     OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
+    OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
+    OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
+    OP_REQUIRES(c, full_ || (in_blocks_ == 1 && out_blocks_ == 1),
+                InvalidArgument("r2c: blocked layouts need full = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     typedef std::complex<R> Cx;
     const Tensor& x = ctx->input(0);
-    checked_axis(ctx, axis_, x.shape());
+    TensorShape ls, os;
+    OP_REQUIRES_OK(ctx, logical_shape(x.shape(), axis_, in_blocks_, &ls));
+    checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
-    const i64 n = x.dim_size(axis_);
+    const i64 n = ls.dim_size(axis_);
     OP_REQUIRES(ctx, n >= 1, InvalidArgument("r2c: the transform length must be >= 1"));
     const i64 m = full_ ? n : n / 2 + 1;
-    TensorShape os = x.shape();
-    os.set_dim(axis_, m);
+    TensorShape lo = ls;
+    lo.set_dim(axis_, m);
+    OP_REQUIRES_OK(ctx, blocked_shape(lo, axis_, out_blocks_, &os));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
     if (y->NumElements() == 0) return;
-    Geometry g = geometry(x.shape(), axis_);
+    Geometry g = geometry(ls, axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kR2C, 0, x.flat<R>().data(), y->flat<Cx>().data(), g.outer,
-                                 n, n, m, g.inner, normalized_, full_ ? kFull : kHalf),
+                                 n, n, m, g.inner, normalized_, full_ ? kFull : kHalf,
+                                 in_blocks_, out_blocks_),
                 plan_failed("r2c"));
   }
 
  private:
   int axis_;
   bool normalized_, full_;
+  ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
 // ---------------------------------------------------------------- c2r
@@ -511,27 +644,35 @@ class C2ROp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
     OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
     OP_REQUIRES(c, n_ >= 1, InvalidArgument("c2r: the transform length n must be >= 1"));
+    OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
+    OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
+    OP_REQUIRES(c, full_ || (in_blocks_ == 1 && out_blocks_ == 1),
+                InvalidArgument("c2r: blocked layouts need full = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     typedef std::complex<R> Cx;
     const Tensor& x = ctx->input(0);
-    checked_axis(ctx, axis_, x.shape());
+    TensorShape ls, os;
+    OP_REQUIRES_OK(ctx, logical_shape(x.shape(), axis_, in_blocks_, &ls));
+    checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
     const i64 n = n_, m = full_ ? n_ : n_ / 2 + 1;
-    OP_REQUIRES(ctx, x.dim_size(axis_) == m,
-                InvalidArgument("c2r: axis ", axis_, " has length ", x.dim_size(axis_),
+    OP_REQUIRES(ctx, ls.dim_size(axis_) == m,
+                InvalidArgument("c2r: axis ", axis_, " has length ", ls.dim_size(axis_),
                                 ", expected ", full_ ? "n = " : "n // 2 + 1 = ", m,
                                 " for n = ", n));
-    TensorShape os = x.shape();
-    os.set_dim(axis_, n);
+    TensorShape lo = ls;
+    lo.set_dim(axis_, n);
+    OP_REQUIRES_OK(ctx, blocked_shape(lo, axis_, out_blocks_, &os));
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
     if (y->NumElements() == 0) return;
-    Geometry g = geometry(x.shape(), axis_);
+    Geometry g = geometry(ls, axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kC2R, 0, x.flat<Cx>().data(), y->flat<R>().data(), g.outer,
-                                 n, m, n, g.inner, normalized_, full_ ? kFull : kHalf),
+                                 n, m, n, g.inner, normalized_, full_ ? kFull : kHalf,
+                                 in_blocks_, out_blocks_),
                 plan_failed("c2r"));
   }
 
@@ -539,6 +680,7 @@ class C2ROp : public OpKernel {
   int axis_;
   ::tensorflow::int64 n_;
   bool normalized_, full_;
+  ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
 
@@ -691,6 +833,52 @@ class HermitianOp : public OpKernel {
   return ::tensorflow::OkStatus();
 }
 
+// Output shape of a 1D transform along `axis` with blocked layouts (attrs in_blocks,
+// out_blocks): the input's logical shape, the axis length mapped by `length` (a
+// known input length -> the output length), stored with out_blocks.
+template <typename F>
+::tensorflow::Status transform_shape(InferenceContext* c, F length) {
+  int axis;
+  ::tensorflow::int64 in_blocks, out_blocks;
+  TF_RETURN_IF_ERROR(c->GetAttr("axis", &axis));
+  TF_RETURN_IF_ERROR(c->GetAttr("in_blocks", &in_blocks));
+  TF_RETURN_IF_ERROR(c->GetAttr("out_blocks", &out_blocks));
+  if (!c->RankKnown(c->input(0))) {
+    c->set_output(0, c->UnknownShape());
+    return ::tensorflow::OkStatus();
+  }
+  ShapeHandle x = c->input(0);
+  const int lead = in_blocks > 1 ? 1 : 0;
+  if (axis < 0 || axis + lead >= c->Rank(x))
+    return InvalidArgument("axis ", axis, " out of range for rank ", c->Rank(x) - lead);
+  ShapeHandle logical = x;
+  DimensionHandle d = c->Dim(x, axis + lead);
+  if (lead) {
+    DimensionHandle b = c->Dim(x, 0);
+    if (c->ValueKnown(b) && c->Value(b) != in_blocks)
+      return InvalidArgument("a blocked input needs a leading axis of ", in_blocks,
+                             " blocks, got ", c->Value(b));
+    TF_RETURN_IF_ERROR(c->Subshape(x, 1, &logical));
+    if (c->ValueKnown(d)) d = c->MakeDim(c->Value(d) * in_blocks);
+    else d = c->UnknownDim();
+  }
+  DimensionHandle out_len = c->ValueKnown(d) ? c->MakeDim(length(c->Value(d))) : c->UnknownDim();
+  if (out_blocks > 1) {
+    if (c->ValueKnown(out_len)) {
+      if (c->Value(out_len) % out_blocks)
+        return InvalidArgument("axis ", axis, " of length ", c->Value(out_len),
+                               " does not split into ", out_blocks, " blocks");
+      out_len = c->MakeDim(c->Value(out_len) / out_blocks);
+    }
+  }
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(logical, axis, out_len, &out));
+  if (out_blocks > 1)
+    TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(out_blocks), out, &out));
+  c->set_output(0, out);
+  return ::tensorflow::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("FlowpmFftC2c")
@@ -700,13 +888,14 @@ REGISTER_OP("FlowpmFftC2c")
     .Attr("axis: int")
     .Attr("inverse: bool")
     .Attr("normalized: bool")
+    .Attr("in_blocks: int = 1")
+    .Attr("out_blocks: int = 1")
     .SetShapeFn([](InferenceContext* c) {
-      int axis;
-      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
-      c->set_output(0, c->input(0));
-      return ::tensorflow::OkStatus();
+      return transform_shape(c, [](i64 len) { return len; });
     })
-    .Doc("1D complex FFT along `axis` (FFTW); times 1/n when `normalized`.");
+    .Doc("1D complex FFT along `axis` (FFTW); times 1/n when `normalized`. With "
+         "in_blocks / out_blocks > 1 the input / output is stored as the pieces of an "
+         "all-to-all: [blocks, .., len / blocks along axis, ..].");
 
 REGISTER_OP("FlowpmFftR2c")
     .Input("x: Treal")
@@ -716,22 +905,12 @@ REGISTER_OP("FlowpmFftR2c")
     .Attr("axis: int")
     .Attr("normalized: bool")
     .Attr("full: bool = false")
+    .Attr("in_blocks: int = 1")
+    .Attr("out_blocks: int = 1")
     .SetShapeFn([](InferenceContext* c) {
-      int axis;
       bool full;
-      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
       TF_RETURN_IF_ERROR(c->GetAttr("full", &full));
-      if (!c->RankKnown(c->input(0))) {
-        c->set_output(0, c->UnknownShape());
-        return ::tensorflow::OkStatus();
-      }
-      ShapeHandle out;
-      DimensionHandle d = c->Dim(c->input(0), axis);
-      DimensionHandle m = c->UnknownDim();
-      if (c->ValueKnown(d)) m = c->MakeDim(full ? c->Value(d) : c->Value(d) / 2 + 1);
-      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), axis, m, &out));
-      c->set_output(0, out);
-      return ::tensorflow::OkStatus();
+      return transform_shape(c, [full](i64 len) { return full ? len : len / 2 + 1; });
     })
     .Doc("Real-to-complex 1D FFT along `axis` (numpy.fft.rfft; with `full`, all n modes: "
          "numpy.fft.fft of the real input), times 1/n when `normalized`.");
@@ -745,19 +924,12 @@ REGISTER_OP("FlowpmFftC2r")
     .Attr("axis: int")
     .Attr("normalized: bool")
     .Attr("full: bool = false")
+    .Attr("in_blocks: int = 1")
+    .Attr("out_blocks: int = 1")
     .SetShapeFn([](InferenceContext* c) {
-      int axis;
       ::tensorflow::int64 n;
-      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
       TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
-      if (!c->RankKnown(c->input(0))) {
-        c->set_output(0, c->UnknownShape());
-        return ::tensorflow::OkStatus();
-      }
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->ReplaceDim(c->input(0), axis, c->MakeDim(n), &out));
-      c->set_output(0, out);
-      return ::tensorflow::OkStatus();
+      return transform_shape(c, [n](i64) { return static_cast<i64>(n); });
     })
     .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`; with "
          "`full`, n input modes: numpy.fft.ifft(x).real).");
