@@ -19,8 +19,9 @@ on every Mesh TF ``MeshImpl``. With ``kz`` split (Q > 1) on the native path and 
 ``HvdSimdMeshImpl``), the FFT ops write the pieces of the next exchange and read
 those of the last one directly (their ``in_blocks`` / ``out_blocks``), so no
 transpose packs or unpacks an all-to-all (``FFT3DOperation._lower_blocked``): on
-2x2 ranks at 128^3 that removed 6 transposes of the full field per round trip. Kernels are built as named mtf tensors on
-``kx, ky, kz`` (see :func:`kvec`); Mesh TF aligns operands by dimension name.
+2x2 ranks at 128^3 that removed 6 transposes of the full field per round trip.
+Kernels are built as named mtf tensors on ``kx, ky, kz`` (see :func:`kvec`); Mesh
+TF aligns operands by dimension name.
 
 Local 1D FFTs
 -------------
@@ -754,7 +755,6 @@ class FFT3DOperation(mtf.Operation):
             t = exchange(t, b, pos[1], pos[2])
         t = mesh_impl.slicewise(last, t)
         lowering.set_tensor_lowering(y, t)
-
 
     def _lower_blocked(self, mesh_impl, t, a, b, pieces, choose, first, last):
         """The stages with ``kz`` split (mesh axis ``b`` non-trivial), native path: every

@@ -79,10 +79,13 @@ log "installing pinned Python packages"
 # Horovod 0.28.1 from its PyPI source with our patch (patches/horovod-0.28.1-flowpm.patch:
 # the background thread's cycle re-anchored at the global synchronisation, so idle ranks
 # stop busy-polling; the version it sets is HOROVOD_VERSION). The wheel is kept in
-# HVD_WHEELS (per patch and GPU option), so a re-install does not rebuild.
+# HVD_WHEELS, keyed by what it is built against (the patch, the pinned stack with its
+# TensorFlow, the Python version, the GPU option), so a re-install does not rebuild.
 HVD_PATCH="$REPO/patches/horovod-0.28.1-flowpm.patch"
 HOROVOD_VERSION="$(sed -n "s/^+__version__ = '\(.*\)'$/\1/p" "$HVD_PATCH")"
-HVD_KEY="$(cat "$HVD_PATCH" <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
+HVD_KEY="$(cat "$HVD_PATCH" "$REPO/requirements.txt" \
+  <("$VENV/bin/python" -c 'import sys; print(sys.version)') \
+  <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
 HVD_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/flowpm-mtf/horovod-$HVD_KEY"
 if ! HOROVOD_VERSION="$HOROVOD_VERSION" "$VENV/bin/python" - <<'PY' 2>/dev/null
 import os
