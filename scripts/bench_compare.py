@@ -153,7 +153,9 @@ class CommCounter:
     """Counts the bytes every processor receives in the collectives of a MeshImpl.
 
     Wraps the instance's ``alltoall``, ``allconcat``, ``allreduce`` and ``receive``
-    (every Mesh TF collective, including shifts, goes through them) and records,
+    (every Mesh TF collective, including shifts, goes through them), and
+    ``alltoall_pieces`` where the MeshImpl has it (``HvdSimdMeshImpl``; the FFT's
+    exchanges of laid-out pieces, counted as an ``alltoall`` of the same slice), and records,
     at lowering time and from static slice shapes, for every processor number:
 
     * ``recv``: bytes as ``HvdSimdMeshImpl.comm_bytes_received`` counts them (the
@@ -180,13 +182,15 @@ class CommCounter:
                         for p in range(impl.size)]
         for kind in self.KINDS:
             self._wrap(kind)
+        if hasattr(impl, "alltoall_pieces"):
+            self._wrap("alltoall_pieces", counted_as="alltoall")
 
-    def _wrap(self, kind):
+    def _wrap(self, kind, counted_as=None):
         orig = getattr(self.impl, kind)
 
         def wrapped(x, *args, **kwargs):
             if self._depth == 0:
-                self._count(kind, x, args, kwargs)
+                self._count(counted_as or kind, x, args, kwargs)
             self._depth += 1
             try:
                 return orig(x, *args, **kwargs)
