@@ -338,6 +338,33 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     return (j / lb_out) * outer * lb_out * inner + o * lb_out * inner + (j % lb_out) * inner;
   };
 
+  // `oc` contiguous rows pin -> pout (plain layouts): the transform, with the
+  // Hermitian fold first (into `buf`, oc * m values) or the upper half filled after,
+  // then the normalisation. False if FFTW could not plan.
+  auto contiguous_rows = [&](In* pin, Out* pout, i64 oc, Cx* buf) {
+    void* plan = nullptr;
+    if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
+      const Cx* src = reinterpret_cast<const Cx*>(pin);
+      for (i64 o = 0; o < oc; ++o)
+        for (i64 k = 0; k < m; ++k)
+          buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
+      Piece p{n, m, n, 1, oc, 1};
+      plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
+      if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+    } else {
+      Piece p{n, in_len, out_len, 1, oc, 1};
+      plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
+      if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
+    }
+    if (!plan) return false;
+    if (fill)
+      for (i64 o = 0; o < oc; ++o)
+        for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
+    if (normalized)
+      for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
+    return true;
+  };
+
   if (inner == 1 && (in_blocks > 1 || out_blocks > 1)) {
     // Contiguous rows, blocked on one side or both: groups of rows that fit a cache
     // panel are gathered into a buffer (blocked input), transformed as in the plain
@@ -361,29 +388,10 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
           pin = tin;
         }
         Out* pout = tout ? tout : out + o0 * out_len;
-        void* plan = nullptr;
-        if (fold) {
-          const Cx* src = reinterpret_cast<const Cx*>(pin);
-          for (i64 o = 0; o < oc; ++o)
-            for (i64 k = 0; k < m; ++k)
-              buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
-          Piece p{n, m, n, 1, oc, 1};
-          plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
-          if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
-        } else {
-          Piece p{n, in_len, out_len, 1, oc, 1};
-          plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
-          if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
-        }
-        if (!plan) {
+        if (!contiguous_rows(pin, pout, oc, buf)) {
           ok = false;
           break;
         }
-        if (fill)
-          for (i64 o = 0; o < oc; ++o)
-            for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
-        if (normalized)
-          for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
         if (tout)
           for (i64 o = 0; o < oc; ++o)
             for (i64 b = 0; b < out_blocks; ++b)
@@ -409,37 +417,13 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 q = begin; q < end; ++q) {
         const i64 o0 = q * chunk, oc = std::min(chunk, outer - o0);
-        In* pin = in + o0 * in_len;
-        Out* pout = out + o0 * out_len;
-        if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
-          Cx* buf = static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m));
-          const Cx* src = reinterpret_cast<const Cx*>(pin);
-          for (i64 o = 0; o < oc; ++o)
-            for (i64 k = 0; k < m; ++k)
-              buf[o * m + k] = R(0.5) * (src[o * n + k] + std::conj(src[o * n + (n - k) % n]));
-          Piece p{n, m, n, 1, oc, 1};
-          void* plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
-          if (plan)
-            F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
-          F::free(buf);
-          if (!plan) {
-            ok = false;
-            return;
-          }
-        } else {
-          Piece p{n, in_len, out_len, 1, oc, 1};
-          void* plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(pout));
-          if (!plan) {
-            ok = false;
-            return;
-          }
-          F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(pout));
+        Cx* buf = fold ? static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m)) : nullptr;
+        const bool done = contiguous_rows(in + o0 * in_len, out + o0 * out_len, oc, buf);
+        if (buf) F::free(buf);
+        if (!done) {
+          ok = false;
+          return;
         }
-        if (fill)
-          for (i64 o = 0; o < oc; ++o)
-            for (i64 k = m; k < n; ++k) pout[o * n + k] = conj_of(pout[o * n + n - k]);
-        if (normalized)
-          for (i64 i = 0; i < oc * out_len; ++i) pout[i] *= s;
       }
     };
     if (pieces == 1)
