@@ -59,9 +59,25 @@ then depends on the grid, and every sum over k-space -- power spectra, priors,
 ``real_vdot``, kernel gradients -- counts the modes ``0 < kz < nc[2] / 2``
 twice and the padding zero times); (b) the layout ``kx`` on ``col``, ``ky`` on
 ``row``, ``kz`` local (half axis), with the padding internal to the operation
-and a third, half-size all-to-all (0.75x the bytes). Both change the k-space
-contract of every caller (kernels, power, ics, lpt, reconstruct, the
-fft-demo), so they belong in one change with those modules.
+and a third, half-size all-to-all (0.75x the bytes); (c) the best found so far:
+keep all the modes but order ``kz`` (and ``ky``) so that each rank's block holds
+mirror pairs ``(k, n - k)``: for ``kz``, block 0 = ``{0, nz/2}`` and the pairs
+``1 .. m/2 - 1`` (``m = nz / Q``), block ``q`` the pairs ``q m/2 .. (q+1) m/2 - 1``,
+each block as its ``m/2`` representatives then their mirrors. The half-spectrum
+pieces of the exchange on ``col`` are then contiguous ranges of the rfft output
+(``m/2 + 1`` modes each, the Nyquist mode riding in block 0), and after the FFT
+along ``y`` the Hermitian completion ``G(x, -ky, -kz) = conj(G(x, ky, kz))`` is
+local (``ky`` local, ``-kz`` in the same block): one pass, as ``hermitian_extend``
+does for Q = 1 (the inverse folds there). Half the bytes of the ``col`` exchange
+and half the FFT along ``y``; with ``ky`` pair-ordered as well the completion can
+wait until after the ``row`` exchange and the FFT along ``x`` (half the bytes of
+both exchanges, as mpi4py-fft). Needs ``nz / Q`` even (else the full path).
+Every design changes the k-space contract of every caller (kernels, power, ics,
+lpt, reconstruct, checkpoints of k-space fields, the fft-demo, the tests that
+compare with numpy); in (c) only the order, which :func:`kvec` would carry, so
+callers that use ``kvec``/``wavenumber`` are unaffected. They belong in one change
+with those modules. What the exchanges cost now: ``results/fft_pairs.md`` and
+``results/fft_4rank_experiments.md``.
 
 Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
 ---------------------------------------------------------------------------

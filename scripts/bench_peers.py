@@ -12,6 +12,8 @@ like with like even on a loaded machine::
     python scripts/bench_peers.py all --peers build --build-n 4 16 64
     # rewrite the Markdown and the plot from the JSON
     python scripts/bench_peers.py render
+    # the FFT round trip against mpi4py-fft, separate launches, 4 pairs per case
+    python scripts/bench_peers.py fft-pairs --sizes 128 192 --ranks 2 4 --repeat 4
 
 Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
 
@@ -45,6 +47,12 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
     is run. Wall and CPU time per rank (under oversubscription the CPU time is
     what a rank with its own core spends), and the memory private to each process.
 
+``fft-pairs``
+    ``ours --fft-only`` (the round trip alone, on a uniform random density) and
+    ``mpi4py-fft`` in separate launches, back to back, the order alternating,
+    repeated: with more ranks than cores one launch's ratio moves by 2x, the median
+    over pairs much less. Writes ``results/fft_pairs.{json,md}``.
+
 Outputs: ``results/bench_peers.json`` (records keyed by peer, code, size and
 ranks; a new run replaces the records it measures), ``results/bench_peers.md``
 and ``results/bench_peers.png`` (time per particle vs mesh size).
@@ -63,6 +71,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 log = logging.getLogger("bench_peers")
 
@@ -71,7 +81,7 @@ JAXPM_PKGS = ["jaxpm==0.1.6", "packaging"]
 BUILD_NC_PER_RANK = 16
 
 
-# peak_mb and median_time repeat flowpm_mtf.jobs.runner's on purpose: the ``ours`` run
+# peak_mb repeats flowpm_mtf.jobs.runner's on purpose: the ``ours`` run
 # also imports the tree of a --baseline revision, which may predate flowpm_mtf.jobs.
 def peak_mb():
     """Peak resident memory of this process [MB]."""
@@ -89,16 +99,27 @@ def private_mb():
     return total / 1024.0
 
 
-def median_time(fn, repeats, warmup=1):
-    """Median wall time [s] of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
+def roundtrip_times(fn, comm, repeats):
+    """Wall and CPU time of one call of ``fn`` (a distributed FFT round trip) on ``comm``.
+
+    Returns
+    -------
+    tuple of float
+        The slowest rank's median wall time [s] over ``repeats`` calls after one
+        warm-up call, and the median over the calls of the process CPU time [s]
+        summed over the ranks (all threads: with more ranks than cores the wall
+        time is about this sum over the cores; MPI waits busy-poll and count).
+    """
+    fn()
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t)
+        cpus.append(time.process_time() - c)
+    wall = max(comm.allgather(statistics.median(walls)))
+    cpu = statistics.median(np.sum(comm.allgather(cpus), axis=0))
+    return wall, float(cpu)
 
 
 def default_grid(n):
@@ -159,6 +180,8 @@ def cmd_ours(args):
     rec = {"peer": "ours", "nc": args.nc, "ranks": size, "grid": list(conf.grid),
            "halo": conf.halo_size, "n_steps": conf.n_steps,
            "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto"), "allocator": mode}
+    if args.fft_only:
+        return _ours_fft_only(args, conf, impl, rec, comm)
     comm.Barrier()
     t0 = time.perf_counter()
     graph = mtf.Graph()
@@ -206,14 +229,48 @@ def cmd_ours(args):
         rho = sess.run(rho_local)
         feed = {rho_local: rho}
 
-        def roundtrip():
-            comm.Barrier()
-            sess.run(rt_local, feed)
+        _time_roundtrip(sess, rt_local, rho_local, rho, args.fft_repeats, comm, rec)
+    rec["peak_memory_mb"] = comm.allgather(peak_mb())
+    if comm.Get_rank() == 0:
+        _write(args.json, rec)
 
-        rec["fft_roundtrip_s"] = max(comm.allgather(median_time(roundtrip, 5)))
-        back = sess.run(rt_local, feed)
-        rec["fft_roundtrip_max_err"] = float(comm.allreduce(float(np.max(np.abs(back - rho))),
-                                                            op=MPI.MAX))
+
+def _time_roundtrip(sess, rt_local, rho_local, rho, repeats, comm, rec):
+    """``fft_roundtrip_s``, ``fft_roundtrip_cpu_s`` and ``fft_roundtrip_max_err`` into ``rec``."""
+    from mpi4py import MPI
+
+    feed = {rho_local: rho}
+
+    def roundtrip():
+        comm.Barrier()
+        sess.run(rt_local, feed)
+
+    rec["fft_roundtrip_s"], rec["fft_roundtrip_cpu_s"] = roundtrip_times(roundtrip, comm, repeats)
+    rec["fft_repeats"] = repeats
+    back = sess.run(rt_local, feed)
+    rec["fft_roundtrip_max_err"] = float(comm.allreduce(float(np.max(np.abs(back - rho))),
+                                                        op=MPI.MAX))
+
+
+def _ours_fft_only(args, conf, impl, rec, comm):
+    """The FFT round trip alone, on a uniform random density of the run's mesh and grid."""
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+    from hvd_mesh_impl import export_local_slice
+    from flowpm_mtf import fft, layout
+    from flowpm_mtf.backend import session_config
+
+    graph = mtf.Graph()
+    mesh = mtf.Mesh(graph, "mesh")
+    rho = mtf.random_uniform(mesh, layout.real_shape(conf), dtype=tf.float32)
+    rt = fft.c2r(fft.r2c(rho, conf, name="bench_r2c"), conf, name="bench_c2r")
+    lowering = mtf.Lowering(graph, {mesh: impl})
+    rho_local = export_local_slice(lowering, rho)
+    rt_local = export_local_slice(lowering, rt)
+    with tf.Session(config=session_config("hvd")) as sess:
+        value = sess.run(rho_local)
+        _time_roundtrip(sess, rt_local, rho_local, value, args.fft_repeats, comm, rec)
+    rec["fft_only"] = True
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
         _write(args.json, rec)
@@ -241,9 +298,10 @@ def cmd_mpi4py_fft(args):
         fft.forward(u, uh)
         fft.backward(uh, u2)
 
-    t = median_time(roundtrip, 5)
+    wall, cpu = roundtrip_times(roundtrip, comm, args.fft_repeats)
     rec = {"peer": "mpi4py-fft", "nc": args.nc, "ranks": size, "grid": list(grid),
-           "fft_roundtrip_s": max(comm.allgather(t)),
+           "fft_roundtrip_s": wall, "fft_roundtrip_cpu_s": cpu,
+           "fft_repeats": args.fft_repeats,
            "fft_roundtrip_max_err": float(comm.allreduce(float(np.max(np.abs(u2 - u))),
                                                          op=MPI.MAX)),
            "peak_memory_mb": comm.allgather(peak_mb())}
@@ -505,6 +563,117 @@ def cmd_all(args):
     return result
 
 
+# ----------------------------------------------------------------------------- FFT pairs
+FFT_RATIO_TARGET = 1.5  # issue 14: our FFT round trip <= 1.5x mpi4py-fft's on the same ranks
+PAIR_FIELDS = ("fft_roundtrip_s", "fft_roundtrip_cpu_s", "fft_roundtrip_max_err", "grid",
+               "fft_repeats", "error")
+
+
+def cmd_fft_pairs(args):
+    """Ours (``--fft-only``) and mpi4py-fft in separate launches, repeated.
+
+    One pair per (iteration, size, ranks), the two launches back to back and in
+    alternating order (ours first in odd iterations), so a slow spell of the machine
+    falls on both or shows up as an outlier pair; the summary takes medians over
+    the pairs. Writes ``fft_pairs.json`` after every pair and ``fft_pairs.md``.
+    """
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "fft_pairs.json")
+    tmp = tempfile.mkdtemp(prefix="fft_pairs")
+    me = os.path.abspath(__file__)
+    result = {"machine": machine_info(), "fft_repeats": args.fft_repeats, "pairs": []}
+    for it in range(1, args.repeat + 1):
+        order = ["ours", "mpi4py-fft"] if it % 2 else ["mpi4py-fft", "ours"]
+        for nc in args.sizes:
+            for r in args.ranks:
+                pair = {"iteration": it, "nc": nc, "ranks": r, "order": order,
+                        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        "load_avg_1min": os.getloadavg()[0]}
+                for peer in order:
+                    out = os.path.join(tmp, peer + ".json")
+                    if os.path.exists(out):
+                        os.remove(out)
+                    cmd = (_mpirun() + ["-np", str(r), sys.executable, me, peer, "--nc", str(nc),
+                                        "--fft-repeats", str(args.fft_repeats), "--json", out]
+                           + (["--fft-only"] if peer == "ours" else []))
+                    rec = _launch(cmd, out, args.timeout, REPO)
+                    pair[peer] = {k: rec[k] for k in PAIR_FIELDS if k in rec}
+                result["pairs"].append(pair)
+                log.info("%s", json.dumps(pair))
+                _write(path, result)
+    with open(os.path.join(args.out, "fft_pairs.md"), "w") as f:
+        f.write(fft_pairs_markdown(result))
+    return result
+
+
+def _ratio_of(pair, key):
+    ours, theirs = pair.get("ours", {}).get(key), pair.get("mpi4py-fft", {}).get(key)
+    return ours / theirs if ours and theirs else None
+
+
+def fft_pairs_summary(pairs):
+    """Per (size, ranks): the pairs measured and the median, min and max of the ratios.
+
+    Returns
+    -------
+    list of dict
+        ``nc``, ``ranks``, ``pairs`` (with both times), ``ratio_median``,
+        ``ratio_min``, ``ratio_max``, ``cpu_ratio_median`` (None without pairs).
+    """
+    out = []
+    for nc, r in sorted({(p["nc"], p["ranks"]) for p in pairs}):
+        mine = [p for p in pairs if (p["nc"], p["ranks"]) == (nc, r)]
+        wall = [x for x in (_ratio_of(p, "fft_roundtrip_s") for p in mine) if x is not None]
+        cpu = [x for x in (_ratio_of(p, "fft_roundtrip_cpu_s") for p in mine) if x is not None]
+        out.append({"nc": nc, "ranks": r, "pairs": len(wall),
+                    "ratio_median": statistics.median(wall) if wall else None,
+                    "ratio_min": min(wall) if wall else None,
+                    "ratio_max": max(wall) if wall else None,
+                    "cpu_ratio_median": statistics.median(cpu) if cpu else None})
+    return out
+
+
+def fft_pairs_markdown(result):
+    m = result.get("machine", {})
+    lines = ["# FFT round trip against mpi4py-fft, separate launches (`bench_peers.py fft-pairs`)",
+             "",
+             "Machine: %s cores, %s GB, %s. Each pair: `mpirun -np R bench_peers.py ours "
+             "--fft-only` (`c2r(r2c(rho))` on `HvdSimdMeshImpl`, float32) and `mpirun -np R "
+             "bench_peers.py mpi4py-fft` (FFTW r2c + c2r, float32, same process grid), back "
+             "to back, the order alternating. Time: the slowest rank's median of %s round "
+             "trips after a warm-up; CPU: process CPU time per round trip summed over the "
+             "ranks (MPI waits busy-poll and count). Target (issue 14): ratio <= %.1f."
+             % (m.get("cpus", "?"), m.get("memory_gb", "?"), m.get("platform", "?"),
+                result.get("fft_repeats", "?"), FFT_RATIO_TARGET),
+             "",
+             "| mesh | ranks | pairs | ratio, median | ratio, min-max | CPU ratio, median | "
+             "median <= %.1f |" % FFT_RATIO_TARGET,
+             "|---|---|---|---|---|---|---|"]
+    for row in fft_pairs_summary(result["pairs"]):
+        if row["ratio_median"] is None:
+            lines.append("| %d³ | %d | 0 | – | – | – | – |" % (row["nc"], row["ranks"]))
+            continue
+        lines.append("| %d³ | %d | %d | %s | %s-%s | %s | %s |" % (
+            row["nc"], row["ranks"], row["pairs"], _fmt(row["ratio_median"], 2),
+            _fmt(row["ratio_min"], 2), _fmt(row["ratio_max"], 2),
+            _fmt(row["cpu_ratio_median"], 2),
+            "yes" if row["ratio_median"] <= FFT_RATIO_TARGET else "no"))
+    lines += ["", "| iteration | mesh | ranks (grid) | ours [s] | mpi4py-fft [s] | ratio | "
+              "ours CPU [s] | mpi4py-fft CPU [s] | CPU ratio | load | date |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["pairs"]:
+        o, t = p.get("ours", {}), p.get("mpi4py-fft", {})
+        grid = "x".join(str(g) for g in (o.get("grid") or [])[:2]) or "?"
+        lines.append("| %d | %d³ | %d (%s) | %s | %s | %s | %s | %s | %s | %.1f | %s |" % (
+            p["iteration"], p["nc"], p["ranks"], grid,
+            _fmt(o.get("fft_roundtrip_s") or o.get("error")),
+            _fmt(t.get("fft_roundtrip_s") or t.get("error")),
+            _fmt(_ratio_of(p, "fft_roundtrip_s"), 2), _fmt(o.get("fft_roundtrip_cpu_s")),
+            _fmt(t.get("fft_roundtrip_cpu_s")), _fmt(_ratio_of(p, "fft_roundtrip_cpu_s"), 2),
+            p.get("load_avg_1min", float("nan")), p.get("date", "")))
+    return "\n".join(lines) + "\n"
+
+
 def cmd_render(args):
     render(load_results(os.path.join(args.out, "bench_peers.json")), args.out)
 
@@ -687,14 +856,27 @@ def main(argv=None):
         p = sub.add_parser(name, help="one measurement under mpirun (internal)")
         p.add_argument("--nc", type=int, required=True)
         p.add_argument("--steps", type=int, default=5)
+        p.add_argument("--fft-repeats", type=int, default=5,
+                       help="FFT round trips timed (median; after one warm-up)")
+        if name == "ours":
+            p.add_argument("--fft-only", action="store_true",
+                           help="time the FFT round trip alone (no simulation graph)")
         p.add_argument("--json", required=True)
+    f = sub.add_parser("fft-pairs", help="ours vs mpi4py-fft FFT round trip, separate "
+                       "launches, repeated -> results/fft_pairs.*")
+    f.add_argument("--sizes", type=int, nargs="+", default=[128, 192])
+    f.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    f.add_argument("--repeat", type=int, default=4, help="pairs per (size, ranks)")
+    f.add_argument("--fft-repeats", type=int, default=11, help="round trips timed per launch")
+    f.add_argument("--timeout", type=int, default=900, help="per launch [s]")
+    f.add_argument("--out", default=os.path.join(REPO, "results"))
     p = sub.add_parser("build-hvd", help="graph build under mpirun (internal)")
     p.add_argument("--json", required=True)
     p = sub.add_parser("build-placement", help="graph build, N logical devices (internal)")
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--json", required=True)
     args = ap.parse_args(argv)
-    {"all": cmd_all, "render": cmd_render, "ours": cmd_ours, "mpi4py-fft": cmd_mpi4py_fft,
+    {"all": cmd_all, "render": cmd_render, "fft-pairs": cmd_fft_pairs, "ours": cmd_ours, "mpi4py-fft": cmd_mpi4py_fft,
      "build-hvd": cmd_build_hvd, "build-placement": cmd_build_placement}[args.cmd](args)
     return 0
 

@@ -46,7 +46,63 @@ def test_ours_record_times_2lpt_alone(tmp_path):
         assert rec[key] > 0, key
     assert len(rec["steps_s"]) == 2
     assert rec["lpt_cpu_s"] > 0 and rec["ics_cpu_s"] > 0
+    assert rec["fft_roundtrip_cpu_s"] > 0 and rec["fft_repeats"] == 5
     assert rec["fft_roundtrip_max_err"] < FFT_ROUND_TRIP_TOL
+
+
+@pytest.mark.single_process
+def test_fft_pairs_runs_both_peers_and_writes_the_tables(tmp_path):
+    """``fft-pairs``: separate launches of ours (``--fft-only``) and mpi4py-fft, in the
+    alternating order, each a round trip that returns its input."""
+    out = tmp_path / "res"
+    proc = subprocess.run([sys.executable, SCRIPT, "fft-pairs", "--sizes", "16", "--ranks", "1",
+                           "--repeat", "2", "--fft-repeats", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env=bp._clean_env(REPO))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "fft_pairs.json") as f:
+        result = json.load(f)
+    pairs = result["pairs"]
+    assert [p["iteration"] for p in pairs] == [1, 2]
+    assert pairs[0]["order"] == ["ours", "mpi4py-fft"]
+    assert pairs[1]["order"] == ["mpi4py-fft", "ours"]
+    for p in pairs:
+        for peer in ("ours", "mpi4py-fft"):
+            rec = p[peer]
+            assert "error" not in rec, rec
+            assert rec["fft_roundtrip_s"] > 0 and rec["fft_roundtrip_cpu_s"] > 0
+            assert rec["fft_repeats"] == 3
+            assert rec["fft_roundtrip_max_err"] < FFT_ROUND_TRIP_TOL
+    md = (out / "fft_pairs.md").read_text()
+    assert "| 16³ | 1 | 2 |" in md
+
+
+def _pair(it, ours, theirs, ours_cpu=None, theirs_cpu=None, nc=128, ranks=4):
+    return {"iteration": it, "nc": nc, "ranks": ranks,
+            "ours": {"fft_roundtrip_s": ours, "fft_roundtrip_cpu_s": ours_cpu, "grid": [2, 2]},
+            "mpi4py-fft": {"fft_roundtrip_s": theirs, "fft_roundtrip_cpu_s": theirs_cpu}}
+
+
+def test_fft_pairs_summary_takes_medians_over_the_pairs():
+    pairs = [_pair(1, 0.030, 0.015, 0.06, 0.03),   # ratio 2.0, CPU 2.0
+             _pair(2, 0.020, 0.016, 0.05, 0.04),   # 1.25, 1.25
+             _pair(3, 0.026, 0.020, 0.07, 0.05),   # 1.3, 1.4
+             _pair(4, 0.030, 0.020, 0.06, 0.02, ranks=2),  # 1.5, 3.0
+             {"iteration": 5, "nc": 128, "ranks": 4,        # a failed launch: not counted
+              "ours": {"error": "timeout after 900 s"}, "mpi4py-fft": {"fft_roundtrip_s": 0.01}}]
+    rows = {r["ranks"]: r for r in bp.fft_pairs_summary(pairs)}
+    four = rows[4]
+    assert four["pairs"] == 3
+    assert four["ratio_median"] == pytest.approx(1.3)
+    assert (four["ratio_min"], four["ratio_max"]) == (pytest.approx(1.25), pytest.approx(2.0))
+    assert four["cpu_ratio_median"] == pytest.approx(1.4)
+    assert rows[2]["pairs"] == 1 and rows[2]["ratio_median"] == pytest.approx(1.5)
+    md = bp.fft_pairs_markdown({"pairs": pairs, "machine": {}, "fft_repeats": 11})
+    assert "| 128³ | 4 | 3 | 1.3 | 1.2-2 | 1.4 | yes |" in md    # 1.3 <= 1.5
+    assert "| 128³ | 2 | 1 | 1.5 | 1.5-1.5 | 3 | yes |" in md
+    assert "timeout after 900 s" in md
+    slow = bp.fft_pairs_markdown({"pairs": [_pair(1, 0.04, 0.02)], "machine": {}})
+    assert "| 128³ | 4 | 1 | 2 | 2-2 | – | no |" in slow
 
 
 @pytest.mark.single_process
