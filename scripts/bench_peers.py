@@ -227,7 +227,6 @@ def cmd_ours(args):
         rec["step_s"] = statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
         rec["step_cpu_s"] = statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0]
         rho = sess.run(rho_local)
-        feed = {rho_local: rho}
 
         _time_roundtrip(sess, rt_local, rho_local, rho, args.fft_repeats, comm, rec)
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
