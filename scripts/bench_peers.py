@@ -179,7 +179,8 @@ def cmd_ours(args):
     impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
     rec = {"peer": "ours", "nc": args.nc, "ranks": size, "grid": list(conf.grid),
            "halo": conf.halo_size, "n_steps": conf.n_steps,
-           "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto"), "allocator": mode}
+           "native": os.environ.get("FLOWPM_MTF_NATIVE", "auto"), "allocator": mode,
+           "cores_per_rank": min(comm.allgather(len(os.sched_getaffinity(0))))}
     if args.fft_only:
         return _ours_fft_only(args, conf, impl, rec, comm)
     comm.Barrier()
@@ -451,7 +452,12 @@ def _clean_env(pythonpath=None):
 
 
 def _mpirun():
-    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
+    """``mpirun`` as ``scripts/run_mpirun.sh`` launches the jobs: ``--bind-to none``.
+
+    Open MPI's default binds each rank to one core when there are at most 2 ranks,
+    so a 1-rank run used one core of this 2-core machine (and JaxPM both).
+    """
+    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", "none"]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     return cmd
