@@ -571,7 +571,7 @@ def cmd_all(args):
 # ----------------------------------------------------------------------------- FFT pairs
 FFT_RATIO_TARGET = 1.5  # issue 14: our FFT round trip <= 1.5x mpi4py-fft's on the same ranks
 PAIR_FIELDS = ("fft_roundtrip_s", "fft_roundtrip_cpu_s", "fft_roundtrip_max_err", "grid",
-               "fft_repeats", "error")
+               "fft_repeats", "cores_per_rank", "error")
 
 
 def cmd_fft_pairs(args):

@@ -73,6 +73,9 @@ def test_fft_pairs_runs_both_peers_and_writes_the_tables(tmp_path):
             assert rec["fft_roundtrip_s"] > 0 and rec["fft_roundtrip_cpu_s"] > 0
             assert rec["fft_repeats"] == 3
             assert rec["fft_roundtrip_max_err"] < FFT_ROUND_TRIP_TOL
+    # launched as the jobs are (--bind-to none): a lone rank gets every core this
+    # process may use, not Open MPI's default of one
+    assert pairs[0]["ours"]["cores_per_rank"] == len(os.sched_getaffinity(0))
     md = (out / "fft_pairs.md").read_text()
     assert "| 16³ | 1 | 2 |" in md
 
