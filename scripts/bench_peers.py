@@ -48,7 +48,8 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
     what a rank with its own core spends), and the memory private to each process.
 
 ``fft-pairs``
-    ``ours --fft-only`` (the round trip alone, on a uniform random density) and
+    ``ours --fft-only`` (the round trip alone, on an N(0, 1) field; both round trips are
+    ``flowpm_mtf.fft_timing``'s runners) and
     ``mpi4py-fft`` in separate launches, back to back, the order alternating,
     repeated: with more ranks than cores one launch's ratio moves by 2x, the median
     over pairs much less. Writes ``results/fft_pairs.{json,md}``.
@@ -70,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -236,75 +238,58 @@ def cmd_ours(args):
 
 
 def _time_roundtrip(sess, rt_local, rho_local, rho, repeats, comm, rec):
-    """``fft_roundtrip_s``, ``fft_roundtrip_cpu_s`` and ``fft_roundtrip_max_err`` into ``rec``."""
-    from mpi4py import MPI
-
+    """Time ``rt_local`` (the round trip of ``rho_local``, fed ``rho``) into ``rec``:
+    ``fft_roundtrip_s``, ``fft_roundtrip_cpu_s``, ``fft_repeats``, ``fft_roundtrip_max_err``."""
     feed = {rho_local: rho}
-
-    def roundtrip():
-        comm.Barrier()
-        sess.run(rt_local, feed)
-
-    rec["fft_roundtrip_s"], rec["fft_roundtrip_cpu_s"] = roundtrip_times(roundtrip, comm, repeats)
-    rec["fft_repeats"] = repeats
-    back = sess.run(rt_local, feed)
-    rec["fft_roundtrip_max_err"] = float(comm.allreduce(float(np.max(np.abs(back - rho))),
-                                                        op=MPI.MAX))
+    err = float(np.max(np.abs(sess.run(rt_local, feed) - rho)))
+    runner = types.SimpleNamespace(run=lambda: sess.run(rt_local, feed),
+                                   info={"max_abs_error": err})
+    _time_runner(runner, comm, repeats, rec)
 
 
 def _ours_fft_only(args, conf, impl, rec, comm):
-    """The FFT round trip alone, on a uniform random density of the run's mesh and grid."""
-    import mesh_tensorflow as mtf
-    import tensorflow.compat.v1 as tf
-    from hvd_mesh_impl import export_local_slice
-    from flowpm_mtf import fft, layout
+    """The FFT round trip alone (:func:`flowpm_mtf.fft_timing.mtf_roundtrip_runner`:
+    an N(0, 1) field of the run's mesh and grid)."""
     from flowpm_mtf.backend import session_config
+    from flowpm_mtf.fft_timing import mtf_roundtrip_runner
 
-    graph = mtf.Graph()
-    mesh = mtf.Mesh(graph, "mesh")
-    rho = mtf.random_uniform(mesh, layout.real_shape(conf), dtype=tf.float32)
-    rt = fft.c2r(fft.r2c(rho, conf, name="bench_r2c"), conf, name="bench_c2r")
-    lowering = mtf.Lowering(graph, {mesh: impl})
-    rho_local = export_local_slice(lowering, rho)
-    rt_local = export_local_slice(lowering, rt)
-    with tf.Session(config=session_config("hvd")) as sess:
-        value = sess.run(rho_local)
-        _time_roundtrip(sess, rt_local, rho_local, value, args.fft_repeats, comm, rec)
+    with mtf_roundtrip_runner(conf, impl, session_config=session_config("hvd")) as runner:
+        _time_runner(runner, comm, args.fft_repeats, rec)
     rec["fft_only"] = True
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
         _write(args.json, rec)
 
 
+def _time_runner(runner, comm, repeats, rec):
+    """Time ``runner.run()`` (a round trip; an :mod:`flowpm_mtf.fft_timing` runner or alike,
+    ``runner.info["max_abs_error"]`` of this rank) into ``rec`` (see :func:`_time_roundtrip`)."""
+    from mpi4py import MPI
+
+    def roundtrip():
+        comm.Barrier()
+        runner.run()
+
+    rec["fft_roundtrip_s"], rec["fft_roundtrip_cpu_s"] = roundtrip_times(roundtrip, comm, repeats)
+    rec["fft_repeats"] = repeats
+    rec["fft_roundtrip_max_err"] = comm.allreduce(runner.info["max_abs_error"], op=MPI.MAX)
+
+
 # ----------------------------------------------------------------------------- mpi4py-fft (MPI)
 def cmd_mpi4py_fft(args):
-    import numpy as np
+    """mpi4py-fft's FFTW r2c + c2r (:func:`flowpm_mtf.fft_timing.mpi4py_fft_roundtrip_runner`,
+    float32) on our process grid."""
     from mpi4py import MPI
-    from mpi4py_fft import PFFT, newDistArray
+    from flowpm_mtf.fft_timing import mpi4py_fft_roundtrip_runner
 
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
     P, Q = default_grid(size)
-    grid = (P, Q, 1) if Q > 1 else (P, 1, 1)
-    nc = (args.nc,) * 3
-    fft = PFFT(comm, nc, axes=(0, 1, 2), dtype=np.float32, grid=grid)
-    u = newDistArray(fft, False)
-    u[:] = np.random.RandomState(comm.Get_rank()).rand(*u.shape).astype(np.float32)
-    uh = newDistArray(fft, True)
-    u2 = newDistArray(fft, False)
-
-    def roundtrip():
-        comm.Barrier()
-        fft.forward(u, uh)
-        fft.backward(uh, u2)
-
-    wall, cpu = roundtrip_times(roundtrip, comm, args.fft_repeats)
-    rec = {"peer": "mpi4py-fft", "nc": args.nc, "ranks": size, "grid": list(grid),
-           "fft_roundtrip_s": wall, "fft_roundtrip_cpu_s": cpu,
-           "fft_repeats": args.fft_repeats,
-           "fft_roundtrip_max_err": float(comm.allreduce(float(np.max(np.abs(u2 - u))),
-                                                         op=MPI.MAX)),
-           "peak_memory_mb": comm.allgather(peak_mb())}
+    rec = {"peer": "mpi4py-fft", "nc": args.nc, "ranks": size, "grid": [P, Q, 1]}
+    with mpi4py_fft_roundtrip_runner(comm, (args.nc,) * 3, (P, Q), real=True,
+                                     single=True) as runner:
+        _time_runner(runner, comm, args.fft_repeats, rec)
+    rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
         _write(args.json, rec)
 
@@ -881,8 +866,9 @@ def main(argv=None):
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--json", required=True)
     args = ap.parse_args(argv)
-    {"all": cmd_all, "render": cmd_render, "fft-pairs": cmd_fft_pairs, "ours": cmd_ours, "mpi4py-fft": cmd_mpi4py_fft,
-     "build-hvd": cmd_build_hvd, "build-placement": cmd_build_placement}[args.cmd](args)
+    {"all": cmd_all, "render": cmd_render, "fft-pairs": cmd_fft_pairs, "ours": cmd_ours,
+     "mpi4py-fft": cmd_mpi4py_fft, "build-hvd": cmd_build_hvd,
+     "build-placement": cmd_build_placement}[args.cmd](args)
     return 0
 
 
