@@ -40,10 +40,18 @@ def mpirun(np_, script, *args, timeout=JOB_DEADLINE_S + 30, env=None):
     return proc, time.monotonic() - t0
 
 
+# mpirun's own log lines, e.g. "[vm:01630] [[27296,0],0] ORTE_ERROR_LOG: Data unpack
+# would read past end of buffer in file ../../../orte/util/show_help.c at line 501"
+# (Open MPI 4 when two ranks call MPI_Abort at once). They are untagged, so one written
+# between a rank's tagged chunks would land inside that rank's text.
+ORTE_LOG_LINE = re.compile(r"\[[^\[\]\s]+:\d+\] \[\[\d+,\d+\],\d+\] [^\n]*(?:\n|$)")
+
+
 def rank_text(out, rank, stream="stderr"):
     """What ``rank`` wrote to ``stream``: the chunks mpirun's --tag-output labels
-    ``[job,rank]<stream>:`` joined (a loaded machine splits one line into chunks)."""
-    parts = re.split(r"(\[\d+,\d+\]<std(?:out|err)>:)", out)
+    ``[job,rank]<stream>:`` joined (a loaded machine splits one line into chunks),
+    without mpirun's own log lines."""
+    parts = re.split(r"(\[\d+,\d+\]<std(?:out|err)>:)", ORTE_LOG_LINE.sub("", out))
     tag = re.compile(r"\[\d+,%d\]<%s>:" % (rank, stream))
     return "".join(parts[i + 1] for i in range(1, len(parts) - 1, 2) if tag.fullmatch(parts[i]))
 
@@ -56,6 +64,18 @@ def test_rank_count_mismatch_fails_on_every_rank():
         pat = r"ValueError: .*3 processors but the job has 2 MPI ranks"
         assert re.search(pat, rank_text(out, rank)), \
             "rank %d did not report the error:\n%s" % (rank, out[-3000:])
+
+
+def test_rank_text_drops_mpirun_log_lines():
+    """The interleaving CI met (2026-11-23): mpirun's ORTE_ERROR_LOG line written
+    between two chunks of rank 0's error message."""
+    out = ("[1,0]<stderr>:ValueError[1,0]<stderr>:: [vm:01630] [[27296,0],0] ORTE_ERROR_LOG:"
+           " Data unpack would read past end of buffer in file ../../../orte/util/show_help.c"
+           " at line 501\n[1,1]<stderr>:ValueError: B has 3 processors\n"
+           "[1,0]<stderr>:A has 3 processors\n")
+    assert rank_text(out, 0) == "ValueError: A has 3 processors\n"
+    assert rank_text(out, 1) == "ValueError: B has 3 processors\n"
+    assert rank_text(out, 0, "stdout") == ""
 
 
 @pytest.mark.parametrize("mode", ["exit", "raise"])
