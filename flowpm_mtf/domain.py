@@ -298,6 +298,10 @@ def _rows_of(sel, m, nb):
     flattened ``[nb * n]`` rows (-1 where fewer than ``m`` rows are selected)
     and the count of selected rows per block.
     """
+    lib = native.load("cic_ops")
+    if lib is not None and native.runs_on_cpu(sel):
+        # FlowpmSelectRows (cic_ops.cc): one scan per block, the same rows and count.
+        return tuple(lib.flowpm_select_rows(sel, m=int(m)))
     n = sel.shape.as_list()[-1]
     rank = tf.cumsum(tf.cast(sel, tf.int32), axis=-1, exclusive=True)
     blk = tf.range(nb)[:, None]
@@ -306,6 +310,33 @@ def _rows_of(sel, m, nb):
     first = tf.math.unsorted_segment_max(src, tf.reshape(seg, [-1]), nb * (m + 1))
     first = tf.reshape(first, [nb, m + 1])[:, :m]
     return tf.where_v2(first >= 0, first, -1), tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
+
+
+def _count_true(sel, nb):
+    """int32 ``[nb]``: the true entries of each block of ``sel`` (bool ``[.., n]``)."""
+    sel = tf.reshape(sel, [nb, -1])
+    lib = native.load("cic_ops")
+    if lib is not None and native.runs_on_cpu(sel):
+        return lib.flowpm_select_rows(sel, m=0)[1]      # a scan, no int32 copy
+    return tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
+
+
+def _mask_rows(x, keep):
+    """``x`` ``[N, C]`` with the rows where ``keep`` (bool ``[N]``) is false set to zero.
+
+    On the CPU the native ``FlowpmMaskRows`` (in place; gradient below), else
+    ``x * keep``.
+    """
+    lib = native.load("cic_ops")
+    if lib is not None and x.dtype in (tf.float32, tf.float64) and native.runs_on_cpu(x):
+        return lib.flowpm_mask_rows(x, keep)
+    return x * tf.cast(keep, x.dtype)[:, None]
+
+
+@tf.RegisterGradient("FlowpmMaskRows")
+def _mask_rows_grad(op, dy):
+    """Masking rows is linear and self-adjoint: the gradient masks the same rows."""
+    return [_mask_rows(dy, op.inputs[1]), None]
 
 
 def _leaving(x, ids, axis, s):
@@ -404,16 +435,19 @@ def _plan_fn(axis, s):
         nb, rows = nbx * nby, recv.shape.as_list()[2]
         lo, hi = _leaving(x, ids, axis, s)
         keep = (ids >= 0) & ~(lo | hi)
-        slot, _ = _rows_of(tf.reshape(~keep, [nb, c]), rows, nb)     # flat slot of k-th empty
+        slot, n_empty = _rows_of(tf.reshape(~keep, [nb, c]), rows, nb)  # flat slot of k-th empty
         rvalid = recv[..., -1] > 0.5
         rank = tf.cumsum(tf.cast(tf.reshape(rvalid, [nb, rows]), tf.int32), axis=-1,
                          exclusive=True)
         target = tf.gather(slot, rank, batch_dims=1)
         target = tf.where_v2(tf.reshape(rvalid, [nb, rows]) & (target >= 0), target, 0)
-        # exact int32 counts (no float64 copy of the slots), then float64
-        count = lambda t: tf.cast(tf.reduce_sum(tf.cast(t, tf.int32), -1), tf.float64)  # noqa: E731
-        stats = tf.stack([tf.maximum(count(lo), count(hi)), count(keep) + count(rvalid),
-                          count(lo | hi)], axis=-1)
+        # exact int32 counts (no float64 copy of the slots), then float64; lo and hi
+        # are disjoint, and the kept slots are those _rows_of did not count as empty
+        n_lo, n_hi = _count_true(lo, nb), _count_true(hi, nb)
+        n_keep = c - n_empty
+        f64 = lambda t: tf.cast(tf.reshape(t, [nbx, nby]), tf.float64)  # noqa: E731
+        stats = tf.stack([f64(tf.maximum(n_lo, n_hi)), f64(n_keep + _count_true(rvalid, nb)),
+                          f64(n_lo + n_hi)], axis=-1)
         return keep, tf.reshape(target, [nbx, nby, rows]), stats
 
     return fn
@@ -427,7 +461,7 @@ def _merge_fn(col):
     """
 
     def fn(field, recv, keep, target):
-        out = tf.reshape(field * tf.cast(keep, field.dtype)[..., None], [-1, 3])
+        out = _mask_rows(tf.reshape(field, [-1, 3]), tf.reshape(keep, [-1]))
         upd = tf.reshape(recv[..., col:col + 3], [-1, 3])
         return tf.reshape(tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), upd),
                           field.shape)

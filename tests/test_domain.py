@@ -314,3 +314,78 @@ def test_native_particle_stats_match_the_tensorflow_path(dtype, id_dtype, monkey
     np.testing.assert_array_equal(got[0][..., 2], np.abs(disp[..., :2]).max((-2, -1)))
     np.testing.assert_array_equal(got[1][..., 2], 0)
     assert 0 < got[0][..., 0].min() and got[0][..., 0].max() < got[0][..., 1].min()
+
+
+@pytest.mark.rank_independent
+def test_native_select_rows_match_the_tensorflow_path(monkeypatch):
+    """FlowpmSelectRows (cic_ops.cc) gives _rows_of's rows and counts exactly (the
+    migration's leavers and free slots): 3 blocks (one all false, one all true) of 5000
+    slots, m from 0 to beyond the counts; and the rows against numpy."""
+    from flowpm_mtf import native
+
+    if native.load("cic_ops") is None:
+        pytest.skip("native ops not built")
+    rng = np.random.RandomState(11)
+    nb, n = 3, 5000
+    sel = rng.uniform(size=(nb, n)) < 0.05
+    sel[1] = False
+    sel[2] = True
+    ms = [0, 1, 17, 300, 6000]
+    with tf.Graph().as_default():
+        st = tf.constant(sel)
+        fast = [domain._rows_of(st, m, nb) for m in ms]
+        monkeypatch.setattr(native, "load", lambda name: None)
+        slow = [domain._rows_of(st, m, nb) for m in ms]
+        with tf.Session() as sess:
+            got, ref = sess.run([fast, slow])
+    assert fast[0][0].op.type == "FlowpmSelectRows"
+    for m, (rows, count), (rrows, rcount) in zip(ms, got, ref):
+        np.testing.assert_array_equal(rows, rrows)
+        np.testing.assert_array_equal(count, rcount)
+        for b in range(nb):
+            want = b * n + np.nonzero(sel[b])[0][:m]
+            np.testing.assert_array_equal(rows[b, :len(want)], want)
+            assert (rows[b, len(want):] == -1).all()
+            assert count[b] == sel[b].sum()
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_native_merge_matches_the_tensorflow_path(dtype, monkeypatch):
+    """The merge of one field with FlowpmMaskRows (cic_ops.cc) gives the TF path's
+    values and gradients (field and received rows) exactly; the plan's counts too."""
+    from flowpm_mtf import native
+
+    if native.load("cic_ops") is None:
+        pytest.skip("native ops not built")
+    rng = np.random.RandomState(5)
+    c, rows, s = 3000, 40, 6
+    x = rng.uniform(-1.5, s + 1.5, (1, 2, c, 3)).astype(dtype)
+    ids = np.where(rng.uniform(size=(1, 2, c)) < 0.1, -1, 1).astype(np.int32)
+    field = rng.normal(size=(1, 2, c, 3)).astype(dtype)
+    recv = rng.normal(size=(1, 2, rows, 10)).astype(dtype)
+    recv[..., -1] = rng.uniform(size=(1, 2, rows)) < 0.7
+    dy = rng.normal(size=field.shape).astype(dtype)
+
+    def build():
+        xt, ft, rt = tf.constant(x), tf.constant(field), tf.constant(recv)
+        keep, target, stats = domain._plan_fn(0, s)(xt, rt, tf.constant(ids))
+        out = domain._merge_fn(3)(ft, rt, keep, target)
+        return [out, stats, target] + tf.gradients(out, [ft, rt], grad_ys=tf.constant(dy))
+
+    with tf.Graph().as_default():
+        fast = build()
+        monkeypatch.setattr(native, "load", lambda name: None)
+        slow = build()
+        with tf.Session() as sess:
+            got, ref = sess.run([fast, slow])
+    assert any(op.type == "FlowpmMaskRows" for op in fast[0].graph.get_operations())
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g, r)
+    valid = ids >= 0
+    lo, hi = valid & (x[..., 0] < 0), valid & (x[..., 0] >= s)
+    np.testing.assert_array_equal(got[1][..., 0], np.maximum(lo.sum(-1), hi.sum(-1)))
+    np.testing.assert_array_equal(got[1][..., 2], (lo | hi).sum(-1))
+    np.testing.assert_array_equal(got[1][..., 1], (valid & ~lo & ~hi).sum(-1)
+                                  + (recv[..., -1] > 0.5).sum(-1))
+    np.testing.assert_array_equal(got[3][~(valid & ~lo & ~hi)], 0)     # d field of leavers

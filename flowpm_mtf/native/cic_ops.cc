@@ -18,6 +18,11 @@
 //       [0], halo, sx, sy) -> float64 [B, 3]: per block, the valid particles whose
 //       stencil leaves the padded block (or non-finite), the valid particles and
 //       the largest |x/y displacement| (flowpm_mtf.domain's migration statistics).
+//   FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]: the
+//       flat indices of the first m true entries of each block, -1 beyond them,
+//       and the true count (flowpm_mtf.domain._rows_of).
+//   FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows of false keep zeroed
+//       (the migration's merge; gradient: the same op).
 //   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
 //       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -584,6 +589,95 @@ class ParticleStatsOp : public OpKernel {
   i64 halo_, sx_, sy_;
 };
 
+// ------------------------------------------------------------------ selected rows
+// FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]:
+// rows[b, j] = b * n + i for the j-th true sel[b, i] (in order of i), -1 where
+// block b has fewer than m; count[b] = the number of true sel[b, i].
+// flowpm_mtf.domain._rows_of (the migration's choice of leaving particles and free
+// slots) in one sequential scan per block, instead of a cumsum and an
+// unsorted_segment_max over every slot (~2/3 of a 256^3 step on 2 ranks).
+// Parallel over blocks.
+class SelectRowsOp : public OpKernel {
+ public:
+  explicit SelectRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("m", &m_));
+    OP_REQUIRES(ctx, m_ >= 0, InvalidArgument("select rows: m must be >= 0"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& sel = ctx->input(0);
+    OP_REQUIRES(ctx, sel.dims() == 2,
+                InvalidArgument("select rows: sel must be [blocks, n], got ",
+                                sel.shape().DebugString()));
+    const i64 nb = sel.dim_size(0), n = sel.dim_size(1), m = m_;
+    OP_REQUIRES(ctx, nb * n < (i64(1) << 31),
+                InvalidArgument("select rows: ", nb * n, " rows do not fit int32 indices"));
+    Tensor *rows = nullptr, *count = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, m}), &rows));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({nb}), &count));
+    const bool* S = sel.flat<bool>().data();
+    int32_t* R = rows->flat<int32_t>().data();
+    int32_t* C = count->flat<int32_t>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 b = begin; b < end; ++b) {
+        const bool* sb = S + b * n;
+        int32_t* rb = R + b * m;
+        i64 k = 0;
+        for (i64 i = 0; i < n; ++i) {
+          if (sb[i]) {
+            if (k < m) rb[k] = static_cast<int32_t>(b * n + i);
+            ++k;
+          }
+        }
+        for (i64 j = std::min(k, m); j < m; ++j) rb[j] = -1;
+        C[b] = static_cast<int32_t>(k);
+      }
+    };
+    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
+                        nb, n + m, work);
+  }
+
+ private:
+  int m_;
+};
+
+// ------------------------------------------------------------------ masked rows
+// FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows where keep is false
+// set to zero (flowpm_mtf.domain's merge: the leavers' slots emptied), in place
+// when TensorFlow forwards the input; TensorFlow's x * cast(keep)[:, None] is a
+// broadcasting multiply ~5x slower. Linear and self-adjoint in x: the gradient
+// is the same op on the upstream gradient. Parallel over rows.
+template <typename T>
+class MaskRowsOp : public OpKernel {
+ public:
+  explicit MaskRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& keep = ctx->input(1);
+    OP_REQUIRES(ctx, x.dims() == 2 && keep.dims() == 1 && keep.dim_size(0) == x.dim_size(0),
+                InvalidArgument("mask rows: x must be [N, C] and keep [N], got ",
+                                x.shape().DebugString(), " and ", keep.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &out));
+    const i64 rows = x.dim_size(0), C = x.dim_size(1);
+    const T* X = x.flat<T>().data();
+    const bool* K = keep.flat<bool>().data();
+    T* O = out->flat<T>().data();
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 r = begin; r < end; ++r) {
+        if (K[r]) {
+          if (O != X) std::memcpy(O + r * C, X + r * C, sizeof(T) * C);
+        } else {
+          for (i64 c = 0; c < C; ++c) O[r * C + c] = T(0);
+        }
+      }
+    };
+    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
+                        rows, 2 * C, work);
+  }
+};
+
 // ------------------------------------------------------------------ wrap
 // FlowpmWrap(positions [..., 3], sizes [3]) -> positions wrapped into [0, s) along
 // every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.domain's TensorFlow path
@@ -805,6 +899,31 @@ REGISTER_OP("FlowpmParticleStats")
       return ::tensorflow::OkStatus();
     });
 
+REGISTER_OP("FlowpmSelectRows")
+    .Input("sel: bool")
+    .Output("rows: int32")
+    .Output("count: int32")
+    .Attr("m: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle sel;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &sel));
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("m", &m));
+      c->set_output(0, c->MakeShape({c->Dim(sel, 0), m}));
+      c->set_output(1, c->MakeShape({c->Dim(sel, 0)}));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_OP("FlowpmMaskRows")
+    .Input("x: T")
+    .Input("keep: bool")
+    .Output("y: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    });
+
 REGISTER_OP("FlowpmWrap")
     .Input("positions: T")
     .Output("wrapped: T")
@@ -844,3 +963,9 @@ REGISTER_STATS(float, int32_t);
 REGISTER_STATS(float, int64_t);
 REGISTER_STATS(double, int32_t);
 REGISTER_STATS(double, int64_t);
+
+REGISTER_KERNEL_BUILDER(Name("FlowpmSelectRows").Device(DEVICE_CPU), SelectRowsOp);
+REGISTER_KERNEL_BUILDER(Name("FlowpmMaskRows").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        MaskRowsOp<float>);
+REGISTER_KERNEL_BUILDER(Name("FlowpmMaskRows").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+                        MaskRowsOp<double>);
