@@ -29,7 +29,7 @@ __all__ = ["density", "pm_forces"]
 log = logging.getLogger(__name__)
 
 
-def density(positions, conf, weight=None):
+def density(positions, conf, weight=None, escape_checked=False):
     """CIC density of the particles, ``1 + delta`` for one particle per cell.
 
     Parameters
@@ -40,6 +40,10 @@ def density(positions, conf, weight=None):
     weight : mtf.Tensor, optional
         ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.domain.weights`:
         0 for the empty slots of the eulerian decomposition).
+    escape_checked : bool, optional
+        The particles were checked to fit their padded blocks (e.g. by
+        :func:`flowpm_mtf.domain.migrate`): no second escape check
+        (:func:`flowpm_mtf.painting.cic_paint`).
 
     Returns
     -------
@@ -47,10 +51,11 @@ def density(positions, conf, weight=None):
         Real field ``[x, y, z]``: particles per cell [dimensionless] (mean 1
         with one particle per cell).
     """
-    return paint_field(positions, conf, weight=weight, name="paint_density")
+    return paint_field(positions, conf, weight=weight, name="paint_density",
+                       escape_checked=escape_checked)
 
 
-def pm_forces(positions, conf, kernels=None, weight=None):
+def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
     r"""FastPM particle-mesh force at the particle positions.
 
     Parameters
@@ -64,6 +69,9 @@ def pm_forces(positions, conf, kernels=None, weight=None):
     weight : mtf.Tensor, optional
         ``[bx, by, npart]`` slot weights: the painting's particle masses, and
         the force is multiplied by them (zero on empty slots).
+    escape_checked : bool, optional
+        As in :func:`density`: the paint and the readout skip their escape
+        checks (two passes over the particles and two reductions per force).
 
     Returns
     -------
@@ -74,7 +82,7 @@ def pm_forces(positions, conf, kernels=None, weight=None):
     """
     if kernels is None:
         kernels = make_kernels(conf, positions.mesh)
-    rho = density(positions, conf, weight)
+    rho = density(positions, conf, weight, escape_checked=escape_checked)
     delta_k = fft.r2c(rho, conf, name="force_r2c")
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
@@ -84,8 +92,10 @@ def pm_forces(positions, conf, kernels=None, weight=None):
     grad = neg_gradient_potential(delta_k, conf, kernels, sequential=True, padded=one_block)
     # The three components in one readout: one stencil, one halo fill.
     if one_block:
-        force = readout_padded(grad, positions, conf, name="force_readout")
+        force = readout_padded(grad, positions, conf, name="force_readout",
+                               escape_checked=escape_checked)
     else:
-        force = readout_field(grad, positions, conf, name="force_readout")
+        force = readout_field(grad, positions, conf, name="force_readout",
+                              escape_checked=escape_checked)
     force = force * (1.5 * conf.cosmology.Omega_m)
     return force if weight is None else force * weight

@@ -407,7 +407,8 @@ def _isolated_grad(forward_fn, splittable_dims, name):
     return grad_function
 
 
-def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=False):
+def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=False,
+              escape_checked=False):
     """Paint particles on padded blocks with CIC, then reduce the halos.
 
     Parameters
@@ -424,6 +425,11 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=F
     _unreduced : bool, optional
         Internal (:func:`paint_field`): return the padded blocks before the halo
         reduction.
+    escape_checked : bool, optional
+        True when the caller has already verified that every particle's stencil
+        fits its padded block (e.g. right after :func:`flowpm_mtf.domain.migrate`,
+        whose gate tests exactly that for the valid particles and leaves empty
+        slots at zero): skips the escape count and its reduction over blocks.
 
     Returns
     -------
@@ -473,7 +479,8 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=F
                             output_dtype=positions.dtype if mesh is None else mesh.dtype,
                             splittable_dims=shape.dims[:2],
                             grad_function=_isolated_grad(fn, shape.dims[:2], name), name=name)
-    painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
+    if not escape_checked:
+        painted = _assert_none_escaped(painted, escaped_count(positions, conf), "cic_paint")
     return painted if _unreduced else halo_reduce(painted, conf)
 
 
@@ -515,18 +522,20 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     return _readout_filled(mesh, positions, conf, name)
 
 
-def readout_padded(mesh, positions, conf, name="readout_padded"):
+def readout_padded(mesh, positions, conf, name="readout_padded", escape_checked=False):
     """:func:`cic_readout` of padded blocks whose margins are already filled.
 
     E.g. the force field of one block written with its periodic margins
     (:func:`flowpm_mtf.kernels.xyz_from_packed` with ``padded_conf``): no halo
-    exchange and no copy of the field. Same checks and escape check.
+    exchange and no copy of the field. Same checks and escape check
+    (``escape_checked`` as in :func:`cic_paint`).
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
     mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
     _check_components(mesh.shape.dims[5:], positions, name)
-    mesh = _assert_none_escaped(mesh, escaped_count(positions, conf), name)
+    if not escape_checked:
+        mesh = _assert_none_escaped(mesh, escaped_count(positions, conf), name)
     return _readout_filled(mesh, positions, conf, name)
 
 
@@ -560,30 +569,32 @@ def _readout_filled(mesh, positions, conf, name):
                          name=name)
 
 
-def paint_field(positions, conf, weight=None, name="paint_field"):
+def paint_field(positions, conf, weight=None, name="paint_field", escape_checked=False):
     """CIC-paint particles and return the real-space field ``[x, y, z]``.
 
-    See :func:`cic_paint`; the result is the unpadded, halo-reduced mesh
+    See :func:`cic_paint` (also for ``escape_checked``); the result is the unpadded, halo-reduced mesh
     (:func:`~flowpm_mtf.halo.reduced_to_field`: the reduction and the unpadding
     in one, with fewer copies of the field).
     """
     return reduced_to_field(cic_paint(None, positions, conf, weight, name=name,
-                                      _unreduced=True), conf)
+                                      _unreduced=True, escape_checked=escape_checked), conf)
 
 
-def readout_field(field, positions, conf, name="readout_field"):
+def readout_field(field, positions, conf, name="readout_field", escape_checked=False):
     """CIC-read a real-space field ``[x, y, z]`` (optionally followed by component
     dimensions, e.g. ``xyz``) at the particle positions.
 
     :func:`cic_readout` of the field's padded blocks, the margins filled as the
     blocks are padded (:func:`~flowpm_mtf.halo.field_to_padded`: one copy of the
     field per axis instead of three); the same values. The escape check runs
-    before the halo exchange, as in :func:`cic_readout`.
+    before the halo exchange, as in :func:`cic_readout` (``escape_checked`` as in
+    :func:`cic_paint`).
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
     _check_components(field.shape.dims[3:], positions, name)
-    field = _assert_none_escaped(field, escaped_count(positions, conf), name)
+    if not escape_checked:
+        field = _assert_none_escaped(field, escaped_count(positions, conf), name)
     return _readout_filled(field_to_padded(field, conf), positions, conf, name)
 
 

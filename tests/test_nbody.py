@@ -239,6 +239,30 @@ def test_eulerian_escape_names_steps(case, linear):
     assert isinstance(exc, ParticleEscapeError) and exc.steps_needed > 1, exc
 
 
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("grid", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+def test_step_checks_escapes_once(decomposition, grid, linear):
+    """Eulerian: the step's paint and readout skip their escape counts, the migration's
+    gate checks the same condition (its escape tests: test_eulerian_escape_names_steps
+    and tests/test_domain.py); lagrangian: no migration, both counts stay."""
+    conf = conf_for(grid, halo_size=1, n_steps=1, decomposition=decomposition)
+    graph = mtf.Graph()
+    mesh = mtf.Mesh(graph, "mesh")
+
+    def count(prefix):
+        return sum(op.name.startswith(prefix) for op in graph.operations)
+
+    state = lpt.lpt_init(NH.import_field(mesh, conf, linear), conf)
+    before = {p: count(p) for p in ("escaped_count", "migrate_check")}
+    nbody.kdk_step(state, conf, conf.a_start, conf.a_end)
+    added = {p: count(p) - before[p] for p in before}
+    if decomposition == "eulerian":
+        assert added["escaped_count"] == 0 and added["migrate_check"] > 0, added
+    else:
+        assert added == {"escaped_count": 2, "migrate_check": 0}, added
+
+
 # Lagrangian vs eulerian in float64: the same operations except the order of the CIC
 # sums (particles in other slots) and the block-local frame: rounding only.
 DECOMPOSITION_ATOL = 1e-10  # [fraction of the box]
