@@ -216,3 +216,33 @@ def test_bad_callable_and_arguments():
         wrong = mtf.zeros(mesh, fft.k_shape(conf), tf.float32)
         with pytest.raises(ValueError, match="shape"):
             ics.linear_field(conf, mesh, noise=wrong)
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_radial_kernel_values_once_per_distinct_k(dtype):
+    """_radial_numpy calls ``values`` once, on each distinct |k| only, and its folded
+    grid expands to the per-cell evaluation bit for bit (a non-cubic box, a slice of
+    k with both signs and the Nyquist mode), 0 at k = 0."""
+    from flowpm_mtf import ics
+
+    kx = 2 * np.pi / 100.0 * np.fft.fftfreq(12, 1 / 12.0)
+    ky = 2 * np.pi / 80.0 * np.fft.fftfreq(10, 1 / 10.0)[2:9]
+    kz = 2 * np.pi / 100.0 * np.fft.fftfreq(8, 1 / 8.0)
+    calls = []
+
+    def values(k):
+        calls.append(np.array(k))
+        return np.exp(-k) * np.log1p(k) / k
+
+    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype)
+    k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
+    want = np.zeros(k.shape)
+    want[k > 0] = values(k[k > 0])
+    got = small[ix][:, iy][:, :, iz]
+    assert got.dtype == dtype and got.shape == k.shape
+    np.testing.assert_array_equal(got, want.astype(dtype))
+    assert len(calls) == 2                       # ours, then the reference's
+    ux, uy, uz = (np.unique(np.abs(v)) for v in (kx, ky, kz))    # the folded grid's k^2
+    k2 = ux[:, None, None]**2 + uy[None, :, None]**2 + uz[None, None, :]**2
+    assert len(calls[0]) == len(np.unique(k2[k2 > 0])) < np.count_nonzero(k2)   # once each
