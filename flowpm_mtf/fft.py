@@ -71,7 +71,10 @@ local (``ky`` local, ``-kz`` in the same block): one pass, as ``hermitian_extend
 does for Q = 1 (the inverse folds there). Half the bytes of the ``col`` exchange
 and half the FFT along ``y``; with ``ky`` pair-ordered as well the completion can
 wait until after the ``row`` exchange and the FFT along ``x`` (half the bytes of
-both exchanges, as mpi4py-fft). Needs ``nz / Q`` even (else the full path).
+both exchanges, as mpi4py-fft). Needs ``nz / Q`` even (else the full path). An order
+that does not depend on the grid, e.g. ``0, n/2, 1, n-1, 2, n-2, ...`` (pair ``j`` at
+positions ``2j, 2j+1``), has whole pairs in every block of even size, so k-space fields
+(checkpoints, outputs) would keep their meaning across grids.
 Every design changes the k-space contract of every caller (kernels, power, ics,
 lpt, reconstruct, checkpoints of k-space fields, the fft-demo, the tests that
 compare with numpy); in (c) only the order, which :func:`kvec` would carry, so
