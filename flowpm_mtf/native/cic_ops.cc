@@ -207,6 +207,50 @@ int pool_threads(OpKernelContext* ctx) {
 }
 
 // ------------------------------------------------------------------ paint
+// Deposits of the n particles of one block into the padded x rows [r0, r1) of its
+// field fb; KC = C known at compile time (1: density) or 0 for any C, HasW: with
+// per-particle weights wb. The terms and their order are those of the generic
+// loop (corners x, y, z; kern = (wx * wy) * wz, then times the weight).
+template <typename T, int KC, bool HasW>
+void paint_slab(const T* __restrict__ pb, const T* __restrict__ wb, T* __restrict__ fb,
+                const Geometry& g, i64 n, i64 r0, i64 r1) {
+  const i64 C = KC ? KC : g.comps;
+  const i64 zrow = g.nz * C;
+  for (i64 p = 0; p < n; ++p) {
+    const T* q = pb + 3 * p;
+    if (!finite3(q)) continue;
+    Axis<T> ax, ay, az;
+    clipped_axis(q[0], g.halo, g.px, &ax);
+    const bool in0 = ax.i[0] >= r0 && ax.i[0] < r1, in1 = ax.i[1] >= r0 && ax.i[1] < r1;
+    if (!in0 && !in1) continue;
+    clipped_axis(q[1], g.halo, g.py, &ay);
+    periodic_axis(q[2], g.nz, &az);
+    const i64 z0 = az.i[0] * C, z1 = az.i[1] * C;
+    for (int i = 0; i < 2; ++i) {
+      if (!(i ? in1 : in0)) continue;
+      for (int j = 0; j < 2; ++j) {
+        const T wxy = ax.w[i] * ay.w[j];
+        T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * zrow;
+        const T k0 = wxy * az.w[0], k1 = wxy * az.w[1];
+        for (i64 c = 0; c < C; ++c) {
+          if (HasW) {
+            cell[z0 + c] += k0 * wb[p * C + c];
+          } else {
+            cell[z0 + c] += k0;
+          }
+        }
+        for (i64 c = 0; c < C; ++c) {
+          if (HasW) {
+            cell[z1 + c] += k1 * wb[p * C + c];
+          } else {
+            cell[z1 + c] += k1;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 class CicPaintOp : public OpKernel {
  public:
@@ -251,31 +295,14 @@ class CicPaintOp : public OpKernel {
         const T* pb = P + b * n * 3;
         const T* wb = W ? W + b * n * C : nullptr;
         T* fb = F + b * g.px * row;
-        for (i64 p = 0; p < n; ++p) {
-          const T* q = pb + 3 * p;
-          if (!finite3(q)) continue;
-          Axis<T> ax, ay, az;
-          clipped_axis(q[0], g.halo, g.px, &ax);
-          if ((ax.i[0] < r0 || ax.i[0] >= r1) && (ax.i[1] < r0 || ax.i[1] >= r1)) continue;
-          clipped_axis(q[1], g.halo, g.py, &ay);
-          periodic_axis(q[2], g.nz, &az);
-          for (int i = 0; i < 2; ++i) {
-            if (ax.i[i] < r0 || ax.i[i] >= r1) continue;
-            for (int j = 0; j < 2; ++j) {
-              const T wxy = ax.w[i] * ay.w[j];
-              T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
-              for (int k = 0; k < 2; ++k) {
-                const T kern = wxy * az.w[k];
-                T* dst = cell + az.i[k] * C;
-                if (wb) {
-                  for (i64 c = 0; c < C; ++c) dst[c] += kern * wb[p * C + c];
-                } else {
-                  for (i64 c = 0; c < C; ++c) dst[c] += kern;
-                }
-              }
-            }
-          }
-        }
+        if (C == 1 && wb)
+          paint_slab<T, 1, true>(pb, wb, fb, g, n, r0, r1);
+        else if (C == 1)
+          paint_slab<T, 1, false>(pb, wb, fb, g, n, r0, r1);
+        else if (wb)
+          paint_slab<T, 0, true>(pb, wb, fb, g, n, r0, r1);
+        else
+          paint_slab<T, 0, false>(pb, wb, fb, g, n, r0, r1);
       }
     };
     if (slabs * nb == 1) {
