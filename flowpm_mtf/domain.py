@@ -291,6 +291,18 @@ def pad_particles(t, conf, value=0):
 
 
 # ----------------------------------------------------------------------------- local ops
+def _cic_ops(t, floating=True):
+    """The native op module (``flowpm_mtf/native/cic_ops.cc``) if it serves the local
+    tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
+    TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
+    lib = native.load("cic_ops")
+    if lib is None or not native.runs_on_cpu(t):
+        return None
+    if floating and t.dtype not in (tf.float32, tf.float64):
+        return None
+    return lib
+
+
 def _rows_of(sel, m, nb):
     """For each of ``m`` output rows, the flat source row of the j-th selected row.
 
@@ -298,8 +310,8 @@ def _rows_of(sel, m, nb):
     flattened ``[nb * n]`` rows (-1 where fewer than ``m`` rows are selected)
     and the count of selected rows per block.
     """
-    lib = native.load("cic_ops")
-    if lib is not None and native.runs_on_cpu(sel):
+    lib = _cic_ops(sel, floating=False)
+    if lib is not None:
         # FlowpmSelectRows (cic_ops.cc): one scan per block, the same rows and count.
         return tuple(lib.flowpm_select_rows(sel, m=int(m)))
     n = sel.shape.as_list()[-1]
@@ -315,8 +327,8 @@ def _rows_of(sel, m, nb):
 def _count_true(sel, nb):
     """int32 ``[nb]``: the true entries of each block of ``sel`` (bool ``[.., n]``)."""
     sel = tf.reshape(sel, [nb, -1])
-    lib = native.load("cic_ops")
-    if lib is not None and native.runs_on_cpu(sel):
+    lib = _cic_ops(sel, floating=False)
+    if lib is not None:
         return lib.flowpm_select_rows(sel, m=0)[1]      # a scan, no int32 copy
     return tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
 
@@ -327,8 +339,8 @@ def _mask_rows(x, keep):
     On the CPU the native ``FlowpmMaskRows`` (in place; gradient below), else
     ``x * keep``.
     """
-    lib = native.load("cic_ops")
-    if lib is not None and x.dtype in (tf.float32, tf.float64) and native.runs_on_cpu(x):
+    lib = _cic_ops(x)
+    if lib is not None:
         return lib.flowpm_mask_rows(x, keep)
     return x * tf.cast(keep, x.dtype)[:, None]
 
@@ -360,8 +372,8 @@ def _wrap_fn(axes, sizes):
     """
 
     def fn(x):
-        lib = native.load("cic_ops")
-        if lib is not None and x.dtype in (tf.float32, tf.float64) and native.runs_on_cpu(x):
+        lib = _cic_ops(x)
+        if lib is not None:
             return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
                                              for ax in range(3)])
         cols = tf.unstack(x, axis=-1)
@@ -515,8 +527,8 @@ def _particle_stats_fn(sizes):
     sx, sy, h = sizes
 
     def fn(x, ids, *disp):
-        lib = native.load("cic_ops")
-        if lib is not None and x.dtype in (tf.float32, tf.float64) and native.runs_on_cpu(x):
+        lib = _cic_ops(x)
+        if lib is not None:
             nbx, nby = x.shape.as_list()[:2]
             nb = nbx * nby
             d = tf.reshape(disp[0], [nb, -1, 3]) if disp else tf.zeros([0], x.dtype)

@@ -572,9 +572,9 @@ def _readout_filled(mesh, positions, conf, name):
 def paint_field(positions, conf, weight=None, name="paint_field", escape_checked=False):
     """CIC-paint particles and return the real-space field ``[x, y, z]``.
 
-    See :func:`cic_paint` (also for ``escape_checked``); the result is the unpadded, halo-reduced mesh
-    (:func:`~flowpm_mtf.halo.reduced_to_field`: the reduction and the unpadding
-    in one, with fewer copies of the field).
+    See :func:`cic_paint` (also for ``escape_checked``); the result is the
+    unpadded, halo-reduced mesh (:func:`~flowpm_mtf.halo.reduced_to_field`: the
+    reduction and the unpadding in one, with fewer copies of the field).
     """
     return reduced_to_field(cic_paint(None, positions, conf, weight, name=name,
                                       _unreduced=True, escape_checked=escape_checked), conf)

@@ -470,18 +470,40 @@ class CicReadoutGradPosOp : public OpKernel {
   i64 halo_;
 };
 
+// ------------------------------------------------------------------ escape test
+// The padded block of FlowpmCicEscaped and FlowpmParticleStats: attrs halo, sx, sy.
+struct BlockBox {
+  i64 halo, sx, sy;
+};
+
+::tensorflow::Status read_block_box(OpKernelConstruction* ctx, BlockBox* box) {
+  int h, sx, sy;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("halo", &h));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("sx", &sx));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("sy", &sy));
+  *box = BlockBox{h, sx, sy};
+  return ::tensorflow::OkStatus();
+}
+
+// Whether a particle's CIC stencil fits its padded block:
+// floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1) (integer bounds) along x and y;
+// NaN and +-inf fail a comparison, a non-finite z is tested on its own.
+template <typename T>
+struct StencilFits {
+  T lox, hix, loy, hiy;
+  explicit StencilFits(const BlockBox& b)
+      : lox(T(-b.halo)), hix(T(b.sx + b.halo - 1)), loy(T(-b.halo)), hiy(T(b.sy + b.halo - 1)) {}
+  bool operator()(const T* q) const {
+    return q[0] >= lox && q[0] < hix && q[1] >= loy && q[1] < hiy && std::isfinite(q[2]);
+  }
+};
+
 // ------------------------------------------------------------------ escape count
 template <typename T>
 class CicEscapedOp : public OpKernel {
  public:
   explicit CicEscapedOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
-    halo_ = v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sx", &v));
-    sx_ = v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sy", &v));
-    sy_ = v;
+    OP_REQUIRES_OK(ctx, read_block_box(ctx, &box_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -492,10 +514,7 @@ class CicEscapedOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb}), &out));
     const T* P = pos.flat<T>().data();
     auto O = out->flat<int32_t>();
-    // floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1) (integer bounds); NaN and
-    // +-inf fail a comparison, a non-finite z is tested on its own.
-    const T lox = T(-halo_), hix = T(sx_ + halo_ - 1);
-    const T loy = T(-halo_), hiy = T(sy_ + halo_ - 1);
+    const StencilFits<T> fits(box_);
     std::vector<std::atomic<int64_t>> counts(nb);
     for (auto& c : counts) c = 0;
     auto work = [&](int64_t begin, int64_t end) {
@@ -508,8 +527,7 @@ class CicEscapedOp : public OpKernel {
           b = i / n;
         }
         const T* q = P + 3 * i;
-        const bool ok = q[0] >= lox && q[0] < hix && q[1] >= loy && q[1] < hiy &&
-                        std::isfinite(q[2]);
+        const bool ok = fits(q);
         count += !ok;
       }
       if (end > begin) counts[b] += count;
@@ -521,7 +539,7 @@ class CicEscapedOp : public OpKernel {
   }
 
  private:
-  i64 halo_, sx_, sy_;
+  BlockBox box_;
 };
 
 // ------------------------------------------------------------------ particle statistics
@@ -540,13 +558,7 @@ template <typename T, typename Tid>
 class ParticleStatsOp : public OpKernel {
  public:
   explicit ParticleStatsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
-    halo_ = v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sx", &v));
-    sx_ = v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sy", &v));
-    sy_ = v;
+    OP_REQUIRES_OK(ctx, read_block_box(ctx, &box_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -564,8 +576,7 @@ class ParticleStatsOp : public OpKernel {
     const T* P = pos.flat<T>().data();
     const Tid* I = ids.flat<Tid>().data();
     const T* D = disp.NumElements() ? disp.flat<T>().data() : nullptr;
-    const T lox = T(-halo_), hix = T(sx_ + halo_ - 1);
-    const T loy = T(-halo_), hiy = T(sy_ + halo_ - 1);
+    const StencilFits<T> fits(box_);
     struct Acc {
       int64_t outside = 0, count = 0;
       double dmax = 0.0;
@@ -581,8 +592,7 @@ class ParticleStatsOp : public OpKernel {
         for (i64 i = begin; i < stop; ++i) {
           const T* q = P + 3 * i;
           const bool valid = I[i] >= 0;
-          const bool ok = q[0] >= lox && q[0] < hix && q[1] >= loy && q[1] < hiy &&
-                          std::isfinite(q[2]);
+          const bool ok = fits(q);
           a.count += valid;
           a.outside += valid && !ok;
           if (D) {
@@ -613,7 +623,7 @@ class ParticleStatsOp : public OpKernel {
   }
 
  private:
-  i64 halo_, sx_, sy_;
+  BlockBox box_;
 };
 
 // ------------------------------------------------------------------ selected rows
