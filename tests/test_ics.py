@@ -246,3 +246,48 @@ def test_radial_kernel_values_once_per_distinct_k(dtype):
     ux, uy, uz = (np.unique(np.abs(v)) for v in (kx, ky, kz))    # the folded grid's k^2
     k2 = ux[:, None, None]**2 + uy[None, :, None]**2 + uz[None, None, :]**2
     assert len(calls[0]) == len(np.unique(k2[k2 > 0])) < np.count_nonzero(k2)   # once each
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_radial_kernel_cubic_box_integer_modes(dtype):
+    """In a cubic box (``dk`` given) _radial_numpy keys the modes by the integer
+    ``n = mx^2 + my^2 + mz^2``: ``values`` is called once, on ``dk sqrt(n)`` for each
+    distinct ``n > 0`` of the folded grid, and the expanded kernel equals the per-cell
+    evaluation to rounding (float64: 1e-14 relative; float32: the same as the float64
+    values rounded, up to one unit in the last place), 0 at k = 0; slices of k with both
+    signs, the Nyquist mode and meshes that differ per axis."""
+    from flowpm_mtf import ics
+
+    box = 100.0
+    dk = 2 * np.pi / box
+    kx = 2 * np.pi * np.fft.fftfreq(12, d=box / 12)
+    ky = 2 * np.pi * np.fft.fftfreq(10, d=box / 10)[:7]     # 0 .. 4, -5 (Nyquist), -4
+    kz = 2 * np.pi * np.fft.fftfreq(16, d=box / 16)
+    calls = []
+
+    def values(k):
+        calls.append(np.array(k))
+        return np.exp(-k) * np.log1p(k) / k
+
+    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype, dk)
+    k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
+    want = np.zeros(k.shape)
+    want[k > 0] = values(k[k > 0])
+    got = small[ix][:, iy][:, :, iz]
+    assert got.dtype == dtype and got.shape == k.shape
+    assert got[0, 0, 0] == 0 and np.count_nonzero(got == 0) == 1
+    if dtype == np.float64:
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
+    else:
+        ulp = np.spacing(np.abs(want).astype(np.float32))
+        assert np.all(np.abs(got - want.astype(np.float32)) <= ulp)
+    m = [np.unique(np.rint(np.abs(v) / dk)).astype(int) for v in (kx, ky, kz)]
+    n = m[0][:, None, None]**2 + m[1][None, :, None]**2 + m[2][None, None, :]**2
+    distinct = np.unique(n[n > 0])
+    assert len(calls) == 2                       # ours, then the reference's
+    np.testing.assert_array_equal(calls[0], dk * np.sqrt(distinct))    # once per n
+    # not on the lattice of dk (a wrong spacing): the float64 k^2 path, bit for bit
+    calls.clear()
+    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype, dk * 1.5)
+    np.testing.assert_array_equal(small[ix][:, iy][:, :, iz], want.astype(dtype))
