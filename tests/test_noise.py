@@ -107,6 +107,21 @@ def test_native_op_equals_numpy_bitwise(seed):
     np.testing.assert_array_equal(got32, ref.astype(np.float32))
 
 
+@pytest.mark.skipif(native.load("noise_ops") is None,
+                    reason="native noise_ops not built (FLOWPM_MTF_NATIVE=0 or "
+                           "python -m flowpm_mtf.native.build not run)")
+def test_native_op_long_rows_bitwise():
+    """Rows longer than the op's chunk of 256 cells (two full chunks and a partial one
+    of odd length, the vector loop and its remainder) equal the numpy reference."""
+    shape = (3, 4, 700)
+    with tf.Graph().as_default():
+        z = noise.white_noise_slice(11, shape, (1, 1, 89), (2, 3, 611), tf.float64, True)
+        assert z.op.type == "FlowpmWhiteNoise"
+        with tf.Session() as sess:
+            got = sess.run(z)
+    np.testing.assert_array_equal(got, noise.white_noise_numpy(11, shape)[1:3, 1:4, 89:700])
+
+
 def test_native_key_signs():
     assert any(noise.seed_key(s) >= 2**63 for s in NATIVE_SEEDS)
     assert any(noise.seed_key(s) < 2**63 for s in NATIVE_SEEDS)

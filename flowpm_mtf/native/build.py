@@ -2,7 +2,8 @@
 
 Compiles every ``*.cc`` of this folder (or the named ones) into ``lib<name>.so``
 with TensorFlow's compile and link flags. Extra libraries are declared in the
-source by a line ``// LINK: -lfftw3f -lfftw3``. The library is written under a
+source by a line ``// LINK: -lfftw3f -lfftw3``, extra compiler flags by a line
+``// CXXFLAGS: -fno-math-errno``. The library is written under a
 temporary name and renamed, then its stamp is written (see
 :func:`flowpm_mtf.native.expected_stamp`); an up-to-date library is not rebuilt,
 so the command is idempotent and cheap.
@@ -22,12 +23,12 @@ log = logging.getLogger(__name__)
 CXXFLAGS = ["-std=c++17", "-shared", "-fPIC", "-O3"]
 
 
-def link_flags(source):
-    """The ``// LINK:`` flags declared in ``source``."""
+def declared_flags(source, key="LINK"):
+    """The ``// <key>:`` flags declared in ``source`` (``LINK`` or ``CXXFLAGS``)."""
     flags = []
     with open(source) as f:
         for line in f:
-            m = re.match(r"\s*//\s*LINK:\s*(.*)$", line)
+            m = re.match(r"\s*//\s*%s:\s*(.*)$" % key, line)
             if m:
                 flags += shlex.split(m.group(1))
     return flags
@@ -51,8 +52,9 @@ def build(name, force=False):
 
     src = source_path(name)
     tmp = "%s.tmp-%d" % (out, os.getpid())
-    cmd = (["g++"] + CXXFLAGS + [src, "-o", tmp] + tf.sysconfig.get_compile_flags()
-           + tf.sysconfig.get_link_flags() + link_flags(src))
+    cmd = (["g++"] + CXXFLAGS + declared_flags(src, "CXXFLAGS") + [src, "-o", tmp]
+           + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
+           + declared_flags(src, "LINK"))
     log.info("building %s: %s", os.path.basename(out), " ".join(cmd))
     try:
         subprocess.run(cmd, check=True)
