@@ -67,6 +67,15 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(inputs_hash)" ] \
   log "environment up to date: $VENV"
   exit 0
 fi
+# The pinned stack takes ~2.1 GB in the venv, plus the Horovod build in $TMPDIR: say so
+# before pip fails half-way with "No space left on device" (seen once on a CI machine).
+need_mb=3000
+mkdir -p "$(dirname "$VENV")"
+free_mb="$(df -Pm "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')"
+if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ] && [ ! -f "$STAMP" ]; then
+  log "not enough disk space: the environment needs ~${need_mb} MB in $(dirname "$VENV"), ${free_mb} MB free (set VENV=path elsewhere)"
+  exit 1
+fi
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade "pip<25" "setuptools<70" wheel
