@@ -55,6 +55,7 @@ __all__ = [
     "transverse_comoving_distance", "angular_diameter_distance", "a_of_chi", "Growth",
     "growth", "D1", "D2", "f1", "f2", "gp", "Gf", "gf", "Gf2", "gf2", "kick_factor",
     "drift_factor", "transfer_eisenstein_hu", "sigma_r", "linear_matter_power",
+    "linear_matter_power_function",
     "PowerTable", "linear_power_table", "load_power_table",
 ]
 
@@ -654,12 +655,35 @@ def linear_matter_power(cosmo, k, a=1.0, kind="eisenhu_osc", sigma8_k_range=None
     ndarray
         P(k) [(Mpc/h)^3], shape of ``k``.
     """
-    k = _asarray(k, "k")
+    return linear_matter_power_function(cosmo, a, kind, sigma8_k_range)(k)
+
+
+def linear_matter_power_function(cosmo, a=1.0, kind="eisenhu_osc", sigma8_k_range=None):
+    r""":func:`linear_matter_power` as a function of ``k`` alone, normalised once.
+
+    The :math:`\sigma_8` integral (~4 ms) and :math:`D_1(a)` are evaluated here, not
+    at every call: for callers that evaluate P(k) many times (the ICs' amplitude,
+    every run of the graph).
+
+    Parameters
+    ----------
+    cosmo, a, kind, sigma8_k_range :
+        As in :func:`linear_matter_power`.
+
+    Returns
+    -------
+    callable
+        ``k`` [h/Mpc] (array_like, positive) -> P(k, a) [(Mpc/h)^3], the same values
+        as :func:`linear_matter_power`.
+    """
     a = float(a)
     sigma8 = _param(cosmo, "sigma8")
     norm = (sigma8 / sigma_r(cosmo, 8.0, kind, sigma8_k_range))**2
     d1 = 1.0 if a == 1.0 else float(D1(cosmo, a))
-    return norm * _unnormalised_power(cosmo, k, kind) * d1**2
+
+    def power(k):
+        return norm * _unnormalised_power(cosmo, _asarray(k, "k"), kind) * d1**2
+    return power
 
 
 class PowerTable:

@@ -113,10 +113,7 @@ def power_function(conf, power=None, a=1.0):
     """
     k_min, k_max = k_range(conf)
     if power is None:
-        cosmo = conf.cosmology
-
-        def base(k):
-            return cosmo_mod.linear_matter_power(cosmo, k)
+        base = cosmo_mod.linear_matter_power_function(conf.cosmology)  # sigma_8 integral once
         what = "Eisenstein-Hu P(k) of conf.cosmology"
     elif callable(power):
         base = power

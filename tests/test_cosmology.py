@@ -215,6 +215,25 @@ def test_power_normalisation_and_growth():
         C.linear_matter_power(PLANCK15, k, kind="bbks")
 
 
+
+def test_power_function_normalises_once(monkeypatch):
+    """linear_matter_power_function integrates sigma_8 once, when made, and gives
+    linear_matter_power's values bit for bit at every later call (a = 1 and 0.5)."""
+    k = np.logspace(-3, 1, 20)
+    want = [C.linear_matter_power(PLANCK15, k), C.linear_matter_power(PLANCK15, k, a=0.5)]
+    calls = []
+    real_sigma_r = C.sigma_r
+    monkeypatch.setattr(C, "sigma_r", lambda *a, **kw: calls.append(a) or real_sigma_r(*a, **kw))
+    fns = [C.linear_matter_power_function(PLANCK15),
+           C.linear_matter_power_function(PLANCK15, a=0.5)]
+    assert len(calls) == 2
+    for fn, w in zip(fns, want):
+        for _ in range(3):
+            np.testing.assert_array_equal(fn(k), w)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="k must be finite and positive"):
+        fns[0](np.array([0.1, np.nan]))
+
 def test_power_table_roundtrip_and_range():
     tmp = tempfile.mkdtemp(prefix="flowpm_mtf_cosmo_")  # private per rank (unlike tmp_path)
     try:
