@@ -73,7 +73,8 @@ need_mb=3000
 mkdir -p "$(dirname "$VENV")"
 free_mb="$(df -Pm "$(dirname "$VENV")" | awk 'NR == 2 {print $4}')"
 if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ] && [ ! -f "$STAMP" ]; then
-  log "not enough disk space: the environment needs ~${need_mb} MB in $(dirname "$VENV"), ${free_mb} MB free (set VENV=path elsewhere)"
+  log "not enough disk space: the environment needs ~${need_mb} MB in $(dirname "$VENV")," \
+      "${free_mb} MB free (set VENV=path elsewhere)"
   exit 1
 fi
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }

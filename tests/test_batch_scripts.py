@@ -181,3 +181,23 @@ def test_sbatch_rejects_an_unknown_resume_value(fake_env):
     path = os.path.join(REPO, "slurm", "multi_node.sbatch")
     proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "RESUME=maybe" in proc.stderr
+
+
+def test_setup_env_refuses_a_full_disk_before_pip(fake_env):
+    """scripts/setup_env.sh checks the free space where the venv goes before creating it:
+    one clear line and exit 1 (the last CI failure was pip's "No space left on device"
+    half-way through the install). A stand-in ``df`` reports 100 MB free."""
+    env, bindir, _, tmp = fake_env
+    df = bindir / "df"
+    df.write_text("#!/usr/bin/env bash\n"
+                  "echo 'Filesystem 1048576-blocks Used Available Capacity Mounted on'\n"
+                  "echo '/dev/fake 2000 1900 100 95% /'\n")
+    df.chmod(0o755)
+    venv = tmp / "new" / "venv"
+    env["VENV"] = str(venv)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup_env.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"not enough disk space: the environment needs ~\d+ MB in .*new, "
+                     r"100 MB free", proc.stderr), proc.stderr
+    assert not venv.exists()

@@ -215,7 +215,6 @@ def test_power_normalisation_and_growth():
         C.linear_matter_power(PLANCK15, k, kind="bbks")
 
 
-
 def test_power_function_normalises_once(monkeypatch):
     """linear_matter_power_function integrates sigma_8 once, when made, and gives
     linear_matter_power's values bit for bit at every later call (a = 1 and 0.5)."""
@@ -233,6 +232,7 @@ def test_power_function_normalises_once(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(ValueError, match="k must be finite and positive"):
         fns[0](np.array([0.1, np.nan]))
+
 
 def test_power_table_roundtrip_and_range():
     tmp = tempfile.mkdtemp(prefix="flowpm_mtf_cosmo_")  # private per rank (unlike tmp_path)
