@@ -61,6 +61,7 @@
 #include <cstring>
 #include <limits>
 
+#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -956,20 +957,14 @@ REGISTER_OP("FlowpmMaskRows")
     .Input("keep: bool")
     .Output("y: T")
     .Attr("T: {float, double}")
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      return ::tensorflow::OkStatus();
-    });
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
 
 REGISTER_OP("FlowpmWrap")
     .Input("positions: T")
     .Output("wrapped: T")
     .Attr("T: {float, double}")
     .Attr("sizes: list(float)")
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      return ::tensorflow::OkStatus();
-    });
+    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
 
 #define REGISTER_CIC(T)                                                                     \
   REGISTER_KERNEL_BUILDER(                                                                  \
