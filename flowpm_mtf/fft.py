@@ -6,7 +6,10 @@ A real-space field has the dimensions ``x, y, z`` (``x`` split over the P
 ranks of mesh axis ``row``, ``y`` over the Q ranks of ``col``, ``z`` local).
 Its transform has the dimensions ``kx, ky, kz`` (``kx`` local, ``ky`` on
 ``row``, ``kz`` on ``col``), *in the same tensor positions*: the data are
-never transposed, only re-distributed. The forward transform runs
+never transposed, only re-distributed. Along each k axis the modes are in
+*mirror-pair order* (:func:`flowpm_mtf.layout.k_order`: ``0, n/2, 1, n-1, 2,
+n-2, ..``), the same on every grid; :func:`kvec` carries it, so kernels built
+from it need no care. The forward transform runs
 
 1. 1D FFT along ``z`` (local);
 2. all-to-all on ``col``: split ``z``, gather ``y``; 1D FFT along ``y``;
@@ -14,14 +17,40 @@ never transposed, only re-distributed. The forward transform runs
 
 and the inverse runs the same steps backwards. The all-to-alls are issued
 through ``mesh_impl.alltoall`` inside the operation's lowering, so the code runs
-on every Mesh TF ``MeshImpl``. With ``kz`` split (Q > 1) on the native path and a
-``MeshImpl`` that exchanges laid-out pieces (``alltoall_pieces``, e.g.
-``HvdSimdMeshImpl``), the FFT ops write the pieces of the next exchange and read
-those of the last one directly (their ``in_blocks`` / ``out_blocks``), so no
-transpose packs or unpacks an all-to-all (``FFT3DOperation._lower_blocked``): on
-2x2 ranks at 128^3 that removed 6 transposes of the full field per round trip.
-Kernels are built as named mtf tensors on ``kx, ky, kz`` (see :func:`kvec`); Mesh
-TF aligns operands by dimension name.
+on every Mesh TF ``MeshImpl``. Kernels are built as named mtf tensors on ``kx,
+ky, kz`` (see :func:`kvec`); Mesh TF aligns operands by dimension name.
+
+Half the spectrum through the exchanges
+---------------------------------------
+The transform of a real field (``r2c``, the gradient of ``c2r``) and the
+transform to a real field (``c2r``, the gradient of ``r2c``) move ``nz / 2`` of
+the ``nz`` modes through every stage and both all-to-alls, as FFTW-based
+distributed FFTs (mpi4py-fft, PFFT) do (``FFT3DOperation._lower_half``; native
+path, ``x, y, z`` fields with even sizes and even ``ky``, ``kz`` blocks):
+
+* the FFT along ``z`` keeps the ``nz / 2 + 1`` non-negative modes and packs the
+  two real ones, zero and Nyquist, into one slot (``r_0 + i r_{n/2}``,
+  :func:`rfft_packed_along`): ``nz / 2`` values, which split evenly into the
+  ``Q`` pieces of the exchange on ``col``;
+* the FFTs along ``y`` and ``x`` write their output in mirror-pair order;
+* :func:`pairs_extend` then writes each rank's full ``kz`` block from its
+  representatives: with every block of an even number of positions holding
+  whole pairs, the mirror ``-k`` of every mode is on the same rank, and
+  ``F(-k) = conj(F(k))`` is one local pass (the packed slot unpacks with the
+  2D Hermitian symmetry of each of its two planes).
+
+The inverse folds the full spectrum to the representatives of its Hermitian
+part first (:func:`pairs_fold`, whose inverse is the real part sought), then
+runs the same stages backwards. With a ``MeshImpl`` that exchanges laid-out
+pieces (``alltoall_pieces``, e.g. ``HvdSimdMeshImpl``) the FFT ops write the
+pieces of the next exchange and read those of the last one directly (their
+``in_blocks`` / ``out_blocks``), so no transpose packs or unpacks an all-to-all.
+Every other transform (complex input and output, e.g.
+:func:`c2c_inverse`; odd sizes or blocks; batch dimensions; the TensorFlow
+path) moves all ``n`` modes (``FFT3DOperation._lower_full``), writing each k
+axis in pair order while it is local (a permutation inside the panel copies of
+the native op, a gather on the TensorFlow path). What the exchanges cost:
+``results/fft_pairs.md`` and ``results/fft_4rank_experiments.md``.
 
 Local 1D FFTs
 -------------
@@ -41,46 +70,8 @@ documented but not testable on this CPU-only machine.
 op is not built (the test suite sets it).
 
 The k-space tensor holds all ``nc[0] * nc[1] * nc[2]`` modes (no half-spectrum
-contract). Inside the operation, on the native path, the transform of a real
-field (``r2c``) and to a real field (``c2r``, and the gradients of both) works
-on the half spectrum along z (``nz // 2 + 1`` modes) for as many stages as the
-Hermitian symmetry ``F[-k] = conj(F[k])`` can be restored on the rank: when
-``z``/``kz`` is not split (Q = 1, e.g. 1 or 2 ranks with the default grid) the
-middle stage and, on one rank, the last stage transform half the data, and the
-native op ``FlowpmHermitian`` (:func:`hermitian_extend` /
-:func:`hermitian_fold`, one pass) completes the full spectrum after them (r2c)
-or takes the Hermitian part before them (c2r; its inverse transform is the real
-part of the full one). With ``kz`` split (Q > 1) the stages stay full complex
-after the first: the half axis (``nc[2] // 2 + 1``) is rarely divisible by Q and
-``kz``, ``-kz`` sit on different ranks. A half-spectrum k-space contract
-would also halve the all-to-all bytes there; two designs, neither done: (a) a
-``kz`` dimension padded to a multiple of ``Q`` (zero modes; the k-space shape
-then depends on the grid, and every sum over k-space -- power spectra, priors,
-``real_vdot``, kernel gradients -- counts the modes ``0 < kz < nc[2] / 2``
-twice and the padding zero times); (b) the layout ``kx`` on ``col``, ``ky`` on
-``row``, ``kz`` local (half axis), with the padding internal to the operation
-and a third, half-size all-to-all (0.75x the bytes); (c) the best found so far:
-keep all the modes but order ``kz`` (and ``ky``) so that each rank's block holds
-mirror pairs ``(k, n - k)``: for ``kz``, block 0 = ``{0, nz/2}`` and the pairs
-``1 .. m/2 - 1`` (``m = nz / Q``), block ``q`` the pairs ``q m/2 .. (q+1) m/2 - 1``,
-each block as its ``m/2`` representatives then their mirrors. The half-spectrum
-pieces of the exchange on ``col`` are then contiguous ranges of the rfft output
-(``m/2 + 1`` modes each, the Nyquist mode riding in block 0), and after the FFT
-along ``y`` the Hermitian completion ``G(x, -ky, -kz) = conj(G(x, ky, kz))`` is
-local (``ky`` local, ``-kz`` in the same block): one pass, as ``hermitian_extend``
-does for Q = 1 (the inverse folds there). Half the bytes of the ``col`` exchange
-and half the FFT along ``y``; with ``ky`` pair-ordered as well the completion can
-wait until after the ``row`` exchange and the FFT along ``x`` (half the bytes of
-both exchanges, as mpi4py-fft). Needs ``nz / Q`` even (else the full path). An order
-that does not depend on the grid, e.g. ``0, n/2, 1, n-1, 2, n-2, ...`` (pair ``j`` at
-positions ``2j, 2j+1``), has whole pairs in every block of even size, so k-space fields
-(checkpoints, outputs) would keep their meaning across grids.
-Every design changes the k-space contract of every caller (kernels, power, ics,
-lpt, reconstruct, checkpoints of k-space fields, the fft-demo, the tests that
-compare with numpy); in (c) only the order, which :func:`kvec` would carry, so
-callers that use ``kvec``/``wavenumber`` are unaffected. They belong in one change
-with those modules. What the exchanges cost now: ``results/fft_pairs.md`` and
-``results/fft_4rank_experiments.md``.
+contract): every sum over k-space (power spectra, priors, ``real_vdot``, kernel
+gradients) counts each mode once, whatever the grid.
 
 Normalisation (as single-device FlowPM ``flowpm.utils.r2c3d`` / ``c2r3d``)
 ---------------------------------------------------------------------------
@@ -197,6 +188,13 @@ def _axis(t, axis):
     return axis % ndims
 
 
+def _pair_gather(t, axis, to_stored):
+    """TensorFlow path of the mirror-pair orders: ``t`` permuted along ``axis``,
+    numpy order -> stored order (``to_stored``) or back."""
+    n = tf.compat.dimension_value(t.shape[axis])
+    return tf.gather(t, (layout.k_order if to_stored else layout.k_positions)(n), axis=axis)
+
+
 def _blocked_kwargs(t, axis, in_blocks, out_blocks):
     """(logical axis, op attrs) of a transform with blocked layouts (native only)."""
     in_blocks, out_blocks = int(in_blocks), int(out_blocks)
@@ -219,7 +217,8 @@ def _logical_length(t, axis, in_blocks):
     return tf.compat.dimension_value(t.shape[axis + 1]) * in_blocks
 
 
-def fft_along(t, axis, inverse=False, normalized=None, in_blocks=1, out_blocks=1):
+def fft_along(t, axis, inverse=False, normalized=None, in_blocks=1, out_blocks=1,
+              in_pairs=False, out_pairs=False):
     """1D complex FFT along one axis: ``numpy.fft.fft`` / ``numpy.fft.ifft``.
 
     Parameters
@@ -237,6 +236,10 @@ def fft_along(t, axis, inverse=False, normalized=None, in_blocks=1, out_blocks=1
         ``[blocks, .., len / blocks along axis, ..]`` (``axis`` counts the axes of
         the unblocked array). The copies in and out of the op's panels read and
         write that layout, so the exchange needs no transpose.
+    in_pairs, out_pairs : bool
+        ``t`` / the result in the mirror-pair order of :func:`flowpm_mtf.layout.k_order`
+        along ``axis`` instead of numpy's order (native: the panel copies permute the
+        rows; TensorFlow: a gather).
 
     Returns
     -------
@@ -255,16 +258,19 @@ def fft_along(t, axis, inverse=False, normalized=None, in_blocks=1, out_blocks=1
     inverse = bool(inverse)
     normalized = inverse if normalized is None else bool(normalized)
     if uses_native(t):
-        return native.load("fft_ops").flowpm_fft_c2c(t, axis=axis, inverse=inverse,
-                                                     normalized=normalized, **blocks)
+        return native.load("fft_ops").flowpm_fft_c2c(
+            t, axis=axis, inverse=inverse, normalized=normalized, in_pairs=bool(in_pairs),
+            out_pairs=bool(out_pairs), **blocks)
+    if in_pairs:
+        t = _pair_gather(t, axis, to_stored=False)
     y = _along(tf.signal.ifft if inverse else tf.signal.fft, t, axis)
     if normalized != inverse:
         n = tf.compat.dimension_value(t.shape[axis])
         y = y * tf.constant(1.0 / n if normalized else float(n), t.dtype)
-    return y
+    return _pair_gather(y, axis, to_stored=True) if out_pairs else y
 
 
-def fft_of_real_along(t, axis, normalized=False, in_blocks=1, out_blocks=1):
+def fft_of_real_along(t, axis, normalized=False, in_blocks=1, out_blocks=1, out_pairs=False):
     """All ``n`` modes of the FFT of a real tensor along one axis: ``numpy.fft.fft(t)``.
 
     Parameters
@@ -276,6 +282,8 @@ def fft_of_real_along(t, axis, normalized=False, in_blocks=1, out_blocks=1):
         Multiply by ``1 / n``.
     in_blocks, out_blocks : int
         Blocked layouts (native only), as in :func:`fft_along`.
+    out_pairs : bool
+        The result in mirror-pair order, as in :func:`fft_along`.
 
     Returns
     -------
@@ -292,11 +300,13 @@ def fft_of_real_along(t, axis, normalized=False, in_blocks=1, out_blocks=1):
     if uses_native(t):
         return native.load("fft_ops").flowpm_fft_r2c(t, Tcomplex=_complex_of(t.dtype),
                                                      axis=axis, normalized=bool(normalized),
-                                                     full=True, **blocks)
-    return fft_along(tf.cast(t, _complex_of(t.dtype)), axis, False, normalized)
+                                                     full=True, out_pairs=bool(out_pairs),
+                                                     **blocks)
+    return fft_along(tf.cast(t, _complex_of(t.dtype)), axis, False, normalized,
+                     out_pairs=out_pairs)
 
 
-def ifft_real_part_along(t, axis, normalized=True, in_blocks=1, out_blocks=1):
+def ifft_real_part_along(t, axis, normalized=True, in_blocks=1, out_blocks=1, in_pairs=False):
     """Real part of the inverse FFT along one axis: ``numpy.fft.ifft(t).real``.
 
     Parameters
@@ -308,6 +318,8 @@ def ifft_real_part_along(t, axis, normalized=True, in_blocks=1, out_blocks=1):
         Multiply by ``1 / n`` (numpy's convention); False: the unnormalised sum.
     in_blocks, out_blocks : int
         Blocked layouts (native only), as in :func:`fft_along`.
+    in_pairs : bool
+        ``t`` in mirror-pair order, as in :func:`fft_along`.
 
     Returns
     -------
@@ -325,8 +337,9 @@ def ifft_real_part_along(t, axis, normalized=True, in_blocks=1, out_blocks=1):
         n = _logical_length(t, axis, int(in_blocks))
         return native.load("fft_ops").flowpm_fft_c2r(t, Treal=_real_of(t.dtype), n=n,
                                                      axis=axis, normalized=bool(normalized),
-                                                     full=True, **blocks)
-    return tf.math.real(fft_along(t, axis, True, normalized))
+                                                     full=True, in_pairs=bool(in_pairs),
+                                                     **blocks)
+    return tf.math.real(fft_along(t, axis, True, normalized, in_pairs=in_pairs))
 
 
 def rfft_along(t, axis):
@@ -380,6 +393,82 @@ def irfft_along(t, n, axis):
     return _along(lambda u: tf.signal.irfft(u, fft_length=[n]), t, axis)
 
 
+def rfft_packed_along(t, axis, normalized=False, out_blocks=1):
+    """``numpy.fft.rfft`` along the last axis, the Nyquist mode packed into the zero mode.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        float32 or float64, even length ``n`` along ``axis`` (the last axis).
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n``.
+    out_blocks : int
+        Native only: the result stored as the pieces of an all-to-all (see
+        :func:`fft_along`).
+
+    Returns
+    -------
+    tf.Tensor
+        complex64 or complex128, ``n // 2`` values along ``axis``: ``r[k]`` for
+        ``0 < k < n/2`` and ``r[0] + i r[n/2]`` in slot 0 (both real for a real
+        input), with ``r = numpy.fft.rfft(t)``.
+    """
+    axis = _axis(t, axis)
+    if axis != t.shape.ndims - 1:
+        raise ValueError("rfft_packed_along: axis %d is not the last axis of %s" % (axis, t.shape))
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_r2c(
+            t, Tcomplex=_complex_of(t.dtype), axis=axis, normalized=bool(normalized),
+            packed=True, out_blocks=int(out_blocks))
+    if int(out_blocks) != 1:
+        raise ValueError("rfft_packed_along: out_blocks needs the native FFT op")
+    n = tf.compat.dimension_value(t.shape[axis])
+    r = rfft_along(t, axis)
+    if normalized:
+        r = r * tf.constant(1.0 / n, r.dtype)
+    slot0 = tf.complex(tf.math.real(r[..., :1]), tf.math.real(r[..., n // 2:]))
+    return tf.concat([slot0, r[..., 1:n // 2]], axis=-1)
+
+
+def irfft_packed_along(t, n, axis, normalized=True, in_blocks=1):
+    """Inverse of :func:`rfft_packed_along`: ``numpy.fft.irfft`` of the unpacked modes.
+
+    Parameters
+    ----------
+    t : tf.Tensor
+        complex64 or complex128, ``n // 2`` values along ``axis`` (the last axis):
+        slot 0 holds the zero mode (real part) and the Nyquist mode (imaginary part).
+    n : int
+        Even output length.
+    axis : int
+    normalized : bool
+        Multiply by ``1 / n`` (numpy's ``irfft``); False: the unnormalised sum.
+    in_blocks : int
+        Native only: ``t`` stored as the pieces of an all-to-all.
+
+    Returns
+    -------
+    tf.Tensor
+        float32 or float64, ``n`` values along ``axis``.
+    """
+    in_blocks = int(in_blocks)
+    ndims = t.shape.ndims - (1 if in_blocks > 1 else 0)
+    axis = axis % ndims
+    if axis != ndims - 1:
+        raise ValueError("irfft_packed_along: axis %d is not the last axis" % axis)
+    if uses_native(t):
+        return native.load("fft_ops").flowpm_fft_c2r(
+            t, Treal=_real_of(t.dtype), n=int(n), axis=axis, normalized=bool(normalized),
+            packed=True, in_blocks=in_blocks)
+    if in_blocks != 1:
+        raise ValueError("irfft_packed_along: in_blocks needs the native FFT op")
+    zero = tf.complex(tf.math.real(t[..., :1]), tf.zeros_like(tf.math.real(t[..., :1])))
+    nyq = tf.complex(tf.math.imag(t[..., :1]), tf.zeros_like(tf.math.real(t[..., :1])))
+    y = irfft_along(tf.concat([zero, t[..., 1:], nyq], axis=-1), n, axis)
+    return y if normalized else y * tf.constant(float(n), y.dtype)
+
+
 def _half_weights(n, ndims, axis, dtype, interior):
     """Weights along the half spectrum (``n // 2 + 1`` modes), broadcastable on ``axis``:
     1 for the zero mode and the Nyquist mode of an even ``n``, ``interior`` for the others."""
@@ -405,15 +494,31 @@ def _half_weights(n, ndims, axis, dtype, interior):
 # Blocked layouts are permutations of the elements: the gradient reads dy in the
 # output's layout and writes the input's (in_blocks and out_blocks swapped).
 # Tested by dot-product and finite-difference tests in tests/test_native_fft.py.
+# Mirror-pair orders (in_pairs / out_pairs) are permutations too: swapped likewise.
+# Packed (n // 2 values, slot 0 = r_0 + i r_{n/2}): y_0 = c (sum_j x_j + i sum_j (-1)^j x_j),
+# so grad x_j = c (Re dy_0 + (-1)^j Im dy_0 + Re sum_{0<k<n/2} dy_k e^(+...)), the packed
+# c2r of w dy with w = 1 in slot 0 and 1/2 elsewhere; for the packed c2r, w' = 1 and 2.
 def _swapped_blocks(op):
     return dict(in_blocks=op.get_attr("out_blocks"), out_blocks=op.get_attr("in_blocks"))
+
+
+def _packed_weights(h, ndims, blocks, dtype, interior):
+    """Weights over the ``h`` packed slots of the last axis (1 in slot 0, ``interior``
+    elsewhere), broadcastable on a tensor of logical rank ``ndims`` stored in
+    ``blocks`` blocks of that axis."""
+    w = np.full(h, interior)
+    w[0] = 1.0
+    if blocks > 1:
+        return tf.constant(w.reshape((blocks,) + (1,) * (ndims - 1) + (h // blocks,)), dtype)
+    return tf.constant(w, dtype)
 
 
 @tf.RegisterGradient("FlowpmFftC2c")
 def _c2c_grad(op, dy):
     return native.load("fft_ops").flowpm_fft_c2c(
         dy, axis=op.get_attr("axis"), inverse=not op.get_attr("inverse"),
-        normalized=op.get_attr("normalized"), **_swapped_blocks(op))
+        normalized=op.get_attr("normalized"), in_pairs=op.get_attr("out_pairs"),
+        out_pairs=op.get_attr("in_pairs"), **_swapped_blocks(op))
 
 
 @tf.RegisterGradient("FlowpmFftR2c")
@@ -422,7 +527,13 @@ def _r2c_grad(op, dy):
     n = _logical_length(x, axis, op.get_attr("in_blocks"))
     kw = dict(Treal=x.dtype, n=n, axis=axis, normalized=op.get_attr("normalized"))
     if op.get_attr("full"):
-        return native.load("fft_ops").flowpm_fft_c2r(dy, full=True, **kw, **_swapped_blocks(op))
+        return native.load("fft_ops").flowpm_fft_c2r(
+            dy, full=True, in_pairs=op.get_attr("out_pairs"), **kw, **_swapped_blocks(op))
+    if op.get_attr("packed"):
+        blocks = op.get_attr("out_blocks")
+        w = _packed_weights(n // 2, axis + 1, blocks, dy.dtype, 0.5)
+        return native.load("fft_ops").flowpm_fft_c2r(dy * w, packed=True, **kw,
+                                                     **_swapped_blocks(op))
     w = _half_weights(n, x.shape.ndims, axis, dy.dtype, 0.5)
     return native.load("fft_ops").flowpm_fft_c2r(dy * w, **kw)
 
@@ -433,141 +544,93 @@ def _c2r_grad(op, dy):
     x = op.inputs[0]
     kw = dict(Tcomplex=x.dtype, axis=axis, normalized=op.get_attr("normalized"))
     if op.get_attr("full"):
-        return native.load("fft_ops").flowpm_fft_r2c(dy, full=True, **kw, **_swapped_blocks(op))
+        return native.load("fft_ops").flowpm_fft_r2c(
+            dy, full=True, out_pairs=op.get_attr("in_pairs"), **kw, **_swapped_blocks(op))
+    if op.get_attr("packed"):
+        blocks = op.get_attr("in_blocks")
+        w = _packed_weights(n // 2, axis + 1, blocks, x.dtype, 2.0)
+        return w * native.load("fft_ops").flowpm_fft_r2c(dy, packed=True, **kw,
+                                                         **_swapped_blocks(op))
     w = _half_weights(n, x.shape.ndims, axis, x.dtype, 2.0)
     return w * native.load("fft_ops").flowpm_fft_r2c(dy, **kw)
 
 
-def _reflect(t, axes):
-    """``t`` at the negated indices (mod the length) along ``axes``."""
-    for a in axes:
-        size = tf.compat.dimension_value(t.shape[a])
-        t = tf.gather(t, (-np.arange(size)) % size, axis=a)
-    return t
-
-
-def _pack(t, blocks, axis):
-    """``[.., L, ..] -> [blocks, .., L / blocks, ..]``: block ``j`` of ``axis`` first."""
-    shape = t.shape.as_list()
-    split = shape[:axis] + [blocks, shape[axis] // blocks] + shape[axis + 1:]
-    perm = [axis] + [i for i in range(len(split)) if i != axis]
-    return tf.transpose(tf.reshape(t, split), perm)
-
-
-def _unpack(t, axis):
-    """Inverse of :func:`_pack` (``axis`` of the unpacked tensor)."""
-    shape = t.shape.as_list()
-    perm = list(range(1, axis + 1)) + [0] + list(range(axis + 1, len(shape)))
-    merged = shape[1:axis + 1] + [shape[0] * shape[axis + 1]] + shape[axis + 2:]
-    return tf.reshape(tf.transpose(t, perm), merged)
-
-
-def _hermitian(t, n, axis, reflect, fold, blocks, block_axis):
-    ndims = t.shape.ndims - (1 if fold and blocks > 1 else 0)  # logical rank
-    if not -ndims <= axis < ndims:
-        raise ValueError("axis %r out of range for a tensor of rank %d" % (axis, ndims))
-    axis %= ndims
-    block_axis = -1 if blocks == 1 else block_axis % ndims
-    y = native.load("fft_ops").flowpm_hermitian(
-        t, n=int(n), axis=axis, reflect=[a % ndims for a in reflect], fold=fold,
-        blocks=int(blocks), block_axis=block_axis)
-    if blocks > 1:  # the shape function leaves packed shapes unknown
-        shape = t.shape.as_list()
-        if fold:
-            shape = shape[1:]
-            shape[block_axis] *= blocks
-            shape[axis] = n // 2 + 1
-        else:
-            shape[axis] = n
-            shape[block_axis] //= blocks
-            shape = [blocks] + shape
-        y.set_shape(shape)
-    return y
-
-
-def hermitian_extend(t, n, axis, reflect, blocks=1, block_axis=None):
-    """Full spectrum (``n`` modes along ``axis``) of a real field from its half.
+def pairs_extend(t, firsts):
+    """Full spectrum of a real field's 3D transform from its mirror-pair representatives.
 
     Parameters
     ----------
     t : tf.Tensor
-        complex64 or complex128 with ``n // 2 + 1`` modes along ``axis``: the
-        transform of a real field along ``axis`` and the Fourier axes ``reflect``
-        (e.g. :func:`rfft_along` then :func:`fft_along`); other axes are positions.
-    n : int
-    axis : int
-    reflect : sequence of int
-        The other Fourier axes (their indices are negated in the mirror modes).
-    blocks : int
-        With ``blocks > 1``, write the result packed for an all-to-all: split
-        ``block_axis`` (before ``axis``) into ``blocks`` blocks and put the block
-        index first, ``[blocks, .., L / blocks, ..]`` (no extra pass).
-    block_axis : int, optional
+        complex64 or complex128 ``[nx, ly, h]``: ``kx`` (all ``nx`` modes) and a
+        block of ``ly`` ``ky`` positions in mirror-pair order
+        (:func:`flowpm_mtf.layout.k_order`; ``nx``, ``ly`` even), and the
+        representatives ``j`` of the ``h`` pairs of a ``kz`` block; in the first
+        ``kz`` block, slot 0 holds the zero and Nyquist modes as ``A + i B``
+        (:func:`rfft_packed_along` then FFTs along ``y`` and ``x``).
+    firsts : tf.Tensor
+        int32 ``[2]``: whether the ``ky`` and the ``kz`` block are the first (0/1).
 
     Returns
     -------
     tf.Tensor
-        ``n`` modes along ``axis``: ``t[k]`` for ``k < n // 2 + 1``, else
-        ``conj(t[-reflect, n - k])``. Native op ``FlowpmHermitian`` (one pass);
-        CPU only (see :func:`uses_native`).
+        ``[nx, ly, 2 h]``, the ``kz`` block in mirror-pair order: position ``2 j``
+        the representative, ``2 j + 1`` its mirror ``conj(t[-kx, -ky, j])``; in
+        the first block, ``A`` and ``B`` unpacked with the Hermitian symmetry of each
+        (``A = (P + conj(P(-k))) / 2``, ``B = (P - conj(P(-k))) / 2i``). Native op
+        ``FlowpmPairs`` (one pass); CPU only.
     """
-    return _hermitian(t, n, axis, reflect, False, blocks, block_axis)
+    return native.load("fft_ops").flowpm_pairs(t, firsts, fold=False)
 
 
-def hermitian_fold(t, n, axis, reflect, blocks=1, block_axis=None):
-    """Hermitian part of a spectrum, half of it kept (``n // 2 + 1`` modes along ``axis``).
+def pairs_fold(t, firsts):
+    """Hermitian part of a 3D spectrum in mirror-pair order, the representatives kept.
 
     Parameters
     ----------
     t : tf.Tensor
-        complex64 or complex128 with ``n`` modes along ``axis``.
-    n : int
-    axis : int
-    reflect : sequence of int
-        The other Fourier axes.
-    blocks : int
-        With ``blocks > 1``, ``t`` is packed (see :func:`hermitian_extend`; e.g. the
-        pieces received from an all-to-all): ``axis``, ``reflect`` and
-        ``block_axis`` refer to the unpacked tensor, which is returned.
-    block_axis : int, optional
+        complex64 or complex128 ``[nx, ly, 2 h]`` (see :func:`pairs_extend`).
+    firsts : tf.Tensor
+        int32 ``[2]``, as in :func:`pairs_extend`.
 
     Returns
     -------
     tf.Tensor
-        ``(t[k] + conj(t[-reflect, -k])) / 2`` for ``k < n // 2 + 1``: its inverse
-        transform (:func:`fft_along` over ``reflect``, then :func:`irfft_along`
-        along ``axis``) is the real part of the inverse transform of ``t``.
-        Native op ``FlowpmHermitian``; CPU only.
+        ``[nx, ly, h]``: ``(t[k] + conj(t[-k])) / 2`` at the representative of each
+        ``kz`` pair; in the first ``kz`` block, slot 0 packs the Hermitian parts of
+        the zero and Nyquist modes as ``A + i B``. Its inverse transform (FFTs over
+        ``x``, ``y``, then :func:`irfft_packed_along`) is the real part of the inverse
+        transform of ``t``. Native op ``FlowpmPairs``; CPU only.
     """
-    return _hermitian(t, n, axis, reflect, True, blocks, block_axis)
+    return native.load("fft_ops").flowpm_pairs(t, firsts, fold=True)
 
 
-# Gradients of FlowpmHermitian (R-linear: conj has the gradient conj(dy) in TF's
-# convention). With k' = (n - k) mod n and sigma the reflection of ``reflect``:
-#   extend: grad x[k] = dy[k] + [k' >= m] conj(dy[sigma, k']),  k < m;
-#   fold:   grad x[k] = (dy0[k] + conj(dy0[sigma, k'])) / 2,  dy0 = dy zero-padded to n;
-# packed (blocks > 1) extend: dy unpacked first; packed fold: the gradient packed.
-# Built from TF ops (FFT3DOperation never differentiates them: its gradient is another
-# FFT3DOperation); tested by dot-product tests in tests/test_native_fft.py.
-@tf.RegisterGradient("FlowpmHermitian")
-def _hermitian_grad(op, dy):
-    n, axis = op.get_attr("n"), op.get_attr("axis")
-    blocks, block_axis = op.get_attr("blocks"), op.get_attr("block_axis")
-    axes = list(op.get_attr("reflect")) + [axis]
-    m = n // 2 + 1
+# Gradients of FlowpmPairs (R-linear; conj has the gradient conj(dy) in TF's convention):
+# extend writes y[2j] = x[j], y[2j+1] = conj(x[-k, j]), so grad x[j] = dy[2j] +
+# conj(dy[-k, 2j+1]) = 2 fold(dy)[j]; in the packed slot the gradient of
+# (P + conj(P')) / 2, (P - conj(P')) / 2i is exactly fold's A + i B of dy. Likewise
+# grad fold = extend(dy) / 2, and extend(dy) in the packed slots. Tested by dot-product
+# tests in tests/test_native_fft.py.
+def _pairs_slot_weights(firsts, length, dtype, packed_slots, packed, interior):
+    """Weights over the ``length`` kz positions: ``packed`` on the first ``packed_slots``
+    of the first kz block, ``interior`` elsewhere."""
+    first = tf.cast(firsts[1], tf.bool)
+    slot = tf.range(length) < packed_slots
+    w = tf.where(tf.logical_and(first, slot), tf.fill([length], packed),
+                 tf.fill([length], interior))
+    return tf.cast(w, dtype)
+
+
+@tf.RegisterGradient("FlowpmPairs")
+def _pairs_grad(op, dy):
+    firsts = op.inputs[1]
+    ops = native.load("fft_ops")
     if op.get_attr("fold"):
-        pad = [[0, 0]] * dy.shape.ndims
-        pad[axis] = [0, n - m]
-        dy0 = tf.pad(dy, pad)
-        g = 0.5 * (dy0 + tf.math.conj(_reflect(dy0, axes)))
-        return _pack(g, blocks, block_axis) if blocks > 1 else g
-    if blocks > 1:
-        dy = _unpack(dy, block_axis)
-    mask = ((n - np.arange(m)) % n >= m).astype(np.float64)
-    mask = tf.constant(mask.reshape((-1,) + (1,) * (dy.shape.ndims - axis - 1)), dy.dtype)
-    mirror = tf.math.conj(_reflect(dy, axes))
-    return (tf.gather(dy, np.arange(m), axis=axis)
-            + mask * tf.gather(mirror, np.arange(m), axis=axis))
+        g = ops.flowpm_pairs(dy, firsts, fold=False)
+        w = _pairs_slot_weights(firsts, tf.shape(g)[2], g.dtype, 2, 1.0, 0.5)
+    else:
+        g = ops.flowpm_pairs(dy, firsts, fold=True)
+        w = _pairs_slot_weights(firsts, tf.shape(g)[2], g.dtype, 1, 1.0, 2.0)
+    return [g * w, None]
 
 
 # ----------------------------------------------------------------------------- FFT op
@@ -655,177 +718,149 @@ class FFT3DOperation(mtf.Operation):
                 "must put (x, ky, bx) on one mesh axis, (y, kz, by) on another and leave "
                 "z and kx unsplit (see SimConfig.layout_rules)"
                 % (self.name, self._in_dims, in_axes, self._out_dims, out_axes))
-        cdtype = _complex_of(x.dtype)
         # Per-stage normalisation and the factor left for the end: TF's ifft
         # divides by n at every stage, so y = s * (its result); the native op
         # can scale by 1/n inside each stage at no extra pass, so a factor of
         # 1/N (r2c, grad c2r) or 1 (c2r, grad r2c) relative to the unnormalised
         # transform costs no multiplication at all.
-        stage = {}
-
-        def choose(t):
-            if not stage:
-                unnorm = self._scale / self._n if self._inverse else self._scale
-                if not uses_native(t):
-                    stage.update(normalized=self._inverse, factor=self._scale)
-                elif np.isclose(unnorm, 1.0 / self._n, rtol=1e-12, atol=0):
-                    stage.update(normalized=True, factor=1.0)
-                else:
-                    stage.update(normalized=False, factor=unnorm)
-            return stage
-
-        def one_d(t, axis):
-            return fft_along(t, axis, self._inverse, normalized=choose(t)["normalized"])
+        t = lowering.tensors[x]
+        native_slice = uses_native(t.to_laid_out_tensor().tensor_list[0])
+        unnorm = self._scale / self._n if self._inverse else self._scale
+        if not native_slice:
+            normalized, factor = self._inverse, self._scale
+        elif np.isclose(unnorm, 1.0 / self._n, rtol=1e-12, atol=0):
+            normalized, factor = True, 1.0
+        else:
+            normalized, factor = False, unnorm
 
         def trivial(mesh_axis):
             return mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1
 
-        # Half spectrum (native path, real input of the forward / real output of the
-        # inverse): the transform along z keeps nz // 2 + 1 modes and the next stages
-        # transform only those, as long as the Hermitian symmetry can be completed (or
-        # folded) locally, i.e. while every Fourier axis is on this rank: kz is local
-        # in the middle stage when mesh axis b is trivial, every axis is when a is too.
-        # Forward: rfft along z, FFTs on the half, then hermitian_extend (kz -> nz)
-        # after the middle (b trivial) or the last stage (a and b trivial). Inverse:
-        # hermitian_fold (the Hermitian part, whose inverse is the real part sought)
-        # before the first (a, b trivial) or the middle stage (b trivial), FFTs on the
-        # half, irfft along z. Otherwise (b split): the full spectrum throughout.
-        t = lowering.tensors[x]
-        nz = x.shape.dims[pos[2]].size
-        half = None
-        native_slice = uses_native(t.to_laid_out_tensor().tensor_list[0])
-        if native_slice and trivial(b) and (
-                (not self._inverse and not x.dtype.is_complex)
-                or (self._inverse and self._real_output)):
-            half = "outer" if trivial(a) else "middle"
-        # Exchange on a (split ky, concat x, or the reverse) with the pack fused into
-        # hermitian_extend (forward) and the unpack into hermitian_fold (inverse):
-        # needs a MeshImpl that exchanges laid-out pieces (``alltoall_pieces``, e.g.
-        # HvdSimdMeshImpl) and x as the leading axis (the pieces then concatenate
-        # along x for free). Saves a transpose of the full field per exchange.
-        pieces = getattr(mesh_impl, "alltoall_pieces", None)
-        fused = half == "middle" and pieces is not None and pos[0] == 0 and pos[1] < pos[2]
-        blocks = mesh_impl.shape[a].size if fused else 1
-        packed = dict(blocks=blocks, block_axis=pos[1]) if fused else {}
-
-        def first(t):
-            if half and not self._inverse:  # rfft: nz // 2 + 1 modes
-                return native.load("fft_ops").flowpm_fft_r2c(
-                    t, Tcomplex=cdtype, axis=pos[2], normalized=choose(t)["normalized"])
-            axis = pos[2] if not self._inverse else pos[0]
-            if not t.dtype.is_complex and not self._inverse:  # r2c: no cast, half the work
-                return fft_of_real_along(t, axis, normalized=choose(t)["normalized"])
-            t = tf.cast(t, cdtype) if not t.dtype.is_complex else t
-            if half == "outer":
-                t = hermitian_fold(t, nz, pos[2], [pos[0], pos[1]])
-            return one_d(t, axis)
-
-        def middle(t):
-            if half == "middle" and self._inverse:
-                t = hermitian_fold(t, nz, pos[2], [pos[1]], **packed)
-            t = one_d(t, pos[1])
-            if half == "middle" and not self._inverse:
-                t = hermitian_extend(t, nz, pos[2], [pos[1]], **packed)
-            return t
-
-        def last(t):
-            axis = pos[0] if not self._inverse else pos[2]
-            real_out = self._real_output and self._inverse  # c2r: half the work
-            if half and real_out:
-                t = native.load("fft_ops").flowpm_fft_c2r(
-                    t, Treal=_real_of(t.dtype), n=nz, axis=axis,
-                    normalized=choose(t)["normalized"])
-            elif real_out:
-                t = ifft_real_part_along(t, axis, normalized=choose(t)["normalized"])
-            else:
-                t = one_d(t, axis)
-            factor = choose(t)["factor"]
-            t = t * tf.constant(factor, t.dtype) if factor != 1.0 else t
-            if half == "outer" and not self._inverse:
-                t = hermitian_extend(t, nz, pos[2], [pos[0], pos[1]])
-            return tf.math.real(t) if self._real_output and not real_out else t
-
-        def exchange(t, mesh_axis, split, concat):
-            if trivial(mesh_axis):
-                return t
-            if fused and mesh_axis == a:  # pieces laid out by extend / read by fold
-                if self._inverse:  # split x, the leading axis: pieces = a reshape
-                    t = mesh_impl.slicewise(
-                        lambda u: tf.reshape(u, [blocks, -1] + u.shape.as_list()[1:]), t)
-                    return pieces(t, mesh_axis)
-                t = pieces(t, mesh_axis)  # [blocks, x / blocks, ..]: concatenated along x
-                return mesh_impl.slicewise(
-                    lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), t)
-            return mesh_impl.alltoall(t, mesh_axis, split, concat)
-
-        if native_slice and not trivial(b) and pieces is not None and pos == [0, 1, 2] \
-                and len(x.shape.dims) == 3:
-            t = self._lower_blocked(mesh_impl, t, a, b, pieces, choose, first, last)
-            lowering.set_tensor_lowering(y, t)
-            return
-        t = mesh_impl.slicewise(first, t)
-        if not self._inverse:
-            t = exchange(t, b, pos[2], pos[1])
-            t = mesh_impl.slicewise(middle, t)
-            t = exchange(t, a, pos[1], pos[0])
+        P = 1 if trivial(a) else mesh_impl.shape[a].size
+        Q = 1 if trivial(b) else mesh_impl.shape[b].size
+        sizes = [x.shape.dims[i].size for i in pos]
+        real_in = not self._inverse and not x.dtype.is_complex
+        real_out = self._inverse and self._real_output
+        if (native_slice and (real_in or real_out) and pos == [0, 1, 2]
+                and len(x.shape.dims) == 3 and all(n % 2 == 0 for n in sizes)
+                and (sizes[1] // P) % 2 == 0 and (sizes[2] // Q) % 2 == 0):
+            t = self._lower_half(mesh_impl, t, (a, P), (b, Q), sizes[2], normalized, factor)
         else:
-            t = exchange(t, a, pos[0], pos[1])
-            t = mesh_impl.slicewise(middle, t)
-            t = exchange(t, b, pos[1], pos[2])
-        t = mesh_impl.slicewise(last, t)
+            t = self._lower_full(mesh_impl, t, pos, (a, P), (b, Q), normalized, factor)
         lowering.set_tensor_lowering(y, t)
 
-    def _lower_blocked(self, mesh_impl, t, a, b, pieces, choose, first, last):
-        """The stages with ``kz`` split (mesh axis ``b`` non-trivial), native path: every
-        all-to-all exchanges the pieces the FFT ops write and read in place (their
-        ``in_blocks`` / ``out_blocks``), so no transpose packs or unpacks them.
+    def _lower_full(self, mesh_impl, t, pos, a, b, normalized, factor):
+        """All ``n`` modes through every stage (any input, any ``MeshImpl``, any batch
+        dimensions): complex 1D FFTs (real-to-complex first for a real input, the real
+        part last for a real output) that write (forward) or read (inverse) each k axis
+        in mirror-pair order while it is local, around the two all-to-alls."""
+        (a, P), (b, Q) = a, b
+        inv = self._inverse
+        cdtype = _complex_of(self.inputs[0].dtype)
 
-        Forward (x, y, z on a, b, -): FFT along z into Q blocks of z; exchange on b
-        (piece j: the y block of rank j); FFT along y reading those Q blocks, into P
-        blocks of y; exchange on a (piece i: the x block of rank i, i.e. x in order);
-        FFT along x (``last``). Inverse (kx, ky, kz on -, a, b): FFT along kx
-        (``first``); P blocks of kx (a reshape) exchanged on a (piece i: the ky block
-        of rank i); FFT along ky reading the P blocks, into Q blocks of ky; exchange
-        on b (piece j: the kz block of rank j); FFT along kz reading the Q blocks.
-        """
-        P, Q = mesh_impl.shape[a].size if a is not None else 1, mesh_impl.shape[b].size
+        def scaled(u):
+            return u * tf.constant(factor, u.dtype) if factor != 1.0 else u
 
-        def norm(u):
-            return choose(u)["normalized"]
+        def exchange(u, mesh_axis, size, split, concat):
+            return u if size == 1 else mesh_impl.alltoall(u, mesh_axis, split, concat)
 
-        if not self._inverse:
-            def along_z(u):
-                if not u.dtype.is_complex:
-                    return fft_of_real_along(u, 2, normalized=norm(u), out_blocks=Q)
-                return fft_along(u, 2, False, norm(u), out_blocks=Q)
+        if not inv:
+            def first(u):
+                if not u.dtype.is_complex:  # r2c: no cast, half the work
+                    return fft_of_real_along(u, pos[2], normalized=normalized, out_pairs=True)
+                return fft_along(u, pos[2], False, normalized, out_pairs=True)
 
-            t = pieces(mesh_impl.slicewise(along_z, t), b)
+            def last(u):
+                u = scaled(fft_along(u, pos[0], False, normalized, out_pairs=True))
+                return tf.math.real(u) if self._real_output else u
+
+            t = mesh_impl.slicewise(first, t)
+            t = exchange(t, b, Q, pos[2], pos[1])
             t = mesh_impl.slicewise(
-                lambda u: fft_along(u, 1, False, norm(u), in_blocks=Q, out_blocks=P), t)
-            if P > 1:
-                t = pieces(t, a)
-                t = mesh_impl.slicewise(
-                    lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), t)
+                lambda u: fft_along(u, pos[1], False, normalized, out_pairs=True), t)
+            t = exchange(t, a, P, pos[1], pos[0])
             return mesh_impl.slicewise(last, t)
 
+        def first(u):
+            u = tf.cast(u, cdtype) if not u.dtype.is_complex else u
+            return fft_along(u, pos[0], True, normalized, in_pairs=True)
+
+        def last(u):
+            if self._real_output:  # c2r: half the work
+                return scaled(ifft_real_part_along(u, pos[2], normalized=normalized,
+                                                   in_pairs=True))
+            return scaled(fft_along(u, pos[2], True, normalized, in_pairs=True))
+
         t = mesh_impl.slicewise(first, t)
-        if P > 1:
-            t = mesh_impl.slicewise(
-                lambda u: tf.reshape(u, [P, -1] + u.shape.as_list()[1:]), t)
-            t = pieces(t, a)
+        t = exchange(t, a, P, pos[0], pos[1])
         t = mesh_impl.slicewise(
-            lambda u: fft_along(u, 1, True, norm(u), in_blocks=P, out_blocks=Q), t)
-        t = pieces(t, b)
+            lambda u: fft_along(u, pos[1], True, normalized, in_pairs=True), t)
+        t = exchange(t, b, Q, pos[1], pos[2])
+        return mesh_impl.slicewise(last, t)
 
-        def along_kz(u):
-            if self._real_output:
-                v = ifft_real_part_along(u, 2, normalized=norm(u), in_blocks=Q)
-            else:
-                v = fft_along(u, 2, True, norm(u), in_blocks=Q)
-            factor = choose(u)["factor"]
-            return v * tf.constant(factor, v.dtype) if factor != 1.0 else v
+    def _lower_half(self, mesh_impl, t, a, b, nz, normalized, factor):
+        """The transform of a real field (forward) or to a real field (inverse) on half
+        the spectrum (native path, ``x, y, z`` fields, even sizes and even ``ky``,
+        ``kz`` blocks): every stage and both all-to-alls move ``nz / 2`` of the ``nz``
+        modes, as an FFTW-based distributed FFT does.
 
-        return mesh_impl.slicewise(along_kz, t)
+        Forward (x, y, z on a, b, -): packed rfft along z (``nz / 2`` values, the
+        Nyquist mode in the zero mode's slot), in Q blocks; exchange on b; FFT along y
+        (mirror-pair order out), in P blocks; exchange on a; FFT along x (pair order
+        out); :func:`pairs_extend` completes each kz block from its representatives,
+        whose mirrors are on the rank (pair order). Inverse: :func:`pairs_fold`, the
+        FFTs along kx and ky (pair order in), the exchanges, the packed irfft along z.
+        With a ``MeshImpl`` that exchanges laid-out pieces (``alltoall_pieces``, e.g.
+        ``HvdSimdMeshImpl``) the FFT ops write the pieces of the next exchange and read
+        those of the last one (``in_blocks`` / ``out_blocks``): no transposes.
+        """
+        (a, P), (b, Q) = a, b
+        pieces = getattr(mesh_impl, "alltoall_pieces", None)
+        bp = P if pieces is not None else 1  # blocked layouts on a / on b
+        bq = Q if pieces is not None else 1
+        pcoords = [mesh_impl.laid_out_pcoord(m) for m, size in ((a, P), (b, Q)) if size > 1]
+
+        def firsts(*pc):
+            pc = list(pc)
+            flags = [tf.equal(pc.pop(0), 0) if size > 1 else tf.constant(True)
+                     for size in (P, Q)]
+            return tf.cast(tf.stack(flags), tf.int32)
+
+        def scaled(u):
+            return u * tf.constant(factor, u.dtype) if factor != 1.0 else u
+
+        if not self._inverse:
+            t = mesh_impl.slicewise(
+                lambda u: rfft_packed_along(u, 2, normalized=normalized, out_blocks=bq), t)
+            if Q > 1:
+                t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 2, 1)
+            t = mesh_impl.slicewise(
+                lambda u: fft_along(u, 1, False, normalized, in_blocks=bq, out_blocks=bp,
+                                    out_pairs=True), t)
+            if P > 1:
+                if pieces is not None:  # [P, x / P, ..]: the x blocks in order
+                    t = mesh_impl.slicewise(
+                        lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), pieces(t, a))
+                else:
+                    t = mesh_impl.alltoall(t, a, 1, 0)
+            return mesh_impl.slicewise(
+                lambda u, *pc: pairs_extend(
+                    scaled(fft_along(u, 0, False, normalized, out_pairs=True)), firsts(*pc)),
+                t, *pcoords)
+
+        t = mesh_impl.slicewise(
+            lambda u, *pc: fft_along(pairs_fold(u, firsts(*pc)), 0, True, normalized,
+                                     out_blocks=bp, in_pairs=True), t, *pcoords)
+        if P > 1:
+            t = pieces(t, a) if pieces is not None else mesh_impl.alltoall(t, a, 0, 1)
+        t = mesh_impl.slicewise(
+            lambda u: fft_along(u, 1, True, normalized, in_blocks=bp, out_blocks=bq,
+                                in_pairs=True), t)
+        if Q > 1:
+            t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 1, 2)
+        return mesh_impl.slicewise(
+            lambda u: scaled(irfft_packed_along(u, nz, 2, normalized=normalized,
+                                                in_blocks=bq)), t)
 
 
 def r2c(field, conf, name="r2c"):

@@ -27,17 +27,36 @@ of the pencil FFT (see :mod:`flowpm_mtf.fft`); since Mesh TF broadcasts by
 *name*, callers never see a transposed order. The layout rules (dimension ->
 mesh axis) are ``SimConfig.layout_rules``.
 
+Order of the modes along each k axis (mirror pairs)
+---------------------------------------------------
+A k-space field does not hold its modes in numpy's FFT order
+(``0, 1, .., n/2, -(n/2 - 1), .., -1``) but in *mirror-pair order*: each mode
+``j`` next to its mirror ``n - j``,
+``0, n/2, 1, n-1, 2, n-2, .., n/2-1, n/2+1`` for even ``n`` (``0, 1, n-1, 2,
+n-2, ..`` for odd ``n``; :func:`k_order`). A block of an even number of
+positions then holds whole pairs, so the Hermitian symmetry of the transform of
+a real field, ``F(-k) = conj(F(k))``, relates values on the same rank and the
+distributed FFT moves half the spectrum through its all-to-alls (see
+:mod:`flowpm_mtf.fft`). The order is the same on every process grid, so a
+k-space field means the same thing whatever the grid. :func:`axis_k` and
+:func:`kvec_tensors` give the wave numbers in this order, so a kernel built from
+them needs no care; numpy arrays convert with :func:`to_stored` /
+:func:`to_natural`.
+
 Shapes: :func:`real_shape`, :func:`k_shape`, :func:`plane_shape`,
 :func:`block_shape`, :func:`padded_shape`, :func:`padded_plane_shape`,
-:func:`particle_dims`, :func:`block_cell_dims`. Wave numbers: :func:`axis_k`
-(numpy) and :func:`kvec_tensors` (1-d mtf tensors on ``kx``, ``ky``, ``kz``).
+:func:`particle_dims`, :func:`block_cell_dims`. Mode order: :func:`k_order`,
+:func:`k_positions`, :func:`to_stored`, :func:`to_natural`. Wave numbers:
+:func:`axis_k` (numpy) and :func:`kvec_tensors` (1-d mtf tensors on ``kx``,
+``ky``, ``kz``).
 """
 import numpy as np
 
 __all__ = ["ROW", "COL", "X", "Y", "Z", "REAL_DIMS", "KX", "KY", "KZ", "K_DIMS", "BX", "BY",
            "SX", "SY", "PX", "PY", "PLANE_PX", "PLANE_PY", "NPART", "XYZ", "K_UNITS",
            "real_shape", "k_shape", "plane_shape", "block_shape", "padded_shape",
-           "padded_plane_shape", "particle_dims", "block_cell_dims", "axis_k", "kvec_tensors"]
+           "padded_plane_shape", "particle_dims", "block_cell_dims", "k_order", "k_positions",
+           "to_stored", "to_natural", "axis_k", "kvec_tensors"]
 
 # ----------------------------------------------------------------------------- names
 ROW, COL = "row", "col"
@@ -126,9 +145,71 @@ def block_cell_dims(conf):
     return _dims((SX, SY, Z), conf.block_shape)
 
 
+# ----------------------------------------------------------------------------- mode order
+def k_order(n):
+    """numpy FFT index of the mode at each position of a k axis (mirror-pair order).
+
+    Parameters
+    ----------
+    n : int
+        Number of modes (cells) along the axis.
+
+    Returns
+    -------
+    ndarray of int64, shape (n,)
+        ``[0, n/2, 1, n-1, 2, n-2, ..]`` for even ``n``, ``[0, 1, n-1, 2, n-2, ..]``
+        for odd ``n``: position ``p`` holds ``numpy.fft.fftfreq(n)[k_order(n)[p]]``.
+        For even ``n`` the mirror (``-k``) of position ``p`` is position ``p`` for
+        ``p < 2`` and ``p ^ 1`` otherwise.
+    """
+    n = int(n)
+    if n < 1:
+        raise ValueError("k_order: n must be >= 1, got %d" % n)
+    head = [0, n // 2] if n % 2 == 0 and n > 1 else [0]
+    pairs = np.arange(1, (n - 1) // 2 + 1)
+    return np.concatenate([np.array(head, np.int64),
+                           np.stack([pairs, n - pairs], axis=1).reshape(-1)]).astype(np.int64)
+
+
+def k_positions(n):
+    """Position of each numpy-order mode on a k axis: the inverse of :func:`k_order`."""
+    order = k_order(n)
+    pos = np.empty_like(order)
+    pos[order] = np.arange(order.size)
+    return pos
+
+
+def to_stored(a, axes=(0, 1, 2)):
+    """A numpy array in numpy FFT order along ``axes`` in the stored (pair) order.
+
+    Parameters
+    ----------
+    a : array_like
+    axes : sequence of int
+        The k axes (default: the first three).
+
+    Returns
+    -------
+    ndarray
+        ``a`` with each axis in ``axes`` permuted by :func:`k_order`.
+    """
+    a = np.asarray(a)
+    for ax in axes:
+        a = np.take(a, k_order(a.shape[ax]), axis=ax)
+    return a
+
+
+def to_natural(a, axes=(0, 1, 2)):
+    """Inverse of :func:`to_stored`: a k-space array back in numpy FFT order."""
+    a = np.asarray(a)
+    for ax in axes:
+        a = np.take(a, k_positions(a.shape[ax]), axis=ax)
+    return a
+
+
 # ----------------------------------------------------------------------------- k-vectors
-def axis_k(conf, units="h/Mpc"):
-    """Wave numbers along each axis in numpy FFT order (float64).
+def axis_k(conf, units="h/Mpc", natural=False):
+    """Wave numbers along each axis (float64), in the stored order.
 
     Parameters
     ----------
@@ -136,16 +217,19 @@ def axis_k(conf, units="h/Mpc"):
     units : {"h/Mpc", "grid"}
         ``"h/Mpc"``: ``2 pi fftfreq(n, d=cell_size)`` [h/Mpc]; ``"grid"``:
         ``2 pi fftfreq(n)`` [rad / cell].
+    natural : bool
+        Return numpy's FFT order (zero first, negative frequencies in the upper
+        half) instead of the mirror-pair order of k-space fields (:func:`k_order`).
 
     Returns
     -------
     list of 3 ndarray
-        Zero first, negative frequencies in the upper half.
     """
     if units not in K_UNITS:
         raise ValueError("units must be one of %s, got %r" % (K_UNITS, units))
-    return [2 * np.pi * np.fft.fftfreq(n, d=d if units == "h/Mpc" else 1.0)
-            for n, d in zip(conf.nc, conf.cell_size)]
+    ks = [2 * np.pi * np.fft.fftfreq(n, d=d if units == "h/Mpc" else 1.0)
+          for n, d in zip(conf.nc, conf.cell_size)]
+    return ks if natural else [k[k_order(k.size)] for k in ks]
 
 
 def kvec_tensors(conf, mesh, dtype, name="kvec", units="h/Mpc", sep="_"):

@@ -23,7 +23,7 @@ def linear_field_numpy(conf, seed=7, amplitude=1.0):
     [dimensionless density contrast], shape ``conf.nc``.
     """
     white = white_noise_numpy(seed, conf.nc)
-    kvec = layout.axis_k(conf)
+    kvec = layout.axis_k(conf, natural=True)  # numpy FFT order, as fftn below
     kk = np.sqrt(kvec[0][:, None, None]**2 + kvec[1][None, :, None]**2
                  + kvec[2][None, None, :]**2)
     pk = np.zeros_like(kk)

@@ -185,21 +185,31 @@ def _phase_graphs(conf, impl, slices, particle_shape):
 
 def _alltoall_graph(conf, impl):
     """The four all-to-alls of a step's FFTs on complex blocks of the same shapes:
-    r2c (col: split z, gather y; row: split y, gather x) on one field, and the
-    inverse of the three force components packed into two complex fields
-    (``kernels.packed_inverse``; the same two, backwards)."""
+    r2c (col: split z, gather y; row: split y, gather x) on one field, with the
+    ``nz / 2`` modes of the half-spectrum path when it applies
+    (``fft.FFT3DOperation._lower_half``: even sizes and blocks), and the inverse of
+    the three force components packed into two complex fields
+    (``kernels.packed_inverse``; the same two, backwards, all ``nz`` modes)."""
     import tensorflow.compat.v1 as tf
 
     (p, q), (nx, ny, nz) = conf.grid, conf.nc
     cdt = tf.complex64 if conf.dtype == "float32" else tf.complex128
-    block = tf.Variable(tf.complex(tf.ones([nx // p, ny // q, nz], conf.tf_dtype),
-                                   tf.zeros([nx // p, ny // q, nz], conf.tf_dtype)),
+    half = all(n % 2 == 0 for n in conf.nc) and (ny // p) % 2 == 0 and (nz // q) % 2 == 0
+    shape = [nx // p, ny // q, nz]
+    block = tf.Variable(tf.complex(tf.ones(shape, conf.tf_dtype),
+                                   tf.zeros(shape, conf.tf_dtype)),
                         trainable=False, name="bench_cblock")
     assert block.dtype.base_dtype == cdt
     before = impl.comm_bytes_received()
-    lo = impl.LaidOutTensor([block])
-    fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q]
-    batched = tf.stack([fwd.tensor_list[0]] * 2)                  # [2, nx, ny/P, nz/Q]
+    lo = impl.LaidOutTensor([block[:, :, :nz // 2] if half else block])
+    fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q (/ 2)]
+    if half:  # the k-space block [nx, ny/P, nz/Q], once the forward is done
+        kblock = tf.reshape(block, [nx, ny // p, nz // q])
+        with tf.control_dependencies(fwd.tensor_list):
+            kblock = tf.identity(kblock)
+    else:
+        kblock = fwd.tensor_list[0]
+    batched = tf.stack([kblock] * 2)                              # [2, nx, ny/P, nz/Q]
     back = impl.alltoall(impl.alltoall(impl.LaidOutTensor([batched]), 0, 1, 2), 1, 2, 3)
     nbytes = impl.comm_bytes_received() - before
     return _fetchable(back.tensor_list), nbytes

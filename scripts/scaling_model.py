@@ -17,7 +17,9 @@ Communication per rank (bytes *received*; "recv" counts as
 "wire" only what arrives from other ranks):
 
 * one 3D FFT of F fields: one alltoall per non-trivial axis, each of F C bytes;
-  wire: F C ((P-1)/P + (Q-1)/Q);
+  wire: F C ((P-1)/P + (Q-1)/Q); a transform of or to a real field counts 1/2 on the
+  CPU's native path (half the spectrum through the exchanges, see
+  :func:`fft_fields`);
 * one halo fill or reduce: 2 shifts per non-trivial axis of an h-cell slab:
   2 h nz b (py a_P + px a_Q);
 * one N-body step (one PM force): FFT of 1 field + inverse FFT of 3 real fields
@@ -25,7 +27,8 @@ Communication per rank (bytes *received*; "recv" counts as
   reduce (painting) + halo fills of the 3 force components (in 1 or 3 readout
   calls, see :func:`readout_calls_per_force`), one scalar int32 allreduce per
   painting/readout call (escape checks);
-* 2LPT initial conditions (with the linear field): 10 FFT-fields, no halo.
+* 2LPT initial conditions (with the linear field): 10 FFT-fields (3 of them real:
+  8.5 on the half-spectrum path), no halo.
 
 Usage::
 
@@ -52,6 +55,35 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 # ics.modes_of, instead of transforming it back; counted at lowering: 10 x the bytes
 # of one). Step: r2c 1 + 2 = 3.
 FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 10, "nbody_step": 3}
+# Of those, the transforms of a real field (r2c) or to one (c2r) without batch
+# dimensions: fft 2 (r2c, c2r), lpt 3 (noise r2c, linear c2r, source r2c), step 1
+# (the density's r2c). On the CPU's native path they move half the spectrum
+# (flowpm_mtf.fft, FFT3DOperation._lower_half) when nc and the blocks nc / P, nc / Q
+# are even. The GPU model (TensorFlow path) moves all the modes.
+REAL_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 3, "nbody_step": 1}
+
+
+def fft_fields(workload, nc, grid, half_spectrum=True):
+    """Complex-field equivalents a workload moves through each all-to-all.
+
+    Parameters
+    ----------
+    workload : str
+    nc : int
+    grid : (int, int)
+    half_spectrum : bool
+        Model the CPU's native path (real transforms on half the spectrum when the
+        sizes allow it); False: the TensorFlow (GPU) path, all modes.
+
+    Returns
+    -------
+    float
+    """
+    P, Q = grid
+    f = FFT_FIELDS[workload]
+    if half_spectrum and nc % 2 == 0 and (nc // P) % 2 == 0 and (nc // Q) % 2 == 0:
+        f -= REAL_FFT_FIELDS[workload] / 2
+    return f
 
 
 def readout_calls_per_force():
@@ -101,7 +133,7 @@ GPU_HEADROOM = 0.8
 
 
 # ============================================================================ communication
-def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None):
+def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None, half_spectrum=True):
     """Bytes one rank receives in one run of a workload.
 
     Parameters
@@ -119,6 +151,8 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None):
     readouts : int, optional
         CIC readout calls per PM force (default: as in the installed code,
         :data:`READOUTS`); each adds one escape-check allreduce.
+    half_spectrum : bool
+        See :func:`fft_fields` (True: the CPU's native path).
 
     Returns
     -------
@@ -131,10 +165,11 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None):
     aP, aQ = int(P > 1), int(Q > 1)
     c = 2 * itemsize * nc**3 // n
     px, py = nc // P + 2 * halo, nc // Q + 2 * halo
-    f, hops, sred = FFT_FIELDS[workload], HALO_OPS[workload], SCALAR_REDUCES[workload]
+    f = fft_fields(workload, nc, grid, half_spectrum)
+    hops, sred = HALO_OPS[workload], SCALAR_REDUCES[workload]
     if workload == "nbody_step" and readouts is not None:
         sred = 1 + readouts
-    alltoall = f * c * (aP + aQ)
+    alltoall = int(f * c) * (aP + aQ)
     alltoall_wire = f * c * ((P - 1) / P + (Q - 1) / Q)
     receive = hops * 2 * halo * nc * itemsize * (py * aP + px * aQ)
     allreduce = sred * 4 if n > 1 else 0
@@ -267,7 +302,7 @@ def gpu_step_time(nc, n, halo, gpu):
     P, Q = _grid(n)
     npart = nc**3 / n
     bw = (NVLINK_GBS if n <= GPUS_PER_NODE else IB_GBS) * 1e9
-    wire = comm_bytes("nbody_step", nc, (P, Q), halo)["wire"]
+    wire = comm_bytes("nbody_step", nc, (P, Q), halo, half_spectrum=False)["wire"]
     t_comm = wire / bw + STEP_COLLECTIVES(P, Q) * LATENCY_S
     t_fft = fft_flops(nc, FFT_FIELDS["nbody_step"]) / n / GPU_FFT_FLOPS
     t_part = npart * GPU_PART_BYTES / (GPU[gpu]["hbm_gbs"] * 1e9 * GPU_HBM_EFFICIENCY)
@@ -376,7 +411,7 @@ def tables(data):
             continue
         P, Q = _grid(n)
         t = gpu_step_time(nc, n, halo, "A100-80GB")
-        wire = comm_bytes("nbody_step", nc, (P, Q), halo)["wire"]
+        wire = comm_bytes("nbody_step", nc, (P, Q), halo, half_spectrum=False)["wire"]
         out.append("| %d | %d | %s | %.0f | %.1f | %.1f | %.1f | %.1f |" % (
             n, nc, case, wire / 2**20, 1e3 * t["comm"], 1e3 * t["fft"], 1e3 * t["particles"],
             1e3 * t["total"]))

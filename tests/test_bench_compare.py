@@ -113,13 +113,20 @@ def test_scaling_model_runs_on_smoke_json(smoke, tmp_path):
 
 # ============================================================================ model units
 def test_fft_bytes_by_hand():
-    # 16^3 on 1x2: one alltoall per FFT on 'col', each moving the local complex64 slice
-    # of 16*8*16 values (8 bytes); forward + inverse = 2 alltoalls.
+    # 16^3 on 1x2: one alltoall per FFT on 'col', each moving half (the half spectrum
+    # of r2c / c2r) of the local complex64 slice of 16*8*16 values (8 bytes); forward
+    # + inverse = 2 alltoalls.
     p = sm.comm_bytes("fft", 16, (1, 2), 2)
-    assert p["recv"] == 2 * 16 * 8 * 16 * 8 and p["wire"] == p["recv"] / 2
+    assert p["recv"] == 2 * 16 * 8 * 16 * 8 // 2 and p["wire"] == p["recv"] / 2
+    # the TensorFlow (GPU) path moves all the modes
+    p = sm.comm_bytes("fft", 16, (1, 2), 2, half_spectrum=False)
+    assert p["recv"] == 2 * 16 * 8 * 16 * 8
     # 2x2: two axes, each alltoall keeps 1/2 of the data local.
     p = sm.comm_bytes("fft", 32, (2, 2), 8)
-    assert p["recv"] == 2 * 2 * (32**3 // 4) * 8 and p["wire"] == p["recv"] / 2
+    assert p["recv"] == 2 * 2 * (32**3 // 4) * 8 // 2 and p["wire"] == p["recv"] / 2
+    # odd blocks (nc / Q = 5): the full spectrum
+    p = sm.comm_bytes("fft", 10, (1, 2), 1)
+    assert p["recv"] == 2 * 10 * 5 * 10 * 8
     assert sm.comm_bytes("nbody_step", 64, (1, 1), 8)["recv"] == 0  # one rank: no traffic
 
 

@@ -43,12 +43,13 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
         assert len(v) == 2 and v[0] == v[1], (k, v)  # both ranks of a 2x1 grid alike
     # the kick/drift updates communicate nothing
     assert b["step"] == b["paint"] + b["fft"] + b["readout"]
-    # the FFT's all-to-alls on grid 2x1: one transpose on the row axis for r2c and one
-    # for the inverse of the 3 force components packed into 2 complex fields
-    # (kernels.packed_inverse); each all-to-all's result is a whole complex64 block
-    # (Horovod's accounting, the rank's own half included)
+    # the FFT's all-to-alls on grid 2x1: one transpose on the row axis for r2c (half
+    # the spectrum, fft.FFT3DOperation._lower_half) and one for the inverse of the 3
+    # force components packed into 2 complex fields (kernels.packed_inverse); each
+    # all-to-all's result is a whole complex64 block (Horovod's accounting, the rank's
+    # own half included)
     block = 16 * 16 * 16 // 2 * 8
-    assert b["fft"] == b["comm_fft"] == (1 + 2) * block
+    assert b["fft"] == b["comm_fft"] == (1 / 2 + 2) * block
     # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
     # both margins of h cells x ny x nz float32 (halo.field_to_padded fills x before
     # the y margins exist; halo.reduced_to_field folds the y margins before x's);

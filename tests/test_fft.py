@@ -10,7 +10,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft
+from flowpm_mtf import fft, layout
 from flowpm_mtf.config import SimConfig
 
 # float64 FFT of a few hundred points: rounding error ~ log2(N) * 1e-16 relative
@@ -43,7 +43,8 @@ def crandn(rng, shape, dtype):
 @pytest.mark.parametrize("nc", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_fft_matches_numpy(case, nc, dtype):
-    """r2c = fftn/N, c2r = N Re(ifftn), round trip, on the gathered arrays."""
+    """r2c = fftn/N, c2r = N Re(ifftn), round trip, on the gathered arrays (k-space
+    in the mirror-pair order of ``layout.k_order``)."""
     conf = conf_for(case, nc, dtype)
     rng = np.random.RandomState(1)
     x = rng.randn(*nc).astype(dtype)
@@ -60,9 +61,61 @@ def test_fft_matches_numpy(case, nc, dtype):
     n = x.size
     tol = FFT_RTOL[dtype]
     assert out["fk"].dtype == conf.np_complex_dtype
-    assert H.rel_err(out["fk"], np.fft.fftn(x.astype(np.float64)) / n) < tol
+    assert H.rel_err(out["fk"], layout.to_stored(np.fft.fftn(x.astype(np.float64)) / n)) < tol
     assert H.rel_err(out["back"], x) < tol
-    assert H.rel_err(out["ck"], n * np.fft.ifftn(kin.astype(np.complex128)).real) < tol
+    want = n * np.fft.ifftn(layout.to_natural(kin.astype(np.complex128))).real
+    assert H.rel_err(out["ck"], want) < tol
+
+
+def _half_path_expected(kind, conf, native_path):
+    """Whether FFT3DOperation takes the half-spectrum path (``_lower_half``) for r2c/c2r
+    (``kind`` "single" runs on a 1x1 mesh whatever ``conf.grid``)."""
+    (P, Q), (nx, ny, nz) = (1, 1) if kind == "single" else conf.grid, conf.nc
+    return native_path and all(n % 2 == 0 for n in conf.nc) and (ny // P) % 2 == 0 \
+        and (nz // Q) % 2 == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("nc", SHAPES + [(4, 8, 12)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("path", ["native", "tensorflow"])
+def test_every_lowering_matches_numpy(case, nc, path, monkeypatch):
+    """r2c, c2r, c2c_inverse and a batched (``[x, y, z, b]``) r2c / c2r against numpy,
+    on the native op and on the TensorFlow path (the GPU's, with gathers for the
+    mirror-pair order), so that both lowerings (half spectrum, full) are checked on
+    every grid; the half-spectrum path is taken exactly when its conditions hold."""
+    if path == "tensorflow":
+        monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    conf = conf_for(case, nc)
+    rng = np.random.RandomState(5)
+    x = rng.randn(*nc)
+    xb = rng.randn(*nc, 2)
+    kin = crandn(rng, nc, np.complex128)
+    kb = crandn(rng, nc + (2,), np.complex128)
+
+    def build(mesh):
+        bdim = mtf.Dimension("b", 2)
+        f = mtf.import_tf_tensor(mesh, tf.constant(x), fft.real_shape(conf))
+        k = mtf.import_tf_tensor(mesh, tf.constant(kin), fft.k_shape(conf))
+        fb = mtf.import_tf_tensor(mesh, tf.constant(xb), fft.real_shape(conf) + [bdim])
+        kbt = mtf.import_tf_tensor(mesh, tf.constant(kb), fft.k_shape(conf) + [bdim])
+        return {"fk": fft.r2c(f, conf), "ck": fft.c2r(k, conf),
+                "zk": fft.c2c_inverse(k, conf), "fbk": fft.r2c(fb, conf),
+                "cbk": fft.c2r(kbt, conf)}
+
+    def ops_used(lowering, impl):
+        types = {op.type for op in tf.get_default_graph().get_operations()}
+        return {"pairs": tf.constant("FlowpmPairs" in types)}
+
+    out = H.run(case[0], conf, build, extra=ops_used)
+    n = x.size
+    tol = FFT_RTOL["float64"]
+    kin_nat, kb_nat = layout.to_natural(kin), layout.to_natural(kb)
+    assert H.rel_err(out["fk"], layout.to_stored(np.fft.fftn(x) / n)) < tol
+    assert H.rel_err(out["ck"], n * np.fft.ifftn(kin_nat).real) < tol
+    assert H.rel_err(out["zk"], n * np.fft.ifftn(kin_nat)) < tol
+    assert H.rel_err(out["fbk"], layout.to_stored(np.fft.fftn(xb, axes=(0, 1, 2)) / n)) < tol
+    assert H.rel_err(out["cbk"], n * np.fft.ifftn(kb_nat, axes=(0, 1, 2)).real) < tol
+    assert bool(out["pairs"]) == _half_path_expected(case[0], conf, path == "native")
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
@@ -96,8 +149,9 @@ def test_adjoint_and_explicit_gradients(case):
     assert out["g_r2c"].dtype == np.float64 and out["g_c2r"].dtype == np.complex128
     np.testing.assert_allclose(out["x_g_r2c"], out["l_r2c"], rtol=ADJOINT_RTOL)
     np.testing.assert_allclose(out["x_g_c2r"], out["l_c2r"], rtol=ADJOINT_RTOL)
-    assert H.rel_err(out["g_r2c"], np.fft.ifftn(y_c).real) < FFT_RTOL["float64"]
-    assert H.rel_err(out["g_c2r"], np.fft.fftn(y_r)) < FFT_RTOL["float64"]
+    assert H.rel_err(out["g_r2c"], np.fft.ifftn(layout.to_natural(y_c)).real) \
+        < FFT_RTOL["float64"]
+    assert H.rel_err(out["g_c2r"], layout.to_stored(np.fft.fftn(y_r))) < FFT_RTOL["float64"]
 
 
 def _fd_check(results, grad, eps, points):
@@ -190,12 +244,13 @@ def test_kvec_and_derivative_kernel(case):
     kx_ref = 2 * np.pi * np.fft.fftfreq(nc[0], d=conf.cell_size[0])
     ky_ref = 2 * np.pi * np.fft.fftfreq(nc[1], d=conf.cell_size[1])
     kz_grid = 2 * np.pi * np.fft.fftfreq(nc[2])
-    np.testing.assert_allclose(out["kx"], kx_ref, rtol=1e-15)
-    np.testing.assert_allclose(out["ky"], ky_ref, rtol=1e-15)
-    np.testing.assert_allclose(out["gz"], kz_grid, rtol=1e-15)
+    # kvec holds numpy's wave numbers in the stored (mirror-pair) order
+    np.testing.assert_allclose(out["kx"], kx_ref[layout.k_order(nc[0])], rtol=1e-15)
+    np.testing.assert_allclose(out["ky"], ky_ref[layout.k_order(nc[1])], rtol=1e-15)
+    np.testing.assert_allclose(out["gz"], kz_grid[layout.k_order(nc[2])], rtol=1e-15)
     kz_ref = 2 * np.pi * np.fft.fftfreq(nc[2], d=conf.cell_size[2])
     knorm = np.sqrt(kx_ref[:, None, None]**2 + ky_ref[None, :, None]**2 + kz_ref**2)
-    np.testing.assert_allclose(out["knorm"], knorm, rtol=1e-14)
+    np.testing.assert_allclose(out["knorm"], layout.to_stored(knorm), rtol=1e-14)
     fk = np.fft.fftn(f0)
     ref_dx = np.fft.ifftn(1j * kx_ref[:, None, None] * fk).real
     ref_dz = np.fft.ifftn(1j * kz_grid[None, None, :] * fk).real

@@ -16,7 +16,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, kernels, native
+from flowpm_mtf import layout, fft, kernels, native
 from flowpm_mtf.config import XYZ, SimConfig
 
 # Packed vs unpacked: the same kernels and 1D FFTs in a different grouping; the
@@ -44,7 +44,9 @@ def numpy_fields(conf, x):
                     indexing="ij")
     kk = sum(ki**2 for ki in k)
     inv = np.where(kk > 0, 1.0 / np.where(kk > 0, kk, 1.0), 0.0)
-    gk = np.meshgrid(*kernels.gradient_kvec(conf), indexing="ij")
+    # gradient_kvec is in the stored (mirror-pair) order; numpy's FFT order here
+    gk = np.meshgrid(*[g[layout.k_positions(g.size)] for g in kernels.gradient_kvec(conf)],
+                     indexing="ij")
     pot = dk * inv
     grad = [n * np.fft.ifftn(1j * gk[d] / c * pot).real for d, c in enumerate(conf.cell_size)]
     hess = [n * np.fft.ifftn(-gk[i] * gk[j] * pot).real for i, j in kernels.HESSIAN_PAIRS]

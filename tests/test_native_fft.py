@@ -1,7 +1,7 @@
-"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``) and the
-Hermitian extend/fold op (``hermitian_extend``/``hermitian_fold``):
-the native FFTW op against numpy.fft, its gradients by dot-product and finite
-differences, the TensorFlow fallback, and concurrent planning.
+"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``, their
+blocked, mirror-pair-ordered and packed variants) and the mirror-pair completion op
+(``pairs_extend``/``pairs_fold``): the native FFTW op against numpy.fft, its gradients
+by dot-product and finite differences, the TensorFlow fallback, and concurrent planning.
 
 No mesh: these run in the 1-rank pass. With ``FLOWPM_MTF_NATIVE=require`` (set by
 ``scripts/run_tests.sh``) the native op must be built; without it the tests
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, native
+from flowpm_mtf import fft, layout, native
 
 tf.disable_eager_execution()
 pytestmark = pytest.mark.rank_independent
@@ -229,60 +229,6 @@ def test_native_gradients_finite_difference(op):
                     assert abs(fd - gv) <= FD_RTOL * max(1.0, np.max(np.abs(grad))), (idx, part)
 
 
-# FlowpmHermitian (hermitian_extend / hermitian_fold): half <-> full spectrum along the
-# last or a middle axis, with one or two reflected Fourier axes and a position axis.
-HERMITIAN_CASES = [  # (shape of the real field, half axis, Fourier axes reflected)
-    ((4, 6, 8), 2, [1]), ((4, 6, 7), 2, [0, 1]), ((5, 9, 3), 1, [0]), ((6, 4, 5, 2), 2, [0, 3])]
-
-
-@needs_native
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("shape,axis,reflect", HERMITIAN_CASES)
-def test_hermitian_matches_numpy(shape, axis, reflect, dtype):
-    """extend: the full FFT of a real field from its half; fold: the Hermitian part,
-    whose inverse (FFTs over ``reflect``, irfft along ``axis``) is Re(ifftn)."""
-    rng = np.random.RandomState(len(shape) + axis)
-    n, m = shape[axis], shape[axis] // 2 + 1
-    axes = tuple(reflect) + (axis,)
-    f = rng.randn(*shape)
-    full = np.fft.fftn(f, axes=axes)
-    z = rng.randn(*shape) + 1j * rng.randn(*shape)
-    c = COMPLEX[dtype]
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        half = np.take(full, np.arange(m), axis=axis).astype(c)
-        ext = fft.hermitian_extend(tf.constant(half), n, axis, reflect)
-        fold = fft.hermitian_fold(tf.constant(z.astype(c)), n, axis, reflect)
-        ext, fold = run([ext, fold])
-    assert ext.dtype == c and fold.dtype == c
-    assert rel_err(ext, full) <= RTOL[dtype]
-    back = np.fft.ifftn(fold.astype(np.complex128), axes=tuple(reflect), norm="forward")
-    back = np.fft.irfft(back, n=n, axis=axis, norm="forward")
-    want = np.fft.ifftn(z, axes=axes, norm="forward").real
-    assert rel_err(back, want) <= RTOL[dtype] * 10
-
-
-@needs_native
-@pytest.mark.parametrize("shape,axis,reflect", HERMITIAN_CASES)
-def test_hermitian_gradients_adjoint(shape, axis, reflect):
-    """<A x, y> = <x, A^T y> for extend and fold (A^T y from tf.gradients), float64."""
-    rng = np.random.RandomState(sum(shape))
-    n, m = shape[axis], shape[axis] // 2 + 1
-    half = list(shape)
-    half[axis] = m
-
-    def cplx(s):
-        return rng.randn(*s) + 1j * rng.randn(*s)
-
-    _assert_adjoint([
-        ("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect), cplx(half), cplx(shape)),
-        ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect), cplx(shape), cplx(half))])
-
-
-# Packed layouts (blocks > 1): (shape, half axis, reflect, blocks, block axis).
-PACKED_CASES = [((4, 6, 8), 2, [1], 2, 1), ((4, 6, 7), 2, [0, 1], 3, 1),
-                ((6, 4, 5, 2), 2, [0, 3], 2, 0), ((6, 4, 5, 2), 2, [0, 3], 4, 1)]
-
-
 def _np_pack(a, blocks, axis):
     shape = a.shape[:axis] + (blocks, a.shape[axis] // blocks) + a.shape[axis + 1:]
     return np.moveaxis(a.reshape(shape), axis, 0)
@@ -291,36 +237,6 @@ def _np_pack(a, blocks, axis):
 def _np_unpack(a, axis):
     b = np.moveaxis(a, 0, axis)
     return b.reshape(b.shape[:axis] + (b.shape[axis] * b.shape[axis + 1],) + b.shape[axis + 2:])
-
-
-@needs_native
-@pytest.mark.parametrize("shape,axis,reflect,blocks,block_axis", PACKED_CASES)
-def test_hermitian_packed(shape, axis, reflect, blocks, block_axis):
-    """extend with blocks writes the packed layout of extend; fold with blocks reads it;
-    both adjoint to their gradients (dot-product test, float64)."""
-    rng = np.random.RandomState(blocks + block_axis)
-    n, m = shape[axis], shape[axis] // 2 + 1
-    half = list(shape)
-    half[axis] = m
-
-    def cplx(s):
-        return rng.randn(*s) + 1j * rng.randn(*s)
-
-    xe, xf = cplx(half), _np_pack(cplx(shape), blocks, block_axis)
-    kw = dict(blocks=blocks, block_axis=block_axis)
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        te, tp = tf.constant(xe), tf.constant(xf)
-        out = run([fft.hermitian_extend(te, n, axis, reflect, **kw),
-                   fft.hermitian_fold(tp, n, axis, reflect, **kw),
-                   fft.hermitian_extend(te, n, axis, reflect),
-                   fft.hermitian_fold(tf.constant(_np_unpack(xf, block_axis)), n, axis, reflect)])
-    pe, pf, ref_e, ref_f = out
-    assert np.array_equal(pe, _np_pack(ref_e, blocks, block_axis))
-    assert np.array_equal(pf, ref_f)
-    _assert_adjoint([("extend", lambda t: fft.hermitian_extend(t, n, axis, reflect, **kw), xe,
-                      cplx(pe.shape)),
-                     ("fold", lambda t: fft.hermitian_fold(t, n, axis, reflect, **kw), xf,
-                      cplx(pf.shape))])
 
 
 # Blocked layouts of the transforms (the pieces of an all-to-all, fft.FFT3DOperation):
@@ -340,32 +256,41 @@ def _unpack(a, blocks, axis):
     return a if blocks == 1 else _np_unpack(a, axis)
 
 
-def _blocked_ops(axis, bi, bo, normalized):
+def _blocked_ops(axis, bi, bo, normalized, pairs=False):
+    """The transforms with blocked layouts; with ``pairs``, the k side (output of the
+    forward ones, input of the inverse ones) in mirror-pair order."""
     return {
-        "fft": lambda t: fft.fft_along(t, axis, False, normalized, in_blocks=bi, out_blocks=bo),
-        "ifft": lambda t: fft.fft_along(t, axis, True, normalized, in_blocks=bi, out_blocks=bo),
+        "fft": lambda t: fft.fft_along(t, axis, False, normalized, in_blocks=bi, out_blocks=bo,
+                                       out_pairs=pairs),
+        "ifft": lambda t: fft.fft_along(t, axis, True, normalized, in_blocks=bi, out_blocks=bo,
+                                        in_pairs=pairs),
         "fft_of_real": lambda t: fft.fft_of_real_along(t, axis, normalized, in_blocks=bi,
-                                                       out_blocks=bo),
+                                                       out_blocks=bo, out_pairs=pairs),
         "ifft_real": lambda t: fft.ifft_real_part_along(t, axis, normalized, in_blocks=bi,
-                                                        out_blocks=bo)}
+                                                        out_blocks=bo, in_pairs=pairs)}
 
 
 @needs_native
+@pytest.mark.parametrize("pairs", [False, True], ids=["numpy_order", "pair_order"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("shape,axis,bi,bo", BLOCKED_CASES)
-def test_blocked_layouts_match_numpy(shape, axis, bi, bo, dtype):
+def test_blocked_layouts_match_numpy(shape, axis, bi, bo, dtype, pairs):
     """Every transform reading in_blocks and writing out_blocks pieces equals numpy's
-    transform of the unpacked input, packed."""
+    transform of the unpacked input, packed; with ``pairs`` the k side is in the
+    mirror-pair order of ``layout.k_order`` (odd and even lengths)."""
     rng = np.random.RandomState(sum(shape) + axis + 10 * bi + bo)
     n = shape[axis]
     x_c = (rng.randn(*shape) + 1j * rng.randn(*shape)).astype(COMPLEX[dtype])
     x_r = rng.randn(*shape).astype(dtype)
-    ref = {"fft": np.fft.fft(x_c, axis=axis) / n, "ifft": np.fft.ifft(x_c, axis=axis),
-           "fft_of_real": np.fft.fft(x_r, axis=axis) / n,
-           "ifft_real": np.fft.ifft(x_c, axis=axis).real}
+    order = layout.k_order(n) if pairs else np.arange(n)
+    x_nat = np.take(x_c, np.argsort(order), axis=axis)  # x_c read in the stored order
+    ref = {"fft": np.take(np.fft.fft(x_c, axis=axis) / n, order, axis=axis),
+           "ifft": np.fft.ifft(x_nat, axis=axis),
+           "fft_of_real": np.take(np.fft.fft(x_r, axis=axis) / n, order, axis=axis),
+           "ifft_real": np.fft.ifft(x_nat, axis=axis).real}
     inputs = {"fft": x_c, "ifft": x_c, "fft_of_real": x_r, "ifft_real": x_c}
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        ops = _blocked_ops(axis, bi, bo, True)
+        ops = _blocked_ops(axis, bi, bo, True, pairs)
         fetches = {k: ops[k](tf.constant(_pack(inputs[k], bi, axis))) for k in ops}
         out = run(fetches)
     for k in ops:
@@ -374,20 +299,162 @@ def test_blocked_layouts_match_numpy(shape, axis, bi, bo, dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("pairs", [False, True], ids=["numpy_order", "pair_order"])
 @pytest.mark.parametrize("shape,axis,bi,bo", BLOCKED_CASES[:6])
-def test_blocked_layouts_gradients_adjoint(shape, axis, bi, bo):
+def test_blocked_layouts_gradients_adjoint(shape, axis, bi, bo, pairs):
     """<A x, y> = <x, A^T y> with the blocked layouts on both sides (float64; the
-    gradient reads the output's blocks and writes the input's)."""
+    gradient reads the output's blocks and writes the input's, and swaps the orders)."""
     rng = np.random.RandomState(7 + axis + bi + bo)
     packed_in = _pack(np.zeros(shape), bi, axis).shape
     packed_out = _pack(np.zeros(shape), bo, axis).shape
     x_c = rng.randn(*packed_in) + 1j * rng.randn(*packed_in)
     y_c = rng.randn(*packed_out) + 1j * rng.randn(*packed_out)
     x_r, y_r = rng.randn(*packed_in), rng.randn(*packed_out)
-    ops = _blocked_ops(axis, bi, bo, False)
+    ops = _blocked_ops(axis, bi, bo, False, pairs)
     _assert_adjoint([("fft", ops["fft"], x_c, y_c), ("ifft", ops["ifft"], x_c, y_c),
                      ("fft_of_real", ops["fft_of_real"], x_r, y_c),
                      ("ifft_real", ops["ifft_real"], x_c, y_r)])
+
+
+# Packed real transforms (rfft_packed_along / irfft_packed_along): (shape, blocks).
+PACKED_CASES = [((5, 3, 8), 1), ((5, 3, 8), 2), ((4, 7, 60), 3), ((8, 24, 180), 6)]
+
+
+def _np_packed(r, n):
+    """numpy reference of the packed layout: rfft with the Nyquist mode in slot 0."""
+    out = r[..., :n // 2].copy()
+    out[..., 0] = r[..., 0].real + 1j * r[..., n // 2].real
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape,blocks", PACKED_CASES)
+def test_packed_real_transforms(shape, blocks, dtype):
+    """rfft_packed_along = numpy's rfft with r[0] + i r[n/2] in slot 0 (written in
+    ``blocks`` pieces); irfft_packed_along inverts it (read from the pieces); the TF
+    fallback gives the same (unblocked); both ops are adjoint to their gradients."""
+    rng = np.random.RandomState(sum(shape) + blocks)
+    n = shape[-1]
+    x = rng.randn(*shape).astype(dtype)
+    want = _np_packed(np.fft.rfft(x.astype(np.float64), axis=-1), n) / n
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        fwd = fft.rfft_packed_along(tf.constant(x), 2, normalized=True, out_blocks=blocks)
+        back = fft.irfft_packed_along(
+            tf.constant(_pack(want.astype(COMPLEX[dtype]), blocks, 2)), n, 2,
+            normalized=False, in_blocks=blocks)
+        assert fwd.op.type == "FlowpmFftR2c" and back.op.type == "FlowpmFftC2r"
+        fwd, back = run([fwd, back])
+    assert rel_err(_unpack(fwd, blocks, 2), want) < RTOL[dtype]
+    assert rel_err(back, x) < RTOL[dtype]
+    x64, y64 = rng.randn(*shape), rng.randn(*shape[:-1], n // 2) + 1j * rng.randn(
+        *shape[:-1], n // 2)
+    _assert_adjoint([
+        ("rfft_packed", lambda t: fft.rfft_packed_along(t, 2, out_blocks=blocks), x64,
+         _pack(y64, blocks, 2)),
+        ("irfft_packed", lambda t: fft.irfft_packed_along(t, n, 2, in_blocks=blocks),
+         _pack(y64, blocks, 2), x64)])
+
+
+@needs_native
+def test_packed_and_pairs_equal_tensorflow_path(monkeypatch):
+    """The packed transforms and the mirror-pair orders: native op == TF fallback."""
+    rng = np.random.RandomState(11)
+    x = rng.randn(6, 10, 8) + 1j * rng.randn(6, 10, 8)
+    r = rng.randn(6, 10, 8)
+    h = rng.randn(6, 10, 4) + 1j * rng.randn(6, 10, 4)
+
+    def build():
+        out = [fft.rfft_packed_along(tf.constant(r), 2, normalized=True),
+               fft.irfft_packed_along(tf.constant(h), 8, 2, normalized=False)]
+        for axis in (0, 1, 2):
+            out += [fft.fft_along(tf.constant(x), axis, out_pairs=True),
+                    fft.fft_along(tf.constant(x), axis, inverse=True, in_pairs=True),
+                    fft.fft_of_real_along(tf.constant(r), axis, out_pairs=True),
+                    fft.ifft_real_part_along(tf.constant(x), axis, in_pairs=True)]
+        return out
+
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        nat = run(build())
+    monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        ops = build()
+        assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
+        ref = run(ops)
+    for i, (a, b) in enumerate(zip(nat, ref)):
+        assert rel_err(a, b) < RTOL["float64"], i
+
+
+def _half_reps(f):
+    """numpy: the representatives of a real field's 3D transform as the half path of
+    fft.FFT3DOperation holds them: kz modes 0 .. n/2 - 1, slot 0 packing the 2D
+    transforms of the kz = 0 and kz = n/2 planes as A + i B; kx, ky in pair order."""
+    nz = f.shape[2]
+    fz = np.fft.fft(f, axis=2)
+    h = np.fft.fft2(fz[:, :, :nz // 2], axes=(0, 1))
+    h[:, :, 0] = np.fft.fft2(fz[:, :, 0]) + 1j * np.fft.fft2(fz[:, :, nz // 2])
+    return layout.to_stored(h, axes=(0, 1))
+
+
+# (shape of the real field, P blocks of ky, Q blocks of kz)
+PAIRS_CASES = [((8, 6, 8), 1, 1), ((8, 6, 8), 3, 2), ((4, 8, 12), 2, 3), ((6, 4, 4), 2, 2)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape,P,Q", PAIRS_CASES)
+def test_pairs_extend_and_fold(shape, P, Q, dtype):
+    """On every (ky, kz) block: pairs_extend of the representatives is the block of
+    the full transform in pair order (layout.to_stored(fftn)); pairs_fold of any
+    spectrum, transformed back (ifft2 over kx, ky; packed irfft along z), is the
+    real part of its inverse transform."""
+    rng = np.random.RandomState(sum(shape) + P + Q)
+    nx, ny, nz = shape
+    ly, h = ny // P, nz // (2 * Q)
+    f = rng.randn(*shape)
+    full = layout.to_stored(np.fft.fftn(f))
+    reps = _half_reps(f)
+    z = rng.randn(*shape) + 1j * rng.randn(*shape)
+    c = COMPLEX[dtype]
+    blocks = [(i, q) for i in range(P) for q in range(Q)]
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        fetches = []
+        for i, q in blocks:
+            firsts = tf.constant([int(i == 0), int(q == 0)], tf.int32)
+            rep_blk = reps[:, i * ly:(i + 1) * ly, q * h:(q + 1) * h].astype(c)
+            z_blk = z[:, i * ly:(i + 1) * ly, 2 * q * h:2 * (q + 1) * h].astype(c)
+            fetches.append((fft.pairs_extend(tf.constant(rep_blk), firsts),
+                            fft.pairs_fold(tf.constant(z_blk), firsts)))
+        out = run(fetches)
+    fold = np.zeros((nx, ny, nz // 2), np.complex128)
+    for (i, q), (ext, fo) in zip(blocks, out):
+        assert ext.dtype == c and fo.dtype == c
+        want = full[:, i * ly:(i + 1) * ly, 2 * q * h:2 * (q + 1) * h]
+        assert rel_err(ext, want) < RTOL[dtype], (i, q)
+        fold[:, i * ly:(i + 1) * ly, q * h:(q + 1) * h] = fo
+    back = np.fft.ifft2(layout.to_natural(fold, axes=(0, 1)), axes=(0, 1))
+    planes = np.concatenate([back[:, :, :1].real, back[:, :, 1:],
+                             back[:, :, :1].imag], axis=2)
+    back = np.fft.irfft(planes, n=nz, axis=2)
+    assert rel_err(back, np.fft.ifftn(layout.to_natural(z)).real) < RTOL[dtype] * 10
+
+
+@needs_native
+@pytest.mark.parametrize("first_y,first_z", [(1, 1), (0, 1), (1, 0), (0, 0)])
+def test_pairs_gradients_adjoint(first_y, first_z):
+    """<A x, y> = <x, A^T y> for pairs_extend and pairs_fold on first and other blocks
+    (A^T y from tf.gradients), float64."""
+    rng = np.random.RandomState(first_y + 2 * first_z)
+
+    def cplx(*s):
+        return rng.randn(*s) + 1j * rng.randn(*s)
+
+    firsts = np.array([first_y, first_z], np.int32)
+    _assert_adjoint([
+        ("extend", lambda t: fft.pairs_extend(t, tf.constant(firsts)), cplx(6, 4, 3),
+         cplx(6, 4, 6)),
+        ("fold", lambda t: fft.pairs_fold(t, tf.constant(firsts)), cplx(6, 4, 6),
+         cplx(6, 4, 3))])
 
 
 @needs_native

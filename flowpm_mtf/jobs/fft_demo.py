@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import fft, io, noise
+from .. import fft, io, layout, noise
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import register, runner
@@ -85,7 +85,8 @@ class FftDemoJob(Job):
     def finish(self, ctx, res):
         conf, repeats = ctx.conf, ctx.configs["fft_demo"].repeats
         field = res["field"]
-        ref = np.fft.fftn(field) / field.size  # FlowPM's r2c normalisation
+        # FlowPM's r2c normalisation, in the stored (mirror-pair) k order
+        ref = layout.to_stored(np.fft.fftn(field) / field.size)
         def max_err(name, full):   # over this process's slices, then over the ranks
             local = max(float(np.max(np.abs(v - full[tuple(slice(b, b + n) for b, n in
                                                           zip(begin, v.shape))])))

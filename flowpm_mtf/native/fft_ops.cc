@@ -11,25 +11,20 @@
 //   FlowpmFftC2r(x: complex, n, axis, normalized) -> real, n along axis
 //       unnormalised inverse of the Hermitian extension (imaginary parts of the
 //       zero and Nyquist modes ignored), times c: numpy.fft.irfft when normalized
-//   FlowpmHermitian(x: complex, n, axis, reflect, fold, blocks, block_axis) -> complex
-//       Between the half (m = n // 2 + 1 modes) and the full (n modes) spectrum along
-//       `axis` of a field whose other Fourier axes are `reflect` (indices taken mod
-//       their length; the remaining axes are positions, not reflected). With sigma
-//       negating the `reflect` indices and k' = (n - k) mod n:
-//         fold=false (extend, m -> n): y[k] = x[k] (k < m), conj(x[sigma, k']) (k >= m),
-//           the spectrum of a real field from its half (exact for such a field);
-//         fold=true (n -> m): y[k] = (x[k] + conj(x[sigma, k'])) / 2, the Hermitian
-//           part, whose inverse transform is the real part of x's (k < m kept).
-//       With blocks > 1 the full-spectrum side is packed for an all-to-all: block_axis
-//       (before `axis`) split into `blocks` blocks, the block index first
-//       ([blocks, .., L / blocks, ..]); extend writes it, fold reads it.
-//       One pass over the data, on the intra-op pool; the gradients (Python side) are
-//       built from TensorFlow ops.
+//   FlowpmPairs(x: complex [nx, ly, L], firsts: int32 [2], fold) -> complex
+//       Between the representatives (L = h) and a full kz block (L = 2 h) of a real
+//       field's 3D transform in mirror-pair order (flowpm_mtf.layout.k_order): see the
+//       comment above PairsOp. One pass, on the intra-op pool; gradients on the Python
+//       side (flowpm_mtf/fft.py).
 //
-// FlowpmFftC2c, and FlowpmFftR2c / FlowpmFftC2r with full = true, take in_blocks and
-// out_blocks (default 1): the input / output stored as the pieces of an all-to-all,
-// [blocks, .., len / blocks along axis, ..] (`axis` counts the unblocked axes); the
-// panel copies read / write that layout, so no transpose packs or unpacks an exchange.
+// FlowpmFftC2c, and FlowpmFftR2c / FlowpmFftC2r with full or packed = true, take
+// in_blocks and out_blocks (default 1): the input / output stored as the pieces of an
+// all-to-all, [blocks, .., len / blocks along axis, ..] (`axis` counts the unblocked
+// axes); the panel copies read / write that layout, so no transpose packs or unpacks
+// an exchange. in_pairs / out_pairs (c2c; r2c / c2r with full = true): the k side in
+// mirror-pair order along the axis, permuted by the same copies. packed = true (r2c /
+// c2r, even n, the last axis): n // 2 values, the zero mode's slot holding the zero and
+// Nyquist modes as x_0 + i x_{n/2}.
 //
 // with c = 1/n when `normalized`, else 1; n is the transform length (the real
 // length for r2c/c2r). numpy.fft.fft = (inverse=False, normalized=False),
@@ -284,8 +279,25 @@ constexpr i64 kMinParallel = 1 << 15;
 //   kFull: r2c writes all n modes (the upper half as the complex conjugates of
 //          the lower: the DFT of a real input); c2r reads n modes and returns
 //          Re(inverse DFT), computed as the c2r of the Hermitian part
-//          (x_k + conj(x_{n-k})) / 2, k <= n // 2.
-enum RealLayout { kHalf = 0, kFull = 1 };
+//          (x_k + conj(x_{n-k})) / 2, k <= n // 2;
+//   kPacked (even n): r2c writes / c2r reads n // 2 values, the zero mode's slot
+//          holding the two real modes zero and Nyquist as x_0 + i x_{n/2}.
+enum RealLayout { kHalf = 0, kFull = 1, kPacked = 2 };
+
+// Mirror-pair order of the modes along an axis (flowpm_mtf.layout.k_order):
+// 0, n/2, 1, n-1, 2, n-2, .. (even n), 0, 1, n-1, 2, n-2, .. (odd n). Returns the
+// position of each numpy-order mode j (the inverse of k_order).
+std::vector<i64> pair_positions(i64 n) {
+  std::vector<i64> pos(n);
+  pos[0] = 0;
+  const i64 head = (n % 2 == 0 && n > 1) ? 2 : 1;
+  if (head == 2) pos[n / 2] = 1;
+  for (i64 j = 1; j <= (n - 1) / 2; ++j) {
+    pos[j] = head + 2 * (j - 1);
+    pos[n - j] = head + 2 * (j - 1) + 1;
+  }
+  return pos;
+}
 
 template <typename T>
 T conj_of(const T& v) {
@@ -317,7 +329,8 @@ std::complex<R> conj_of(const std::complex<R>& v) {
 template <typename R, typename In, typename Out>
 bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out* out, i64 outer,
                    i64 n, i64 in_len, i64 out_len, i64 inner, bool normalized,
-                   int layout = kHalf, i64 in_blocks = 1, i64 out_blocks = 1) {
+                   int layout = kHalf, i64 in_blocks = 1, i64 out_blocks = 1,
+                   const i64* in_perm = nullptr, const i64* out_perm = nullptr) {
   typedef Fftw<R> F;
   typedef std::complex<R> Cx;
   In* in = const_cast<In*>(in_c);  // FFTW's signature; the input is never written (see kinds)
@@ -325,16 +338,21 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   const i64 m = n / 2 + 1;
   const bool fill = layout == kFull && kind == kR2C;   // write the upper half
   const bool fold = layout == kFull && kind == kC2R;   // Hermitian part first
+  const bool packed = layout == kPacked;                // zero + Nyquist in one slot
+  const i64 h = n / 2;
   std::atomic<bool> ok(true);
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   i64 threads = workers->num_threads;
   if (outer * std::max(in_len, out_len) * inner < kMinParallel) threads = 1;
   const i64 lb_in = in_len / in_blocks, lb_out = out_len / out_blocks;
-  // Offsets of row j of batch o (blocked layouts, see above).
+  // Offsets of row j of batch o (blocked layouts, see above); with in_perm / out_perm
+  // (mirror-pair order) logical row j is stored at position perm[j].
   auto row_in = [&](i64 o, i64 j) {
+    if (in_perm) j = in_perm[j];
     return (j / lb_in) * outer * lb_in * inner + o * lb_in * inner + (j % lb_in) * inner;
   };
   auto row_out = [&](i64 o, i64 j) {
+    if (out_perm) j = out_perm[j];
     return (j / lb_out) * outer * lb_out * inner + o * lb_out * inner + (j % lb_out) * inner;
   };
 
@@ -343,7 +361,30 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   // then the normalisation. False if FFTW could not plan.
   auto contiguous_rows = [&](In* pin, Out* pout, i64 oc, Cx* buf) {
     void* plan = nullptr;
-    if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
+    if (packed && kind == kR2C) {  // rfft into the buffer, then zero + i Nyquist in slot 0
+      Piece p{n, n, m, 1, oc, 1};
+      plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(buf));
+      if (plan) {
+        F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(buf));
+        Cx* dst = reinterpret_cast<Cx*>(pout);
+        for (i64 o = 0; o < oc; ++o) {
+          const Cx* b = buf + o * m;
+          dst[o * h] = Cx(b[0].real(), b[h].real());
+          std::memcpy(dst + o * h + 1, b + 1, sizeof(Cx) * (h - 1));
+        }
+      }
+    } else if (packed) {  // slot 0 -> modes 0 and n/2 in the buffer, then c2r
+      const Cx* src = reinterpret_cast<const Cx*>(pin);
+      for (i64 o = 0; o < oc; ++o) {
+        Cx* b = buf + o * m;
+        b[0] = Cx(src[o * h].real(), 0);
+        b[h] = Cx(src[o * h].imag(), 0);
+        std::memcpy(b + 1, src + o * h + 1, sizeof(Cx) * (h - 1));
+      }
+      Piece p{n, m, n, 1, oc, 1};
+      plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
+      if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+    } else if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
       const Cx* src = reinterpret_cast<const Cx*>(pin);
       for (i64 o = 0; o < oc; ++o)
         for (i64 k = 0; k < m; ++k)
@@ -365,22 +406,28 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     return true;
   };
 
-  if (inner == 1 && (in_blocks > 1 || out_blocks > 1)) {
-    // Contiguous rows, blocked on one side or both: groups of rows that fit a cache
-    // panel are gathered into a buffer (blocked input), transformed as in the plain
-    // case below, and scattered from a buffer (blocked output).
+  const bool need_buf = fold || packed;
+  if (inner == 1 && (in_blocks > 1 || out_blocks > 1 || in_perm || out_perm || need_buf)) {
+    // Contiguous rows, blocked (or permuted) on one side or both, or through a work
+    // buffer (fold, packed): groups of rows that fit a cache panel are gathered into a
+    // buffer (blocked input), transformed as in the plain case below, and scattered
+    // from a buffer (blocked output); the work buffer stays in cache.
     const i64 rows = std::max<i64>(1, kPanelBytes / (std::max(in_len, out_len) *
                                                      static_cast<i64>(sizeof(Cx))));
     const i64 groups = (outer + rows - 1) / rows;
     auto work = [&](int64_t begin, int64_t end) {
-      In* tin = in_blocks > 1 ? static_cast<In*>(F::malloc(sizeof(In) * rows * in_len)) : nullptr;
-      Out* tout =
-          out_blocks > 1 ? static_cast<Out*>(F::malloc(sizeof(Out) * rows * out_len)) : nullptr;
-      Cx* buf = fold ? static_cast<Cx*>(F::malloc(sizeof(Cx) * rows * m)) : nullptr;
+      const bool gather = in_blocks > 1 || in_perm, scatter = out_blocks > 1 || out_perm;
+      In* tin = gather ? static_cast<In*>(F::malloc(sizeof(In) * rows * in_len)) : nullptr;
+      Out* tout = scatter ? static_cast<Out*>(F::malloc(sizeof(Out) * rows * out_len)) : nullptr;
+      Cx* buf = need_buf ? static_cast<Cx*>(F::malloc(sizeof(Cx) * rows * m)) : nullptr;
       for (i64 q = begin; q < end && ok; ++q) {
         const i64 o0 = q * rows, oc = std::min(rows, outer - o0);
         In* pin = in + o0 * in_len;
-        if (tin) {
+        if (tin && in_perm) {
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 j = 0; j < in_len; ++j) tin[o * in_len + j] = in[row_in(o0 + o, j)];
+          pin = tin;
+        } else if (tin) {
           for (i64 o = 0; o < oc; ++o)
             for (i64 b = 0; b < in_blocks; ++b)
               std::memcpy(tin + o * in_len + b * lb_in, in + row_in(o0 + o, b * lb_in),
@@ -392,7 +439,10 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
           ok = false;
           break;
         }
-        if (tout)
+        if (tout && out_perm)
+          for (i64 o = 0; o < oc; ++o)
+            for (i64 j = 0; j < out_len; ++j) out[row_out(o0 + o, j)] = tout[o * out_len + j];
+        else if (tout)
           for (i64 o = 0; o < oc; ++o)
             for (i64 b = 0; b < out_blocks; ++b)
               std::memcpy(out + row_out(o0 + o, b * lb_out), tout + o * out_len + b * lb_out,
@@ -417,7 +467,7 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 q = begin; q < end; ++q) {
         const i64 o0 = q * chunk, oc = std::min(chunk, outer - o0);
-        Cx* buf = fold ? static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m)) : nullptr;
+        Cx* buf = need_buf ? static_cast<Cx*>(F::malloc(sizeof(Cx) * oc * m)) : nullptr;
         const bool done = contiguous_rows(in + o0 * in_len, out + o0 * out_len, oc, buf);
         if (buf) F::free(buf);
         if (!done) {
@@ -543,6 +593,8 @@ class C2COp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
     OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
     OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
+    OP_REQUIRES_OK(c, c->GetAttr("in_pairs", &in_pairs_));
+    OP_REQUIRES_OK(c, c->GetAttr("out_pairs", &out_pairs_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -554,23 +606,26 @@ class C2COp : public OpKernel {
     if (!ctx->status().ok()) return;
     OP_REQUIRES_OK(ctx, blocked_shape(ls, axis_, out_blocks_, &os));
     Tensor* y = nullptr;  // in place when TensorFlow lets us reuse the input buffer
-    if (in_blocks_ == 1 && out_blocks_ == 1)
+    if (in_blocks_ == 1 && out_blocks_ == 1 && !in_pairs_ && !out_pairs_)
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, os, &y));
     else
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
     if (x.NumElements() == 0) return;
     const i64 n = ls.dim_size(axis_);
     Geometry g = geometry(ls, axis_);
+    const std::vector<i64> pos = pair_positions(n);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kC2C, inverse_ ? FFTW_BACKWARD : FFTW_FORWARD,
                                  x.flat<Cx>().data(), y->flat<Cx>().data(), g.outer, n, n, n,
-                                 g.inner, normalized_, kHalf, in_blocks_, out_blocks_),
+                                 g.inner, normalized_, kHalf, in_blocks_, out_blocks_,
+                                 in_pairs_ ? pos.data() : nullptr,
+                                 out_pairs_ ? pos.data() : nullptr),
                 plan_failed("c2c"));
   }
 
  private:
   int axis_;
-  bool inverse_, normalized_;
+  bool inverse_, normalized_, in_pairs_, out_pairs_;
   ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
@@ -582,10 +637,14 @@ class R2COp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
     OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
+    OP_REQUIRES_OK(c, c->GetAttr("packed", &packed_));
     OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
     OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
-    OP_REQUIRES(c, full_ || (in_blocks_ == 1 && out_blocks_ == 1),
-                InvalidArgument("r2c: blocked layouts need full = true"));
+    OP_REQUIRES_OK(c, c->GetAttr("out_pairs", &out_pairs_));
+    OP_REQUIRES(c, !(full_ && packed_), InvalidArgument("r2c: full and packed exclude each other"));
+    OP_REQUIRES(c, full_ || packed_ || (in_blocks_ == 1 && out_blocks_ == 1),
+                InvalidArgument("r2c: blocked layouts need full or packed"));
+    OP_REQUIRES(c, full_ || !out_pairs_, InvalidArgument("r2c: out_pairs needs full = true"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -597,7 +656,13 @@ class R2COp : public OpKernel {
     if (!ctx->status().ok()) return;
     const i64 n = ls.dim_size(axis_);
     OP_REQUIRES(ctx, n >= 1, InvalidArgument("r2c: the transform length must be >= 1"));
-    const i64 m = full_ ? n : n / 2 + 1;
+    if (packed_) {
+      OP_REQUIRES(ctx, n % 2 == 0 && n >= 2,
+                  InvalidArgument("r2c: packed needs an even length, got ", n));
+      OP_REQUIRES(ctx, axis_ == ls.dims() - 1,
+                  InvalidArgument("r2c: packed needs the last axis, got axis ", axis_));
+    }
+    const i64 m = full_ ? n : packed_ ? n / 2 : n / 2 + 1;
     TensorShape lo = ls;
     lo.set_dim(axis_, m);
     OP_REQUIRES_OK(ctx, blocked_shape(lo, axis_, out_blocks_, &os));
@@ -607,14 +672,16 @@ class R2COp : public OpKernel {
     Geometry g = geometry(ls, axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kR2C, 0, x.flat<R>().data(), y->flat<Cx>().data(), g.outer,
-                                 n, n, m, g.inner, normalized_, full_ ? kFull : kHalf,
-                                 in_blocks_, out_blocks_),
+                                 n, n, m, g.inner, normalized_,
+                                 full_ ? kFull : packed_ ? kPacked : kHalf, in_blocks_,
+                                 out_blocks_, nullptr,
+                                 out_pairs_ ? pair_positions(n).data() : nullptr),
                 plan_failed("r2c"));
   }
 
  private:
   int axis_;
-  bool normalized_, full_;
+  bool normalized_, full_, packed_, out_pairs_;
   ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
@@ -628,10 +695,16 @@ class C2ROp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("normalized", &normalized_));
     OP_REQUIRES_OK(c, c->GetAttr("full", &full_));
     OP_REQUIRES(c, n_ >= 1, InvalidArgument("c2r: the transform length n must be >= 1"));
+    OP_REQUIRES_OK(c, c->GetAttr("packed", &packed_));
     OP_REQUIRES_OK(c, c->GetAttr("in_blocks", &in_blocks_));
     OP_REQUIRES_OK(c, c->GetAttr("out_blocks", &out_blocks_));
-    OP_REQUIRES(c, full_ || (in_blocks_ == 1 && out_blocks_ == 1),
-                InvalidArgument("c2r: blocked layouts need full = true"));
+    OP_REQUIRES_OK(c, c->GetAttr("in_pairs", &in_pairs_));
+    OP_REQUIRES(c, !(full_ && packed_), InvalidArgument("c2r: full and packed exclude each other"));
+    OP_REQUIRES(c, full_ || packed_ || (in_blocks_ == 1 && out_blocks_ == 1),
+                InvalidArgument("c2r: blocked layouts need full or packed"));
+    OP_REQUIRES(c, full_ || !in_pairs_, InvalidArgument("c2r: in_pairs needs full = true"));
+    OP_REQUIRES(c, !packed_ || n_ % 2 == 0,
+                InvalidArgument("c2r: packed needs an even length n, got ", n_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -641,11 +714,13 @@ class C2ROp : public OpKernel {
     OP_REQUIRES_OK(ctx, logical_shape(x.shape(), axis_, in_blocks_, &ls));
     checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
-    const i64 n = n_, m = full_ ? n_ : n_ / 2 + 1;
+    const i64 n = n_, m = full_ ? n_ : packed_ ? n_ / 2 : n_ / 2 + 1;
     OP_REQUIRES(ctx, ls.dim_size(axis_) == m,
                 InvalidArgument("c2r: axis ", axis_, " has length ", ls.dim_size(axis_),
-                                ", expected ", full_ ? "n = " : "n // 2 + 1 = ", m,
-                                " for n = ", n));
+                                ", expected ", full_ ? "n = " : packed_ ? "n // 2 = " : "n // 2 + 1 = ",
+                                m, " for n = ", n));
+    OP_REQUIRES(ctx, !packed_ || axis_ == ls.dims() - 1,
+                InvalidArgument("c2r: packed needs the last axis, got axis ", axis_));
     TensorShape lo = ls;
     lo.set_dim(axis_, n);
     OP_REQUIRES_OK(ctx, blocked_shape(lo, axis_, out_blocks_, &os));
@@ -655,168 +730,105 @@ class C2ROp : public OpKernel {
     Geometry g = geometry(ls, axis_);
     OP_REQUIRES(ctx,
                 run_transform<R>(ctx, kC2R, 0, x.flat<Cx>().data(), y->flat<R>().data(), g.outer,
-                                 n, m, n, g.inner, normalized_, full_ ? kFull : kHalf,
-                                 in_blocks_, out_blocks_),
+                                 n, m, n, g.inner, normalized_,
+                                 full_ ? kFull : packed_ ? kPacked : kHalf, in_blocks_,
+                                 out_blocks_, in_pairs_ ? pair_positions(n).data() : nullptr),
                 plan_failed("c2r"));
   }
 
  private:
   int axis_;
   ::tensorflow::int64 n_;
-  bool normalized_, full_;
+  bool normalized_, full_, packed_, in_pairs_;
   ::tensorflow::int64 in_blocks_, out_blocks_;
 };
 
 
-// ---------------------------------------------------------------- Hermitian extend / fold
-// Index of the reflected (negated mod length) multi-index, for the flat indices of a
-// block of axes [lo, hi) of shape s (row-major), reflecting the axes flagged in `refl`.
-std::vector<i64> reflected_index(const TensorShape& s, int lo, int hi,
-                                 const std::vector<bool>& refl) {
-  i64 count = 1;
-  for (int d = lo; d < hi; ++d) count *= s.dim_size(d);
-  std::vector<i64> out(count);
-  for (i64 f = 0; f < count; ++f) {
-    i64 rest = f, src = 0, stride = 1;
-    for (int d = hi - 1; d >= lo; --d) {
-      const i64 len = s.dim_size(d), i = rest % len;
-      rest /= len;
-      src += (refl[d] ? (len - i) % len : i) * stride;
-      stride *= len;
-    }
-    out[f] = src;
-  }
-  return out;
-}
-
+// ---------------------------------------------------------------- mirror-pair completion / fold
+// x: [nx, ly, L] complex, kx (all nx modes) and ky (a block of ly positions, the
+// first block when first_y) in mirror-pair order, whose mirrors are local: position p
+// of an even-length axis mirrors p for p < 2 in the first block, p ^ 1 otherwise.
+// The last axis holds kz: a block of 2 h positions in pair order (full side) or the h
+// representatives j of its pairs (half side), whose zero-mode slot of the first block
+// (first_z) packs the modes 0 and n/2 as A + i B.
+//   fold=false (extend, h -> 2 h): y[p, r, 2 j] = x[p, r, j],
+//     y[p, r, 2 j + 1] = conj(x[p', r', j]); in the packed slot A = (P + conj(P')) / 2,
+//     B = (P - conj(P')) / (2 i) with P = x[p, r, 0], P' = x[p', r', 0].
+//   fold=true (2 h -> h): y[p, r, j] = (x[p, r, 2 j] + conj(x[p', r', 2 j + 1])) / 2, the
+//     Hermitian part at the representative; the packed slot A + i B with
+//     A = (x[p, r, 0] + conj(x[p', r', 0])) / 2, B = (x[p, r, 1] + conj(x[p', r', 1])) / 2.
+// firsts: int32 [2], (first_y, first_z) as 0 / 1 (the rank's block indices are 0).
 template <typename R>
-class HermitianOp : public OpKernel {
+class PairsOp : public OpKernel {
  public:
-  explicit HermitianOp(OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("axis", &axis_));
-    OP_REQUIRES_OK(c, c->GetAttr("n", &n_));
-    OP_REQUIRES_OK(c, c->GetAttr("reflect", &reflect_));
+  explicit PairsOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("fold", &fold_));
-    OP_REQUIRES_OK(c, c->GetAttr("blocks", &blocks_));
-    OP_REQUIRES_OK(c, c->GetAttr("block_axis", &block_axis_));
-    OP_REQUIRES(c, n_ >= 1, InvalidArgument("hermitian: the length n must be >= 1"));
-    OP_REQUIRES(c, blocks_ >= 1, InvalidArgument("hermitian: blocks must be >= 1"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     typedef std::complex<R> Cx;
     const Tensor& x = ctx->input(0);
-    // The logical input shape: with blocks > 1, fold reads the packed layout
-    // [blocks, ..., block_axis / blocks, ...]; extend writes it.
-    const bool packed = blocks_ > 1;
-    TensorShape ls = x.shape();
-    if (packed && fold_) {
-      OP_REQUIRES(ctx, ls.dims() >= 2 && ls.dim_size(0) == blocks_,
-                  InvalidArgument("hermitian: packed input needs a leading axis of ", blocks_));
-      ls.RemoveDim(0);
-    }
-    checked_axis(ctx, axis_, ls);
-    if (!ctx->status().ok()) return;
-    const int rank = ls.dims();
-    if (packed) {
-      OP_REQUIRES(ctx, block_axis_ >= 0 && block_axis_ < axis_,
-                  InvalidArgument("hermitian: block_axis ", block_axis_, " must precede axis ",
-                                  axis_));
-      if (fold_) ls.set_dim(block_axis_, ls.dim_size(block_axis_) * blocks_);
-      OP_REQUIRES(ctx, ls.dim_size(block_axis_) % blocks_ == 0,
-                  InvalidArgument("hermitian: block_axis of length ", ls.dim_size(block_axis_),
-                                  " is not divisible by ", blocks_, " blocks"));
-    }
-    std::vector<bool> refl(rank, false);
-    for (int a : reflect_) {
-      OP_REQUIRES(ctx, a >= 0 && a < rank && a != axis_,
-                  InvalidArgument("hermitian: reflect axis ", a, " out of range or equal to axis"));
-      refl[a] = true;
-    }
-    const i64 n = n_, m = n_ / 2 + 1, in_len = fold_ ? n : m, out_len = fold_ ? m : n;
-    OP_REQUIRES(ctx, ls.dim_size(axis_) == in_len,
-                InvalidArgument("hermitian: axis ", axis_, " has length ", ls.dim_size(axis_),
-                                ", expected ", in_len, " for n = ", n));
-    TensorShape os = ls;
-    os.set_dim(axis_, out_len);
-    if (packed && !fold_) {
-      os.set_dim(block_axis_, os.dim_size(block_axis_) / blocks_);
-      os.InsertDim(0, blocks_);
-    }
+    const Tensor& firsts = ctx->input(1);
+    OP_REQUIRES(ctx, x.dims() == 3,
+                InvalidArgument("pairs: x must have rank 3, got ", x.shape().DebugString()));
+    OP_REQUIRES(ctx, firsts.NumElements() == 2,
+                InvalidArgument("pairs: firsts must hold 2 values"));
+    const i64 nx = x.dim_size(0), ly = x.dim_size(1), len = x.dim_size(2);
+    OP_REQUIRES(ctx, nx % 2 == 0 && ly % 2 == 0,
+                InvalidArgument("pairs: the kx and ky extents must be even, got ", nx, ", ", ly));
+    OP_REQUIRES(ctx, !fold_ || len % 2 == 0,
+                InvalidArgument("pairs: fold needs an even kz extent, got ", len));
+    const auto f = firsts.flat<int32_t>();
+    const bool first_y = f(0) != 0, first_z = f(1) != 0;
+    const i64 h = fold_ ? len / 2 : len, out_len = fold_ ? h : 2 * h;
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nx, ly, out_len}), &y));
     if (y->NumElements() == 0) return;
-    const std::vector<i64> so = reflected_index(ls, 0, axis_, refl);
-    const std::vector<i64> si = reflected_index(ls, axis_ + 1, rank, refl);
-    const i64 outer = static_cast<i64>(so.size()), inner = static_cast<i64>(si.size());
-    // Row (outer index) in the packed layout of each logical outer index.
-    std::vector<i64> po;
-    if (packed) {
-      po.resize(outer);
-      i64 after = 1;  // the outer axes after block_axis
-      for (int d = block_axis_ + 1; d < axis_; ++d) after *= ls.dim_size(d);
-      const i64 len = ls.dim_size(block_axis_), sb = len / blocks_, per = outer / blocks_;
-      for (i64 o = 0; o < outer; ++o) {
-        const i64 lo = o % after, ib = (o / after) % len, hi = o / (after * len);
-        po[o] = (ib / sb) * per + (hi * sb + ib % sb) * after + lo;
-      }
-    }
     const Cx* in = x.flat<Cx>().data();
     Cx* out = y->flat<Cx>().data();
     const bool fold = fold_;
-    auto work = [&](i64 o0, i64 o1) {
-      for (i64 o = o0; o < o1; ++o) {
-        const bool pin = packed && fold, pout = packed && !fold;
-        const Cx* src = in + (pin ? po[o] : o) * in_len * inner;
-        const Cx* mir = in + (pin ? po[so[o]] : so[o]) * in_len * inner;
-        Cx* dst = out + (pout ? po[o] : o) * out_len * inner;
-        if (inner == 1) {  // the usual case (the half axis last): contiguous rows
+    auto mirror = [](i64 p, bool first) { return (first && p < 2) ? p : (p ^ 1); };
+    auto work = [&](i64 r0, i64 r1) {
+      for (i64 row = r0; row < r1; ++row) {
+        const i64 p = row / ly, r = row % ly;
+        const Cx* src = in + row * len;
+        const Cx* mir = in + (mirror(p, true) * ly + mirror(r, first_y)) * len;
+        Cx* dst = out + row * out_len;
+        i64 j0 = 0;
+        if (first_z) {
+          j0 = 1;
           if (fold) {
-            dst[0] = R(0.5) * (src[0] + std::conj(mir[0]));
-            for (i64 k = 1; k < out_len; ++k) dst[k] = R(0.5) * (src[k] + std::conj(mir[n - k]));
+            const Cx a = R(0.5) * (src[0] + std::conj(mir[0]));
+            const Cx b = R(0.5) * (src[1] + std::conj(mir[1]));
+            dst[0] = a + Cx(-b.imag(), b.real());
           } else {
-            std::memcpy(dst, src, sizeof(Cx) * m);
-            for (i64 k = m; k < n; ++k) dst[k] = std::conj(mir[n - k]);
+            const Cx P = src[0], Pm = std::conj(mir[0]);
+            const Cx d = P - Pm;
+            dst[0] = R(0.5) * (P + Pm);
+            dst[1] = R(0.5) * Cx(d.imag(), -d.real());  // (P - conj(P')) / (2 i)
           }
-          continue;
         }
-        for (i64 k = 0; k < out_len; ++k) {
-          const i64 kk = (n - k) % n;
-          const Cx* row = src + k * inner;
-          const Cx* mrow = mir + kk * inner;
-          Cx* drow = dst + k * inner;
-          if (fold) {
-            for (i64 i = 0; i < inner; ++i)
-              drow[i] = R(0.5) * (row[i] + std::conj(mrow[si[i]]));
-          } else if (k < m) {
-            std::memcpy(drow, row, sizeof(Cx) * inner);
-          } else {
-            for (i64 i = 0; i < inner; ++i) drow[i] = std::conj(mrow[si[i]]);
+        if (fold) {
+          for (i64 j = j0; j < h; ++j)
+            dst[j] = R(0.5) * (src[2 * j] + std::conj(mir[2 * j + 1]));
+        } else {
+          for (i64 j = j0; j < h; ++j) {
+            dst[2 * j] = src[j];
+            dst[2 * j + 1] = std::conj(mir[j]);
           }
         }
       }
     };
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    ::tensorflow::Shard(workers->num_threads, workers->workers, outer,
-                        (in_len + out_len) * inner * 4, work);
+    ::tensorflow::Shard(workers->num_threads, workers->workers, nx * ly, (len + out_len) * 4,
+                        work);
   }
 
  private:
-  int axis_;
-  ::tensorflow::int64 n_;
-  std::vector<int> reflect_;
   bool fold_;
-  ::tensorflow::int64 blocks_, block_axis_;
 };
 
 // ---------------------------------------------------------------- registration
-::tensorflow::Status axis_attr(InferenceContext* c, int* axis) {
-  TF_RETURN_IF_ERROR(c->GetAttr("axis", axis));
-  if (c->RankKnown(c->input(0)) && (*axis < 0 || *axis >= c->Rank(c->input(0))))
-    return InvalidArgument("axis ", *axis, " out of range for rank ", c->Rank(c->input(0)));
-  return ::tensorflow::OkStatus();
-}
-
 // Output shape of a 1D transform along `axis` with blocked layouts (attrs in_blocks,
 // out_blocks): the input's logical shape, the axis length mapped by `length` (a
 // known input length -> the output length), stored with out_blocks.
@@ -874,6 +886,8 @@ REGISTER_OP("FlowpmFftC2c")
     .Attr("normalized: bool")
     .Attr("in_blocks: int = 1")
     .Attr("out_blocks: int = 1")
+    .Attr("in_pairs: bool = false")
+    .Attr("out_pairs: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       return transform_shape(c, [](i64 len) { return len; });
     })
@@ -889,12 +903,16 @@ REGISTER_OP("FlowpmFftR2c")
     .Attr("axis: int")
     .Attr("normalized: bool")
     .Attr("full: bool = false")
+    .Attr("packed: bool = false")
     .Attr("in_blocks: int = 1")
     .Attr("out_blocks: int = 1")
+    .Attr("out_pairs: bool = false")
     .SetShapeFn([](InferenceContext* c) {
-      bool full;
+      bool full, packed;
       TF_RETURN_IF_ERROR(c->GetAttr("full", &full));
-      return transform_shape(c, [full](i64 len) { return full ? len : len / 2 + 1; });
+      TF_RETURN_IF_ERROR(c->GetAttr("packed", &packed));
+      return transform_shape(
+          c, [full, packed](i64 len) { return full ? len : packed ? len / 2 : len / 2 + 1; });
     })
     .Doc("Real-to-complex 1D FFT along `axis` (numpy.fft.rfft; with `full`, all n modes: "
          "numpy.fft.fft of the real input), times 1/n when `normalized`.");
@@ -908,8 +926,10 @@ REGISTER_OP("FlowpmFftC2r")
     .Attr("axis: int")
     .Attr("normalized: bool")
     .Attr("full: bool = false")
+    .Attr("packed: bool = false")
     .Attr("in_blocks: int = 1")
     .Attr("out_blocks: int = 1")
+    .Attr("in_pairs: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ::tensorflow::int64 n;
       TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
@@ -918,40 +938,27 @@ REGISTER_OP("FlowpmFftC2r")
     .Doc("Complex-to-real 1D FFT along `axis` (numpy.fft.irfft when `normalized`; with "
          "`full`, n input modes: numpy.fft.ifft(x).real).");
 
-REGISTER_OP("FlowpmHermitian")
+REGISTER_OP("FlowpmPairs")
     .Input("x: T")
+    .Input("firsts: int32")
     .Output("y: T")
     .Attr("T: {complex64, complex128}")
-    .Attr("n: int")
-    .Attr("axis: int")
-    .Attr("reflect: list(int) = []")
     .Attr("fold: bool")
-    .Attr("blocks: int = 1")
-    .Attr("block_axis: int = -1")
     .SetShapeFn([](InferenceContext* c) {
-      int axis;
-      ::tensorflow::int64 n, blocks;
       bool fold;
-      TF_RETURN_IF_ERROR(c->GetAttr("n", &n));
       TF_RETURN_IF_ERROR(c->GetAttr("fold", &fold));
-      TF_RETURN_IF_ERROR(c->GetAttr("blocks", &blocks));
-      if (blocks > 1) {  // packed layouts (checked by the kernel)
-        c->set_output(0, c->UnknownShape());
-        return ::tensorflow::OkStatus();
-      }
-      TF_RETURN_IF_ERROR(axis_attr(c, &axis));
-      if (!c->RankKnown(c->input(0))) {
-        c->set_output(0, c->UnknownShape());
-        return ::tensorflow::OkStatus();
-      }
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(
-          c->ReplaceDim(c->input(0), axis, c->MakeDim(fold ? n / 2 + 1 : n), &out));
-      c->set_output(0, out);
+      ShapeHandle x;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &x));
+      DimensionHandle d = c->Dim(x, 2), out;
+      if (!c->ValueKnown(d)) out = c->UnknownDim();
+      else out = c->MakeDim(fold ? c->Value(d) / 2 : 2 * c->Value(d));
+      ShapeHandle y;
+      TF_RETURN_IF_ERROR(c->ReplaceDim(x, 2, out, &y));
+      c->set_output(0, y);
       return ::tensorflow::OkStatus();
     })
-    .Doc("Half <-> full spectrum along `axis` of a field with Fourier axes `reflect` "
-         "(fold=false: Hermitian extension; fold=true: Hermitian part, half kept).");
+    .Doc("Full <-> half spectrum of a real field's transform in mirror-pair order "
+         "(fold=false: completion from the representatives; fold=true: Hermitian part).");
 
 #define REGISTER(R, C)                                                                    \
   REGISTER_KERNEL_BUILDER(                                                                \
@@ -968,8 +975,8 @@ REGISTER_OP("FlowpmHermitian")
                               .TypeConstraint<C>("Tcomplex"),                             \
                           C2ROp<R>);                                                      \
   REGISTER_KERNEL_BUILDER(                                                                \
-      Name("FlowpmHermitian").Device(::tensorflow::DEVICE_CPU).TypeConstraint<C>("T"),    \
-      HermitianOp<R>);
+      Name("FlowpmPairs").Device(::tensorflow::DEVICE_CPU).TypeConstraint<C>("T"),        \
+      PairsOp<R>);
 
 REGISTER(float, ::tensorflow::complex64)
 REGISTER(double, ::tensorflow::complex128)
