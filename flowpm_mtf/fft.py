@@ -634,6 +634,28 @@ def _pairs_grad(op, dy):
 
 
 # ----------------------------------------------------------------------------- FFT op
+def half_spectrum_fits(nc, grid):
+    """Whether the mesh and grid allow the half-spectrum path of real transforms.
+
+    Parameters
+    ----------
+    nc : sequence of 3 int
+        Cells per axis.
+    grid : (int, int)
+        Ranks ``(P, Q)`` over ``ky`` (and ``x``) and ``kz`` (and ``y``).
+
+    Returns
+    -------
+    bool
+        Every size even and the ``ky``, ``kz`` blocks (``nc[1] / P``, ``nc[2] / Q``)
+        even, so that each block holds whole mirror pairs. Then, on the native path,
+        r2c and c2r of ``[x, y, z]`` fields move half the spectrum
+        (``FFT3DOperation._lower_half``).
+    """
+    (P, Q), (_, ny, nz) = grid, nc
+    return all(n % 2 == 0 for n in nc) and (ny // P) % 2 == 0 and (nz // Q) % 2 == 0
+
+
 class FFT3DOperation(mtf.Operation):
     """``y = s * T(x)`` with ``T`` the unnormalised 3D DFT or the inverse DFT.
 
@@ -742,8 +764,7 @@ class FFT3DOperation(mtf.Operation):
         real_in = not self._inverse and not x.dtype.is_complex
         real_out = self._inverse and self._real_output
         if (native_slice and (real_in or real_out) and pos == [0, 1, 2]
-                and len(x.shape.dims) == 3 and all(n % 2 == 0 for n in sizes)
-                and (sizes[1] // P) % 2 == 0 and (sizes[2] // Q) % 2 == 0):
+                and len(x.shape.dims) == 3 and half_spectrum_fits(sizes, (P, Q))):
             t = self._lower_half(mesh_impl, t, (a, P), (b, Q), sizes[2], normalized, factor)
         else:
             t = self._lower_full(mesh_impl, t, pos, (a, P), (b, Q), normalized, factor)

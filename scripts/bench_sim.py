@@ -192,9 +192,11 @@ def _alltoall_graph(conf, impl):
     (``kernels.packed_inverse``; the same two, backwards, all ``nz`` modes)."""
     import tensorflow.compat.v1 as tf
 
+    from flowpm_mtf import fft
+
     (p, q), (nx, ny, nz) = conf.grid, conf.nc
     cdt = tf.complex64 if conf.dtype == "float32" else tf.complex128
-    half = all(n % 2 == 0 for n in conf.nc) and (ny // p) % 2 == 0 and (nz // q) % 2 == 0
+    half = fft.half_spectrum_fits(conf.nc, conf.grid)
     shape = [nx // p, ny // q, nz]
     block = tf.Variable(tf.complex(tf.ones(shape, conf.tf_dtype),
                                    tf.zeros(shape, conf.tf_dtype)),

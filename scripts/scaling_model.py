@@ -79,9 +79,11 @@ def fft_fields(workload, nc, grid, half_spectrum=True):
     -------
     float
     """
-    P, Q = grid
+    sys.path.insert(0, REPO)
+    from flowpm_mtf import fft
+
     f = FFT_FIELDS[workload]
-    if half_spectrum and nc % 2 == 0 and (nc // P) % 2 == 0 and (nc // Q) % 2 == 0:
+    if half_spectrum and fft.half_spectrum_fits((nc,) * 3, grid):
         f -= REAL_FFT_FIELDS[workload] / 2
     return f
 

@@ -70,9 +70,18 @@ def test_fft_matches_numpy(case, nc, dtype):
 def _half_path_expected(kind, conf, native_path):
     """Whether FFT3DOperation takes the half-spectrum path (``_lower_half``) for r2c/c2r
     (``kind`` "single" runs on a 1x1 mesh whatever ``conf.grid``)."""
-    (P, Q), (nx, ny, nz) = (1, 1) if kind == "single" else conf.grid, conf.nc
+    (P, Q), (_, ny, nz) = (1, 1) if kind == "single" else conf.grid, conf.nc
     return native_path and all(n % 2 == 0 for n in conf.nc) and (ny // P) % 2 == 0 \
         and (nz // Q) % 2 == 0
+
+
+@pytest.mark.parametrize("nc,grid,fits", [
+    ((8, 8, 8), (2, 2), True), ((6, 10, 4), (2, 2), False), ((6, 10, 4), (1, 2), True),
+    ((4, 8, 12), (2, 3), True), ((4, 12, 8), (4, 2), False), ((7, 8, 8), (1, 1), False),
+    ((8, 8, 6), (1, 3), True), ((8, 8, 6), (1, 6), False)])
+def test_half_spectrum_fits(nc, grid, fits):
+    """Even sizes and even ky (nc[1] / P) and kz (nc[2] / Q) blocks, nothing else."""
+    assert fft.half_spectrum_fits(nc, grid) is fits
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
