@@ -43,6 +43,7 @@
 #include <fftw3.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <complex>
 #include <cstdlib>
@@ -299,6 +300,66 @@ std::vector<i64> pair_positions(i64 n) {
   return pos;
 }
 
+// The passes around the half-length complex FFT of the packed real transforms, on
+// interleaved (re, im) rows of h values, with w = (re, im) of exp(-2 pi i k / n) for
+// k < h and c a real factor. Pairs (k, h - k) use w_(h-k) = -conj(w_k).
+//   post (r2c): z = FFT of x_2m + i x_2m+1. With a = z_k, b = conj(z_h-k),
+//     e = c (a + b) / 2, t = w_k (a - b) / 2i: X_k = e + t, X_h-k = conj(e - t), and slot
+//     0 = c ((Re z_0 + Im z_0) + i (Re z_0 - Im z_0)).
+//   pre (c2r): with a = X_k, b = conj(X_h-k), s = c (a + b), t = i c (a - b) conj(w_k):
+//     Z_k = s + t, Z_h-k = conj(s - t), Z_0 = c ((X_0 + X_h) + i (X_0 - X_h)) (slot 0 =
+//     X_0 + i X_h); the inverse FFT of Z, read as reals, is n times the real row.
+// Separate input and output rows (restrict): the loops vectorise; an AVX2 clone is
+// chosen at load time.
+template <typename R>
+__attribute__((target_clones("avx2", "default"))) void packed_post(
+    const R* __restrict z, R* __restrict out, const R* __restrict w, int64_t h, R c) {
+  out[0] = c * (z[0] + z[1]);
+  out[1] = c * (z[0] - z[1]);
+  const R half = R(0.5) * c;
+  const int64_t top = (h + 1) / 2;  // k < h - k
+  for (int64_t k = 1; k < top; ++k) {
+    const int64_t kk = h - k;
+    const R ar = z[2 * k], ai = z[2 * k + 1], br = z[2 * kk], bi = -z[2 * kk + 1];
+    const R er = half * (ar + br), ei = half * (ai + bi);
+    const R odr = half * (ai - bi), odi = -half * (ar - br);  // (a - b) / 2i
+    const R tr = w[2 * k] * odr - w[2 * k + 1] * odi;
+    const R ti = w[2 * k] * odi + w[2 * k + 1] * odr;
+    out[2 * k] = er + tr;
+    out[2 * k + 1] = ei + ti;
+    out[2 * kk] = er - tr;
+    out[2 * kk + 1] = ti - ei;
+  }
+  if (h % 2 == 0 && h >= 2) {  // k = h/2, its own partner: X = c conj(z)
+    out[h] = c * z[h];
+    out[h + 1] = -c * z[h + 1];
+  }
+}
+
+template <typename R>
+__attribute__((target_clones("avx2", "default"))) void packed_pre(
+    const R* __restrict x, R* __restrict z, const R* __restrict w, int64_t h, R c) {
+  z[0] = c * (x[0] + x[1]);
+  z[1] = c * (x[0] - x[1]);
+  const int64_t top = (h + 1) / 2;
+  for (int64_t k = 1; k < top; ++k) {
+    const int64_t kk = h - k;
+    const R ar = x[2 * k], ai = x[2 * k + 1], br = x[2 * kk], bi = -x[2 * kk + 1];
+    const R sr = c * (ar + br), si = c * (ai + bi);
+    const R ur = -c * (ai - bi), ui = c * (ar - br);  // i c (a - b)
+    const R tr = ur * w[2 * k] + ui * w[2 * k + 1];   // times conj(w_k)
+    const R ti = ui * w[2 * k] - ur * w[2 * k + 1];
+    z[2 * k] = sr + tr;
+    z[2 * k + 1] = si + ti;
+    z[2 * kk] = sr - tr;
+    z[2 * kk + 1] = ti - si;
+  }
+  if (h % 2 == 0 && h >= 2) {  // k = h/2: Z = 2 c conj(X)
+    z[h] = R(2) * c * x[h];
+    z[h + 1] = R(-2) * c * x[h + 1];
+  }
+}
+
 template <typename T>
 T conj_of(const T& v) {
   return v;
@@ -340,6 +401,11 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   const bool fold = layout == kFull && kind == kC2R;   // Hermitian part first
   const bool packed = layout == kPacked;                // zero + Nyquist in one slot
   const i64 h = n / 2;
+  std::vector<Cx> twiddle(packed ? h : 0);  // w^k = exp(-2 pi i k / n), k < n/2
+  for (i64 k = 0; k < static_cast<i64>(twiddle.size()); ++k) {
+    const double t = -2.0 * 3.14159265358979323846 * static_cast<double>(k) / static_cast<double>(n);
+    twiddle[k] = Cx(static_cast<R>(std::cos(t)), static_cast<R>(std::sin(t)));
+  }
   std::atomic<bool> ok(true);
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
   i64 threads = workers->num_threads;
@@ -361,29 +427,35 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
   // then the normalisation. False if FFTW could not plan.
   auto contiguous_rows = [&](In* pin, Out* pout, i64 oc, Cx* buf) {
     void* plan = nullptr;
-    if (packed && kind == kR2C) {  // rfft into the buffer, then zero + i Nyquist in slot 0
-      Piece p{n, n, m, 1, oc, 1};
-      plan = get_plan<R>(kind, sign, p, fw<R>(pin), fw<R>(buf));
-      if (plan) {
-        F::exec(static_cast<typename F::Plan>(plan), fw<R>(pin), fw<R>(buf));
-        Cx* dst = reinterpret_cast<Cx*>(pout);
-        for (i64 o = 0; o < oc; ++o) {
-          const Cx* b = buf + o * m;
-          dst[o * h] = Cx(b[0].real(), b[h].real());
-          std::memcpy(dst + o * h + 1, b + 1, sizeof(Cx) * (h - 1));
-        }
-      }
-    } else if (packed) {  // slot 0 -> modes 0 and n/2 in the buffer, then c2r
-      const Cx* src = reinterpret_cast<const Cx*>(pin);
-      for (i64 o = 0; o < oc; ++o) {
-        Cx* b = buf + o * m;
-        b[0] = Cx(src[o * h].real(), 0);
-        b[h] = Cx(src[o * h].imag(), 0);
-        std::memcpy(b + 1, src + o * h + 1, sizeof(Cx) * (h - 1));
-      }
-      Piece p{n, m, n, 1, oc, 1};
-      plan = get_plan<R>(kC2RDestroy, sign, p, fw<R>(buf), fw<R>(pout));
-      if (plan) F::exec(static_cast<typename F::Plan>(plan), fw<R>(buf), fw<R>(pout));
+    if (packed && kind == kR2C) {
+      // The real row as h = n/2 complex values z_m = x_2m + i x_2m+1, a complex FFT of
+      // length h (FFTW's estimated real-to-complex plans are ~2x slower here), then
+      // X_k = E_k + w^k O_k with E_k = (Z_k + conj Z_h-k) / 2, O_k = (Z_k - conj Z_h-k)
+      // / 2i, w = exp(-2 pi i / n) (packed_post, from the work buffer); slot 0 = X_0 +
+      // i X_h = (Re Z_0 + Im Z_0) + i (Re Z_0 - Im Z_0). The normalisation rides along.
+      Piece p{h, h, h, 1, oc, 1};
+      Cx* zin = reinterpret_cast<Cx*>(pin);
+      plan = get_plan<R>(kC2C, FFTW_FORWARD, p, fw<R>(zin), fw<R>(buf));
+      if (!plan) return false;
+      F::exec(static_cast<typename F::Plan>(plan), fw<R>(zin), fw<R>(buf));
+      const R sc = normalized ? s : R(1);
+      const R* wt = reinterpret_cast<const R*>(twiddle.data());
+      for (i64 o = 0; o < oc; ++o)
+        packed_post<R>(reinterpret_cast<const R*>(buf + o * h),
+                       reinterpret_cast<R*>(pout) + 2 * o * h, wt, h, sc);
+      return true;
+    } else if (packed) {  // the inverse (see packed_pre), then a complex inverse FFT
+      const R sc = normalized ? s : R(1);
+      const R* wt = reinterpret_cast<const R*>(twiddle.data());
+      for (i64 o = 0; o < oc; ++o)  // into the output rows (n reals = h complex), in place
+        packed_pre<R>(reinterpret_cast<const R*>(pin) + 2 * o * h,
+                      reinterpret_cast<R*>(pout) + 2 * o * h, wt, h, sc);
+      Piece p{h, h, h, 1, oc, 1};
+      Cx* zout = reinterpret_cast<Cx*>(pout);
+      plan = get_plan<R>(kC2C, FFTW_BACKWARD, p, fw<R>(zout), fw<R>(zout));
+      if (!plan) return false;
+      F::exec(static_cast<typename F::Plan>(plan), fw<R>(zout), fw<R>(zout));
+      return true;
     } else if (fold) {  // rows of n modes -> buffer of m Hermitian modes -> c2r
       const Cx* src = reinterpret_cast<const Cx*>(pin);
       for (i64 o = 0; o < oc; ++o)
@@ -406,8 +478,9 @@ bool run_transform(OpKernelContext* ctx, int kind, int sign, const In* in_c, Out
     return true;
   };
 
-  const bool need_buf = fold || packed;
-  if (inner == 1 && (in_blocks > 1 || out_blocks > 1 || in_perm || out_perm || need_buf)) {
+  const bool need_buf = fold || (packed && kind == kR2C);  // work buffer per row group
+  const bool grouped = need_buf || packed;
+  if (inner == 1 && (in_blocks > 1 || out_blocks > 1 || in_perm || out_perm || grouped)) {
     // Contiguous rows, blocked (or permuted) on one side or both, or through a work
     // buffer (fold, packed): groups of rows that fit a cache panel are gathered into a
     // buffer (blocked input), transformed as in the plain case below, and scattered
