@@ -317,7 +317,8 @@ def test_blocked_layouts_gradients_adjoint(shape, axis, bi, bo, pairs):
 
 
 # Packed real transforms (rfft_packed_along / irfft_packed_along): (shape, blocks).
-PACKED_CASES = [((5, 3, 8), 1), ((5, 3, 8), 2), ((4, 7, 60), 3), ((8, 24, 180), 6)]
+PACKED_CASES = [((5, 3, 8), 1), ((5, 3, 8), 2), ((4, 7, 60), 3), ((8, 24, 180), 6), ((5, 3, 2), 1),
+                ((5, 3, 4), 2), ((3, 2, 6), 1)]  # n = 2, 4, 6: h = 1, 2 and odd 3
 
 
 def _np_packed(r, n):
