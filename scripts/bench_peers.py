@@ -149,9 +149,17 @@ def simulation_graph_class():
 
 
 def start_allocator():
-    """Re-execute under the host allocator of ``flowpm-mtf`` (:mod:`flowpm_mtf.allocator`,
-    before TensorFlow loads), so ours is timed as a job runs; the mode in effect, or
-    ``"tf"`` for a revision without the module."""
+    """Start as the ``flowpm-mtf`` entry point does, so ours is timed as a job runs:
+    MPI's waiting policy (:mod:`hvd_mesh_impl.launch_env`, before MPI loads) and the
+    host allocator (:mod:`flowpm_mtf.allocator`, a re-execution before TensorFlow
+    loads); the allocator mode in effect, or ``"tf"`` for a revision without the
+    module."""
+    try:
+        from hvd_mesh_impl import launch_env
+    except ImportError:  # a baseline revision without it
+        pass
+    else:
+        launch_env.apply()
     try:
         from flowpm_mtf import allocator
     except ImportError:

@@ -1,0 +1,35 @@
+"""MPI's waiting policy of a rank (hvd_mesh_impl.launch_env): set where unset, a user's
+own value kept, and applied by the ``flowpm-mtf`` entry point before the allocator's
+re-execution (so before MPI loads)."""
+import pytest
+
+from flowpm_mtf import allocator, cli
+from hvd_mesh_impl import launch_env
+
+pytestmark = pytest.mark.single_process
+
+YIELD = "OMPI_MCA_mpi_yield_when_idle"
+
+
+def test_apply_sets_the_defaults_and_keeps_a_users_value():
+    env = {}
+    assert launch_env.apply(env) == {YIELD: "1"}
+    assert env == {YIELD: "1"}
+    mine = {YIELD: "0"}
+    assert launch_env.apply(mine) == {}
+    assert mine == {YIELD: "0"}
+
+
+def test_entry_applies_them_before_the_allocator(monkeypatch):
+    monkeypatch.delenv(YIELD, raising=False)
+    seen = []
+
+    def ensure():  # stands in for the re-execution: record the environment, stop there
+        import os
+
+        seen.append(os.environ.get(YIELD))
+        raise allocator.AllocatorError("stop")
+
+    monkeypatch.setattr(allocator, "ensure", ensure)
+    assert cli.entry() == 2
+    assert seen == ["1"]
