@@ -678,8 +678,10 @@ class C2COp : public OpKernel {
     checked_axis(ctx, axis_, ls);
     if (!ctx->status().ok()) return;
     OP_REQUIRES_OK(ctx, blocked_shape(ls, axis_, out_blocks_, &os));
-    Tensor* y = nullptr;  // in place when TensorFlow lets us reuse the input buffer
-    if (in_blocks_ == 1 && out_blocks_ == 1 && !in_pairs_ && !out_pairs_)
+    // In place when TensorFlow lets us reuse the input buffer, also with the pair
+    // orders: every panel (row group) reads all its rows before it writes them.
+    Tensor* y = nullptr;
+    if (in_blocks_ == 1 && out_blocks_ == 1)
       OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, os, &y));
     else
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, os, &y));
