@@ -373,16 +373,14 @@ def report_error(exc, args, verbose):
 def entry():
     """The ``flowpm-mtf`` command: start under the chosen memory allocator, then :func:`main`.
 
-    :func:`hvd_mesh_impl.launch_env.apply` sets MPI's waiting policy (Open MPI
+    :func:`flowpm_mtf.launch_env.apply` sets MPI's waiting policy (Open MPI
     yields while it waits: the rank's threads outnumber its core) and
     :func:`flowpm_mtf.allocator.ensure` re-executes the process once with the
     environment of ``FLOWPM_MTF_ALLOCATOR``, both before MPI, Horovod or
     TensorFlow are loaded; an unknown mode is a one-line error (exit 2) on every
     rank.
     """
-    from hvd_mesh_impl import launch_env
-
-    from . import allocator
+    from . import allocator, launch_env
 
     launch_env.apply()
 

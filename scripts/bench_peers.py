@@ -150,12 +150,12 @@ def simulation_graph_class():
 
 def start_allocator():
     """Start as the ``flowpm-mtf`` entry point does, so ours is timed as a job runs:
-    MPI's waiting policy (:mod:`hvd_mesh_impl.launch_env`, before MPI loads) and the
+    MPI's waiting policy (:mod:`flowpm_mtf.launch_env`, before MPI loads) and the
     host allocator (:mod:`flowpm_mtf.allocator`, a re-execution before TensorFlow
     loads); the allocator mode in effect, or ``"tf"`` for a revision without the
     module."""
     try:
-        from hvd_mesh_impl import launch_env
+        from flowpm_mtf import launch_env
     except ImportError:  # a baseline revision without it
         pass
     else:

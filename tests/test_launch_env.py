@@ -1,10 +1,10 @@
-"""MPI's waiting policy of a rank (hvd_mesh_impl.launch_env): set where unset, a user's
+"""MPI's waiting policy of a rank (flowpm_mtf.launch_env): set where unset, a user's
 own value kept, and applied by the ``flowpm-mtf`` entry point before the allocator's
-re-execution (so before MPI loads)."""
+re-execution (so before MPI loads), without importing TensorFlow there (its start-up
+lines are hidden only once the command line is parsed)."""
 import pytest
 
-from flowpm_mtf import allocator, cli
-from hvd_mesh_impl import launch_env
+from flowpm_mtf import allocator, cli, launch_env
 
 pytestmark = pytest.mark.single_process
 
@@ -18,6 +18,18 @@ def test_apply_sets_the_defaults_and_keeps_a_users_value():
     mine = {YIELD: "0"}
     assert launch_env.apply(mine) == {}
     assert mine == {YIELD: "0"}
+
+
+def test_launch_env_imports_nothing_heavy():
+    """The entry point imports it before MPI and TensorFlow: it must not import them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from flowpm_mtf import launch_env; "
+            "print(sorted(m for m in ('tensorflow', 'mpi4py', 'horovod') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 
 def test_entry_applies_them_before_the_allocator(monkeypatch):

@@ -19,7 +19,10 @@ call ``sched_yield``. Measured on this 2-core machine (the FFT round trip of a
 :func:`apply` sets :data:`DEFAULTS` with ``os.environ.setdefault`` (a user's own
 setting is kept); Open MPI reads ``OMPI_MCA_*`` variables in ``MPI_Init``, so the
 entry point (``flowpm_mtf.cli.entry``) calls it before ``mpi4py`` or Horovod is
-imported. Other MPI libraries ignore the variable.
+imported. Other MPI libraries ignore the variable. This module imports nothing
+but ``os`` (it lives in ``flowpm_mtf``, whose package import is light: the
+``hvd_mesh_impl`` package imports TensorFlow, whose start-up lines the entry
+point hides only after parsing the command line).
 """
 import os
 
