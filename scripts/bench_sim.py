@@ -197,16 +197,20 @@ def _alltoall_graph(conf, impl):
     (p, q), (nx, ny, nz) = conf.grid, conf.nc
     cdt = tf.complex64 if conf.dtype == "float32" else tf.complex128
     half = fft.half_spectrum_fits(conf.nc, conf.grid)
-    shape = [nx // p, ny // q, nz]
-    block = tf.Variable(tf.complex(tf.ones(shape, conf.tf_dtype),
-                                   tf.zeros(shape, conf.tf_dtype)),
-                        trainable=False, name="bench_cblock")
-    assert block.dtype.base_dtype == cdt
+
+    def cblock(shape, name):
+        v = tf.Variable(tf.complex(tf.ones(shape, conf.tf_dtype), tf.zeros(shape, conf.tf_dtype)),
+                        trainable=False, name=name)
+        assert v.dtype.base_dtype == cdt
+        return v
+
+    # the forward's block: nz / 2 modes on the half-spectrum path
+    block = cblock([nx // p, ny // q, nz // 2 if half else nz], "bench_cblock")
+    kblock = cblock([nx, ny // p, nz // q], "bench_kblock") if half else None
     before = impl.comm_bytes_received()
-    lo = impl.LaidOutTensor([block[:, :, :nz // 2] if half else block])
+    lo = impl.LaidOutTensor([block])
     fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q (/ 2)]
-    if half:  # the k-space block [nx, ny/P, nz/Q], once the forward is done
-        kblock = tf.reshape(block, [nx, ny // p, nz // q])
+    if half:  # the full k-space block [nx, ny/P, nz/Q], once the forward is done
         with tf.control_dependencies(fwd.tensor_list):
             kblock = tf.identity(kblock)
     else:

@@ -112,6 +112,20 @@ def test_native_matches_numpy(n, dtype):
         assert rel_err(o, ref) < RTOL[dtype], (i // len(NAMES), name)
 
 
+def _assert_native_equals_tensorflow(build, monkeypatch):
+    """The tensors of ``build()`` on the native op, then on the TF fallback (no native op
+    in its graph), agree to RTOL (float64)."""
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        nat = run(build())
+    monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        ops = build()
+        assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
+        ref = run(ops)
+    for i, (a, b) in enumerate(zip(nat, ref)):
+        assert rel_err(a, b) < RTOL["float64"], i
+
+
 @needs_native
 def test_native_equals_tensorflow_path(monkeypatch):
     """The native op and the TF fallback agree (float64, odd and even lengths, both
@@ -133,15 +147,7 @@ def test_native_equals_tensorflow_path(monkeypatch):
                     fft.ifft_real_part_along(tf.constant(x), axis, normalized=False)]
         return out
 
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        nat = run(build())
-    monkeypatch.setattr(fft, "uses_native", lambda t: False)
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        ops = build()
-        assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
-        ref = run(ops)
-    for a, b in zip(nat, ref):
-        assert rel_err(a, b) < RTOL["float64"]
+    _assert_native_equals_tensorflow(build, monkeypatch)
 
 
 def _real_dot(a, b):
@@ -375,15 +381,7 @@ def test_packed_and_pairs_equal_tensorflow_path(monkeypatch):
                     fft.ifft_real_part_along(tf.constant(x), axis, in_pairs=True)]
         return out
 
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        nat = run(build())
-    monkeypatch.setattr(fft, "uses_native", lambda t: False)
-    with tf.Graph().as_default(), tf.device("/cpu:0"):
-        ops = build()
-        assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
-        ref = run(ops)
-    for i, (a, b) in enumerate(zip(nat, ref)):
-        assert rel_err(a, b) < RTOL["float64"], i
+    _assert_native_equals_tensorflow(build, monkeypatch)
 
 
 def _half_reps(f):
