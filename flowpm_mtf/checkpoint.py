@@ -304,14 +304,14 @@ def _reslice(path, manifest, conf, block):
     Lagrangian decomposition: every particle goes to its Lagrangian block, in
     lattice slot order (positions re-expressed relative to the new block origin,
     unwrapped). Eulerian: to the block that contains its current position
-    (x, y wrapped into the box), in id order, the ``domain.capacity(conf) - n``
+    (x, y wrapped into the box), in id order, the ``sizing.capacity(conf) - n``
     trailing slots empty (id -1). Only the old part files that can hold a
     particle of ``block`` are read: in the lagrangian case by their block, in
     the eulerian one by the position range recorded in the manifest
     (:func:`_may_overlap`; checkpoints without it are read whole), so a rank
     reads about its own share, one part at a time, never the whole state.
     """
-    from . import domain
+    from . import sizing
 
     sx, sy, nz = conf.block_shape
     x0, y0 = block[0] * sx, block[1] * sy
@@ -319,7 +319,7 @@ def _reslice(path, manifest, conf, block):
     old_conf = conf.replace(grid=tuple(manifest["grid"]))
     osx, osy, _ = old_conf.block_shape
     lagrangian = conf.decomposition == "lagrangian"
-    slots = domain.capacity(conf)
+    slots = sizing.capacity(conf)
     got = {k: [] for k in ("id", "slot") + STATE_NAMES}
     for name, info in sorted(manifest["files"].items()):
         obx, oby = info["block"]
@@ -393,7 +393,7 @@ def load(out_dir, comm, conf, blocks):
     parts : dict
         ``pnum -> {"positions", "momenta", "forces", "id"}``: ``[slots, 3]``
         arrays of dtype ``conf.dtype`` and ``[slots]`` ids (-1: empty slot),
-        ``slots = domain.capacity(conf)``; the same grid and capacity restore
+        ``slots = sizing.capacity(conf)``; the same grid and capacity restore
         the saved buffers bit for bit.
 
     Raises
@@ -401,10 +401,10 @@ def load(out_dir, comm, conf, blocks):
     ResumeError
         On every rank, if no checkpoint is valid everywhere.
     """
-    from . import domain
+    from . import sizing
 
     tried = []
-    slots = domain.capacity(conf)
+    slots = sizing.capacity(conf)
     for path, manifest in candidates(out_dir):
         error, parts, count = None, {}, 0
         try:

@@ -162,11 +162,11 @@ class SimConfig:
     capacity : int or None
         Particle slots per block (``"eulerian"`` only) [particles]; None chooses
         it from the linear density contrast of a block at ``a_end``
-        (:func:`flowpm_mtf.domain.capacity`).
+        (:func:`flowpm_mtf.sizing.capacity`).
     send_capacity : int or None
         Particles a block can send to one neighbour per migration round
         [particles]; None chooses it from the linear displacement per step
-        (:func:`flowpm_mtf.domain.send_capacity`).
+        (:func:`flowpm_mtf.sizing.send_capacity`).
 
     Raises
     ------
@@ -385,3 +385,18 @@ class SimConfig:
     def replace(self, **kw):
         """A copy with some fields replaced (validated again)."""
         return dataclasses.replace(self, **kw)
+
+
+def default_stages(conf):
+    """Scale factors of the time loop's stages: ``linspace(a_start, a_end, n_steps + 1)``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+
+    Returns
+    -------
+    ndarray
+        float64, ``conf.n_steps + 1`` increasing scale factors [dimensionless].
+    """
+    return np.linspace(conf.a_start, conf.a_end, conf.n_steps + 1)

@@ -23,7 +23,7 @@ through the halo and moves at the next migration.
 Static shapes: capacity and validity
 ------------------------------------
 Mesh TF shapes are static, so each block holds a fixed number of particle
-**slots**, ``capacity(conf)`` (>= its ``sx sy nz`` lattice particles), and each
+**slots**, :func:`flowpm_mtf.sizing.capacity` (>= its ``sx sy nz`` lattice particles), and each
 slot carries the particle's global id (:func:`lattice_ids`: its initial
 lattice index, row-major over the particle grid) or ``-1`` for an empty slot.
 Empty slots have zero position (block-local), momentum and force, and zero
@@ -56,7 +56,7 @@ rows):
 
 Along an axis with a single block nothing is exchanged: the positions are
 wrapped into the box (periodic); on a 1x1 grid a migration is only that wrap
-and the statistics (and :func:`capacity` is the particle count).
+and the statistics (and :func:`flowpm_mtf.sizing.capacity` is the particle count).
 
 Overflow and escape checks (never a silent loss)
 ------------------------------------------------
@@ -82,16 +82,13 @@ piecewise constant in the positions), i.e. a permutation of the valid
 particles; their gradients are those of the local gathers and segment sums
 (:func:`flowpm_mtf.painting._isolated_grad`), the shifts are exact adjoints.
 
-Automatic sizes
----------------
-:func:`capacity` grows the lattice count of a block by its linear density
-contrast at ``a_end`` (top-hat sphere of the block's volume); :func:`send_capacity`
-holds the particles of a face layer a few cells deep plus the linear
-displacement per step; :func:`migration_rounds` covers the LPT displacement.
-Both are conservative estimates: an overflow is caught and reported with the
-values that would work (and the jobs retry with them).
+Sizes
+-----
+The buffer sizes (:func:`flowpm_mtf.sizing.capacity`,
+:func:`flowpm_mtf.sizing.send_capacity`, migration rounds) are estimated from
+the cosmology in :mod:`flowpm_mtf.sizing`; an overflow is caught here and
+reported with the values that would work (and the jobs retry with them).
 """
-import functools
 import logging
 import math
 import re
@@ -102,11 +99,11 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import native
+from . import sizing
 from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
 
-__all__ = ["CHECK_MESSAGE", "STATS", "capacity", "send_capacity", "migration_rounds",
-           "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
+__all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
            "error_from_tf", "bytes_per_migration"]
 
 log = logging.getLogger(__name__)
@@ -127,108 +124,15 @@ F_DIM = "mig_f"
 SEND_DIM = "mig_send"
 STAT_DIM = "mig_stat"
 
-CAPACITY_MARGIN = 1.05
-"""Capacity of a block over its lattice count with no density contrast (:func:`capacity`)."""
-CAPACITY_SIGMAS = 4.0
-"""Largest number of linear density rms a block's capacity covers (:func:`capacity`)."""
-
 _ID_SPLIT = 2**24     # ids travel as (id // 2^24, id % 2^24): exact in float32
 _N_ID_COLS = 3        # id_hi, id_lo, valid
 
 
 # ----------------------------------------------------------------------------- sizes
-@functools.lru_cache(maxsize=64)
-def _sigma_psi(conf):
-    """1D rms linear displacement at a = 1 [Mpc/h], from the box's modes (k_f .. k_Nyquist)."""
-    from . import cosmology as cm
-    kmin = 2 * np.pi / max(conf.box_size)
-    kmax = np.pi / min(conf.cell_size) * np.sqrt(3.0)
-    k = np.logspace(np.log10(kmin), np.log10(kmax), 512)
-    pk = cm.linear_matter_power(conf.cosmology, k)
-    return float(np.sqrt(np.trapz(pk, k) / (6 * np.pi**2)))
-
-
-@functools.lru_cache(maxsize=64)
-def _sigma_block(conf, a):
-    """Linear density rms of a top-hat sphere with a block's volume at ``a``."""
-    from . import cosmology as cm
-    volume = float(np.prod(conf.block_shape) * np.prod(conf.cell_size))
-    radius = (3 * volume / (4 * np.pi))**(1.0 / 3.0)
-    c = conf.cosmology
-    sig = cm.sigma_r(c, radius) / cm.sigma_r(c, 8.0) * c.sigma8
-    return float(sig * cm.D1(c, np.array([a]))[0])
-
-
-@functools.lru_cache(maxsize=64)
-def capacity(conf):
-    """Particle slots per block [particles].
-
-    ``conf.capacity`` if set; the lattice count ``sx sy nz`` for the lagrangian
-    decomposition or a single block; otherwise the lattice count times
-    ``1.05 + k sigma``, with ``sigma`` the linear density rms of a sphere with a
-    block's volume at ``conf.a_end`` and ``k = min(4, sqrt(2 ln B))`` for ``B``
-    blocks (about the expected largest of B Gaussian draws), bounded by the total
-    particle count, rounded up to a multiple of 64. Measured fullest blocks at
-    a = 1 against this capacity: 1.07x the mean for 1.13x (200 Mpc/h, 64^3 on
-    2x1), 1.04x for 1.13x (400x400x200 Mpc/h, 256x256x128 on 2x2), 1.26x for
-    1.59x (64 Mpc/h, 128^3 on 2x2); the block counts fluctuate less than the
-    linear sphere's (the blocks tile the box: their counts sum to the total).
-    An underestimate is caught before any loss and retried with a larger one.
-    """
-    npb = conf.particles_per_block
-    if conf.capacity is not None:
-        return conf.capacity
-    if conf.decomposition == "lagrangian" or conf.n_ranks == 1:
-        return npb
-    k = min(CAPACITY_SIGMAS, math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
-    factor = CAPACITY_MARGIN + k * _sigma_block(conf, conf.a_end)
-    return int(min(conf.n_particles, 64 * math.ceil(npb * factor / 64)))
-
-
-@functools.lru_cache(maxsize=64)
-def send_capacity(conf, displacement=None, lattice=False):
-    """Rows of one send buffer (one neighbour, one migration round) [particles].
-
-    ``conf.send_capacity`` if set; otherwise the particles of a face layer
-    ``0.25 + 2 d`` cells deep (``d`` [cells]: ``displacement``, or the largest
-    linear displacement of one step of ``conf``; ``0.75 + 2 d`` with
-    ``lattice``, for particles leaving the lattice: those on a block's lower
-    face cross it when displaced downwards) plus 64, bounded by
-    :func:`capacity`. Measured at 200 Mpc/h / 32^3 on 2x2: about 1/40 of it
-    used per step and 1/3 at the ICs.
-    """
-    if conf.send_capacity is not None:
-        return conf.send_capacity
-    sx, sy, nz = conf.block_shape
-    if displacement is None:
-        from . import cosmology as cm
-        from .nbody import default_stages
-        d1 = cm.D1(conf.cosmology, default_stages(conf))
-        step = float(np.max(np.diff(d1)))
-        displacement = step * _sigma_psi(conf) / min(conf.cell_size[:2])
-    face = max(sx, sy) * nz
-    depth = (0.75 if lattice else 0.25) + 2.0 * displacement
-    return int(min(capacity(conf), 64 + math.ceil(face * depth)))
-
-
-@functools.lru_cache(maxsize=64)
-def lpt_displacement_cells(conf, a):
-    """Estimated largest LPT displacement at ``a`` [cells]: 6 linear rms."""
-    from . import cosmology as cm
-    d1 = float(cm.D1(conf.cosmology, np.array([a]))[0])
-    return 6.0 * d1 * _sigma_psi(conf) / min(conf.cell_size[:2])
-
-
-def migration_rounds(conf, displacement):
-    """Migration rounds (one block each) for a displacement [cells]: ``1 + d // block``."""
-    sx, sy, _ = conf.block_shape
-    return 1 + int(displacement // min(sx, sy))
-
-
 def bytes_per_migration(conf, n_fields, rounds=1, displacement=None):
-    """Bytes each block sends per migration: ``4 rounds`` buffers of :func:`send_capacity` rows."""
+    """Bytes each block sends per migration: ``4 rounds`` buffers of :func:`flowpm_mtf.sizing.send_capacity` rows."""
     cols = 3 * (1 + n_fields) + _N_ID_COLS
-    return 4 * rounds * send_capacity(conf, displacement) * cols * conf.np_dtype.itemsize
+    return 4 * rounds * sizing.send_capacity(conf, displacement) * cols * conf.np_dtype.itemsize
 
 
 def id_dtype(conf):
@@ -280,9 +184,9 @@ def weights(ids, conf):
 
 
 def pad_particles(t, conf, value=0):
-    """Pad a lattice-ordered ``[bx, by, npart, ...]`` tensor to :func:`capacity` slots."""
+    """Pad a lattice-ordered ``[bx, by, npart, ...]`` tensor to :func:`flowpm_mtf.sizing.capacity` slots."""
     n = t.shape.get_dim_by_name(cfg.NPART).size
-    extra = capacity(conf) - n
+    extra = sizing.capacity(conf) - n
     if extra == 0:
         return t
     if value == 0:
@@ -619,7 +523,7 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     conf : SimConfig
     positions : mtf.Tensor
         Block-local positions ``[bx, by, npart, xyz]`` [cells], ``npart`` of
-        size :func:`capacity`; each valid particle at most ``rounds`` blocks
+        size :func:`flowpm_mtf.sizing.capacity`; each valid particle at most ``rounds`` blocks
         away from its block along x and y.
     fields : list of mtf.Tensor
         Other per-particle vectors ``[bx, by, npart, xyz]`` (e.g. momenta) that
@@ -633,7 +537,7 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     rounds : int
         Migration rounds (one block per round along each axis).
     send_rows : int, optional
-        Rows of a send buffer (default :func:`send_capacity`).
+        Rows of a send buffer (default :func:`flowpm_mtf.sizing.send_capacity`).
     name : str
 
     Returns
@@ -652,7 +556,7 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
         raise ConfigError(
             "the eulerian decomposition holds at most %d particle slots per rank, this run "
             "needs %d: use more ranks or --decomposition lagrangian" % ((2**31 - 1) // 3, cap))
-    m = int(send_rows if send_rows is not None else send_capacity(conf))
+    m = int(send_rows if send_rows is not None else sizing.send_capacity(conf))
     m = min(m, cap)
     sx, sy, _ = conf.block_shape
     x, fields = positions, list(fields)

@@ -76,7 +76,8 @@ from . import cosmology as cosmo_mod
 from . import domain, layout, timeloop
 from .kernels import make_kernels
 from .lpt import lpt_init
-from .nbody import default_stages, kdk_step
+from .config import default_stages
+from .nbody import kdk_step
 from .painting import cic_paint_plane
 
 __all__ = ["SRC", "THX", "THY", "LensingConfig", "LightconeGeometry", "geometry",
@@ -293,7 +294,7 @@ def geometry(conf, lconf):
 def lightcone_stages(conf, geom):
     """N-body stages of a lightcone run and the stage of each lens plane.
 
-    The stages are :func:`flowpm_mtf.nbody.default_stages` with the plane scale
+    The stages are :func:`flowpm_mtf.config.default_stages` with the plane scale
     factors merged in: a plane within a quarter of a regular step of a regular
     stage (other than ``a_start``) moves that stage onto the plane, otherwise it
     adds a stage; so no step is much shorter than needed. The run stops at the

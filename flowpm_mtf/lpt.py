@@ -4,7 +4,7 @@ Particles start on the lattice, one per cell, at the corner of every cell
 (:func:`flowpm_mtf.painting.lattice`), each with its global id (its lattice
 index, :func:`flowpm_mtf.domain.lattice_ids`). With the eulerian decomposition
 (default) the displaced particles then move to the block that contains them,
-into buffers of :func:`flowpm_mtf.domain.capacity` slots
+into buffers of :func:`flowpm_mtf.sizing.capacity` slots
 (:func:`flowpm_mtf.domain.migrate`); with the lagrangian one they stay with
 their block for the whole run (block-local coordinates, see
 :mod:`flowpm_mtf.painting`).
@@ -47,7 +47,7 @@ import numpy as np
 from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
-from . import domain
+from . import domain, sizing
 from . import fft, ics
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 class State(NamedTuple):
     """Particle state; vectors are ``[bx, by, npart, xyz]``, dtype ``conf.dtype``.
 
-    ``npart`` has :func:`flowpm_mtf.domain.capacity` slots per block; with the
+    ``npart`` has :func:`flowpm_mtf.sizing.capacity` slots per block; with the
     lagrangian decomposition the slots are the block's lattice particles in
     order (:func:`flowpm_mtf.painting.lattice`), with the eulerian one any
     particles, in any order, and empty slots (id -1, zero vectors).
@@ -324,9 +324,9 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     if lagrangian:
         return State(x, fields[0], fields[1] if forces else None, ids)
     ids = domain.pad_particles(ids, conf, value=-1)
-    disp = domain.lpt_displacement_cells(conf, a)
-    rounds = domain.migration_rounds(conf, disp)
+    disp = sizing.lpt_displacement_cells(conf, a)
+    rounds = sizing.migration_rounds(conf, disp)
     x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,
-                                           send_rows=domain.send_capacity(conf, disp, lattice=True),
+                                           send_rows=sizing.send_capacity(conf, disp, lattice=True),
                                            name="migrate_lpt")
     return State(x, fields[0], fields[1] if forces else None, ids, stats)

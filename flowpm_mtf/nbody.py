@@ -28,6 +28,7 @@ import numpy as np
 from . import cosmology as cosmo_mod
 from . import domain
 from . import timeloop
+from .config import default_stages  # defined with the configuration; part of the N-body API
 from .gravity import density, pm_forces
 from .kernels import make_kernels
 from .lpt import State, lpt_init
@@ -35,20 +36,6 @@ from .lpt import State, lpt_init
 __all__ = ["default_stages", "nbody", "kdk_step", "step_factors", "all_step_factors", "forward"]
 
 log = logging.getLogger(__name__)
-
-def default_stages(conf):
-    """Scale factors of the stages: ``linspace(a_start, a_end, n_steps + 1)``.
-
-    Parameters
-    ----------
-    conf : SimConfig
-
-    Returns
-    -------
-    ndarray
-        float64, ``conf.n_steps + 1`` increasing scale factors [dimensionless].
-    """
-    return np.linspace(conf.a_start, conf.a_end, conf.n_steps + 1)
 
 
 def nbody(state, conf, stages=None, snapshot_a=None):
@@ -62,7 +49,7 @@ def nbody(state, conf, stages=None, snapshot_a=None):
     conf : SimConfig
     stages : array_like, optional
         Increasing scale factors [dimensionless]; default
-        :func:`default_stages` (``conf.a_start`` .. ``conf.a_end``).
+        :func:`flowpm_mtf.config.default_stages` (``conf.a_start`` .. ``conf.a_end``).
     snapshot_a : array_like, optional
         Scale factors at which to return the state; each must equal one of the
         stages (relative tolerance 1e-10).

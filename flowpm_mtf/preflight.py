@@ -34,7 +34,7 @@ log = rank0_only(logging.getLogger(__name__))  # every rank computes the same ve
 # ----------------------------------------------------------------------------- memory model
 # Peak RSS of one rank of `flowpm-mtf simulate` (slice-only variables, no masters):
 #     RSS [MB] = M0 + (a * slots + b * padded cells) / 2^20 * itemsize / 4
-# slots: the particle slots of the rank's block (flowpm_mtf.domain.capacity: the lattice
+# slots: the particle slots of the rank's block (flowpm_mtf.sizing.capacity: the lattice
 # share for the lagrangian decomposition and on one rank, the eulerian buffers otherwise);
 # padded cells: (nx/P + 2h)(ny/Q + 2h) nz. The constants are the least-squares fit of
 # `scripts/bench_scaling.py` (its `render` rewrites MODEL_FILE from the measured runs, so
@@ -64,9 +64,9 @@ MASTER_COPIES = 1.0
 
 def memory_terms(conf):
     """(particle slots, padded cells) of one block of ``conf`` [counts]."""
-    from . import domain
+    from . import sizing
 
-    return float(domain.capacity(conf)), float(np.prod(conf.padded_block_shape))
+    return float(sizing.capacity(conf)), float(np.prod(conf.padded_block_shape))
 
 
 def _grid_conf(conf, n):

@@ -235,7 +235,7 @@ def cmd_run(args):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = args.grid or default_grid(size)
-    from flowpm_mtf import domain, painting
+    from flowpm_mtf import domain, painting, sizing
 
     conf = sim_config(args.nc, grid, args.steps, args.box_size, args.decomposition, args.halo)
     if conf.n_ranks != size:
@@ -243,9 +243,9 @@ def cmd_run(args):
     rec = {"nc": args.nc, "ranks": size, "grid": list(grid), "halo": conf.halo_size,
            "n_steps": conf.n_steps, "dtype": conf.dtype, "box_size": conf.box_size[0],
            "backend": "HvdSimdMeshImpl", "decomposition": conf.decomposition,
-           "capacity": domain.capacity(conf), "cell_mpc_h": conf.cell_size[0]}
+           "capacity": sizing.capacity(conf), "cell_mpc_h": conf.cell_size[0]}
     if conf.decomposition == "eulerian":
-        rec["send_capacity"] = domain.send_capacity(conf)
+        rec["send_capacity"] = sizing.send_capacity(conf)
         rec["migration_bytes_sent_per_rank_per_step"] = domain.bytes_per_migration(conf, 1)
     impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
     # 1. The simulation, as the main job runs it.

@@ -207,7 +207,7 @@ def measured_vs_predicted_hvd(rec):
 
 # ============================================================================ memory
 #: Cell size [Mpc/h] of the extrapolated runs (2048^3 in 1 Gpc/h): it sets the particle
-#: capacity of a block (the overdensity a block can reach, see flowpm_mtf.domain.capacity).
+#: capacity of a block (the overdensity a block can reach, see flowpm_mtf.sizing.capacity).
 GPU_CELL_MPC_H = 0.5
 
 

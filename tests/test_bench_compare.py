@@ -151,14 +151,14 @@ def test_step_bytes_scale_with_ranks():
 def test_gpu_memory_is_the_preflight_model_of_the_rank_buffers():
     """Device memory per rank = overhead + bytes per slot x capacity + bytes per padded cell
     x padded block, with the one memory model (flowpm_mtf/memory_model.json)."""
-    from flowpm_mtf import domain, preflight
+    from flowpm_mtf import preflight, sizing
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=1024, box_size=512.0, grid=(8, 8))
-    want = (sm.TF_OVERHEAD_GB * 2**30 + preflight.BYTES_PER_SLOT * domain.capacity(conf)
+    want = (sm.TF_OVERHEAD_GB * 2**30 + preflight.BYTES_PER_SLOT * sizing.capacity(conf)
             + preflight.BYTES_PER_PADDED_CELL * (128 + 4) * (128 + 4) * 1024)
     assert sm.gpu_memory_per_rank(1024, 64) == pytest.approx(want, rel=1e-12)
-    assert domain.capacity(conf) >= 1024**3 / 64  # a block holds at least its lattice share
+    assert sizing.capacity(conf) >= 1024**3 / 64  # a block holds at least its lattice share
 
 
 def test_largest_mesh_grows_with_memory_and_ranks():

@@ -128,10 +128,10 @@ def test_reslice_to_another_grid(old, new, decomposition):
     """A checkpoint of grid ``old`` loads on grid ``new`` (one process holding every slice).
 
     Lagrangian: every particle in its Lagrangian block, lattice order. Eulerian: in
-    the block that contains its position (x, y wrapped), ``domain.capacity`` slots,
+    the block that contains its position (x, y wrapped), ``sizing.capacity`` slots,
     the unused ones id -1; every particle exactly once, its state unchanged.
     """
-    from flowpm_mtf import domain
+    from flowpm_mtf import sizing
 
     out = tempfile.mkdtemp(prefix="ckpt")
     conf_old = SimConfig(nc=NC, grid=old, halo_size=1, decomposition=decomposition)
@@ -152,7 +152,7 @@ def test_reslice_to_another_grid(old, new, decomposition):
     seen = []
     for p, block in blocks_of(conf_new).items():
         ids = parts[p]["id"]
-        assert ids.shape == (domain.capacity(conf_new),)
+        assert ids.shape == (sizing.capacity(conf_new),)
         valid = ids >= 0
         assert np.all(ids[valid.sum():] == -1)   # the particles first, then the empty slots
         ids = ids[valid]

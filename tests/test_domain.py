@@ -8,7 +8,7 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import config as cfg
-from flowpm_mtf import domain
+from flowpm_mtf import domain, sizing
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import CapacityError, ParticleEscapeError
 
@@ -32,7 +32,7 @@ def make_particles(conf, n_valid, seed=0, reach=1.0):
     integer payloads and unique ids; the first ``n_valid[b]`` slots of block b are valid."""
     rng = np.random.RandomState(seed)
     (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
-    cap = domain.capacity(conf)
+    cap = sizing.capacity(conf)
     x = np.zeros((P, Q, cap, 3))
     pay = np.zeros((P, Q, cap, 3))
     ids = -np.ones((P, Q, cap), np.int32)
@@ -117,7 +117,7 @@ def test_migration_exact(case):
                 feeds=[{"x": x, "pay": pay}])[0]
     check_against_reference(conf, out, reference(conf, x, pay, ids))
     st = dict(zip(domain.STATS, out["stats"]))
-    assert st["outside"] == 0 and st["count"] <= domain.capacity(conf)
+    assert st["outside"] == 0 and st["count"] <= sizing.capacity(conf)
 
 
 @pytest.mark.parametrize("case", [c for c in H.cases() if c[0] == "hvd" and max(c[1]) > 1],
@@ -147,7 +147,7 @@ def test_slot_overflow_is_a_capacity_error(case):
     reported as a CapacityError naming a capacity that works (not as an escape)."""
     conf = conf_for(case[1], extra=2, send_capacity=200)
     (P, Q) = conf.grid
-    cap = domain.capacity(conf)
+    cap = sizing.capacity(conf)
     x, pay, ids = make_particles(conf, np.full((P, Q), cap), seed=4)
     with pytest.raises(tf.errors.InvalidArgumentError, match=domain.CHECK_MESSAGE) as err:
         H.run(case[0], conf, run_migrate(case[0], conf, x, pay, ids), feeds=[{"x": x, "pay": pay}])
@@ -171,7 +171,7 @@ def test_exchange_only_along_split_axes(grid):
         sends = [n for n in names if n.endswith("_%s_send" % "xy"[axis])]
         assert bool(sends) == (grid[axis] > 1), (axis, sends)
     if grid == (1, 1):
-        assert domain.capacity(conf.replace(capacity=None)) == conf.particles_per_block
+        assert sizing.capacity(conf.replace(capacity=None)) == conf.particles_per_block
         assert not [n for n in names if "shift" in n.lower() or "merge" in n], names
 
 

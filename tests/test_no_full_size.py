@@ -69,16 +69,16 @@ def share_bound(conf):
 
     Grid sites: the padded block ``(nx/P + 2h)(ny/Q + 2h) nz``. Particles: the
     lattice share (lagrangian), or the automatic capacity of the eulerian buffers
-    (:func:`flowpm_mtf.domain.capacity` of the configuration without a capacity
+    (:func:`flowpm_mtf.sizing.capacity` of the configuration without a capacity
     override; the send buffers, ``2 send_capacity`` rows, are smaller). Variables:
     3 components per particle slot.
     """
-    from flowpm_mtf import domain
+    from flowpm_mtf import sizing
 
     (P, Q), h = conf.grid, conf.halo_size
     padded = (NC // P + 2 * h) * (NC // Q + 2 * h) * NC
-    slots = domain.capacity(conf.replace(capacity=None, send_capacity=None))
-    assert 2 * domain.send_capacity(conf.replace(capacity=None, send_capacity=None)) <= slots
+    slots = sizing.capacity(conf.replace(capacity=None, send_capacity=None))
+    assert 2 * sizing.send_capacity(conf.replace(capacity=None, send_capacity=None)) <= slots
     return max(padded, slots), 3 * slots
 
 

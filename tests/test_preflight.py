@@ -62,13 +62,13 @@ def test_memory_constants_fit_the_measured_runs():
 
 def test_memory_terms_are_the_rank_buffers():
     """Slots: the lattice share on one rank or lagrangian, the eulerian capacity otherwise."""
-    from flowpm_mtf import domain
+    from flowpm_mtf import sizing
 
     c1 = SimConfig(nc=64, grid=(1, 1))
     assert preflight.memory_terms(c1) == (64.0**3, 68.0 * 68 * 64)
     c2 = SimConfig(nc=64, grid=(2, 1))
-    assert preflight.memory_terms(c2) == (domain.capacity(c2), 36.0 * 68 * 64)
-    assert 64**3 / 2 < domain.capacity(c2) < 64**3
+    assert preflight.memory_terms(c2) == (sizing.capacity(c2), 36.0 * 68 * 64)
+    assert 64**3 / 2 < sizing.capacity(c2) < 64**3
     cl = SimConfig(nc=64, grid=(2, 1), decomposition="lagrangian", halo_size=4)
     assert preflight.memory_terms(cl) == (64.0**3 / 2, 40.0 * 72 * 64)
 

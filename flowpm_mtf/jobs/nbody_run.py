@@ -24,7 +24,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import checkpoint, domain, h5dist, ics, io, lpt, nbody, painting, power, timeloop
+from .. import checkpoint, domain, h5dist, ics, io, lpt, nbody, painting, power, sizing, timeloop
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
 from . import runner
@@ -50,7 +50,7 @@ class SimulationGraph:
     mesh : mtf.Mesh
     stages : sequence of float, optional
         Scale factors of the N-body stages (default
-        :func:`flowpm_mtf.nbody.default_stages`); the ICs are set up at the first.
+        :func:`flowpm_mtf.config.default_stages`); the ICs are set up at the first.
 
     Attributes
     ----------
@@ -338,11 +338,11 @@ def migration_summary(conf, stats):
         displacement [cells].
     """
     out = {"decomposition": conf.decomposition, "halo_size": conf.halo_size,
-           "capacity": domain.capacity(conf)}
+           "capacity": sizing.capacity(conf)}
     if conf.decomposition == "lagrangian":
         return out
     mean = conf.n_particles / conf.n_ranks
-    out.update({"send_capacity": domain.send_capacity(conf),
+    out.update({"send_capacity": sizing.send_capacity(conf),
                 "bytes_sent_per_rank_per_step": domain.bytes_per_migration(conf, 1),
                 "mean_particles_per_rank": mean, "steps": []})
     for label, st in stats:

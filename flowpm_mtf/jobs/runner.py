@@ -278,7 +278,7 @@ def lowered_group(lowering, ops):
     (:func:`hvd_mesh_impl.ordered_update_op`, no Horovod import): Mesh TF's
     ``PlacementMeshImpl`` does not order them itself.
     """
-    from hvd_mesh_impl import ordered_update_op
+    from hvd_mesh_impl.training import ordered_update_op
 
     return ordered_update_op(lowering, ops)
 
