@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import cosmology as cosmo_mod
+from . import linear_power
 from . import fft, layout
 from . import noise as noise_mod
 
@@ -90,9 +91,9 @@ def power_function(conf, power=None, a=1.0):
     power : callable, PowerTable or None
         ``power(k)``: numpy float64 array of ``k`` [h/Mpc] -> ``P(k)``
         [(Mpc/h)^3] at ``a = 1`` (any object with a ``k_range`` attribute, such
-        as :class:`flowpm_mtf.cosmology.PowerTable`, is checked against that
+        as :class:`flowpm_mtf.linear_power.PowerTable`, is checked against that
         range); ``None``: Eisenstein & Hu (1998) for ``conf.cosmology``
-        (:func:`flowpm_mtf.cosmology.linear_matter_power`).
+        (:func:`flowpm_mtf.linear_power.linear_matter_power`).
     a : float or None
         Scale factor [dimensionless]: P is multiplied by :math:`D_1^2(a)`
         (:math:`D_1(1) = 1`); ``None`` or 1 means no growth factor.
@@ -113,7 +114,7 @@ def power_function(conf, power=None, a=1.0):
     """
     k_min, k_max = k_range(conf)
     if power is None:
-        base = cosmo_mod.linear_matter_power_function(conf.cosmology)  # sigma_8 integral once
+        base = linear_power.linear_matter_power_function(conf.cosmology)  # sigma_8 integral once
         what = "Eisenstein-Hu P(k) of conf.cosmology"
     elif callable(power):
         base = power
@@ -317,7 +318,7 @@ def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field")
     mesh : mtf.Mesh
     power : callable, PowerTable or None, optional
         Linear power spectrum at ``a = 1``: ``k`` [h/Mpc] -> ``P`` [(Mpc/h)^3]
-        (numpy in, numpy out), a :class:`flowpm_mtf.cosmology.PowerTable`
+        (numpy in, numpy out), a :class:`flowpm_mtf.linear_power.PowerTable`
         (checked to cover the mesh's k range, see :func:`k_range`), or ``None``
         for Eisenstein & Hu (1998) with ``conf.cosmology``.
     a : float or None, optional

@@ -265,12 +265,12 @@ def displacement_rms_cells(conf):
     over the modes the mesh holds (fundamental to Nyquist), divided by the
     cell size.
     """
-    from . import cosmology as cosmo_mod
+    from . import linear_power
 
     L = float(np.mean(conf.box_size))
     cell = float(np.mean(conf.cell_size))
     k = np.logspace(np.log10(2 * np.pi / L), np.log10(np.pi / cell), 512)
-    pk = cosmo_mod.linear_matter_power(conf.cosmology, k)
+    pk = linear_power.linear_matter_power(conf.cosmology, k)
     return float(np.sqrt(np.trapz(pk, k) / (2 * np.pi**2) / 3.0)) / cell
 
 

@@ -10,6 +10,7 @@ import functools
 import numpy as np
 
 from . import cosmology as C
+from . import linear_power
 from . import layout
 from .noise import white_noise_numpy
 
@@ -27,7 +28,7 @@ def linear_field_numpy(conf, seed=7, amplitude=1.0):
     kk = np.sqrt(kvec[0][:, None, None]**2 + kvec[1][None, :, None]**2
                  + kvec[2][None, None, :]**2)
     pk = np.zeros_like(kk)
-    pk[kk > 0] = C.linear_matter_power(conf.cosmology, kk[kk > 0])
+    pk[kk > 0] = linear_power.linear_matter_power(conf.cosmology, kk[kk > 0])
     cell_volume = float(np.prod(conf.cell_size))
     field = np.fft.ifftn(np.fft.fftn(white) * np.sqrt(pk / cell_volume)).real
     return amplitude * field

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import config as cfg
 from . import cosmology as cm
+from . import linear_power
 
 __all__ = ["CAPACITY_MARGIN", "CAPACITY_SIGMAS", "capacity", "send_capacity",
            "lpt_displacement_cells", "migration_rounds"]
@@ -44,7 +45,7 @@ def _sigma_psi(conf):
     kmin = 2 * np.pi / max(conf.box_size)
     kmax = np.pi / min(conf.cell_size) * np.sqrt(3.0)
     k = np.logspace(np.log10(kmin), np.log10(kmax), 512)
-    pk = cm.linear_matter_power(conf.cosmology, k)
+    pk = linear_power.linear_matter_power(conf.cosmology, k)
     return float(np.sqrt(np.trapz(pk, k) / (6 * np.pi**2)))
 
 
@@ -54,7 +55,7 @@ def _sigma_block(conf, a):
     volume = float(np.prod(conf.block_shape) * np.prod(conf.cell_size))
     radius = (3 * volume / (4 * np.pi))**(1.0 / 3.0)
     c = conf.cosmology
-    sig = cm.sigma_r(c, radius) / cm.sigma_r(c, 8.0) * c.sigma8
+    sig = linear_power.sigma_r(c, radius) / linear_power.sigma_r(c, 8.0) * c.sigma8
     return float(sig * cm.D1(c, np.array([a]))[0])
 
 

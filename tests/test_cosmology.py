@@ -18,6 +18,7 @@ import tensorflow.compat.v1 as tf
 
 from conftest import world
 from flowpm_mtf import cosmology as C
+from flowpm_mtf import linear_power as LP
 
 # numpy/scipy/FlowPM only, no mesh: the same on every rank count
 pytestmark = pytest.mark.rank_independent
@@ -193,38 +194,38 @@ def test_a_of_chi_range():
 @pytest.mark.parametrize("kind", ["eisenhu_osc", "eisenhu"])
 def test_power_vs_flowpm(flowpm_tf, kind):
     k = flowpm_tf["k"]
-    np.testing.assert_allclose(C.transfer_eisenstein_hu(PLANCK15, k, kind), flowpm_tf["T_" + kind],
+    np.testing.assert_allclose(LP.transfer_eisenstein_hu(PLANCK15, k, kind), flowpm_tf["T_" + kind],
                                rtol=TF_TRANSFER_RTOL)
     # flowpm 0.1.1 integrates sigma8 over k in (e^-4, e^3) (log10 bounds used as ln).
-    pk = C.linear_matter_power(PLANCK15, k, kind=kind, sigma8_k_range=(np.exp(-4), np.exp(3)))
+    pk = LP.linear_matter_power(PLANCK15, k, kind=kind, sigma8_k_range=(np.exp(-4), np.exp(3)))
     np.testing.assert_allclose(pk, flowpm_tf["P_" + kind], rtol=TF_POWER_RTOL)
     if kind == "eisenhu_osc":
-        pk = C.linear_matter_power(PLANCK15, k, a=0.5, sigma8_k_range=(np.exp(-4), np.exp(3)))
+        pk = LP.linear_matter_power(PLANCK15, k, a=0.5, sigma8_k_range=(np.exp(-4), np.exp(3)))
         np.testing.assert_allclose(pk, flowpm_tf["P_a05"], rtol=2 * TF_GROWTH_RTOL)
 
 
 def test_power_normalisation_and_growth():
     k = np.logspace(-3, 1, 20)
-    pk1 = C.linear_matter_power(PLANCK15, k)
+    pk1 = LP.linear_matter_power(PLANCK15, k)
     # sigma(8 Mpc/h) of the normalised spectrum is sigma8 (integral converged to 1e-12).
-    amp = pk1[0] / (k[0]**PLANCK15.n_s * C.transfer_eisenstein_hu(PLANCK15, k[0])**2)
-    assert C.sigma_r(PLANCK15, 8.0, amplitude=amp) == pytest.approx(PLANCK15.sigma8, rel=1e-10)
-    pk_half = C.linear_matter_power(PLANCK15, k, a=0.5)
+    amp = pk1[0] / (k[0]**PLANCK15.n_s * LP.transfer_eisenstein_hu(PLANCK15, k[0])**2)
+    assert LP.sigma_r(PLANCK15, 8.0, amplitude=amp) == pytest.approx(PLANCK15.sigma8, rel=1e-10)
+    pk_half = LP.linear_matter_power(PLANCK15, k, a=0.5)
     np.testing.assert_allclose(pk_half, pk1 * C.D1(PLANCK15, 0.5)**2, rtol=1e-14)
     with pytest.raises(ValueError, match="transfer"):
-        C.linear_matter_power(PLANCK15, k, kind="bbks")
+        LP.linear_matter_power(PLANCK15, k, kind="bbks")
 
 
 def test_power_function_normalises_once(monkeypatch):
     """linear_matter_power_function integrates sigma_8 once, when made, and gives
     linear_matter_power's values bit for bit at every later call (a = 1 and 0.5)."""
     k = np.logspace(-3, 1, 20)
-    want = [C.linear_matter_power(PLANCK15, k), C.linear_matter_power(PLANCK15, k, a=0.5)]
+    want = [LP.linear_matter_power(PLANCK15, k), LP.linear_matter_power(PLANCK15, k, a=0.5)]
     calls = []
-    real_sigma_r = C.sigma_r
-    monkeypatch.setattr(C, "sigma_r", lambda *a, **kw: calls.append(a) or real_sigma_r(*a, **kw))
-    fns = [C.linear_matter_power_function(PLANCK15),
-           C.linear_matter_power_function(PLANCK15, a=0.5)]
+    real_sigma_r = LP.sigma_r
+    monkeypatch.setattr(LP, "sigma_r", lambda *a, **kw: calls.append(a) or real_sigma_r(*a, **kw))
+    fns = [LP.linear_matter_power_function(PLANCK15),
+           LP.linear_matter_power_function(PLANCK15, a=0.5)]
     assert len(calls) == 2
     for fn, w in zip(fns, want):
         for _ in range(3):
@@ -243,15 +244,15 @@ def test_power_table_roundtrip_and_range():
 
 
 def _power_table_roundtrip(tmp_path):
-    table = C.linear_power_table(PLANCK15, 1e-3, 10.0, 256)
+    table = LP.linear_power_table(PLANCK15, 1e-3, 10.0, 256)
     path = tmp_path / "pk.txt"
     table.save(path)
-    loaded = C.load_power_table(path)
+    loaded = LP.load_power_table(path)
     # savetxt writes 18 significant digits: the round trip is exact to 1 ulp.
     np.testing.assert_allclose(loaded.k, table.k, rtol=1e-15)
     np.testing.assert_allclose(loaded(table.k), table.pk, rtol=1e-14)
     # log-log interpolation reproduces a power law exactly.
-    law = C.PowerTable([0.01, 0.1, 1.0], [1e4, 1e3, 1e2])
+    law = LP.PowerTable([0.01, 0.1, 1.0], [1e4, 1e3, 1e2])
     np.testing.assert_allclose(law([0.02, 0.3, 0.7]), 100.0 / np.array([0.02, 0.3, 0.7]),
                                rtol=1e-13)
     np.testing.assert_allclose(law(np.array([0.0, 0.01])), [0.0, 1e4], rtol=1e-15)
@@ -260,11 +261,11 @@ def _power_table_roundtrip(tmp_path):
     with pytest.raises(ValueError, match="outside"):
         law(0.0, zero_at_k0=False)
     with pytest.raises(ValueError):
-        C.PowerTable([0.1, 0.05], [1.0, 2.0])
+        LP.PowerTable([0.1, 0.05], [1.0, 2.0])
     bad = tmp_path / "bad.txt"
     bad.write_text("# one column\n1\n2\n")
     with pytest.raises(ValueError, match="2 columns"):
-        C.load_power_table(bad)
+        LP.load_power_table(bad)
 
 
 def test_duck_typed_cosmologies_agree():

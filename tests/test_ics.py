@@ -19,7 +19,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import cosmology, fft, ics, noise, power
+from flowpm_mtf import cosmology, fft, ics, linear_power, noise, power
 from flowpm_mtf.config import SimConfig
 
 # Agreement with FlowPM on the same noise: both evaluate the same float64 P(k)
@@ -51,7 +51,7 @@ NC, BOX = (8, 12, 16), (100.0, 150.0, 200.0)   # non-cubic mesh and box, cells d
 
 def table():
     """Eisenstein-Hu P(k) [(Mpc/h)^3] table on 1e-3 .. 10 h/Mpc (covers every mesh here)."""
-    return cosmology.linear_power_table(SimConfig().cosmology, 1e-3, 10.0, n=512)
+    return linear_power.linear_power_table(SimConfig().cosmology, 1e-3, 10.0, n=512)
 
 
 def conf_for(case, dtype="float64", seed=42, nc=NC, box=BOX):
@@ -193,7 +193,7 @@ def test_table_not_covering_k_range(k_lo, k_hi):
     """64^3 in 200 Mpc/h needs 0.0314 .. 1.741 h/Mpc: raise at graph build, naming
     both ranges (every rank runs this and raises on its own)."""
     conf = SimConfig(nc=64, box_size=200.0, grid=CASES[0][1], halo_size=2)
-    bad = cosmology.linear_power_table(conf.cosmology, k_lo, k_hi, n=64)
+    bad = linear_power.linear_power_table(conf.cosmology, k_lo, k_hi, n=64)
     with tf.Graph().as_default():
         mesh = mtf.Mesh(mtf.Graph(), "mesh")
         with pytest.raises(ValueError) as err:
@@ -202,7 +202,7 @@ def test_table_not_covering_k_range(k_lo, k_hi):
     assert re.search(r"\[%.4g.*, %.4g.*\] h/Mpc" % (k_lo, k_hi), msg), msg
     assert "0.0314159" in msg and "1.74" in msg, msg
     # a table that covers the range is accepted
-    good = cosmology.linear_power_table(conf.cosmology, 0.0314, 1.75, n=64)
+    good = linear_power.linear_power_table(conf.cosmology, 0.0314, 1.75, n=64)
     with tf.Graph().as_default():
         ics.linear_field(conf, mtf.Mesh(mtf.Graph(), "mesh"), good)
 

@@ -14,7 +14,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import cli, cosmology, fft, ics, jobs
+from flowpm_mtf import cli, fft, ics, jobs, linear_power
 from flowpm_mtf import reconstruct as R
 from flowpm_mtf.jobs import runner
 from flowpm_mtf.config import SimConfig
@@ -178,7 +178,7 @@ def test_prior_of_a_true_linear_field():
     kn = np.sqrt(kk[0][:, None, None]**2 + kk[1][None, :, None]**2 + kk[2][None, None, :]**2)
     sk = np.fft.fftn(res["s"]) / n
     pos = kn > 0
-    p = cosmology.linear_matter_power(conf.cosmology, kn[pos])
+    p = linear_power.linear_matter_power(conf.cosmology, kn[pos])
     ref = np.sum(np.abs(sk[pos])**2 * np.prod(conf.box_size) / p)
     assert abs(res["prior"] - ref) < PRIOR_NUMPY_RTOL * ref
 

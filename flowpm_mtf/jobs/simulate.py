@@ -38,6 +38,7 @@ from typing import Tuple
 import numpy as np
 
 from .. import cosmology as cosmo_mod
+from .. import linear_power
 from .. import io, nbody, timeloop
 from ..config import SimConfig
 from ..logs import rank0_only
@@ -181,7 +182,7 @@ def overview_plot(path, conf, slab, k, pk, depth):
     kk = np.logspace(np.log10(k.min()), np.log10(k.max()), 200)
     d1 = cosmo_mod.growth(conf.cosmology, np.array([conf.a_end])).D1[0]
     ax1.loglog(k, pk, "o-", ms=3, label="measured (CIC, not deconvolved)")
-    ax1.loglog(kk, d1**2 * cosmo_mod.linear_matter_power(conf.cosmology, kk), "k--",
+    ax1.loglog(kk, d1**2 * linear_power.linear_matter_power(conf.cosmology, kk), "k--",
                label="linear, D1(a)^2 P_lin")
     ax1.set_xlabel("k [h/Mpc]")
     ax1.set_ylabel("P(k) [(Mpc/h)^3]")
