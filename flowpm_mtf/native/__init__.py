@@ -23,6 +23,7 @@ the path, chosen by the callers from the device of the computation.
 import hashlib
 import logging
 import os
+import re
 import sys
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,45 @@ def tf_version():
     return tf.__version__
 
 
+def names():
+    """Stems of the op libraries: one per ``<name>.cc`` of this folder, sorted."""
+    return sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".cc"))
+
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def local_headers(path):
+    """The headers of this folder that ``path`` includes (``#include "x.h"``), directly
+    or through another one, in the order first met."""
+    found, todo = [], [path]
+    while todo:
+        with open(todo.pop(0), "rb") as f:
+            text = f.read()
+        for inc in _LOCAL_INCLUDE.findall(text):
+            header = os.path.join(HERE, inc.decode())
+            if os.path.isfile(header) and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
+
+
 def expected_stamp(name):
-    """The stamp a library built from the current source for this TF must carry."""
-    with open(source_path(name), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return "%s tf-%s" % (digest, tf_version())
+    """The stamp a library built from the current source for this TF must carry.
+
+    Its hash covers the source and the headers of this folder it includes
+    (:func:`local_headers`, e.g. ``tf_op.h``): editing a header rebuilds every
+    library that includes it.
+    """
+    h = hashlib.sha256()
+    src = source_path(name)
+    for path in [src] + sorted(local_headers(src)):
+        with open(path, "rb") as f:
+            content = f.read()
+        if path != src:  # a source alone hashes as before
+            h.update(b"\0%s\0" % os.path.basename(path).encode())
+        h.update(content)
+    return "%s tf-%s" % (h.hexdigest()[:16], tf_version())
 
 
 def load(name):
@@ -150,3 +185,4 @@ def runs_on_cpu(t):
     if _gpu_visible is None:
         _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
     return not _gpu_visible
+
