@@ -292,10 +292,10 @@ def pad_particles(t, conf, value=0):
 
 # ----------------------------------------------------------------------------- local ops
 def _cic_ops(t, floating=True):
-    """The native op module (``flowpm_mtf/native/cic_ops.cc``) if it serves the local
+    """The native op module (``flowpm_mtf/native/particle_ops.cc``) if it serves the local
     tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
     TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
-    lib = native.load("cic_ops")
+    lib = native.load("particle_ops")
     if lib is None or not native.runs_on_cpu(t):
         return None
     if floating and t.dtype not in (tf.float32, tf.float64):
@@ -312,7 +312,7 @@ def _rows_of(sel, m, nb):
     """
     lib = _cic_ops(sel, floating=False)
     if lib is not None:
-        # FlowpmSelectRows (cic_ops.cc): one scan per block, the same rows and count.
+        # FlowpmSelectRows (particle_ops.cc): one scan per block, the same rows and count.
         return tuple(lib.flowpm_select_rows(sel, m=int(m)))
     n = sel.shape.as_list()[-1]
     rank = tf.cumsum(tf.cast(sel, tf.int32), axis=-1, exclusive=True)
@@ -365,7 +365,7 @@ def _below(s, dtype):
 def _wrap_fn(axes, sizes):
     """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block).
 
-    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/cic_ops.cc``) does it
+    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/particle_ops.cc``) does it
     in one pass over the positions, in place, with the same float operations as the
     TensorFlow path below (which unstacks, wraps and restacks the coordinates: ~3 % of
     a 256^3 step); its gradient is the identity, as the caller's ``grad_function``.
@@ -519,7 +519,7 @@ def _particle_stats_fn(sizes):
     ``displacement`` statistics of :func:`_count_fn` (in that order) from
     ``(x, ids[, displacement])``; the displacement column is 0 without it.
 
-    On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/cic_ops.cc``)
+    On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/particle_ops.cc``)
     computes the three in one pass over the particles (the TensorFlow path below
     makes ~12 passes: ~15 % of a 256^3 step on one rank), with the same counts and
     maximum (a NaN displacement gives NaN there; the escape count reports it anyway).
