@@ -295,12 +295,7 @@ def _cic_ops(t, floating=True):
     """The native op module (``flowpm_mtf/native/particle_ops.cc``) if it serves the local
     tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
     TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
-    lib = native.load("particle_ops")
-    if lib is None or not native.runs_on_cpu(t):
-        return None
-    if floating and t.dtype not in (tf.float32, tf.float64):
-        return None
-    return lib
+    return native.ops_for("particle_ops", t, dtypes=native.FLOATS if floating else None)
 
 
 def _rows_of(sel, m, nb):

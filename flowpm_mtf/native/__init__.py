@@ -186,3 +186,52 @@ def runs_on_cpu(t):
         _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
     return not _gpu_visible
 
+
+FLOATS = ("float32", "float64")  # the dtypes the floating-point ops are registered for
+
+
+def ops_for(name, *tensors, dtypes=FLOATS):
+    """The op module ``lib<name>.so`` if its ops serve these tensors, else None.
+
+    The one choice between a native op and the TensorFlow path: the native op when
+    its library is usable, every tensor has a served dtype, and every tensor's op
+    runs on a CPU.
+
+    Parameters
+    ----------
+    name : str
+        Stem of the library (``cic_ops``, ``particle_ops``, ``noise_ops``, ``fft_ops``).
+    *tensors : tf.Tensor
+        The local tensors the op would consume.
+    dtypes : sequence of tf.DType or str, or None
+        The dtypes the op is registered for (default float32 and float64); None
+        skips the dtype check (ops on bool, integer or complex tensors, or whose
+        caller checks the dtype itself).
+
+    Returns
+    -------
+    module or None
+        The module of :func:`load`; None when the library is not usable
+        (``FLOWPM_MTF_NATIVE=0``, or missing or stale in ``auto`` mode), when a
+        tensor's dtype is not in ``dtypes``, or when an op consuming a tensor would
+        not run on a CPU (:func:`runs_on_cpu`).
+
+    Raises
+    ------
+    RuntimeError
+        With ``FLOWPM_MTF_NATIVE=require``, if the library is missing or stale
+        (from :func:`load`, which is asked first, whatever the tensors).
+    """
+    lib = load(name)
+    if lib is None:
+        return None
+    if dtypes is not None:
+        import tensorflow as tf
+
+        served = [tf.as_dtype(d) for d in dtypes]
+    for t in tensors:
+        if dtypes is not None and t.dtype not in served:
+            return None
+        if not runs_on_cpu(t):
+            return None
+    return lib
