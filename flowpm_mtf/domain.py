@@ -291,7 +291,7 @@ def pad_particles(t, conf, value=0):
 
 
 # ----------------------------------------------------------------------------- local ops
-def _cic_ops(t, floating=True):
+def _particle_ops(t, floating=True):
     """The native op module (``flowpm_mtf/native/particle_ops.cc``) if it serves the local
     tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
     TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
@@ -305,7 +305,7 @@ def _rows_of(sel, m, nb):
     flattened ``[nb * n]`` rows (-1 where fewer than ``m`` rows are selected)
     and the count of selected rows per block.
     """
-    lib = _cic_ops(sel, floating=False)
+    lib = _particle_ops(sel, floating=False)
     if lib is not None:
         # FlowpmSelectRows (particle_ops.cc): one scan per block, the same rows and count.
         return tuple(lib.flowpm_select_rows(sel, m=int(m)))
@@ -322,7 +322,7 @@ def _rows_of(sel, m, nb):
 def _count_true(sel, nb):
     """int32 ``[nb]``: the true entries of each block of ``sel`` (bool ``[.., n]``)."""
     sel = tf.reshape(sel, [nb, -1])
-    lib = _cic_ops(sel, floating=False)
+    lib = _particle_ops(sel, floating=False)
     if lib is not None:
         return lib.flowpm_select_rows(sel, m=0)[1]      # a scan, no int32 copy
     return tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
@@ -334,7 +334,7 @@ def _mask_rows(x, keep):
     On the CPU the native ``FlowpmMaskRows`` (in place; gradient below), else
     ``x * keep``.
     """
-    lib = _cic_ops(x)
+    lib = _particle_ops(x)
     if lib is not None:
         return lib.flowpm_mask_rows(x, keep)
     return x * tf.cast(keep, x.dtype)[:, None]
@@ -367,7 +367,7 @@ def _wrap_fn(axes, sizes):
     """
 
     def fn(x):
-        lib = _cic_ops(x)
+        lib = _particle_ops(x)
         if lib is not None:
             return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
                                              for ax in range(3)])
@@ -522,7 +522,7 @@ def _particle_stats_fn(sizes):
     sx, sy, h = sizes
 
     def fn(x, ids, *disp):
-        lib = _cic_ops(x)
+        lib = _particle_ops(x)
         if lib is not None:
             nbx, nby = x.shape.as_list()[:2]
             nb = nbx * nby
