@@ -1,7 +1,9 @@
 """The native CIC ops (``flowpm_mtf/native/cic_ops.cc``) on local slices: equal to
 the TensorFlow path of :mod:`flowpm_mtf.painting`, exact gradients (dot-product and
 finite-difference tests in float64), independent of the thread count, harmless
-for masked (non-finite, zero-weight) particle slots.
+for masked (non-finite, zero-weight) particle slots. Also the native-or-TensorFlow
+choice of every module (:func:`flowpm_mtf.native.ops_for`) and the build stamps
+(a header's edit makes the libraries that include it stale).
 
 The distributed paint/readout (halo exchange, all process grids, against
 ``flowpm.tfpm``) is tested in ``test_painting.py``, which runs the native path
