@@ -195,16 +195,11 @@ def pad_particles(t, conf, value=0):
 
 
 # ----------------------------------------------------------------------------- local ops
-def _cic_ops(t, floating=True):
-    """The native op module (``flowpm_mtf/native/cic_ops.cc``) if it serves the local
+def _particle_ops(t, floating=True):
+    """The native op module (``flowpm_mtf/native/particle_ops.cc``) if it serves the local
     tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
     TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
-    lib = native.load("cic_ops")
-    if lib is None or not native.runs_on_cpu(t):
-        return None
-    if floating and t.dtype not in (tf.float32, tf.float64):
-        return None
-    return lib
+    return native.ops_for("particle_ops", t, dtypes=native.FLOATS if floating else None)
 
 
 def _rows_of(sel, m, nb):
@@ -214,9 +209,9 @@ def _rows_of(sel, m, nb):
     flattened ``[nb * n]`` rows (-1 where fewer than ``m`` rows are selected)
     and the count of selected rows per block.
     """
-    lib = _cic_ops(sel, floating=False)
+    lib = _particle_ops(sel, floating=False)
     if lib is not None:
-        # FlowpmSelectRows (cic_ops.cc): one scan per block, the same rows and count.
+        # FlowpmSelectRows (particle_ops.cc): one scan per block, the same rows and count.
         return tuple(lib.flowpm_select_rows(sel, m=int(m)))
     n = sel.shape.as_list()[-1]
     rank = tf.cumsum(tf.cast(sel, tf.int32), axis=-1, exclusive=True)
@@ -231,7 +226,7 @@ def _rows_of(sel, m, nb):
 def _count_true(sel, nb):
     """int32 ``[nb]``: the true entries of each block of ``sel`` (bool ``[.., n]``)."""
     sel = tf.reshape(sel, [nb, -1])
-    lib = _cic_ops(sel, floating=False)
+    lib = _particle_ops(sel, floating=False)
     if lib is not None:
         return lib.flowpm_select_rows(sel, m=0)[1]      # a scan, no int32 copy
     return tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
@@ -243,7 +238,7 @@ def _mask_rows(x, keep):
     On the CPU the native ``FlowpmMaskRows`` (in place; gradient below), else
     ``x * keep``.
     """
-    lib = _cic_ops(x)
+    lib = _particle_ops(x)
     if lib is not None:
         return lib.flowpm_mask_rows(x, keep)
     return x * tf.cast(keep, x.dtype)[:, None]
@@ -269,14 +264,14 @@ def _below(s, dtype):
 def _wrap_fn(axes, sizes):
     """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block).
 
-    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/cic_ops.cc``) does it
+    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/particle_ops.cc``) does it
     in one pass over the positions, in place, with the same float operations as the
     TensorFlow path below (which unstacks, wraps and restacks the coordinates: ~3 % of
     a 256^3 step); its gradient is the identity, as the caller's ``grad_function``.
     """
 
     def fn(x):
-        lib = _cic_ops(x)
+        lib = _particle_ops(x)
         if lib is not None:
             return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
                                              for ax in range(3)])
@@ -423,7 +418,7 @@ def _particle_stats_fn(sizes):
     ``displacement`` statistics of :func:`_count_fn` (in that order) from
     ``(x, ids[, displacement])``; the displacement column is 0 without it.
 
-    On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/cic_ops.cc``)
+    On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/particle_ops.cc``)
     computes the three in one pass over the particles (the TensorFlow path below
     makes ~12 passes: ~15 % of a 256^3 step on one rank), with the same counts and
     maximum (a NaN displacement gives NaN there; the escape count reports it anyway).
@@ -431,7 +426,7 @@ def _particle_stats_fn(sizes):
     sx, sy, h = sizes
 
     def fn(x, ids, *disp):
-        lib = _cic_ops(x)
+        lib = _particle_ops(x)
         if lib is not None:
             nbx, nby = x.shape.as_list()[:2]
             nb = nbx * nby

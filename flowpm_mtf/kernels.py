@@ -313,8 +313,8 @@ def xyz_from_packed(first, last, name="xyz_from_packed", padded_conf=None):
 
     def fwd(a, b):
         ra, rb = [tf.reshape(tf.bitcast(t, rdtype), t.shape.as_list()[:-1] + [2]) for t in (a, b)]
-        lib = native.load("cic_ops")
-        if lib is not None and native.runs_on_cpu(ra):
+        lib = native.ops_for("cic_ops", ra, dtypes=None)
+        if lib is not None:
             out = lib.flowpm_interleave([ra, rb], picks=[0, 0, 0, 1, 1, 0], wrap=wrap)
         else:
             out = tf.stack([ra[..., 0], ra[..., 1], rb[..., 0]], axis=-1)

@@ -306,9 +306,10 @@ def white_noise_slice(seed, global_shape, begin, slice_shape, dtype=tf.float32, 
         if isinstance(begin, (list, tuple)) and all(isinstance(b, (int, np.integer)) for b in begin):
             begin = tf.constant([int(b) for b in begin], tf.int64)
         begin = tf.cast(tf.reshape(tf.convert_to_tensor(begin), [ndim]), tf.int64)
-        lib = (native.load("noise_ops") if use_native is not False
-               and dtype in (tf.float32, tf.float64) else None)
-        if lib is not None and native.runs_on_cpu(begin):
+        # the op's float type is that of its output, not of begin (int64): checked here
+        lib = (native.ops_for("noise_ops", begin, dtypes=None)
+               if use_native is not False and dtype in (tf.float32, tf.float64) else None)
+        if lib is not None:
             return lib.flowpm_white_noise(begin, T=dtype, global_shape=global_shape,
                                           slice_shape=slice_shape,
                                           key=key - (1 << 64) if key >= 1 << 63 else key)

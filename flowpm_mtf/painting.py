@@ -178,23 +178,13 @@ def from_global(positions, conf):
 
 
 # ----------------------------------------------------------------------------- native ops
-_NATIVE_DTYPES = (tf.float32, tf.float64)
-
-
 def _native_ops(*tensors):
     """The native CIC op module if it serves these local tensors, else None.
 
-    None when the library is not usable (see :func:`flowpm_mtf.native.load`),
-    for dtypes other than float32/float64, and on a GPU
-    (:func:`flowpm_mtf.native.runs_on_cpu`).
+    None when the library is not usable, for dtypes other than float32/float64,
+    and on a GPU (:func:`flowpm_mtf.native.ops_for`).
     """
-    lib = native.load("cic_ops")
-    if lib is None:
-        return None
-    for t in tensors:
-        if t.dtype not in _NATIVE_DTYPES or not native.runs_on_cpu(t):
-            return None
-    return lib
+    return native.ops_for("cic_ops", *tensors)
 
 
 def _empty(dtype):

@@ -1,7 +1,9 @@
 """The native CIC ops (``flowpm_mtf/native/cic_ops.cc``) on local slices: equal to
 the TensorFlow path of :mod:`flowpm_mtf.painting`, exact gradients (dot-product and
 finite-difference tests in float64), independent of the thread count, harmless
-for masked (non-finite, zero-weight) particle slots.
+for masked (non-finite, zero-weight) particle slots. Also the native-or-TensorFlow
+choice of every module (:func:`flowpm_mtf.native.ops_for`) and the build stamps
+(a header's edit makes the libraries that include it stale).
 
 The distributed paint/readout (halo exchange, all process grids, against
 ``flowpm.tfpm``) is tested in ``test_painting.py``, which runs the native path
@@ -281,6 +283,61 @@ def test_device_and_dtype_choice():
         assert painting._native_ops(cpu, pinned) is not None
         assert painting._native_ops(cpu, gpu) is None
         assert painting._native_ops(half) is None
+
+
+def test_ops_for_follows_load_runs_on_cpu_and_dtypes(monkeypatch):
+    """native.ops_for, the one native-or-TensorFlow choice: the loaded module for served
+    dtypes on a CPU; None for an unserved dtype (unless dtypes=None), for a tensor on a
+    GPU, and with FLOWPM_MTF_NATIVE=0 (where load gives None)."""
+    lib = native.load("cic_ops")
+    with tf.Graph().as_default():
+        with tf.device("/cpu:0"):
+            f32, f64 = tf.zeros([2, 3], tf.float32), tf.zeros([2, 3], tf.float64)
+            i32 = tf.zeros([2, 3], tf.int32)
+        with tf.device("/gpu:0"):
+            gpu = tf.zeros([2, 3], tf.float32)
+        assert native.runs_on_cpu(f64) and not native.runs_on_cpu(gpu)
+        assert native.ops_for("cic_ops", f32) is lib
+        assert native.ops_for("cic_ops", f32, f64) is lib
+        assert native.ops_for("cic_ops", i32) is None
+        assert native.ops_for("cic_ops", f64, i32) is None
+        assert native.ops_for("cic_ops", i32, dtypes=None) is lib
+        assert native.ops_for("cic_ops", i32, dtypes=[tf.int32]) is lib
+        assert native.ops_for("cic_ops", f32, gpu) is None
+        assert native.ops_for("cic_ops", gpu, dtypes=None) is None
+        monkeypatch.setenv("FLOWPM_MTF_NATIVE", "0")
+        monkeypatch.setattr(native, "_cache", {})
+        assert native.load("cic_ops") is None
+        assert native.ops_for("cic_ops", f64) is None
+        assert native.ops_for("cic_ops", i32, dtypes=None) is None
+
+
+def test_stamp_covers_the_included_headers(tmp_path, monkeypatch):
+    """A library's stamp hashes its source and the headers of the folder it includes,
+    directly or through another header: editing tf_op.h or cic_block.h makes cic_ops
+    (and a source including cic_block.h only) stale, so set-up and native.build
+    rebuild them; a header they do not include changes no stamp."""
+    import os
+    import shutil
+
+    for f in ("cic_ops.cc", "cic_block.h", "tf_op.h"):
+        shutil.copy(os.path.join(native.HERE, f), tmp_path / f)
+    (tmp_path / "probe.cc").write_text('#include "cic_block.h"\n')
+    (tmp_path / "other.h").write_text("// included by nothing\n")
+    monkeypatch.setattr(native, "HERE", str(tmp_path))
+    assert native.names() == ["cic_ops", "probe"]
+    for name in native.names():
+        assert sorted(native.local_headers(native.source_path(name))) == [
+            str(tmp_path / "cic_block.h"), str(tmp_path / "tf_op.h")]
+    stamps = {name: native.expected_stamp(name) for name in native.names()}
+    for header in ("tf_op.h", "cic_block.h", "other.h"):
+        path = tmp_path / header
+        text = path.read_text()
+        path.write_text(text + "// edited\n")
+        for name in native.names():
+            assert (native.expected_stamp(name) != stamps[name]) == (header != "other.h")
+        path.write_text(text)
+        assert {name: native.expected_stamp(name) for name in native.names()} == stamps
 
 
 def test_escaped_count_per_block_independent_of_threads():

@@ -241,11 +241,11 @@ WRAP_EDGES = [0.0, -0.0, 1e-9, -1e-9, 5.999999, 6.0, -6.0, 12.0, 13.25, -13.25, 
 @pytest.mark.rank_independent
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_native_wrap_matches_the_tensorflow_path_bit_for_bit(dtype, monkeypatch):
-    """FlowpmWrap (cic_ops.cc) gives the TF path's floats exactly, axis by axis (x and y
+    """FlowpmWrap (particle_ops.cc) gives the TF path's floats exactly, axis by axis (x and y
     wrapped into [0, 6) and [0, 4), z untouched), and its gradient is the identity."""
     from flowpm_mtf import native
 
-    lib = native.load("cic_ops")
+    lib = native.load("particle_ops")
     if lib is None:
         pytest.skip("native ops not built")
     rng = np.random.RandomState(3)
@@ -273,13 +273,13 @@ def test_native_wrap_matches_the_tensorflow_path_bit_for_bit(dtype, monkeypatch)
 @pytest.mark.rank_independent
 @pytest.mark.parametrize("dtype,id_dtype", [(np.float32, np.int32), (np.float64, np.int64)])
 def test_native_particle_stats_match_the_tensorflow_path(dtype, id_dtype, monkeypatch):
-    """FlowpmParticleStats (cic_ops.cc) gives the TF path's per-block migration
+    """FlowpmParticleStats (particle_ops.cc) gives the TF path's per-block migration
     statistics exactly: 2x3 blocks of 4000 slots, a quarter empty, positions around the
     padded block's edges (floor(x) = -h - 1, -h, s + h - 2, s + h - 1 are hit), non-finite
     coordinates in valid and empty slots; with and without a displacement."""
     from flowpm_mtf import native
 
-    if native.load("cic_ops") is None:
+    if native.load("particle_ops") is None:
         pytest.skip("native ops not built")
     sx, sy, h = 6, 5, 2
     rng = np.random.RandomState(7)
@@ -318,12 +318,12 @@ def test_native_particle_stats_match_the_tensorflow_path(dtype, id_dtype, monkey
 
 @pytest.mark.rank_independent
 def test_native_select_rows_match_the_tensorflow_path(monkeypatch):
-    """FlowpmSelectRows (cic_ops.cc) gives _rows_of's rows and counts exactly (the
+    """FlowpmSelectRows (particle_ops.cc) gives _rows_of's rows and counts exactly (the
     migration's leavers and free slots): 3 blocks (one all false, one all true) of 5000
     slots, m from 0 to beyond the counts; and the rows against numpy."""
     from flowpm_mtf import native
 
-    if native.load("cic_ops") is None:
+    if native.load("particle_ops") is None:
         pytest.skip("native ops not built")
     rng = np.random.RandomState(11)
     nb, n = 3, 5000
@@ -352,11 +352,11 @@ def test_native_select_rows_match_the_tensorflow_path(monkeypatch):
 @pytest.mark.rank_independent
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_native_merge_matches_the_tensorflow_path(dtype, monkeypatch):
-    """The merge of one field with FlowpmMaskRows (cic_ops.cc) gives the TF path's
+    """The merge of one field with FlowpmMaskRows (particle_ops.cc) gives the TF path's
     values and gradients (field and received rows) exactly; the plan's counts too."""
     from flowpm_mtf import native
 
-    if native.load("cic_ops") is None:
+    if native.load("particle_ops") is None:
         pytest.skip("native ops not built")
     rng = np.random.RandomState(5)
     c, rows, s = 3000, 40, 6

@@ -23,6 +23,7 @@ the path, chosen by the callers from the device of the computation.
 import hashlib
 import logging
 import os
+import re
 import sys
 
 log = logging.getLogger(__name__)
@@ -75,11 +76,45 @@ def tf_version():
     return tf.__version__
 
 
+def names():
+    """Stems of the op libraries: one per ``<name>.cc`` of this folder, sorted."""
+    return sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".cc"))
+
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
+
+
+def local_headers(path):
+    """The headers of this folder that ``path`` includes (``#include "x.h"``), directly
+    or through another one, in the order first met."""
+    found, todo = [], [path]
+    while todo:
+        with open(todo.pop(0), "rb") as f:
+            text = f.read()
+        for inc in _LOCAL_INCLUDE.findall(text):
+            header = os.path.join(HERE, inc.decode())
+            if os.path.isfile(header) and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
+
+
 def expected_stamp(name):
-    """The stamp a library built from the current source for this TF must carry."""
-    with open(source_path(name), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return "%s tf-%s" % (digest, tf_version())
+    """The stamp a library built from the current source for this TF must carry.
+
+    Its hash covers the source and the headers of this folder it includes
+    (:func:`local_headers`, e.g. ``tf_op.h``): editing a header rebuilds every
+    library that includes it.
+    """
+    h = hashlib.sha256()
+    src = source_path(name)
+    for path in [src] + sorted(local_headers(src)):
+        with open(path, "rb") as f:
+            content = f.read()
+        if path != src:  # a source alone hashes as before
+            h.update(b"\0%s\0" % os.path.basename(path).encode())
+        h.update(content)
+    return "%s tf-%s" % (h.hexdigest()[:16], tf_version())
 
 
 def load(name):
@@ -150,3 +185,53 @@ def runs_on_cpu(t):
     if _gpu_visible is None:
         _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
     return not _gpu_visible
+
+
+FLOATS = ("float32", "float64")  # the dtypes the floating-point ops are registered for
+
+
+def ops_for(name, *tensors, dtypes=FLOATS):
+    """The op module ``lib<name>.so`` if its ops serve these tensors, else None.
+
+    The one choice between a native op and the TensorFlow path: the native op when
+    its library is usable, every tensor has a served dtype, and every tensor's op
+    runs on a CPU.
+
+    Parameters
+    ----------
+    name : str
+        Stem of the library (``cic_ops``, ``particle_ops``, ``noise_ops``, ``fft_ops``).
+    *tensors : tf.Tensor
+        The local tensors the op would consume.
+    dtypes : sequence of tf.DType or str, or None
+        The dtypes the op is registered for (default float32 and float64); None
+        skips the dtype check (ops on bool, integer or complex tensors, or whose
+        caller checks the dtype itself).
+
+    Returns
+    -------
+    module or None
+        The module of :func:`load`; None when the library is not usable
+        (``FLOWPM_MTF_NATIVE=0``, or missing or stale in ``auto`` mode), when a
+        tensor's dtype is not in ``dtypes``, or when an op consuming a tensor would
+        not run on a CPU (:func:`runs_on_cpu`).
+
+    Raises
+    ------
+    RuntimeError
+        With ``FLOWPM_MTF_NATIVE=require``, if the library is missing or stale
+        (from :func:`load`, which is asked first, whatever the tensors).
+    """
+    lib = load(name)
+    if lib is None:
+        return None
+    if dtypes is not None:
+        import tensorflow as tf
+
+        served = [tf.as_dtype(d) for d in dtypes]
+    for t in tensors:
+        if dtypes is not None and t.dtype not in served:
+            return None
+        if not runs_on_cpu(t):
+            return None
+    return lib

@@ -1,14 +1,14 @@
 """Build the native ops: ``python -m flowpm_mtf.native.build [name ...]``.
 
 Compiles every ``*.cc`` of this folder (or the named ones) into ``lib<name>.so``
-with TensorFlow's compile and link flags. Extra libraries are declared in the
+with TensorFlow's compile and link flags; a source includes this folder's headers
+(``#include "tf_op.h"``) by their name. Extra libraries are declared in the
 source by a line ``// LINK: -lfftw3f -lfftw3``, extra compiler flags by a line
 ``// CXXFLAGS: -fno-math-errno``. The library is written under a
 temporary name and renamed, then its stamp is written (see
 :func:`flowpm_mtf.native.expected_stamp`); an up-to-date library is not rebuilt,
 so the command is idempotent and cheap.
 """
-import glob
 import logging
 import os
 import re
@@ -16,7 +16,8 @@ import shlex
 import subprocess
 import sys
 
-from . import HERE, expected_stamp, library_path, source_path
+from . import expected_stamp, library_path, source_path
+from . import names as all_names
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,7 @@ def build(name, force=False):
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="[native.build] %(message)s")
-    names = (argv if argv is not None else sys.argv[1:]) or sorted(
-        os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(HERE, "*.cc")))
+    names = (argv if argv is not None else sys.argv[1:]) or all_names()
     for name in names:
         log.info("%s: %s", name, "built" if build(name) else "up to date")
     return 0

@@ -1,6 +1,7 @@
 // Fused cloud-in-cell (CIC) paint and readout on padded blocks, on the CPU.
 //
-// Ops (the Python side, gradients included, is flowpm_mtf/painting.py):
+// Ops (the Python side, gradients included, is flowpm_mtf/painting.py; for
+// FlowpmInterleave, flowpm_mtf/kernels.py):
 //
 //   FlowpmCicPaint(positions [B, n, 3], weights [B, n, C] or [0], halo, px, py, nz,
 //                  components) -> field [B, px, py, nz, C]
@@ -14,17 +15,6 @@
 //       to the positions, and (field = upstream gradient, dv = weights) of the paint.
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
-//   FlowpmParticleStats(positions [B, n, 3], ids [B, n], displacement [B, n, 3] or
-//       [0], halo, sx, sy) -> float64 [B, 3]: per block, the valid particles whose
-//       stencil leaves the padded block (or non-finite), the valid particles and
-//       the largest |x/y displacement| (flowpm_mtf.domain's migration statistics).
-//   FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]: the
-//       flat indices of the first m true entries of each block, -1 beyond them,
-//       and the true count (flowpm_mtf.domain._rows_of).
-//   FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows of false keep zeroed
-//       (the migration's merge; gradient: the same op).
-//   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
-//       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
 //       b + 2 wrap, ..., K]: out[i, j, ..., k] = inputs[picks[2k]][(i - wrap) mod a,
 //       (j - wrap) mod b, ..., picks[2k + 1]] (one pass; e.g. the (x, y) pair and z
@@ -32,6 +22,10 @@
 //       tf.stack / tf.concat copy one element at a time along a short last axis;
 //       with wrap = h, directly the padded block with periodic margins of a
 //       one-block mesh).
+//
+// The particle ops of flowpm_mtf.domain's migration (FlowpmParticleStats,
+// FlowpmSelectRows, FlowpmMaskRows, FlowpmWrap) are in particle_ops.cc; the
+// positions checks and the escape test both use are in cic_block.h.
 //
 // The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
 // particle at block-local (x, y, z) [cells] touches the padded cells
@@ -56,31 +50,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <vector>
 #include <cstdint>
 #include <cstring>
-#include <limits>
+#include <vector>
 
-#include "tensorflow/core/framework/common_shape_fns.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/platform/mutex.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "cic_block.h"
+#include "tf_op.h"
 
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-typedef int64_t i64;
 
 // Most slabs the paint uses (each scans every particle).
 constexpr int kMaxPaintSlabs = 8;
@@ -175,25 +152,6 @@ inline void stencil(const T* p, const Geometry& g, Axis<T>* ax, Axis<T>* ay, Axi
   return ::tensorflow::OkStatus();
 }
 
-// Checks shared by the kernels: positions [B, n, 3]; an optional per-particle
-// tensor [B, n, C] (or empty).
-::tensorflow::Status check_positions(const Tensor& pos) {
-  if (pos.dims() != 3 || pos.dim_size(2) != 3)
-    return InvalidArgument("CIC: positions must be [blocks, n, 3], got ",
-                           pos.shape().DebugString());
-  return ::tensorflow::OkStatus();
-}
-
-::tensorflow::Status check_per_particle(const Tensor& t, const Tensor& pos, i64 comps,
-                                        const char* what) {
-  if (t.NumElements() == 0) return ::tensorflow::OkStatus();
-  if (t.dims() != 3 || t.dim_size(0) != pos.dim_size(0) || t.dim_size(1) != pos.dim_size(1) ||
-      t.dim_size(2) != comps)
-    return InvalidArgument("CIC: ", what, " must be [", pos.dim_size(0), ", ", pos.dim_size(1),
-                           ", ", comps, "] or empty, got ", t.shape().DebugString());
-  return ::tensorflow::OkStatus();
-}
-
 ::tensorflow::Status check_field(const Tensor& f, const Tensor& pos, i64 halo) {
   if (f.dims() != 5 || f.dim_size(0) != pos.dim_size(0))
     return InvalidArgument("CIC: field must be [blocks, px, py, nz, components] with ",
@@ -201,10 +159,6 @@ inline void stencil(const T* p, const Geometry& g, Axis<T>* ax, Axis<T>* ay, Axi
   if (halo < 0 || f.dim_size(1) < 1 || f.dim_size(2) < 1 || f.dim_size(3) < 1)
     return InvalidArgument("CIC: empty field or negative halo");
   return ::tensorflow::OkStatus();
-}
-
-int pool_threads(OpKernelContext* ctx) {
-  return ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
 }
 
 // ------------------------------------------------------------------ paint
@@ -380,8 +334,7 @@ class CicReadoutOp : public OpKernel {
         read_range<T, 0>(P, F, V, g, n, block, begin, end);
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    ::tensorflow::Shard(pool_threads(ctx), workers, nb * n, 40 * C, work);
+    shard(ctx, nb * n, 40 * C, work);
   }
 
  private:
@@ -463,40 +416,11 @@ class CicReadoutGradPosOp : public OpKernel {
         grad_pos_range<T, 0>(P, F, D, G, g, n, block, begin, end);
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    ::tensorflow::Shard(pool_threads(ctx), workers, nb * n, 60 * C, work);
+    shard(ctx, nb * n, 60 * C, work);
   }
 
  private:
   i64 halo_;
-};
-
-// ------------------------------------------------------------------ escape test
-// The padded block of FlowpmCicEscaped and FlowpmParticleStats: attrs halo, sx, sy.
-struct BlockBox {
-  i64 halo, sx, sy;
-};
-
-::tensorflow::Status read_block_box(OpKernelConstruction* ctx, BlockBox* box) {
-  int h, sx, sy;
-  TF_RETURN_IF_ERROR(ctx->GetAttr("halo", &h));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("sx", &sx));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("sy", &sy));
-  *box = BlockBox{h, sx, sy};
-  return ::tensorflow::OkStatus();
-}
-
-// Whether a particle's CIC stencil fits its padded block:
-// floor(x) in [-h, s + h - 2]  <=>  x in [-h, s + h - 1) (integer bounds) along x and y;
-// NaN and +-inf fail a comparison, a non-finite z is tested on its own.
-template <typename T>
-struct StencilFits {
-  T lox, hix, loy, hiy;
-  explicit StencilFits(const BlockBox& b)
-      : lox(T(-b.halo)), hix(T(b.sx + b.halo - 1)), loy(T(-b.halo)), hiy(T(b.sy + b.halo - 1)) {}
-  bool operator()(const T* q) const {
-    return q[0] >= lox && q[0] < hix && q[1] >= loy && q[1] < hiy && std::isfinite(q[2]);
-  }
 };
 
 // ------------------------------------------------------------------ escape count
@@ -533,241 +457,13 @@ class CicEscapedOp : public OpKernel {
       }
       if (end > begin) counts[b] += count;
     };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        nb * n, 12, work);
+    shard(ctx, nb * n, 12, work);
     for (i64 b = 0; b < nb; ++b)
       O(b) = static_cast<int32_t>(std::min<int64_t>(counts[b].load(), INT32_MAX));
   }
 
  private:
   BlockBox box_;
-};
-
-// ------------------------------------------------------------------ particle statistics
-// FlowpmParticleStats(positions [B, n, 3], ids [B, n], displacement [B, n, 3] or
-// [0], halo, sx, sy) -> float64 [B, 3], per block, in one pass over the particles
-// (flowpm_mtf.domain's migration statistics, which the TensorFlow path computes in
-// ~12 passes over [B, n(, 3)] arrays: ~15 % of a 256^3 step on one rank):
-//   [0] outside: valid particles (id >= 0) with a non-finite coordinate or whose
-//       CIC stencil leaves the padded block along x or y, i.e. floor(x) < -h or
-//       floor(x) > s + h - 2 (the escape test of FlowpmCicEscaped, masked by ids);
-//   [1] count: valid particles;
-//   [2] displacement: max |d_a| over every slot and a in {x, y} (0 when empty); a
-//       NaN component makes it NaN.
-// Counts are exact (integers summed in int64). Parallel over particles.
-template <typename T, typename Tid>
-class ParticleStatsOp : public OpKernel {
- public:
-  explicit ParticleStatsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, read_block_box(ctx, &box_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& pos = ctx->input(0);
-    const Tensor& ids = ctx->input(1);
-    const Tensor& disp = ctx->input(2);
-    OP_REQUIRES_OK(ctx, check_positions(pos));
-    const i64 nb = pos.dim_size(0), n = pos.dim_size(1);
-    OP_REQUIRES(ctx, ids.dims() == 2 && ids.dim_size(0) == nb && ids.dim_size(1) == n,
-                InvalidArgument("particle stats: ids must be [", nb, ", ", n, "], got ",
-                                ids.shape().DebugString()));
-    OP_REQUIRES_OK(ctx, check_per_particle(disp, pos, 3, "displacement"));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, 3}), &out));
-    const T* P = pos.flat<T>().data();
-    const Tid* I = ids.flat<Tid>().data();
-    const T* D = disp.NumElements() ? disp.flat<T>().data() : nullptr;
-    const StencilFits<T> fits(box_);
-    struct Acc {
-      int64_t outside = 0, count = 0;
-      double dmax = 0.0;
-      bool nan = false;
-    };
-    std::vector<Acc> acc(nb);
-    ::tensorflow::mutex mu;
-    auto work = [&](int64_t begin, int64_t end) {
-      while (begin < end) {
-        const i64 b = begin / n, stop = std::min<int64_t>(end, (b + 1) * n);
-        Acc a;
-        T dmax = T(0);
-        for (i64 i = begin; i < stop; ++i) {
-          const T* q = P + 3 * i;
-          const bool valid = I[i] >= 0;
-          const bool ok = fits(q);
-          a.count += valid;
-          a.outside += valid && !ok;
-          if (D) {
-            const T d0 = std::abs(D[3 * i]), d1 = std::abs(D[3 * i + 1]);
-            a.nan |= std::isnan(d0) || std::isnan(d1);
-            dmax = std::max(dmax, std::max(d0, d1));
-          }
-        }
-        a.dmax = static_cast<double>(dmax);
-        {
-          ::tensorflow::mutex_lock l(mu);
-          acc[b].outside += a.outside;
-          acc[b].count += a.count;
-          acc[b].dmax = std::max(acc[b].dmax, a.dmax);
-          acc[b].nan |= a.nan;
-        }
-        begin = stop;
-      }
-    };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        nb * n, 16, work);
-    auto O = out->matrix<double>();
-    for (i64 b = 0; b < nb; ++b) {
-      O(b, 0) = static_cast<double>(acc[b].outside);
-      O(b, 1) = static_cast<double>(acc[b].count);
-      O(b, 2) = acc[b].nan ? std::numeric_limits<double>::quiet_NaN() : acc[b].dmax;
-    }
-  }
-
- private:
-  BlockBox box_;
-};
-
-// ------------------------------------------------------------------ selected rows
-// FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]:
-// rows[b, j] = b * n + i for the j-th true sel[b, i] (in order of i), -1 where
-// block b has fewer than m; count[b] = the number of true sel[b, i].
-// flowpm_mtf.domain._rows_of (the migration's choice of leaving particles and free
-// slots) in one sequential scan per block, instead of a cumsum and an
-// unsorted_segment_max over every slot (~2/3 of a 256^3 step on 2 ranks).
-// Parallel over blocks.
-class SelectRowsOp : public OpKernel {
- public:
-  explicit SelectRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("m", &m_));
-    OP_REQUIRES(ctx, m_ >= 0, InvalidArgument("select rows: m must be >= 0"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& sel = ctx->input(0);
-    OP_REQUIRES(ctx, sel.dims() == 2,
-                InvalidArgument("select rows: sel must be [blocks, n], got ",
-                                sel.shape().DebugString()));
-    const i64 nb = sel.dim_size(0), n = sel.dim_size(1), m = m_;
-    OP_REQUIRES(ctx, nb * n < (i64(1) << 31),
-                InvalidArgument("select rows: ", nb * n, " rows do not fit int32 indices"));
-    Tensor *rows = nullptr, *count = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, m}), &rows));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({nb}), &count));
-    const bool* S = sel.flat<bool>().data();
-    int32_t* R = rows->flat<int32_t>().data();
-    int32_t* C = count->flat<int32_t>().data();
-    auto work = [&](int64_t begin, int64_t end) {
-      for (i64 b = begin; b < end; ++b) {
-        const bool* sb = S + b * n;
-        int32_t* rb = R + b * m;
-        i64 k = 0;
-        for (i64 i = 0; i < n; ++i) {
-          if (sb[i]) {
-            if (k < m) rb[k] = static_cast<int32_t>(b * n + i);
-            ++k;
-          }
-        }
-        for (i64 j = std::min(k, m); j < m; ++j) rb[j] = -1;
-        C[b] = static_cast<int32_t>(k);
-      }
-    };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        nb, n + m, work);
-  }
-
- private:
-  int m_;
-};
-
-// ------------------------------------------------------------------ masked rows
-// FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows where keep is false
-// set to zero (flowpm_mtf.domain's merge: the leavers' slots emptied), in place
-// when TensorFlow forwards the input; TensorFlow's x * cast(keep)[:, None] is a
-// broadcasting multiply ~5x slower. Linear and self-adjoint in x: the gradient
-// is the same op on the upstream gradient. Parallel over rows.
-template <typename T>
-class MaskRowsOp : public OpKernel {
- public:
-  explicit MaskRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& keep = ctx->input(1);
-    OP_REQUIRES(ctx, x.dims() == 2 && keep.dims() == 1 && keep.dim_size(0) == x.dim_size(0),
-                InvalidArgument("mask rows: x must be [N, C] and keep [N], got ",
-                                x.shape().DebugString(), " and ", keep.shape().DebugString()));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &out));
-    const i64 rows = x.dim_size(0), C = x.dim_size(1);
-    const T* X = x.flat<T>().data();
-    const bool* K = keep.flat<bool>().data();
-    T* O = out->flat<T>().data();
-    auto work = [&](int64_t begin, int64_t end) {
-      for (i64 r = begin; r < end; ++r) {
-        if (K[r]) {
-          if (O != X) std::memcpy(O + r * C, X + r * C, sizeof(T) * C);
-        } else {
-          for (i64 c = 0; c < C; ++c) O[r * C + c] = T(0);
-        }
-      }
-    };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        rows, 2 * C, work);
-  }
-};
-
-// ------------------------------------------------------------------ wrap
-// FlowpmWrap(positions [..., 3], sizes [3]) -> positions wrapped into [0, s) along
-// every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.domain's TensorFlow path
-// computes it, operation for operation (the same float results):
-//   w = x - s * floor(x / s); w += s if w < 0; w -= s if w >= s; w = min(w, below(s))
-// with below(s) the largest float below s. In place when TensorFlow forwards the
-// input; parallel over particles.
-template <typename T>
-class WrapOp : public OpKernel {
- public:
-  explicit WrapOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::vector<float> s;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("sizes", &s));
-    OP_REQUIRES(ctx, s.size() == 3, InvalidArgument("FlowpmWrap: sizes must have 3 values"));
-    for (int a = 0; a < 3; ++a) {
-      OP_REQUIRES(ctx, s[a] >= 0, InvalidArgument("FlowpmWrap: negative size"));
-      size_[a] = T(s[a]);
-      below_[a] = std::nextafter(size_[a], T(0));
-    }
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& pos = ctx->input(0);
-    OP_REQUIRES(ctx, pos.dims() >= 1 && pos.dim_size(pos.dims() - 1) == 3,
-                InvalidArgument("FlowpmWrap: positions must be [..., 3], got ",
-                                pos.shape().DebugString()));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, pos.shape(), &out));
-    const i64 n = pos.NumElements() / 3;
-    const T* P = pos.flat<T>().data();
-    T* O = out->flat<T>().data();
-    auto work = [&](int64_t begin, int64_t end) {
-      for (i64 i = begin; i < end; ++i)
-        for (int a = 0; a < 3; ++a) {
-          const T x = P[3 * i + a];
-          const T s = size_[a];
-          if (s == T(0)) {
-            O[3 * i + a] = x;
-            continue;
-          }
-          T w = x - s * std::floor(x / s);
-          if (w < T(0)) w = w + s;
-          if (w >= s) w = w - s;
-          O[3 * i + a] = std::min(w, below_[a]);
-        }
-    };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        n, 30, work);
-  }
-
- private:
-  T size_[3], below_[3];
 };
 
 // ------------------------------------------------------------------ interleave
@@ -842,8 +538,7 @@ class InterleaveOp : public OpKernel {
           for (i64 k = 0; k < K; ++k) o[r * K + k] = col[k][(r0 + r) * stride[k]];
       }
     };
-    ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
-                        pa * pb, 2 * K * inner, work);
+    shard(ctx, pa * pb, 2 * K * inner, work);
   }
 
  private:
@@ -920,84 +615,8 @@ REGISTER_OP("FlowpmCicEscaped")
     .Attr("sy: int >= 1")
     .SetShapeFn(escaped_shape);
 
-REGISTER_OP("FlowpmParticleStats")
-    .Input("positions: T")
-    .Input("ids: Tid")
-    .Input("displacement: T")
-    .Output("stats: float64")
-    .Attr("T: {float, double}")
-    .Attr("Tid: {int32, int64}")
-    .Attr("halo: int >= 0")
-    .Attr("sx: int >= 1")
-    .Attr("sy: int >= 1")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle pos;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &pos));
-      c->set_output(0, c->MakeShape({c->Dim(pos, 0), 3}));
-      return ::tensorflow::OkStatus();
-    });
-
-REGISTER_OP("FlowpmSelectRows")
-    .Input("sel: bool")
-    .Output("rows: int32")
-    .Output("count: int32")
-    .Attr("m: int >= 0")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle sel;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &sel));
-      int m;
-      TF_RETURN_IF_ERROR(c->GetAttr("m", &m));
-      c->set_output(0, c->MakeShape({c->Dim(sel, 0), m}));
-      c->set_output(1, c->MakeShape({c->Dim(sel, 0)}));
-      return ::tensorflow::OkStatus();
-    });
-
-REGISTER_OP("FlowpmMaskRows")
-    .Input("x: T")
-    .Input("keep: bool")
-    .Output("y: T")
-    .Attr("T: {float, double}")
-    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
-
-REGISTER_OP("FlowpmWrap")
-    .Input("positions: T")
-    .Output("wrapped: T")
-    .Attr("T: {float, double}")
-    .Attr("sizes: list(float)")
-    .SetShapeFn(::tensorflow::shape_inference::UnchangedShape);
-
-#define REGISTER_CIC(T)                                                                     \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmCicPaint").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicPaintOp<T>);    \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmCicReadout").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicReadoutOp<T>); \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmCicReadoutGradPos").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
-      CicReadoutGradPosOp<T>);                                                              \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmCicEscaped").Device(DEVICE_CPU).TypeConstraint<T>("T"), CicEscapedOp<T>); \
-  REGISTER_KERNEL_BUILDER(Name("FlowpmWrap").Device(DEVICE_CPU).TypeConstraint<T>("T"),     \
-                          WrapOp<T>);                                                       \
-  REGISTER_KERNEL_BUILDER(                                                                  \
-      Name("FlowpmInterleave").Device(DEVICE_CPU).TypeConstraint<T>("T"), InterleaveOp<T>);
-
-REGISTER_CIC(float);
-REGISTER_CIC(double);
-
-#define REGISTER_STATS(T, Tid)                                                          \
-  REGISTER_KERNEL_BUILDER(Name("FlowpmParticleStats")                                   \
-                              .Device(DEVICE_CPU)                                       \
-                              .TypeConstraint<T>("T")                                   \
-                              .TypeConstraint<Tid>("Tid"),                              \
-                          ParticleStatsOp<T, Tid>);
-
-REGISTER_STATS(float, int32_t);
-REGISTER_STATS(float, int64_t);
-REGISTER_STATS(double, int32_t);
-REGISTER_STATS(double, int64_t);
-
-REGISTER_KERNEL_BUILDER(Name("FlowpmSelectRows").Device(DEVICE_CPU), SelectRowsOp);
-REGISTER_KERNEL_BUILDER(Name("FlowpmMaskRows").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-                        MaskRowsOp<float>);
-REGISTER_KERNEL_BUILDER(Name("FlowpmMaskRows").Device(DEVICE_CPU).TypeConstraint<double>("T"),
-                        MaskRowsOp<double>);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaint", CicPaintOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadout", CicReadoutOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGradPos", CicReadoutGradPosOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicEscaped", CicEscapedOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);

@@ -54,23 +54,9 @@
 #include <tuple>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "tf_op.h"
 
 namespace {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
-using ::tensorflow::shape_inference::DimensionHandle;
-using ::tensorflow::shape_inference::InferenceContext;
-using ::tensorflow::shape_inference::ShapeHandle;
-typedef int64_t i64;
 
 // kC2RDestroy: c2r allowed to overwrite its input (our own panel buffers).
 enum Kind { kC2C = 0, kR2C = 1, kC2R = 2, kC2RDestroy = 3 };
@@ -894,9 +880,7 @@ class PairsOp : public OpKernel {
         }
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
-    ::tensorflow::Shard(workers->num_threads, workers->workers, nx * ly, (len + out_len) * 4,
-                        work);
+    shard(ctx, nx * ly, (len + out_len) * 4, work);
   }
 
  private:

@@ -33,22 +33,11 @@
 #include <cstring>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/util/work_sharder.h"
+#include "tf_op.h"
 
 namespace {
 
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::errors::InvalidArgument;
 typedef uint64_t u64;
-typedef int64_t i64;
 
 constexpr u64 kGamma = 0x9E3779B97F4A7C15ULL;
 constexpr u64 kM1 = 0xBF58476D1CE4E5B9ULL;
@@ -219,9 +208,7 @@ class WhiteNoiseOp : public OpKernel {
         }
       }
     };
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    ::tensorflow::Shard(ctx->device()->tensorflow_cpu_worker_threads()->num_threads, workers,
-                        rows, 60 * inner, work);
+    shard(ctx, rows, 60 * inner, work);
   }
 
  private:
@@ -247,7 +234,4 @@ REGISTER_OP("FlowpmWhiteNoise")
       return ::tensorflow::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("FlowpmWhiteNoise").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-                        WhiteNoiseOp<float>);
-REGISTER_KERNEL_BUILDER(Name("FlowpmWhiteNoise").Device(DEVICE_CPU).TypeConstraint<double>("T"),
-                        WhiteNoiseOp<double>);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmWhiteNoise", WhiteNoiseOp);
