@@ -10,7 +10,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, layout
+from flowpm_mtf import fft, fft_local, layout
 from flowpm_mtf.config import SimConfig
 
 # float64 FFT of a few hundred points: rounding error ~ log2(N) * 1e-16 relative
@@ -93,7 +93,7 @@ def test_every_lowering_matches_numpy(case, nc, path, monkeypatch):
     mirror-pair order), so that both lowerings (half spectrum, full) are checked on
     every grid; the half-spectrum path is taken exactly when its conditions hold."""
     if path == "tensorflow":
-        monkeypatch.setattr(fft, "uses_native", lambda t: False)
+        monkeypatch.setattr(fft_local, "uses_native", lambda t: False)
     conf = conf_for(case, nc)
     rng = np.random.RandomState(5)
     x = rng.randn(*nc)

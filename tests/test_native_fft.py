@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, layout, native
+from flowpm_mtf import fft, fft_local, layout, native
 
 tf.disable_eager_execution()
 pytestmark = pytest.mark.rank_independent
@@ -117,7 +117,7 @@ def _assert_native_equals_tensorflow(build, monkeypatch):
     in its graph), agree to RTOL (float64)."""
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         nat = run(build())
-    monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    monkeypatch.setattr(fft_local, "uses_native", lambda t: False)
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         ops = build()
         assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
