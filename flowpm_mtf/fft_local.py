@@ -20,7 +20,8 @@ slower at other lengths (192: 650 ms vs 9-26 ms for one axis of 192^3 complex64
 here). The op transforms along any axis without transposes, runs on TensorFlow's
 intra-op thread pool (sized per rank by ``hvd_mesh_impl.runtime.session_config``)
 and carries its exact gradient (registered in this module). On a GPU (the device of
-the sliced tensor, or no device with a visible GPU, see :func:`uses_native`) the path stays ``tf.signal`` (cuFFT); it
+the sliced tensor, or no device with a visible GPU, see :func:`uses_native` and
+:func:`flowpm_mtf.native.runs_on_cpu`) the path stays ``tf.signal`` (cuFFT); it
 builds the same graph as before and is documented but not testable on this CPU-only
 machine. ``FLOWPM_MTF_NATIVE=0`` forces the TensorFlow path, ``require`` fails when
 the op is not built (the test suite sets it).
@@ -35,8 +36,6 @@ are registered below, after the functions that call them, with their derivation;
 the TensorFlow path has TensorFlow's own. Tested by dot-product and
 finite-difference tests in ``tests/test_native_fft.py``.
 """
-import functools
-
 import numpy as np
 import tensorflow.compat.v1 as tf
 
@@ -66,19 +65,15 @@ def _along(fn, t, axis):
 
 
 # ----------------------------------------------------------------------------- local 1D FFTs
-@functools.lru_cache(maxsize=None)
-def _gpu_visible():
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 def uses_native(t):
     """Whether the local FFTs of ``t`` run on the native FFTW op.
 
     The native op (``flowpm_mtf/native/fft_ops.cc``) is a CPU kernel. It is used
     when it is built (see :func:`flowpm_mtf.native.load`; ``FLOWPM_MTF_NATIVE``)
-    and the computation is on the CPU: the device of ``t`` is a CPU, or ``t``
-    is unplaced and TensorFlow sees no GPU (an unplaced op goes to the GPU when
-    there is one). On a GPU the TensorFlow ops (cuFFT) are the path.
+    and the computation is on the CPU (:func:`flowpm_mtf.native.runs_on_cpu`: the
+    device of ``t`` is a CPU, or ``t`` is unplaced and TensorFlow sees no GPU; an
+    unplaced op goes to the GPU when there is one). On a GPU the TensorFlow ops
+    (cuFFT) are the path.
 
     Parameters
     ----------
@@ -88,12 +83,7 @@ def uses_native(t):
     -------
     bool
     """
-    if native.load("fft_ops") is None:
-        return False
-    kind = tf.DeviceSpec.from_string(t.device or "").device_type
-    if kind:
-        return kind.upper() == "CPU"
-    return not _gpu_visible()
+    return native.load("fft_ops") is not None and native.runs_on_cpu(t)
 
 
 def _axis(t, axis):
