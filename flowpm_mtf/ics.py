@@ -39,8 +39,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import cosmology as cosmo_mod
-from . import linear_power
-from . import fft, layout
+from . import complex_ops, fft, layout, linear_power
 from . import noise as noise_mod
 
 __all__ = ["k_range", "power_function", "linear_amplitude", "linear_modes", "linear_field",
@@ -305,7 +304,7 @@ def linear_modes(conf, mesh, power=None, a=1.0, noise=None, name="linear_modes")
         raise ValueError("noise must have the shape %s, got %s" % (fft.real_shape(conf),
                                                                     noise.shape))
     amp = linear_amplitude(conf, mesh, power, a, name=name + "_amplitude")
-    return fft.apply_kernel(fft.r2c(noise, conf, name=name + "_r2c"), amp, name=name)
+    return complex_ops.apply_kernel(fft.r2c(noise, conf, name=name + "_r2c"), amp, name=name)
 
 
 def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field"):

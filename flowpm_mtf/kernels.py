@@ -37,7 +37,7 @@ but half the first two stages and half the all-to-all bytes: 3 instead of 5
 units of 1D FFT work per pair). A non-Hermitian rounding residue of
 :math:`B` (relative size float epsilon) leaks into :math:`a`; the unpacked
 transform drops it instead, so the two agree to rounding. The packed
-composition is made of differentiable operations (:func:`flowpm_mtf.fft.apply_kernel`,
+composition is made of differentiable operations (:func:`flowpm_mtf.complex_ops.apply_kernel`,
 add, :func:`flowpm_mtf.fft.c2c_inverse`, real and imaginary parts), so its
 gradient is exact for what it computes; with respect to anything real
 upstream (noise, a linear field, positions) it equals the unpacked one.
@@ -50,6 +50,7 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import layout
+from . import complex_ops
 from . import fft
 from . import native
 from .ordering import after
@@ -98,7 +99,7 @@ def inverse_laplace_kernel(conf, mesh):
     mtf.Tensor
         Real, ``[kx, ky, kz]``, dtype ``conf.dtype``.
     """
-    kx, ky, kz = fft.kvec(conf, mesh, units="h/Mpc")
+    kx, ky, kz = layout.kvec(conf, mesh, units="h/Mpc")
     kk = mtf.square(kx) + mtf.square(ky) + mtf.square(kz)
 
     # 1 / kk, 0 where kk = 0 (kk >= 0); one pass (recomputed every step).
@@ -115,7 +116,7 @@ class Kernels:
         :math:`1/|k|^2` on ``[kx, ky, kz]`` [(Mpc/h)^2].
     grad : list of 3 mtf.Tensor
         :math:`\\tilde k_d` on ``[k_d]`` [h/Mpc] (the phase ``i`` is applied
-        by :func:`flowpm_mtf.fft.apply_kernel`).
+        by :func:`flowpm_mtf.complex_ops.apply_kernel`).
     grad_cells : list of 3 mtf.Tensor
         :math:`\\tilde k_d / c_d` on ``[k_d]`` [h/Mpc / (Mpc/h)]: gradient
         followed by the conversion of a length from Mpc/h to cells.
@@ -195,10 +196,10 @@ def packed_inverse(specs, conf, groups, name="packed_inverse", raw=False):
     packed = []
     for m in range(0, n, 2):
         f, k, ph = specs[m]
-        z = fft.apply_kernel(f, k, ph, name="%s_%d" % (name, m))
+        z = complex_ops.apply_kernel(f, k, ph, name="%s_%d" % (name, m))
         if m + 1 < n:
             f, k, ph = specs[m + 1]
-            z = z + fft.apply_kernel(f, k, 1j * complex(ph), name="%s_%d" % (name, m + 1))
+            z = z + complex_ops.apply_kernel(f, k, 1j * complex(ph), name="%s_%d" % (name, m + 1))
         packed.append(z)
     pair = mtf.Dimension(name + "_pair", len(packed))
     z = mtf.stack(packed, pair.name, axis=packed[0].shape.ndims, name=name + "_stack")
@@ -389,7 +390,8 @@ def _hessian_specs(pot, kernels, pairs, name):
     specs = []
     for i, j in pairs:
         if i not in first:
-            first[i] = fft.apply_kernel(pot, kernels.grad[i], 1j, name="%s_grad_%d" % (name, i))
+            first[i] = complex_ops.apply_kernel(pot, kernels.grad[i], 1j,
+                                                name="%s_grad_%d" % (name, i))
         specs.append((first[i], kernels.grad[j], 1j))
     return specs
 
@@ -406,7 +408,8 @@ def hessian_spec(kernels, i, j, name="hessian"):
     derivative is rebuilt per use instead of being shared: one elementwise
     product, and no complex field kept between transforms).
     """
-    return lambda pot: (fft.apply_kernel(pot, kernels.grad[i], 1j, name="%s_grad_%d" % (name, i)),
+    return lambda pot: (complex_ops.apply_kernel(pot, kernels.grad[i], 1j,
+                                                 name="%s_grad_%d" % (name, i)),
                         kernels.grad[j], 1j)
 
 
@@ -482,7 +485,7 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False
         k_d\, \delta_k / |k|^2] / c_d` [cells], as FlowPM's ``lpt1`` and
         ``apply_longrange`` before the readout.
     """
-    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
+    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
     if packed and sequential:
         first = inverse_after(pot, [gradient_spec(kernels, 0), gradient_spec(kernels, 1)], conf,
                               name="grad_0", raw=True)
@@ -499,7 +502,7 @@ def _inverse_xyz(specs, conf, packed, name):
     """The 3 components of ``specs`` (see :func:`packed_inverse`) as ``[x, y, z, xyz]``."""
     if packed:
         return packed_inverse(specs, conf, [(cfg.XYZ, 3)], name=name)[0]
-    comps = [fft.apply_kernel(f, k, ph, name="%s_%d" % (name, n))
+    comps = [complex_ops.apply_kernel(f, k, ph, name="%s_%d" % (name, n))
              for n, (f, k, ph) in enumerate(specs)]
     return fft.c2r(stack_xyz(comps, name + "_stack"), conf, name="c2r_" + name)
 
@@ -531,7 +534,7 @@ def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
     """
     if len(pairs) != 3:
         raise ValueError("hessian_potential: need 3 (i, j) pairs, got %r" % (pairs,))
-    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
+    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
     return _inverse_xyz(_hessian_specs(pot, kernels, pairs, "hessian"), conf, packed, "hessian")
 
 
@@ -565,7 +568,7 @@ def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
         Real ``[x, y, z, xyz]`` :math:`-\nabla\phi` [cells], and one real
         ``[x, y, z]`` field per pair [dimensionless].
     """
-    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
     specs = _gradient_specs(pot, kernels) + _hessian_specs(pot, kernels, pairs, "lpt_hessian")
     out = packed_inverse(specs, conf, [(cfg.XYZ, 3)] + [(None, 1)] * len(pairs),
                          name="lpt_fields")

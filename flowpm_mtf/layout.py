@@ -38,17 +38,19 @@ positions then holds whole pairs, so the Hermitian symmetry of the transform of
 a real field, ``F(-k) = conj(F(k))``, relates values on the same rank and the
 distributed FFT moves half the spectrum through its all-to-alls (see
 :mod:`flowpm_mtf.fft`). The order is the same on every process grid, so a
-k-space field means the same thing whatever the grid. :func:`axis_k` and
-:func:`kvec_tensors` give the wave numbers in this order, so a kernel built from
-them needs no care; numpy arrays convert with :func:`to_stored` /
+k-space field means the same thing whatever the grid. :func:`axis_k`,
+:func:`kvec_tensors` and :func:`kvec` give the wave numbers in this order, so a
+kernel built from them needs no care; numpy arrays convert with :func:`to_stored` /
 :func:`to_natural`.
 
 Shapes: :func:`real_shape`, :func:`k_shape`, :func:`plane_shape`,
 :func:`block_shape`, :func:`padded_shape`, :func:`padded_plane_shape`,
 :func:`particle_dims`, :func:`block_cell_dims`. Mode order: :func:`k_order`,
 :func:`k_positions`, :func:`to_stored`, :func:`to_natural`. Wave numbers:
-:func:`axis_k` (numpy) and :func:`kvec_tensors` (1-d mtf tensors on ``kx``,
-``ky``, ``kz``).
+:func:`axis_k` (numpy), :func:`kvec_tensors` (1-d mtf tensors on ``kx``,
+``ky``, ``kz``), :func:`kvec` (those of ``conf.dtype``, the kernels' building blocks)
+and :func:`wavenumber` (``|k|`` on ``[kx, ky, kz]``). Mesh TF and TensorFlow are
+imported by the functions that need them, not by this module.
 """
 import numpy as np
 
@@ -56,7 +58,7 @@ __all__ = ["ROW", "COL", "X", "Y", "Z", "REAL_DIMS", "KX", "KY", "KZ", "K_DIMS",
            "SX", "SY", "PX", "PY", "PLANE_PX", "PLANE_PY", "NPART", "XYZ", "K_UNITS",
            "real_shape", "k_shape", "plane_shape", "block_shape", "padded_shape",
            "padded_plane_shape", "particle_dims", "block_cell_dims", "k_order", "k_positions",
-           "to_stored", "to_natural", "axis_k", "kvec_tensors"]
+           "to_stored", "to_natural", "axis_k", "kvec_tensors", "kvec", "wavenumber"]
 
 # ----------------------------------------------------------------------------- names
 ROW, COL = "row", "col"
@@ -256,3 +258,46 @@ def kvec_tensors(conf, mesh, dtype, name="kvec", units="h/Mpc", sep="_"):
     return [mtf.import_tf_tensor(mesh, tf.constant(k.astype(np_dtype)), _shape([d], [k.size]),
                                  name=name + sep + d)
             for k, d in zip(axis_k(conf, units), K_DIMS)]
+
+
+def kvec(conf, mesh, units="h/Mpc"):
+    """Wave vectors along each axis as mtf tensors on ``kx``, ``ky``, ``kz``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    units : {"h/Mpc", "grid"}
+        ``"h/Mpc"``: ``2 pi fftfreq(n, d=cell_size)`` [h/Mpc];
+        ``"grid"``: ``2 pi fftfreq(n)`` [rad / cell] (FlowPM's ``fftk``
+        convention, which assumes cubic cells).
+
+    Returns
+    -------
+    list of 3 mtf.Tensor
+        Real tensors of shape ``[kx]``, ``[ky]``, ``[kz]`` (dtype ``conf.dtype``)
+        in the stored (mirror-pair) order of k-space fields (:func:`k_order`), as
+        :func:`kvec_tensors`.
+    """
+    return kvec_tensors(conf, mesh, conf.np_dtype, "kvec", units)
+
+
+def wavenumber(conf, mesh, units="h/Mpc"):
+    """Norm of the wave vector, ``|k|``, on ``[kx, ky, kz]``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh : mtf.Mesh
+    units : {"h/Mpc", "grid"}
+        See :func:`kvec`.
+
+    Returns
+    -------
+    mtf.Tensor
+        Real, shape ``[kx, ky, kz]`` [h/Mpc or rad / cell].
+    """
+    import mesh_tensorflow as mtf
+
+    kx, ky, kz = kvec(conf, mesh, units)
+    return mtf.sqrt(mtf.square(kx) + mtf.square(ky) + mtf.square(kz))

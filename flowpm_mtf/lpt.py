@@ -48,7 +48,7 @@ from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import fft, ics
+from . import complex_ops, fft, ics
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       make_kernels, neg_gradient_potential, stack_xyz)
@@ -213,7 +213,7 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     # into the 2LPT source before the next starts: a batched transform of all
     # five held ~10 complex fields at once (the ICs' peak). Same pairing and
     # arithmetic as kernels.potential_fields, so the same values.
-    pot = fft.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
     grad = [gradient_spec(kernels, d) for d in range(3)]
     hess = {p: hessian_spec(kernels, *p, name="lpt_hessian") for p in HESSIAN_PAIRS}
     yy, zz = inverse_after(pot, [hess[1, 1], hess[2, 2]], conf, name="lpt_fields_yy_zz")

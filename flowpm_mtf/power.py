@@ -59,6 +59,7 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import layout
+from . import complex_ops
 from . import fft
 
 __all__ = ["KBIN", "default_edges", "cic_window", "bin_index", "binned_sum",
@@ -338,7 +339,7 @@ def power_spectrum(field, conf, edges=None, deconvolve_cic=False, name="power_sp
     volume = float(np.prod(conf.box_size))
 
     bins, knorm = bin_index(conf, mesh, edges, name=name + "_bins")
-    p3d = fft.abs2(fft.r2c(field, conf, name=name + "_r2c"), name=name + "_abs2")
+    p3d = complex_ops.abs2(fft.r2c(field, conf, name=name + "_r2c"), name=name + "_abs2")
     if deconvolve_cic:
         w = cic_window(conf, mesh, dtype=field.dtype, name=name + "_window")
         p3d = p3d / mtf.square(w)

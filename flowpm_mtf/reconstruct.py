@@ -50,7 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import domain, fft, gravity, ics, lpt, nbody, power
+from . import complex_ops, domain, fft, gravity, ics, lpt, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
@@ -229,9 +229,9 @@ def prior_chi2(linear, conf, kernel=None, name="prior_chi2"):
     """
     if kernel is None:
         kernel = inverse_power_kernel(conf, linear.mesh, name=name + "_kernel")
-    white = fft.apply_kernel(fft.r2c(linear, conf, name=name + "_r2c"), kernel,
-                             name=name + "_whiten")
-    return mtf.reduce_sum(fft.abs2(white, name=name + "_abs2"), name=name)
+    white = complex_ops.apply_kernel(fft.r2c(linear, conf, name=name + "_r2c"), kernel,
+                                     name=name + "_whiten")
+    return mtf.reduce_sum(complex_ops.abs2(white, name=name + "_abs2"), name=name)
 
 
 def cross_power(a, b, conf, edges=None, name="cross_power"):
@@ -282,7 +282,7 @@ def cross_power(a, b, conf, edges=None, name="cross_power"):
     k_mean = power.binned_sum(knorm, bins, n_bins, name=name + "_ksum") / safe
     scale = mtf.cast(volume / safe, a.dtype)
     out = [power.binned_sum(v, bins, n_bins, name=name + "_" + s) * scale
-           for v, s in ((re_ab, "ab"), (fft.abs2(ak), "aa"), (fft.abs2(bk), "bb"))]
+           for v, s in ((re_ab, "ab"), (complex_ops.abs2(ak), "aa"), (complex_ops.abs2(bk), "bb"))]
     return (k_mean, *out, n_modes)
 
 

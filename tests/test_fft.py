@@ -10,7 +10,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, layout
+from flowpm_mtf import complex_ops, fft, fft_local, layout
 from flowpm_mtf.config import SimConfig
 
 # float64 FFT of a few hundred points: rounding error ~ log2(N) * 1e-16 relative
@@ -93,7 +93,7 @@ def test_every_lowering_matches_numpy(case, nc, path, monkeypatch):
     mirror-pair order), so that both lowerings (half spectrum, full) are checked on
     every grid; the half-spectrum path is taken exactly when its conditions hold."""
     if path == "tensorflow":
-        monkeypatch.setattr(fft, "uses_native", lambda t: False)
+        monkeypatch.setattr(fft_local, "uses_native", lambda t: False)
     conf = conf_for(case, nc)
     rng = np.random.RandomState(5)
     x = rng.randn(*nc)
@@ -147,12 +147,13 @@ def test_adjoint_and_explicit_gradients(case):
         xc = mtf.import_tf_tensor(mesh, tf.constant(x_c), fft.k_shape(conf))
         yc = mtf.import_tf_tensor(mesh, tf.constant(y_c), fft.k_shape(conf))
         yr = mtf.import_tf_tensor(mesh, tf.constant(y_r), fft.real_shape(conf))
-        l_r2c = fft.real_vdot(yc, fft.r2c(xr, conf))          # <A x, y>
-        l_c2r = fft.real_vdot(yr, fft.c2r(xc, conf))
+        l_r2c = complex_ops.real_vdot(yc, fft.r2c(xr, conf))          # <A x, y>
+        l_c2r = complex_ops.real_vdot(yr, fft.c2r(xc, conf))
         g_r2c, = mtf.gradients([l_r2c], [xr])                  # A^T y
         g_c2r, = mtf.gradients([l_c2r], [xc])
         return {"l_r2c": l_r2c, "l_c2r": l_c2r, "g_r2c": g_r2c, "g_c2r": g_c2r,
-                "x_g_r2c": fft.real_vdot(xr, g_r2c), "x_g_c2r": fft.real_vdot(xc, g_c2r)}
+                "x_g_r2c": complex_ops.real_vdot(xr, g_r2c),
+                "x_g_c2r": complex_ops.real_vdot(xc, g_c2r)}
 
     out = H.run(case[0], conf, build)
     assert out["g_r2c"].dtype == np.float64 and out["g_c2r"].dtype == np.complex128
@@ -192,7 +193,7 @@ def test_finite_difference_gradients(case):
         phs = {}
         x = H.placeholder_input(mesh, phs, "x", x0, fft.real_shape(conf))
         ww = mtf.import_tf_tensor(mesh, tf.constant(w), fft.k_shape(conf))
-        loss = mtf.reduce_sum(ww * fft.abs2(fft.r2c(x, conf)))
+        loss = mtf.reduce_sum(ww * complex_ops.abs2(fft.r2c(x, conf)))
         g, = mtf.gradients([loss], [x])
         return {"loss": loss, "g": g}, phs
 
@@ -230,15 +231,16 @@ def test_kvec_and_derivative_kernel(case):
         phs = {}
         f = H.placeholder_input(mesh, phs, "f", f0, fft.real_shape(conf))
         kern = H.placeholder_input(mesh, phs, "kern", kern0, fft.k_shape(conf))
-        kx, ky, kz = fft.kvec(conf, mesh)
-        gx, gy, gz = fft.kvec(conf, mesh, units="grid")
+        kx, ky, kz = layout.kvec(conf, mesh)
+        gx, gy, gz = layout.kvec(conf, mesh, units="grid")
         fk = fft.r2c(f, conf)
-        dfdx = fft.c2r(fft.apply_kernel(fk, kx, 1j), conf)       # d f / dx [h/Mpc]
-        dfdz = fft.c2r(fft.apply_kernel(fk, gz, 1j), conf)       # d f / dz [1/cell]
+        dfdx = fft.c2r(complex_ops.apply_kernel(fk, kx, 1j), conf)       # d f / dx [h/Mpc]
+        dfdz = fft.c2r(complex_ops.apply_kernel(fk, gz, 1j), conf)       # d f / dz [1/cell]
         ww = mtf.import_tf_tensor(mesh, tf.constant(w), fft.real_shape(conf))
-        loss = mtf.reduce_sum(ww * mtf.square(fft.c2r(fft.apply_kernel(fk, kern, -1j), conf)))
+        loss = mtf.reduce_sum(
+            ww * mtf.square(fft.c2r(complex_ops.apply_kernel(fk, kern, -1j), conf)))
         g_f, g_k = mtf.gradients([loss], [f, kern])
-        return {"kx": kx, "ky": ky, "gz": gz, "knorm": fft.wavenumber(conf, mesh),
+        return {"kx": kx, "ky": ky, "gz": gz, "knorm": layout.wavenumber(conf, mesh),
                 "dfdx": dfdx, "dfdz": dfdz, "loss": loss, "g_f": g_f, "g_k": g_k}, phs
 
     pts = [("f", (1, 2, 3)), ("f", (5, 9, 0)), ("kern", (0, 1, 2)), ("kern", (3, 7, 1))]
@@ -282,7 +284,7 @@ def test_wrong_inputs_raise():
         with pytest.raises(ValueError, match="dimension 'x' is not in the input"):
             fft.r2c(mtf.zeros(mesh, fft.k_shape(conf)), conf)
         with pytest.raises(ValueError, match="units"):
-            fft.kvec(conf, mesh, units="Mpc")
+            layout.kvec(conf, mesh, units="Mpc")
 
 
 def test_flowpm_mtf_does_not_import_horovod():
@@ -294,4 +296,29 @@ def test_flowpm_mtf_does_not_import_horovod():
             "from hvd_mesh_impl.mtf_compat import complex_gradients_enabled; "
             "assert complex_gradients_enabled(); "
             "assert not [m for m in sys.modules if m.startswith('horovod')], 'horovod imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_names_that_moved_stay_importable_from_fft():
+    """The local FFTs (fft_local), k-vectors (layout) and complex ops (complex_ops) left
+    fft.py; flowpm_mtf.fft re-exports them for scripts/, fft_timing and external code.
+    fft_local imports neither Mesh TF nor fft; layout imports no TensorFlow."""
+    import subprocess
+    import sys
+    from flowpm_mtf import complex_ops
+
+    for mod, names in ((fft_local, ["uses_native", "fft_along", "fft_of_real_along",
+                                    "ifft_real_part_along", "rfft_along", "irfft_along",
+                                    "rfft_packed_along", "irfft_packed_along",
+                                    "pairs_extend", "pairs_fold"]),
+                       (layout, ["real_shape", "k_shape", "kvec", "wavenumber"]),
+                       (complex_ops, ["KernelMultiplyOperation", "apply_kernel", "real_part",
+                                      "imag_part", "abs2", "real_vdot"])):
+        for name in names:
+            assert getattr(fft, name) is getattr(mod, name), name
+    code = ("import sys, flowpm_mtf.layout; "
+            "assert 'tensorflow' not in sys.modules, 'layout imported tensorflow'; "
+            "import flowpm_mtf.fft_local; "
+            "assert 'mesh_tensorflow' not in sys.modules, 'fft_local imported mesh_tensorflow'; "
+            "assert 'flowpm_mtf.fft' not in sys.modules, 'fft_local imported fft'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

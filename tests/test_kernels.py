@@ -16,7 +16,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import layout, fft, kernels, native
+from flowpm_mtf import complex_ops, layout, fft, kernels, native
 from flowpm_mtf.config import XYZ, SimConfig
 
 # Packed vs unpacked: the same kernels and 1D FFTs in a different grouping; the
@@ -113,9 +113,9 @@ def test_packed_gradient_adjoint(case):
         kern = kernels.make_kernels(conf, mesh)
         dk = fft.r2c(x, conf)
         grad, hess = kernels.potential_fields(dk, conf, kern)
-        loss = fft.real_vdot(yg, grad)
+        loss = complex_ops.real_vdot(yg, grad)
         for y, h in zip(yh, hess):
-            loss = loss + fft.real_vdot(y, h)
+            loss = loss + complex_ops.real_vdot(y, h)
         g, = mtf.gradients([loss], [x])
         # the unpacked path
         grad_u = kernels.neg_gradient_potential(dk, conf, kern, packed=False)
@@ -123,11 +123,11 @@ def test_packed_gradient_adjoint(case):
                                                             kernels.HESSIAN_PAIRS[:3], False))
               + kernels.unstack_xyz(kernels.hessian_potential(dk, conf, kern,
                                                               kernels.HESSIAN_PAIRS[3:], False)))
-        loss_u = fft.real_vdot(yg, grad_u)
+        loss_u = complex_ops.real_vdot(yg, grad_u)
         for y, h in zip(yh, hu):
-            loss_u = loss_u + fft.real_vdot(y, h)
+            loss_u = loss_u + complex_ops.real_vdot(y, h)
         g_u, = mtf.gradients([loss_u], [x])
-        return {"loss": loss, "x_g": fft.real_vdot(x, g), "g": g, "g_u": g_u}
+        return {"loss": loss, "x_g": complex_ops.real_vdot(x, g), "g": g, "g_u": g_u}
 
     out = H.run(case[0], conf, build)
     np.testing.assert_allclose(out["x_g"], out["loss"], rtol=ADJOINT_RTOL)
@@ -162,7 +162,7 @@ def test_sequential_equals_batched(case, dtype, use_native, monkeypatch):
         for tag, seq in (("b", False), ("s", True)):
             grad = kernels.neg_gradient_potential(dk, conf, kern, sequential=seq)
             out[tag] = grad
-            out["g_" + tag], = mtf.gradients([fft.real_vdot(y, grad)], [x])
+            out["g_" + tag], = mtf.gradients([complex_ops.real_vdot(y, grad)], [x])
         return out
 
     out = H.run(case[0], conf, build)
@@ -236,7 +236,7 @@ def test_padded_gradient_field_on_one_block(case, use_native, monkeypatch):
                "f": halo.field_to_padded(kernels.neg_gradient_potential(dk, conf, kern,
                                                                         sequential=True), conf)}
         for tag in ("p", "f"):
-            out["g_" + tag], = mtf.gradients([fft.real_vdot(y, out[tag])], [x])
+            out["g_" + tag], = mtf.gradients([complex_ops.real_vdot(y, out[tag])], [x])
         return out
 
     out = H.run(case[0], conf, build)

@@ -1,4 +1,4 @@
-"""Local 1D FFTs (``flowpm_mtf.fft.fft_along``/``rfft_along``/``irfft_along``, their
+"""Local 1D FFTs (``flowpm_mtf.fft_local.fft_along``/``rfft_along``/``irfft_along``, their
 blocked, mirror-pair-ordered and packed variants) and the mirror-pair completion op
 (``pairs_extend``/``pairs_fold``): the native FFTW op against numpy.fft, its gradients
 by dot-product and finite differences, the TensorFlow fallback, and concurrent planning.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, layout, native
+from flowpm_mtf import fft_local, layout, native
 
 tf.disable_eager_execution()
 pytestmark = pytest.mark.rank_independent
@@ -66,8 +66,8 @@ def test_require_means_native_is_used():
         pytest.skip("FLOWPM_MTF_NATIVE is not 'require'")
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         x = tf.zeros([4, 8], tf.complex64)
-        assert fft.uses_native(x)
-        assert fft.fft_along(x, 1).op.type == "FlowpmFftC2c"
+        assert fft_local.uses_native(x)
+        assert fft_local.fft_along(x, 1).op.type == "FlowpmFftC2c"
 
 
 def test_gpu_device_keeps_tensorflow_ops():
@@ -76,9 +76,9 @@ def test_gpu_device_keeps_tensorflow_ops():
     with tf.Graph().as_default():
         with tf.device("/gpu:0"):
             x = tf.zeros([4, 8], tf.complex64)
-            assert not fft.uses_native(x)
-            assert fft.fft_along(x, 0).op.type != "FlowpmFftC2c"
-            assert fft.rfft_along(tf.zeros([4, 8]), 1).op.type != "FlowpmFftR2c"
+            assert not fft_local.uses_native(x)
+            assert fft_local.fft_along(x, 0).op.type != "FlowpmFftC2c"
+            assert fft_local.rfft_along(tf.zeros([4, 8]), 1).op.type != "FlowpmFftR2c"
 
 
 @needs_native
@@ -96,9 +96,10 @@ def test_native_matches_numpy(n, dtype):
             r = rng.randn(*shape).astype(dtype)
             h = np.take(x, range(n // 2 + 1), axis=axis)  # not Hermitian
             xt, rt, ht = tf.constant(x), tf.constant(r), tf.constant(h)
-            fetches += [fft.fft_along(xt, axis), fft.fft_along(xt, axis, inverse=True),
-                        fft.rfft_along(rt, axis), fft.irfft_along(ht, n, axis),
-                        fft.fft_of_real_along(rt, axis), fft.ifft_real_part_along(xt, axis)]
+            fetches += [fft_local.fft_along(xt, axis), fft_local.fft_along(xt, axis, inverse=True),
+                        fft_local.rfft_along(rt, axis), fft_local.irfft_along(ht, n, axis),
+                        fft_local.fft_of_real_along(rt, axis),
+                        fft_local.ifft_real_part_along(xt, axis)]
             x64, h64, r64 = x.astype(np.complex128), h.astype(np.complex128), r.astype(np.float64)
             refs += [np.fft.fft(x64, axis=axis), np.fft.ifft(x64, axis=axis),
                      np.fft.rfft(r64, axis=axis), np.fft.irfft(h64, n, axis=axis),
@@ -117,7 +118,7 @@ def _assert_native_equals_tensorflow(build, monkeypatch):
     in its graph), agree to RTOL (float64)."""
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         nat = run(build())
-    monkeypatch.setattr(fft, "uses_native", lambda t: False)
+    monkeypatch.setattr(fft_local, "uses_native", lambda t: False)
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         ops = build()
         assert not any(o.op.type.startswith("FlowpmFft") for o in ops)
@@ -139,12 +140,13 @@ def test_native_equals_tensorflow_path(monkeypatch):
         for axis in (1, 2):
             n = x.shape[axis]
             h = tf.constant(np.take(x, range(n // 2 + 1), axis=axis))
-            out += [fft.fft_along(tf.constant(x), axis), fft.rfft_along(tf.constant(r), axis),
-                    fft.irfft_along(h, n, axis),
-                    fft.fft_along(tf.constant(x), axis, inverse=False, normalized=True),
-                    fft.fft_along(tf.constant(x), axis, inverse=True, normalized=False),
-                    fft.fft_of_real_along(tf.constant(r), axis, normalized=True),
-                    fft.ifft_real_part_along(tf.constant(x), axis, normalized=False)]
+            out += [fft_local.fft_along(tf.constant(x), axis),
+                    fft_local.rfft_along(tf.constant(r), axis),
+                    fft_local.irfft_along(h, n, axis),
+                    fft_local.fft_along(tf.constant(x), axis, inverse=False, normalized=True),
+                    fft_local.fft_along(tf.constant(x), axis, inverse=True, normalized=False),
+                    fft_local.fft_of_real_along(tf.constant(r), axis, normalized=True),
+                    fft_local.ifft_real_part_along(tf.constant(x), axis, normalized=False)]
         return out
 
     _assert_native_equals_tensorflow(build, monkeypatch)
@@ -186,12 +188,12 @@ def test_native_gradients_adjoint(n):
     x_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
     y_h = rng.randn(4, m, 3) + 1j * rng.randn(4, m, 3)
     _assert_adjoint([
-        ("fft", lambda t: fft.fft_along(t, 1), x_c, y_c),
-        ("ifft", lambda t: fft.fft_along(t, 1, inverse=True), x_c, y_c),
-        ("rfft", lambda t: fft.rfft_along(t, 1), x_r, y_h),
-        ("irfft", lambda t: fft.irfft_along(t, n, 1), x_h, y_r),
-        ("fft_of_real", lambda t: fft.fft_of_real_along(t, 1), x_r, y_c),
-        ("ifft_real", lambda t: fft.ifft_real_part_along(t, 1), x_c, y_r)])
+        ("fft", lambda t: fft_local.fft_along(t, 1), x_c, y_c),
+        ("ifft", lambda t: fft_local.fft_along(t, 1, inverse=True), x_c, y_c),
+        ("rfft", lambda t: fft_local.rfft_along(t, 1), x_r, y_h),
+        ("irfft", lambda t: fft_local.irfft_along(t, n, 1), x_h, y_r),
+        ("fft_of_real", lambda t: fft_local.fft_of_real_along(t, 1), x_r, y_c),
+        ("ifft_real", lambda t: fft_local.ifft_real_part_along(t, 1), x_c, y_r)])
 
 
 @needs_native
@@ -208,12 +210,12 @@ def test_native_gradients_finite_difference(op):
         x0 = rng.randn(3, n)
     else:  # including the imaginary parts of the zero and Nyquist modes (ignored)
         x0 = rng.randn(3, m) + 1j * rng.randn(3, m)
-    fn = {"fft": lambda t: fft.fft_along(t, 1),
-          "ifft": lambda t: fft.fft_along(t, 1, inverse=True),
-          "rfft": lambda t: fft.rfft_along(t, 1),
-          "irfft": lambda t: fft.irfft_along(t, n, 1),
-          "fft_of_real": lambda t: fft.fft_of_real_along(t, 1),
-          "ifft_real": lambda t: fft.ifft_real_part_along(t, 1)}[op]
+    fn = {"fft": lambda t: fft_local.fft_along(t, 1),
+          "ifft": lambda t: fft_local.fft_along(t, 1, inverse=True),
+          "rfft": lambda t: fft_local.rfft_along(t, 1),
+          "irfft": lambda t: fft_local.irfft_along(t, n, 1),
+          "fft_of_real": lambda t: fft_local.fft_of_real_along(t, 1),
+          "ifft_real": lambda t: fft_local.ifft_real_part_along(t, 1)}[op]
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         xp = tf.placeholder(tf.as_dtype(x0.dtype), x0.shape)
         y = fn(xp)
@@ -266,14 +268,14 @@ def _blocked_ops(axis, bi, bo, normalized, pairs=False):
     """The transforms with blocked layouts; with ``pairs``, the k side (output of the
     forward ones, input of the inverse ones) in mirror-pair order."""
     return {
-        "fft": lambda t: fft.fft_along(t, axis, False, normalized, in_blocks=bi, out_blocks=bo,
-                                       out_pairs=pairs),
-        "ifft": lambda t: fft.fft_along(t, axis, True, normalized, in_blocks=bi, out_blocks=bo,
-                                        in_pairs=pairs),
-        "fft_of_real": lambda t: fft.fft_of_real_along(t, axis, normalized, in_blocks=bi,
-                                                       out_blocks=bo, out_pairs=pairs),
-        "ifft_real": lambda t: fft.ifft_real_part_along(t, axis, normalized, in_blocks=bi,
-                                                        out_blocks=bo, in_pairs=pairs)}
+        "fft": lambda t: fft_local.fft_along(t, axis, False, normalized, in_blocks=bi,
+                                             out_blocks=bo, out_pairs=pairs),
+        "ifft": lambda t: fft_local.fft_along(t, axis, True, normalized, in_blocks=bi,
+                                              out_blocks=bo, in_pairs=pairs),
+        "fft_of_real": lambda t: fft_local.fft_of_real_along(t, axis, normalized, in_blocks=bi,
+                                                             out_blocks=bo, out_pairs=pairs),
+        "ifft_real": lambda t: fft_local.ifft_real_part_along(t, axis, normalized, in_blocks=bi,
+                                                              out_blocks=bo, in_pairs=pairs)}
 
 
 @needs_native
@@ -346,8 +348,8 @@ def test_packed_real_transforms(shape, blocks, dtype):
     x = rng.randn(*shape).astype(dtype)
     want = _np_packed(np.fft.rfft(x.astype(np.float64), axis=-1), n) / n
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        fwd = fft.rfft_packed_along(tf.constant(x), 2, normalized=True, out_blocks=blocks)
-        back = fft.irfft_packed_along(
+        fwd = fft_local.rfft_packed_along(tf.constant(x), 2, normalized=True, out_blocks=blocks)
+        back = fft_local.irfft_packed_along(
             tf.constant(_pack(want.astype(COMPLEX[dtype]), blocks, 2)), n, 2,
             normalized=False, in_blocks=blocks)
         assert fwd.op.type == "FlowpmFftR2c" and back.op.type == "FlowpmFftC2r"
@@ -357,9 +359,9 @@ def test_packed_real_transforms(shape, blocks, dtype):
     x64, y64 = rng.randn(*shape), rng.randn(*shape[:-1], n // 2) + 1j * rng.randn(
         *shape[:-1], n // 2)
     _assert_adjoint([
-        ("rfft_packed", lambda t: fft.rfft_packed_along(t, 2, out_blocks=blocks), x64,
+        ("rfft_packed", lambda t: fft_local.rfft_packed_along(t, 2, out_blocks=blocks), x64,
          _pack(y64, blocks, 2)),
-        ("irfft_packed", lambda t: fft.irfft_packed_along(t, n, 2, in_blocks=blocks),
+        ("irfft_packed", lambda t: fft_local.irfft_packed_along(t, n, 2, in_blocks=blocks),
          _pack(y64, blocks, 2), x64)])
 
 
@@ -372,13 +374,13 @@ def test_packed_and_pairs_equal_tensorflow_path(monkeypatch):
     h = rng.randn(6, 10, 4) + 1j * rng.randn(6, 10, 4)
 
     def build():
-        out = [fft.rfft_packed_along(tf.constant(r), 2, normalized=True),
-               fft.irfft_packed_along(tf.constant(h), 8, 2, normalized=False)]
+        out = [fft_local.rfft_packed_along(tf.constant(r), 2, normalized=True),
+               fft_local.irfft_packed_along(tf.constant(h), 8, 2, normalized=False)]
         for axis in (0, 1, 2):
-            out += [fft.fft_along(tf.constant(x), axis, out_pairs=True),
-                    fft.fft_along(tf.constant(x), axis, inverse=True, in_pairs=True),
-                    fft.fft_of_real_along(tf.constant(r), axis, out_pairs=True),
-                    fft.ifft_real_part_along(tf.constant(x), axis, in_pairs=True)]
+            out += [fft_local.fft_along(tf.constant(x), axis, out_pairs=True),
+                    fft_local.fft_along(tf.constant(x), axis, inverse=True, in_pairs=True),
+                    fft_local.fft_of_real_along(tf.constant(r), axis, out_pairs=True),
+                    fft_local.ifft_real_part_along(tf.constant(x), axis, in_pairs=True)]
         return out
 
     _assert_native_equals_tensorflow(build, monkeypatch)
@@ -422,8 +424,8 @@ def test_pairs_extend_and_fold(shape, P, Q, dtype):
             firsts = tf.constant([int(i == 0), int(q == 0)], tf.int32)
             rep_blk = reps[:, i * ly:(i + 1) * ly, q * h:(q + 1) * h].astype(c)
             z_blk = z[:, i * ly:(i + 1) * ly, 2 * q * h:2 * (q + 1) * h].astype(c)
-            fetches.append((fft.pairs_extend(tf.constant(rep_blk), firsts),
-                            fft.pairs_fold(tf.constant(z_blk), firsts)))
+            fetches.append((fft_local.pairs_extend(tf.constant(rep_blk), firsts),
+                            fft_local.pairs_fold(tf.constant(z_blk), firsts)))
         out = run(fetches)
     fold = np.zeros((nx, ny, nz // 2), np.complex128)
     for (i, q), (ext, fo) in zip(blocks, out):
@@ -450,9 +452,9 @@ def test_pairs_gradients_adjoint(first_y, first_z):
 
     firsts = np.array([first_y, first_z], np.int32)
     _assert_adjoint([
-        ("extend", lambda t: fft.pairs_extend(t, tf.constant(firsts)), cplx(6, 4, 3),
+        ("extend", lambda t: fft_local.pairs_extend(t, tf.constant(firsts)), cplx(6, 4, 3),
          cplx(6, 4, 6)),
-        ("fold", lambda t: fft.pairs_fold(t, tf.constant(firsts)), cplx(6, 4, 6),
+        ("fold", lambda t: fft_local.pairs_fold(t, tf.constant(firsts)), cplx(6, 4, 6),
          cplx(6, 4, 3))])
 
 
@@ -466,8 +468,8 @@ def test_pair_orders_in_place(axis):
     x = rng.randn(*shape) + 1j * rng.randn(*shape)
     n = shape[axis]
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        fwd = fft.fft_along(tf.constant(x) * 1, axis, out_pairs=True)
-        inv = fft.fft_along(tf.constant(x) * 1, axis, inverse=True, in_pairs=True)
+        fwd = fft_local.fft_along(tf.constant(x) * 1, axis, out_pairs=True)
+        inv = fft_local.fft_along(tf.constant(x) * 1, axis, inverse=True, in_pairs=True)
         fwd, inv = run([fwd, inv])
     assert rel_err(fwd, np.take(np.fft.fft(x, axis=axis), layout.k_order(n), axis=axis)) \
         < RTOL["float64"]
@@ -479,11 +481,11 @@ def test_pair_orders_in_place(axis):
 def test_blocked_layouts_bad_input_raise():
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         with pytest.raises(ValueError, match="does not split into 4 blocks"):
-            fft.fft_along(tf.zeros([4, 6, 10], tf.complex64), 1, out_blocks=4)
+            fft_local.fft_along(tf.zeros([4, 6, 10], tf.complex64), 1, out_blocks=4)
         with pytest.raises(ValueError, match="leading axis of 3 blocks"):
-            fft.fft_along(tf.zeros([2, 6, 10], tf.complex64), 1, in_blocks=3)
+            fft_local.fft_along(tf.zeros([2, 6, 10], tf.complex64), 1, in_blocks=3)
         with pytest.raises(ValueError, match="out of range"):
-            fft.fft_along(tf.zeros([2, 6, 10], tf.complex64), 2, in_blocks=2)
+            fft_local.fft_along(tf.zeros([2, 6, 10], tf.complex64), 2, in_blocks=2)
 
 
 @needs_native
@@ -493,7 +495,7 @@ def test_native_concurrent_planning():
     rng = np.random.RandomState(5)
     arrays = [rng.randn(4, n, 9) + 1j * rng.randn(4, n, 9) for n in (11, 13, 17, 19, 23, 29)]
     with tf.Graph().as_default(), tf.device("/cpu:0"):
-        outs = [fft.fft_along(tf.constant(a), axis) for a in arrays for axis in (0, 1, 2)]
+        outs = [fft_local.fft_along(tf.constant(a), axis) for a in arrays for axis in (0, 1, 2)]
         res = run(outs)
     refs = [np.fft.fft(a, axis=axis) for a in arrays for axis in (0, 1, 2)]
     for o, ref in zip(res, refs):
@@ -503,7 +505,7 @@ def test_native_concurrent_planning():
 def test_bad_lengths_raise():
     with tf.Graph().as_default(), tf.device("/cpu:0"):
         with pytest.raises(ValueError, match="n // 2 \\+ 1"):
-            fft.irfft_along(tf.zeros([4, 5], tf.complex64), 12, 1)
+            fft_local.irfft_along(tf.zeros([4, 5], tf.complex64), 12, 1)
         with pytest.raises(ValueError, match="out of range"):
-            fft.fft_along(tf.zeros([4, 5], tf.complex64), 2)
+            fft_local.fft_along(tf.zeros([4, 5], tf.complex64), 2)
 
