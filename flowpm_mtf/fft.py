@@ -99,13 +99,12 @@ with ``*`` lack the complex conjugate in their gradient: multiply k-space fields
 by kernels with :func:`flowpm_mtf.complex_ops.apply_kernel`, whose gradient is
 exact.
 
-For compatibility this module also exports the names that lived here before
-they moved to :mod:`flowpm_mtf.fft_local` (local FFTs), :mod:`flowpm_mtf.layout`
-(:func:`kvec`, :func:`wavenumber`) and :mod:`flowpm_mtf.complex_ops`
-(:func:`apply_kernel`, :func:`real_part`, :func:`imag_part`, :func:`abs2`,
-:func:`real_vdot`); new code imports them from there. To force the TensorFlow
-path, monkeypatch ``uses_native`` on :mod:`flowpm_mtf.fft_local`: the local FFTs
-and the lowering here both call that function.
+The local 1D transforms are in :mod:`flowpm_mtf.fft_local`, the k-vectors
+(:func:`flowpm_mtf.layout.kvec`) in :mod:`flowpm_mtf.layout`, and the arithmetic on
+complex k-space tensors (:func:`flowpm_mtf.complex_ops.apply_kernel`, ``abs2``,
+``real_vdot``) in :mod:`flowpm_mtf.complex_ops`. To force the TensorFlow path,
+monkeypatch ``uses_native`` on :mod:`flowpm_mtf.fft_local`: the local FFTs and the
+lowering here both call that function.
 """
 import mesh_tensorflow as mtf
 import numpy as np
@@ -119,11 +118,6 @@ from . import layout
 from .fft_local import (complex_dtype, fft_along, fft_of_real_along, ifft_real_part_along,
                         irfft_packed_along, pairs_extend, pairs_fold, real_dtype,
                         rfft_packed_along)
-# Moved to fft_local, layout and complex_ops; exported here for compatibility.
-from .complex_ops import (KernelMultiplyOperation, abs2, apply_kernel,  # noqa: F401
-                          imag_part, real_part, real_vdot)
-from .fft_local import irfft_along, rfft_along, uses_native  # noqa: F401
-from .layout import kvec, wavenumber  # noqa: F401
 
 enable_complex_gradients()
 enable_lazy_masters()  # no full-size master variables in the TF graph (see mtf_compat)

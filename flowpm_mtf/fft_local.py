@@ -83,7 +83,7 @@ def uses_native(t):
     -------
     bool
     """
-    return native.load("fft_ops") is not None and native.runs_on_cpu(t)
+    return native.ops_for("fft_ops", t, dtypes=None) is not None
 
 
 def _axis(t, axis):

@@ -29,7 +29,8 @@ Autostacked variables (``mtf.StackedVariable``) keep their members and read
 their masters lazily too.
 
 Both patches are applied when :mod:`hvd_mesh_impl` or :mod:`flowpm_mtf.fft`
-(hence any flowpm_mtf physics module) is imported; they are idempotent. Build
+(hence any flowpm_mtf physics module) is imported, and the complex gradients
+also by :mod:`flowpm_mtf.complex_ops`; they are idempotent. Build
 Mesh TF graphs after the import: a variable created before it has an eager
 full-size master (HvdSimdMeshImpl then initialises from it, subject to its
 ``max_full_elements`` limit).

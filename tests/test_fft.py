@@ -299,23 +299,12 @@ def test_flowpm_mtf_does_not_import_horovod():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_names_that_moved_stay_importable_from_fft():
-    """The local FFTs (fft_local), k-vectors (layout) and complex ops (complex_ops) left
-    fft.py; flowpm_mtf.fft re-exports them for scripts/, fft_timing and external code.
-    fft_local imports neither Mesh TF nor fft; layout imports no TensorFlow."""
+def test_local_transforms_and_layout_stay_light():
+    """The local FFTs (fft_local) import neither Mesh TF nor the distributed fft module,
+    and layout imports no TensorFlow (the k-vectors import it when called)."""
     import subprocess
     import sys
-    from flowpm_mtf import complex_ops
 
-    for mod, names in ((fft_local, ["uses_native", "fft_along", "fft_of_real_along",
-                                    "ifft_real_part_along", "rfft_along", "irfft_along",
-                                    "rfft_packed_along", "irfft_packed_along",
-                                    "pairs_extend", "pairs_fold"]),
-                       (layout, ["real_shape", "k_shape", "kvec", "wavenumber"]),
-                       (complex_ops, ["KernelMultiplyOperation", "apply_kernel", "real_part",
-                                      "imag_part", "abs2", "real_vdot"])):
-        for name in names:
-            assert getattr(fft, name) is getattr(mod, name), name
     code = ("import sys, flowpm_mtf.layout; "
             "assert 'tensorflow' not in sys.modules, 'layout imported tensorflow'; "
             "import flowpm_mtf.fft_local; "
