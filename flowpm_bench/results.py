@@ -138,8 +138,9 @@ def write_table(path, text, script=None, rendered_from=None):
     str
         The document as written.
     """
-    if rendered_from is not None and os.path.isabs(rendered_from):
-        rendered_from = os.path.relpath(rendered_from, os.path.dirname(RESULTS))
+    repo = os.path.dirname(RESULTS)
+    if rendered_from is not None and os.path.abspath(rendered_from).startswith(repo + os.sep):
+        rendered_from = os.path.relpath(os.path.abspath(rendered_from), repo)
     doc = text.rstrip("\n") + "\n\n" + provenance.table_note(script, rendered_from) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
