@@ -506,6 +506,11 @@ def write_outputs(data, quick, rendered=False):
     json_path, md_path = paths(quick)
     data["model"] = fit_model(allocator_groups(data["records"]).get(None, {}))
     save(json_path, data)
+    md = render(data, quick)
+    # the table first: its provenance line records whether the code differs from the
+    # commit, and the memory model below is a tracked file this writes
+    write_table(md_path, "# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md, SCRIPT,
+                rendered_from=json_path if rendered else None)
     if data["model"] and not quick:
         if model_spans(data["model"]):
             write_memory_model(data["model"], json_path)
@@ -513,9 +518,6 @@ def write_outputs(data, quick, rendered=False):
             print("memory model not written to flowpm_mtf/memory_model.json: the fit needs >= %d "
                   "runs whose slots per rank span a factor >= %g, with residuals <= %g"
                   % (MODEL_MIN_RUNS, MODEL_MIN_SPAN, MODEL_MAX_RESIDUAL), flush=True)
-    md = render(data, quick)
-    write_table(md_path, "# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md, SCRIPT,
-                rendered_from=json_path if rendered else None)
     if not quick:
         update_doc(md)
     return md
