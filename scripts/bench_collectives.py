@@ -7,16 +7,15 @@ After ``--warmup`` untimed runs, ``--repeats`` timed runs; the median is reporte
 
 Usage::
 
-    # everything: spawns the mpirun jobs and placement runs, writes results/
+    # everything: spawns the mpirun jobs and placement runs, writes
+    # results/bench_collectives.md and the raw results/raw/bench_collectives.json
     python scripts/bench_collectives.py --all --sizes 2 4
     # one measurement (what --all runs):
     mpirun -np 4 python scripts/bench_collectives.py --backend hvd --out r.json
     python scripts/bench_collectives.py --backend placement --devices 4 --out r.json
 """
 import argparse
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,12 @@ import tempfile
 import time
 
 import numpy as np
+
+from flowpm_bench import RESULTS
+from flowpm_bench.launch import clean_env, mpirun_command
+from flowpm_bench.results import read_json, write_json, write_result
+
+SCRIPT = "scripts/bench_collectives.py"
 
 OPS = ("alltoall", "allreduce", "allconcat", "shift")
 
@@ -111,15 +116,10 @@ def _write(path, backend, n, slice_bytes, res):
     rec = {"backend": backend, "n": n, "slice_bytes": slice_bytes,
            "ops": {k: {"median_s": statistics.median(v), "min_s": min(v), "runs": v}
                    for k, v in res.items()}}
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
+    write_json(path, rec)
 
 
 def run_all(args):
-    os.makedirs(args.results, exist_ok=True)
-    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
-    if os.geteuid() == 0:
-        mpirun.append("--allow-run-as-root")
     common = ["--mbytes", str(args.mbytes), "--cols", str(args.cols),
               "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
     records = []
@@ -128,18 +128,15 @@ def run_all(args):
             for backend in ("hvd", "placement"):
                 out = os.path.join(tmp, "%s_%d.json" % (backend, n))
                 if backend == "hvd":
-                    cmd = mpirun + ["-np", str(n), sys.executable, __file__, "--backend", "hvd"]
+                    cmd = mpirun_command(n) + [sys.executable, __file__, "--backend", "hvd"]
                 else:
                     cmd = [sys.executable, __file__, "--backend", "placement", "--devices", str(n)]
                 print("running:", " ".join(cmd), flush=True)
                 subprocess.run(cmd + common + ["--out", out], check=True,
-                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
-                with open(out) as f:
-                    records.append(json.load(f))
+                               env=clean_env(TF_CPP_MIN_LOG_LEVEL="2"))
+                records.append(read_json(out))
     meta = {"mbytes_per_slice": args.mbytes, "warmup": args.warmup, "repeats": args.repeats,
             "cores": os.cpu_count(), "note": "N processes/devices share this machine's cores"}
-    with open(os.path.join(args.results, "bench_collectives.json"), "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
     lines = ["# Collectives: HvdSimdMeshImpl vs PlacementMeshImpl",
              "",
              "Per-slice tensor %.0f MB float32, 1-axis mesh of N; median of %d runs after %d "
@@ -154,9 +151,8 @@ def run_all(args):
             h = by[("hvd", n)]["ops"][op]["median_s"] * 1e3
             p = by[("placement", n)]["ops"][op]["median_s"] * 1e3
             lines.append("| %s | %d | %.1f | %.1f | %.2f |" % (op, n, h, p, p / h))
-    table = "\n".join(lines) + "\n"
-    with open(os.path.join(args.results, "bench_collectives.md"), "w") as f:
-        f.write(table)
+    table = write_result(args.results, "bench_collectives", {"meta": meta, "records": records},
+                         "\n".join(lines) + "\n", SCRIPT)
     print(table)
 
 
@@ -171,7 +167,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="bench.json")
-    ap.add_argument("--results", default="results")
+    ap.add_argument("--results", default=RESULTS,
+                    help="folder of the table (the JSON: results/raw/ for results/)")
     args = ap.parse_args(argv)
     if args.repeats < 5:
         ap.error("--repeats must be at least 5")

@@ -42,7 +42,8 @@ against ``HvdSimdMeshImpl.comm_bytes_received`` (run-time tensor sizes).
 
 Usage::
 
-    # everything (writes results/bench/bench_compare.{json,md} and PNG plots):
+    # everything (writes results/bench/bench_compare.md and PNG plots, and the raw
+    # results/raw/bench/bench_compare.json, unversioned):
     python scripts/bench_compare.py --backend all --sizes 32 64 128 --grids 1x2 2x1 2x2
     python scripts/scaling_model.py        # regenerates docs/scaling.md's tables
     # CI smoke test (16^3, one grid, 1 repeat):
@@ -52,10 +53,8 @@ Usage::
         --workloads fft --record rec.json
 """
 import argparse
-import json
+import logging
 import os
-import resource
-import shutil
 import socket
 import statistics
 import subprocess
@@ -65,10 +64,13 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from flowpm_bench import RESULTS, configs, provenance
+from flowpm_bench.launch import clean_env, mpirun_command, run
+from flowpm_bench.measure import peak_mb
+from flowpm_bench.results import json_path, read_json, read_raw, write_json, write_table
+
+log = logging.getLogger("bench_compare")
+SCRIPT = "scripts/bench_compare.py"
 
 WORKLOADS = ("fft", "halo", "lpt", "nbody_step")
 BACKENDS = ("hvd", "placement", "cluster", "mpi4py-fft")
@@ -83,11 +85,6 @@ SMOKE = {"sizes": [16], "grids": ["1x2"], "repeats": 1, "warmup": 1, "halo": 2}
 
 
 # ============================================================================ helpers
-def peak_rss_mb():
-    """Peak resident memory of this process [MB] (``ru_maxrss``, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def parse_grid(text):
     """``"2x1"`` -> (2, 1)."""
     try:
@@ -112,25 +109,6 @@ def make_conf(nc, grid, halo):
     return SimConfig(nc=nc, box_size=nc * CELL_MPC_H, grid=tuple(grid), halo_size=halo,
                      a_start=0.1, a_end=1.0, n_steps=10, lpt_order=2, dtype="float32",
                      decomposition="lagrangian")
-
-
-def clean_env(threads=None):
-    """This environment minus MPI launcher variables (a nested mpirun is refused)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return env
-
-
-def mpirun_cmd(n):
-    exe = shutil.which("mpirun")
-    if exe is None:
-        raise RuntimeError("mpirun not found: run scripts/setup_env.sh")
-    cmd = [exe, "--oversubscribe", "-np", str(n)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    return cmd
 
 
 def free_ports(n):
@@ -364,19 +342,9 @@ def code_state():
     """Which code was measured: git commit, whether the package sources differ from it,
     and the structure of the PM force (readouts per force, see scripts/scaling_model.py).
     Other engineers edit the same tree, so every record carries this."""
-    sys.path.insert(0, HERE)
-    from scaling_model import readout_calls_per_force
-
-    def git(*a):
-        try:
-            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--", "flowpm_mtf", "hvd_mesh_impl")),
-            "readouts_per_force": readout_calls_per_force()}
+    return {"commit": provenance.git("rev-parse", "--short", "HEAD"),
+            "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True),
+            "readouts_per_force": configs.readout_calls_per_force()}
 
 
 def _record(args, backend, workload, conf, build_s, first, times, rss, roles, counter,
@@ -432,7 +400,7 @@ def run_hvd(args):
                     sess, built["fetch"], args.warmup, args.repeats, barrier=comm.Barrier,
                     reduce_max=lambda dt: max(comm.allgather(dt)))
                 measured = sess.run(measured)
-        rss = comm.allgather(peak_rss_mb())
+        rss = comm.allgather(peak_mb())
         measured_all = comm.allgather({k: int(v) for k, v in measured.items()})
         counted_all = [counter.by_kind(timed_only=False, pnum=p) for p in range(impl.size)]
         rec = _record(args, "hvd", workload, conf, build_s, first, times, rss,
@@ -441,7 +409,7 @@ def run_hvd(args):
                        "counted_all_per_rank": counted_all})
         records.append(rec)
     if comm.Get_rank() == 0:
-        _write(args.record, records)
+        write_json(args.record, records)
 
 
 def _placement_session_config(n, threads=None):
@@ -484,7 +452,7 @@ def run_placement(args, target=None, devices=None, backend="placement", rss_extr
         records.append((workload, build_s, first, times, counter))
     out = []
     for workload, build_s, first, times, counter in records:
-        rss, roles = [peak_rss_mb()], ["process" if target is None else "master"]
+        rss, roles = [peak_mb()], ["process" if target is None else "master"]
         if rss_extra is not None:
             rss, roles = rss + rss_extra[0], roles + rss_extra[1]
         out.append(_record(args, backend, workload, conf, build_s, first, times, rss, roles,
@@ -511,8 +479,7 @@ def run_cluster_worker(args):
     sys.stdout.write("ready %s\n" % server.target)
     sys.stdout.flush()
     sys.stdin.read()  # the driver closes stdin when the master is done (or dies)
-    with open(args.record, "w") as f:
-        json.dump({"task": args.task, "rss_mb": peak_rss_mb()}, f)
+    write_json(args.record, {"task": args.task, "rss_mb": peak_mb()})
     sys.stdout.flush()
     os._exit(0)  # a TF1 server has no clean shutdown; nothing else to flush
 
@@ -556,7 +523,7 @@ def run_cluster_master(args):
                                   start=True)
     devices = ["/job:worker/task:%d/device:CPU:0" % i for i in range(n)]
     recs = run_placement(args, target=server.target, devices=devices, backend="cluster")
-    _write(args.record, recs)
+    write_json(args.record, recs)
     sys.stdout.flush()
     os._exit(0)  # a TF1 server has no clean shutdown
 
@@ -570,7 +537,7 @@ def run_mpi4py_fft(args):
     except ImportError:
         raise SystemExit("mpi4py-fft is not installed (pip install mpi4py-fft; needs "
                          "libfftw3-dev); skip with --backend hvd placement cluster")
-    from flowpm_mtf import fft_timing
+    from flowpm_bench import fft_timing
 
     comm = MPI.COMM_WORLD
     conf = make_conf(args.size, args.grid, args.halo)
@@ -580,7 +547,7 @@ def run_mpi4py_fft(args):
     first, times, setup_s, err = (res["first_s"], res["times_s"], res["build_s"],
                                   res["max_abs_error"])
     local = int(np.prod(conf.nc)) // (P * Q) * 8  # complex64 slice [bytes]
-    rss = comm.allgather(peak_rss_mb())
+    rss = comm.allgather(peak_mb())
     # Analytic: each of the 2 transposes per direction moves (n-1)/n of the local
     # complex array over its sub-communicator (n = P or Q).
     wire = 2 * sum(local * (n - 1) / n for n in (P, Q) if n > 1)
@@ -594,12 +561,7 @@ def run_mpi4py_fft(args):
            "code": code_state(),
            "bytes": {"wire_max": float(wire), "source": "analytic (2 transposes per direction)"}}
     if comm.Get_rank() == 0:
-        _write(args.record, [rec])
-
-
-def _write(path, records):
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
+        write_json(args.record, [rec])
 
 
 # ============================================================================ driver
@@ -609,23 +571,10 @@ def _sub_args(args, size, grid, workloads):
             "--workloads", *workloads] + (["--smoke"] if args.smoke else [])
 
 
-def _run(cmd, timeout, log):
-    log("running: %s" % " ".join(cmd))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError("sub-run failed (%d): %s\n%s" % (proc.returncode, " ".join(cmd),
-                                                            proc.stderr[-4000:]))
-    log("  done in %.1f s" % (time.perf_counter() - t0))
+_read = read_json
 
 
-def _read(path):
-    with open(path) as f:
-        return json.load(f)
-
-
-def run_cluster(args, size, grid, workloads, tmp, log):
+def run_cluster(args, size, grid, workloads, tmp):
     """N worker servers + a master process; workers always end, whatever happens."""
     n = grid[0] * grid[1]
     ports = free_ports(n + 1)  # master, then the workers
@@ -645,9 +594,9 @@ def run_cluster(args, size, grid, workloads, tmp, log):
             if not line.startswith("ready") or time.monotonic() > deadline:
                 raise RuntimeError("cluster worker failed to start: %r" % line)
         master_rec = os.path.join(tmp, "master.json")
-        _run([sys.executable, __file__, "--backend", "cluster", "--ports", pstr,
-              "--record", master_rec] + _sub_args(args, size, grid, workloads),
-             SUBRUN_TIMEOUT_S, log)
+        run([sys.executable, __file__, "--backend", "cluster", "--ports", pstr,
+             "--record", master_rec] + _sub_args(args, size, grid, workloads),
+            SUBRUN_TIMEOUT_S)
         for w in workers:
             w.stdin.close()
         for w in workers:
@@ -669,13 +618,10 @@ def run_cluster(args, size, grid, workloads, tmp, log):
 
 def drive(args):
     """Launch the sub-runs, merge the records, write JSON, Markdown and plots."""
-    def log(msg):
-        print(msg, flush=True)
-
     backends = BACKENDS if "all" in args.backend else args.backend
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "bench_compare.json")
-    old = _read(json_path)["records"] if (args.merge and os.path.exists(json_path)) else []
+    path = json_path(args.out, "bench_compare")
+    old = _read(path)["records"] if (args.merge and os.path.exists(path)) else []
     records = []
     groups = [list(args.workloads)] if not args.isolate else [[w] for w in args.workloads]
     with tempfile.TemporaryDirectory(prefix="bench_compare_") as tmp:
@@ -688,49 +634,49 @@ def drive(args):
                         if "fft" not in args.workloads:
                             continue
                         out = os.path.join(tmp, "ref.json")
-                        _run(mpirun_cmd(n) + [sys.executable, __file__, "--backend",
-                                              "mpi4py-fft", "--record", out]
-                             + _sub_args(args, size, grid, ["fft"]), SUBRUN_TIMEOUT_S, log)
+                        run(mpirun_command(n) + [sys.executable, __file__, "--backend",
+                                                 "mpi4py-fft", "--record", out]
+                            + _sub_args(args, size, grid, ["fft"]), SUBRUN_TIMEOUT_S)
                         records += _read(out)
                         continue
                     for wl in groups:
                         out = os.path.join(tmp, "rec.json")
                         sub = _sub_args(args, size, grid, wl)
                         if backend == "hvd":
-                            _run(mpirun_cmd(n) + [sys.executable, __file__, "--backend", "hvd",
-                                                  "--record", out] + sub, SUBRUN_TIMEOUT_S, log)
+                            run(mpirun_command(n) + [sys.executable, __file__, "--backend",
+                                                     "hvd", "--record", out] + sub,
+                                SUBRUN_TIMEOUT_S)
                             records += _read(out)
                         elif backend == "placement":
-                            _run([sys.executable, __file__, "--backend", "placement",
-                                  "--record", out] + sub, SUBRUN_TIMEOUT_S, log)
+                            run([sys.executable, __file__, "--backend", "placement",
+                                 "--record", out] + sub, SUBRUN_TIMEOUT_S)
                             records += _read(out)
                         else:
-                            records += run_cluster(args, size, grid, wl, tmp, log)
-                    _save(args, old, records, json_path)  # partial results survive a failure
+                            records += run_cluster(args, size, grid, wl, tmp)
+                    _save(args, old, records, path)  # partial results survive a failure
                 del conf
-    return _save(args, old, records, json_path, log, final=True)
+    return _save(args, old, records, path, final=True)
 
 
-def _save(args, old, records, json_path, log=None, final=False):
+def _save(args, old, records, path, final=False):
     """Merge ``records`` over ``old`` and write the JSON and Markdown (and plots)."""
     key = lambda r: (r["backend"], r["workload"], r["nc"], tuple(r["grid"]))  # noqa: E731
     new_keys = {key(r) for r in records}
     records = [r for r in old if key(r) not in new_keys] + records
-    meta = {"machine": "%s, %d cores" % (os.uname().nodename, os.cpu_count() or 0),
+    m = provenance.machine()
+    meta = {"machine": "%s cores, %s GB" % (m["cpus"], m["memory_gb"]),
             "load_note": args.note, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "versions": _versions(), "cell_size_mpc_h": CELL_MPC_H,
             "timing": "warm-up runs, then the median of the timed runs; hvd and mpi4py-fft: "
                       "slowest rank per run"}
-    with open(json_path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
-    table = markdown(meta, records)
-    with open(os.path.join(args.out, "bench_compare.md"), "w") as f:
-        f.write(table)
+    write_json(path, {"meta": meta, "records": records})
+    table = write_table(os.path.join(args.out, "bench_compare.md"), markdown(meta, records),
+                        SCRIPT)
     if final:
         if not args.no_plots:
             plots(records, args.out)
-        log(table)
+        print(table, flush=True)
     return records
 
 
@@ -832,7 +778,9 @@ def main(argv=None):
     ap.add_argument("--halo", type=int, default=8, help="halo size [cells]")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(REPO, "results", "bench"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench"),
+                    help="tables and plots; the JSON goes to results/raw/bench/ for the "
+                         "default (see flowpm_bench.results.raw_dir)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny CI run: 16^3, grid 1x2, halo 2, 1 warm-up, 1 repeat")
     ap.add_argument("--merge", action="store_true",
@@ -842,7 +790,7 @@ def main(argv=None):
                          "memory is then cumulative)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--render", action="store_true",
-                    help="only rewrite the Markdown table and plots from the JSON in --out")
+                    help="only rewrite the Markdown table and plots from the JSON of --out")
     ap.add_argument("--note", default="", help="load conditions etc., quoted in the table")
     # sub-run options
     ap.add_argument("--record", help="sub-run: write this process's records here")
@@ -871,15 +819,17 @@ def main(argv=None):
         if role == "hvd":
             return run_hvd(args)
         if role == "placement":
-            _write(args.record, run_placement(args))
+            write_json(args.record, run_placement(args))
             return None
         if role == "cluster":
             return run_cluster_master(args)
         return run_mpi4py_fft(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the driver's progress
     if args.render:
-        data = _read(os.path.join(args.out, "bench_compare.json"))
-        with open(os.path.join(args.out, "bench_compare.md"), "w") as f:
-            f.write(markdown(data["meta"], data["records"]))
+        path = json_path(args.out, "bench_compare")
+        data = read_raw(path)
+        write_table(os.path.join(args.out, "bench_compare.md"),
+                    markdown(data["meta"], data["records"]), SCRIPT, rendered_from=path)
         plots(data["records"], args.out)
         return None
     if "cluster-worker" in args.backend:

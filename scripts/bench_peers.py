@@ -3,7 +3,7 @@
 Everything runs in one invocation on the same machine, so the ratios compare
 like with like even on a loaded machine::
 
-    # the table (incremental: records are merged into results/bench_peers.json)
+    # the table (incremental: records are merged into results/raw/bench_peers.json)
     python scripts/bench_peers.py all --sizes 64 128 --ranks 1 2
     python scripts/bench_peers.py all --sizes 192 256 --ranks 1 2 4
     # before/after: also run the code of another revision (extracted with git archive)
@@ -30,7 +30,8 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
 ``jaxpm``
     JaxPM 0.1.6 from PyPI, in its own virtualenv created here
     (``results/tmp/venv-jaxpm``: ``pip install jaxpm==0.1.6 packaging``; JaxPM
-    needs a newer numpy than our TensorFlow stack): the jitted
+    needs a newer numpy than our TensorFlow stack) runs
+    ``flowpm_bench/peers/jaxpm_force.py``: the jitted
     ``jaxpm.pm.pm_forces`` on a perturbed lattice (one PM force: paint, FFTs,
     gradient kernels, readout), and a jitted kick-drift-kick step built from it
     with constant factors (the same work as our step). JaxPM's ``lpt`` needs an
@@ -49,22 +50,22 @@ Peers (``--peers``, default ``ours jaxpm mpi4py-fft``):
 
 ``fft-pairs``
     ``ours --fft-only`` (the round trip alone, on an N(0, 1) field; both round trips are
-    ``flowpm_mtf.fft_timing``'s runners) and
+    ``flowpm_bench.fft_timing``'s runners) and
     ``mpi4py-fft`` in separate launches, back to back, the order alternating,
     repeated: with more ranks than cores one launch's ratio moves by 2x, the median
-    over pairs much less. Writes ``results/fft_pairs.{json,md}``.
+    over pairs much less. Writes ``results/fft_pairs.md`` and
+    ``results/raw/fft_pairs.json``.
 
-Outputs: ``results/bench_peers.json`` (records keyed by peer, code, size and
-ranks; a new run replaces the records it measures), ``results/bench_peers.md``
-and ``results/bench_peers.png`` (time per particle vs mesh size).
+Outputs: ``results/raw/bench_peers.json`` (unversioned; records keyed by peer, code,
+size and ranks; a new run replaces the records it measures), ``results/bench_peers.md``
+and ``results/bench_peers.png`` (time per particle vs mesh size); with ``--out DIR``
+outside ``results/`` the JSON goes to ``DIR`` (:func:`flowpm_bench.results.raw_dir`).
 Oversubscription: with more ranks than cores the times are totals of work.
 """
 import argparse
 import json
 import logging
 import os
-import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -75,30 +76,19 @@ import types
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from flowpm_bench import REPO, RESULTS, configs, peers, provenance
+from flowpm_bench.launch import clean_env, default_grid, mpirun_command
+from flowpm_bench.measure import peak_mb, private_mb  # noqa: F401  (private_mb: tests)
+from flowpm_bench.results import json_path, read_json, read_raw, write_json, write_table
+
 log = logging.getLogger("bench_peers")
 
 JAXPM_VENV = os.path.join(REPO, "results", "tmp", "venv-jaxpm")
 JAXPM_PKGS = ["jaxpm==0.1.6", "packaging"]
+#: The JaxPM program, run by path with JaxPM's python.
+JAXPM_PROGRAM = os.path.join(peers.HERE, "jaxpm_force.py")
 BUILD_NC_PER_RANK = 16
-
-
-# peak_mb repeats flowpm_mtf.jobs.runner's on purpose: the ``ours`` run
-# also imports the tree of a --baseline revision, which may predate flowpm_mtf.jobs.
-def peak_mb():
-    """Peak resident memory of this process [MB]."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def private_mb():
-    """Memory private to this process now [MB] (``/proc/self/smaps_rollup``: what N
-    processes need together, unlike the RSS, which counts the shared libraries in each)."""
-    total = 0
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1])
-    return total / 1024.0
+SCRIPT = "scripts/bench_peers.py"
 
 
 def roundtrip_times(fn, comm, repeats):
@@ -122,20 +112,6 @@ def roundtrip_times(fn, comm, repeats):
     wall = max(comm.allgather(statistics.median(walls)))
     cpu = statistics.median(np.sum(comm.allgather(cpus), axis=0))
     return wall, float(cpu)
-
-
-def default_grid(n):
-    """The process grid of ``flowpm_mtf.cli.default_grid`` (kept here: the baseline
-    code and the JaxPM venv must not need it)."""
-    p = int(n**0.5)
-    while n % p:
-        p -= 1
-    return (n // p, p)
-
-
-def _write(path, rec):
-    with open(path, "w") as f:
-        json.dump(rec, f, indent=1)
 
 
 # ----------------------------------------------------------------------------- ours (MPI)
@@ -171,12 +147,9 @@ def start_allocator():
 def cmd_ours(args):
     mode = start_allocator()
     import mesh_tensorflow as mtf
-    import numpy as np
     import tensorflow.compat.v1 as tf
     from mpi4py import MPI
 
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from bench_sim import sim_config  # noqa: E402  (the configuration of bench_sim)
     from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice
     from flowpm_mtf import fft
     from flowpm_mtf.backend import session_config
@@ -185,7 +158,7 @@ def cmd_ours(args):
     SimulationGraph = simulation_graph_class()
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
-    conf = sim_config(args.nc, default_grid(size), args.steps)
+    conf = configs.sim_config(args.nc, default_grid(size), args.steps)
     impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
     rec = {"peer": "ours", "nc": args.nc, "ranks": size, "grid": list(conf.grid),
            "halo": conf.halo_size, "n_steps": conf.n_steps,
@@ -242,7 +215,7 @@ def cmd_ours(args):
         _time_roundtrip(sess, rt_local, rho_local, rho, args.fft_repeats, comm, rec)
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
-        _write(args.json, rec)
+        write_json(args.json, rec)
 
 
 def _time_roundtrip(sess, rt_local, rho_local, rho, repeats, comm, rec):
@@ -256,21 +229,21 @@ def _time_roundtrip(sess, rt_local, rho_local, rho, repeats, comm, rec):
 
 
 def _ours_fft_only(args, conf, impl, rec, comm):
-    """The FFT round trip alone (:func:`flowpm_mtf.fft_timing.mtf_roundtrip_runner`:
+    """The FFT round trip alone (:func:`flowpm_bench.fft_timing.mtf_roundtrip_runner`:
     an N(0, 1) field of the run's mesh and grid)."""
     from flowpm_mtf.backend import session_config
-    from flowpm_mtf.fft_timing import mtf_roundtrip_runner
+    from flowpm_bench.fft_timing import mtf_roundtrip_runner
 
     with mtf_roundtrip_runner(conf, impl, session_config=session_config("hvd")) as runner:
         _time_runner(runner, comm, args.fft_repeats, rec)
     rec["fft_only"] = True
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
-        _write(args.json, rec)
+        write_json(args.json, rec)
 
 
 def _time_runner(runner, comm, repeats, rec):
-    """Time ``runner.run()`` (a round trip; an :mod:`flowpm_mtf.fft_timing` runner or alike,
+    """Time ``runner.run()`` (a round trip; an :mod:`flowpm_bench.fft_timing` runner or alike,
     ``runner.info["max_abs_error"]`` of this rank) into ``rec`` (see :func:`_time_roundtrip`)."""
     from mpi4py import MPI
 
@@ -285,10 +258,10 @@ def _time_runner(runner, comm, repeats, rec):
 
 # ----------------------------------------------------------------------------- mpi4py-fft (MPI)
 def cmd_mpi4py_fft(args):
-    """mpi4py-fft's FFTW r2c + c2r (:func:`flowpm_mtf.fft_timing.mpi4py_fft_roundtrip_runner`,
+    """mpi4py-fft's FFTW r2c + c2r (:func:`flowpm_bench.fft_timing.mpi4py_fft_roundtrip_runner`,
     float32) on our process grid."""
     from mpi4py import MPI
-    from flowpm_mtf.fft_timing import mpi4py_fft_roundtrip_runner
+    from flowpm_bench.fft_timing import mpi4py_fft_roundtrip_runner
 
     comm = MPI.COMM_WORLD
     size = comm.Get_size()
@@ -299,64 +272,10 @@ def cmd_mpi4py_fft(args):
         _time_runner(runner, comm, args.fft_repeats, rec)
     rec["peak_memory_mb"] = comm.allgather(peak_mb())
     if comm.Get_rank() == 0:
-        _write(args.json, rec)
+        write_json(args.json, rec)
 
 
 # ----------------------------------------------------------------------------- JaxPM (own venv)
-JAXPM_CODE = r'''
-import json, resource, statistics, sys, time
-import numpy as np
-import jax, jax.numpy as jnp
-from jaxpm.pm import pm_forces
-
-nc, out = int(sys.argv[1]), sys.argv[2]
-shape = [nc, nc, nc]
-rng = np.random.RandomState(0)
-q = np.stack(np.meshgrid(*[np.arange(nc, dtype=np.float32)] * 3, indexing="ij"), -1)
-pos = jnp.asarray((q.reshape(-1, 3) + rng.randn(nc**3, 3).astype(np.float32)) % nc)
-vel = jnp.zeros_like(pos)
-
-force = jax.jit(lambda x: pm_forces(x, shape) * (1.5 * 0.3))
-
-
-@jax.jit
-def step(x, p, f):
-    # kick-drift-kick with constant factors: one PM force, as our step
-    p = p + f * 0.01
-    x = (x + p * 0.01) % nc
-    f = pm_forces(x, shape) * (1.5 * 0.3)
-    return x, p + f * 0.01, f
-
-
-def timed(fn, n=5):
-    fn()
-    ts, cs = [], []
-    for _ in range(n):
-        t, c = time.perf_counter(), time.process_time()
-        fn()
-        ts.append(time.perf_counter() - t)
-        cs.append(time.process_time() - c)
-    return statistics.median(ts), statistics.median(cs)
-
-
-f0 = force(pos).block_until_ready()
-rec = {"peer": "jaxpm", "nc": nc, "ranks": 1, "jax": jax.__version__,
-       "devices": str(jax.devices())}
-rec["force_s"], rec["force_cpu_s"] = timed(lambda: force(pos).block_until_ready())
-x, p, f = pos, vel, f0
-def one():
-    global x, p, f
-    x, p, f = step(x, p, f)
-    f.block_until_ready()
-rec["step_s"], rec["step_cpu_s"] = timed(one)
-rec["peak_memory_mb"] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0]
-try:
-    import importlib.metadata as md
-    rec["jaxpm"] = md.version("jaxpm")
-except Exception:
-    pass
-json.dump(rec, open(out, "w"), indent=1)
-'''
 
 
 def jaxpm_python():
@@ -409,7 +328,7 @@ def cmd_build_hvd(args):
     peaks = comm.allgather(peak_mb())  # collective: every rank, not only rank 0
     private = comm.allgather(private_mb())
     if comm.Get_rank() == 0:
-        _write(args.json, {"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": len(times),
+        write_json(args.json, {"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": len(times),
                            "nc": list(conf.nc), "build_s": max(times),
                            "build_s_median": statistics.median(times),
                            "build_cpu_s": max(cpu), "build_cpu_s_median": statistics.median(cpu),
@@ -427,41 +346,19 @@ def cmd_build_placement(args):
     t, c = time.perf_counter(), time.process_time()
     with tf.Graph().as_default():
         _build_graph(conf, impl)
-    _write(args.json, {"peer": "build", "backend": "PlacementMeshImpl", "ranks": args.n,
+    write_json(args.json, {"peer": "build", "backend": "PlacementMeshImpl", "ranks": args.n,
                        "nc": list(conf.nc), "build_s": time.perf_counter() - t,
                        "build_cpu_s": time.process_time() - c,
                        "peak_memory_mb": [peak_mb()], "private_memory_mb": [private_mb()]})
 
 
 # ----------------------------------------------------------------------------- driver
-def _clean_env(pythonpath=None):
-    """The environment without an enclosing MPI job's variables (nested mpirun fails)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
-    return env
-
-
-def _mpirun():
-    """``mpirun`` as ``scripts/run_mpirun.sh`` launches the jobs: ``--bind-to none``.
-
-    Open MPI's default binds each rank to one core when there are at most 2 ranks,
-    so a 1-rank run used one core of this 2-core machine (and JaxPM both).
-    """
-    cmd = [shutil.which("mpirun") or "mpirun", "--oversubscribe", "--bind-to", "none"]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    return cmd
-
-
 def _launch(cmd, path, timeout, pythonpath=None):
     log.info("running: %s", " ".join(cmd))
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=_clean_env(pythonpath))
+                              env=clean_env(pythonpath))
     except subprocess.TimeoutExpired:
         log.warning("timed out after %d s: %s", timeout, " ".join(cmd))
         return {"error": "timeout after %d s" % timeout}
@@ -503,15 +400,11 @@ def _key(rec):
 
 
 def load_results(path):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return {"records": {}}
+    return read_json(path, {"records": {}})
 
 
 def cmd_all(args):
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_peers.json")
+    path = json_path(args.out, "bench_peers")
     result = load_results(path)
     tmp = tempfile.mkdtemp(prefix="bench_peers")
     me = os.path.abspath(__file__)
@@ -521,26 +414,23 @@ def cmd_all(args):
     jobs = []  # (record fields, command, pythonpath)
     for nc in args.sizes:
         if "jaxpm" in args.peers:
-            code = os.path.join(tmp, "jaxpm_bench.py")
-            with open(code, "w") as f:
-                f.write(JAXPM_CODE)
             jobs.append(({"peer": "jaxpm", "nc": nc, "ranks": 1},
-                         lambda p, nc=nc, code=code: [jaxpm_python(), code, str(nc), p], ""))
+                         lambda p, nc=nc: [jaxpm_python(), JAXPM_PROGRAM, str(nc), p], ""))
         for r in args.ranks:
             if "ours" in args.peers:
                 for label, code in codes:
-                    cmd = (_mpirun() + ["-np", str(r), sys.executable, me, "ours", "--nc",
+                    cmd = (mpirun_command() + ["-np", str(r), sys.executable, me, "ours", "--nc",
                                         str(nc), "--steps", str(args.steps), "--json"])
                     jobs.append(({"peer": "ours", "nc": nc, "ranks": r, "code": label},
                                  lambda p, cmd=cmd: cmd + [p], code))
             if "mpi4py-fft" in args.peers:
-                cmd = _mpirun() + ["-np", str(r), sys.executable, me, "mpi4py-fft", "--nc",
+                cmd = mpirun_command() + ["-np", str(r), sys.executable, me, "mpi4py-fft", "--nc",
                                    str(nc), "--json"]
                 jobs.append(({"peer": "mpi4py-fft", "nc": nc, "ranks": r},
                              lambda p, cmd=cmd: cmd + [p], REPO))
     if "build" in args.peers:
         for n in args.build_n:
-            cmd = _mpirun() + ["-np", str(n), sys.executable, me, "build-hvd", "--json"]
+            cmd = mpirun_command() + ["-np", str(n), sys.executable, me, "build-hvd", "--json"]
             jobs.append(({"peer": "build", "backend": "HvdSimdMeshImpl", "ranks": n},
                          lambda p, cmd=cmd: cmd + [p], REPO))
             cmd = [sys.executable, me, "build-placement", "--n", str(n), "--json"]
@@ -556,7 +446,7 @@ def cmd_all(args):
         log.info("%s", json.dumps({k: v for k, v in rec.items()
                                    if k not in ("steps_s", "peak_memory_mb")}))
         result["machine"] = machine_info()
-        _write(path, result)  # after every record: an interrupted run keeps its results
+        write_json(path, result)  # after every record: an interrupted run keeps its results
     render(result, args.out)
     return result
 
@@ -575,8 +465,7 @@ def cmd_fft_pairs(args):
     falls on both or shows up as an outlier pair; the summary takes medians over
     the pairs. Writes ``fft_pairs.json`` after every pair and ``fft_pairs.md``.
     """
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fft_pairs.json")
+    path = json_path(args.out, "fft_pairs")
     tmp = tempfile.mkdtemp(prefix="fft_pairs")
     me = os.path.abspath(__file__)
     result = {"machine": machine_info(), "fft_repeats": args.fft_repeats, "pairs": []}
@@ -591,16 +480,15 @@ def cmd_fft_pairs(args):
                     out = os.path.join(tmp, peer + ".json")
                     if os.path.exists(out):
                         os.remove(out)
-                    cmd = (_mpirun() + ["-np", str(r), sys.executable, me, peer, "--nc", str(nc),
+                    cmd = (mpirun_command(r) + [sys.executable, me, peer, "--nc", str(nc),
                                         "--fft-repeats", str(args.fft_repeats), "--json", out]
                            + (["--fft-only"] if peer == "ours" else []))
                     rec = _launch(cmd, out, args.timeout, REPO)
                     pair[peer] = {k: rec[k] for k in PAIR_FIELDS if k in rec}
                 result["pairs"].append(pair)
                 log.info("%s", json.dumps(pair))
-                _write(path, result)
-    with open(os.path.join(args.out, "fft_pairs.md"), "w") as f:
-        f.write(fft_pairs_markdown(result))
+                write_json(path, result)
+    write_table(os.path.join(args.out, "fft_pairs.md"), fft_pairs_markdown(result), SCRIPT)
     return result
 
 
@@ -673,14 +561,15 @@ def fft_pairs_markdown(result):
 
 
 def cmd_render(args):
-    render(load_results(os.path.join(args.out, "bench_peers.json")), args.out)
+    path = json_path(args.out, "bench_peers")
+    render(read_raw(path), args.out, rendered_from=path)
 
 
 def machine_info():
-    import psutil
-
-    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version()}
+    """:func:`flowpm_bench.provenance.machine` without the load (each record has its own)."""
+    m = provenance.machine()
+    del m["loadavg"]
+    return m
 
 
 # ----------------------------------------------------------------------------- report
@@ -823,14 +712,13 @@ def plot(result, path):
     plt.close(fig)
 
 
-def render(result, out):
-    with open(os.path.join(out, "bench_peers.md"), "w") as f:
-        f.write(markdown(result))
+def render(result, out, rendered_from=None):
+    """Write ``out/bench_peers.md`` and ``out/bench_peers.png`` of ``result``."""
+    write_table(os.path.join(out, "bench_peers.md"), markdown(result), SCRIPT, rendered_from)
     try:
         plot(result, os.path.join(out, "bench_peers.png"))
     except ImportError as e:  # matplotlib missing: the tables are the result
         log.warning("no plot: %s", e)
-    log.info("wrote %s", os.path.join(out, "bench_peers.{json,md,png}"))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -847,9 +735,9 @@ def main(argv=None):
     a.add_argument("--steps", type=int, default=5, help="N-body steps of our run")
     a.add_argument("--baseline", help="also run our code at this git revision")
     a.add_argument("--timeout", type=int, default=1800, help="per run [s]")
-    a.add_argument("--out", default=os.path.join(REPO, "results"))
+    a.add_argument("--out", default=RESULTS)
     r = sub.add_parser("render", help="rewrite the Markdown and plot from the JSON")
-    r.add_argument("--out", default=os.path.join(REPO, "results"))
+    r.add_argument("--out", default=RESULTS)
     for name in ("ours", "mpi4py-fft"):
         p = sub.add_parser(name, help="one measurement under mpirun (internal)")
         p.add_argument("--nc", type=int, required=True)
@@ -867,7 +755,7 @@ def main(argv=None):
     f.add_argument("--repeat", type=int, default=4, help="pairs per (size, ranks)")
     f.add_argument("--fft-repeats", type=int, default=11, help="round trips timed per launch")
     f.add_argument("--timeout", type=int, default=900, help="per launch [s]")
-    f.add_argument("--out", default=os.path.join(REPO, "results"))
+    f.add_argument("--out", default=RESULTS)
     p = sub.add_parser("build-hvd", help="graph build under mpirun (internal)")
     p.add_argument("--json", required=True)
     p = sub.add_parser("build-placement", help="graph build, N logical devices (internal)")

@@ -60,7 +60,9 @@ fitted on the default allocator's runs only (what the preflight check estimates)
 
     python scripts/bench_scaling.py --allocator lean run weak-4
 
-Outputs: ``results/bench_scaling.{json,md}`` (``--quick``: ``results/bench_scaling_quick.*``);
+Outputs: ``results/bench_scaling.md`` and the raw ``results/raw/bench_scaling.json``
+(unversioned; ``--quick``: ``results/bench_scaling_quick.md`` and
+``results/raw/bench_scaling_quick.json``);
 ``render`` also rewrites the section of docs/scaling.md between the BENCH-SCALING markers.
 Measurements on a loaded machine overstate nothing (RSS is not a timing) but the lead's final
 numbers come from a quiet machine: every record carries the commit, the load average and the
@@ -70,7 +72,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -78,8 +79,12 @@ import tempfile
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from flowpm_bench import REPO, RESULTS, provenance
+from flowpm_bench.launch import MPI_LAUNCH_PREFIXES, clean_env, default_grid, mpirun_command
+from flowpm_bench.results import json_path as raw_json_path
+from flowpm_bench.results import read_json, read_raw, write_json, write_table
+
+SCRIPT = "scripts/bench_scaling.py"
 MB = 2.0 ** 20
 STATE_BYTES_PER_SLOT = 40  # positions, momenta, forces: 3 x 3 float32; id: int32
 
@@ -106,13 +111,6 @@ EXTRAPOLATE = [(2048, 64), (2048, 256), (4096, 512), (4096, 4096)]
 GPU_FLOOR_MB = 1536.0  # assumed CUDA context + TF runtime per GPU rank (untested here)
 
 
-def default_grid(n):
-    q = int(n ** 0.5)
-    while n % q:
-        q -= 1
-    return (n // q, q)
-
-
 def largest_config(nc, ranks):
     cell = 200.0 / 128  # the weak-scaling runs' cell size [Mpc/h]
     return dict(nc=(nc,) * 3, box=(nc * cell,) * 3, ranks=ranks,
@@ -134,48 +132,22 @@ def config_for(name, args):
 
 
 def paths(quick):
+    """(raw JSON, table) of the results: ``results/raw/<stem>.json``, ``results/<stem>.md``."""
     stem = "bench_scaling_quick" if quick else "bench_scaling"
-    return (os.path.join(REPO, "results", stem + ".json"),
-            os.path.join(REPO, "results", stem + ".md"))
+    return raw_json_path(RESULTS, stem), os.path.join(RESULTS, stem + ".md")
 
 
 def load(path):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return {"records": {}}
+    return read_json(path, {"records": {}})
 
 
 def save(path, data):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def git(*a):
-    try:
-        return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine():
-    try:
-        with open("/proc/meminfo") as f:
-            total = int(f.readline().split()[1]) / 1024.0 ** 2
-    except (OSError, ValueError, IndexError):
-        total = None
-    return {"host": platform.node(), "cores": os.cpu_count(), "memory_gb": total,
-            "loadavg": os.getloadavg()}
+    write_json(path, data, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------- allocators
 def default_allocator():
     """The host allocator mode ``flowpm-mtf`` runs with when none is asked for."""
-    sys.path.insert(0, REPO)
     from flowpm_mtf import allocator
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWPM_MTF_ALLOCATOR")}
@@ -207,10 +179,7 @@ def simulate_command(c, out, steps):
     py = os.path.join(REPO, ".venv", "bin", "python")
     if not os.path.exists(py):
         py = sys.executable
-    mpirun = shutil.which("mpirun")
-    cmd = [mpirun, "--oversubscribe", "-np", str(c["ranks"])]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
+    cmd = mpirun_command(c["ranks"])
     cmd += [py, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
             "--steps", str(steps), "--grid",
             "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32",
@@ -220,7 +189,6 @@ def simulate_command(c, out, steps):
 
 def sim_config(c):
     """The SimConfig a configuration runs (defaults of ``simulate`` otherwise)."""
-    sys.path.insert(0, REPO)
     from flowpm_mtf.config import SimConfig
 
     return SimConfig(nc=tuple(c["nc"]), box_size=tuple(c["box"]), grid=tuple(c["grid"]),
@@ -252,22 +220,22 @@ def run_one(name, c, args):
     with open(cfg_file, "w") as f:
         json.dump({"box_size": list(c["box"])}, f)
     cmd = simulate_command(c, os.path.join(out, "run"), args.steps) + ["--config", cfg_file]
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
-    env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    # HOROVOD_ tuning variables of the caller reach the runs (only Open MPI's are dropped)
+    env = clean_env(REPO, strip=[p for p in MPI_LAUNCH_PREFIXES if p != "HOROVOD_"],
+                    TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
     if args.allocator:
         env["FLOWPM_MTF_ALLOCATOR"] = args.allocator
     env.pop("FLOWPM_MTF_ALLOCATOR_ACTIVE", None)
     started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
-    mach = machine()
+    mach = provenance.machine()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     n = int(np.prod(c["nc"]))
     rec = {"name": name, "kind": c["kind"], "nc": list(c["nc"]), "box": list(c["box"]),
            "ranks": c["ranks"], "grid": list(c["grid"]), "steps": args.steps,
            "n_particles": n, "n_local": n // c["ranks"],
            "ok": proc.returncode == 0, "returncode": proc.returncode,
-           "commit": git("rev-parse", "--short", "HEAD"),
-           "dirty": bool(git("status", "--porcelain", "--", "flowpm_mtf", "hvd_mesh_impl")),
+           "commit": provenance.git("rev-parse", "--short", "HEAD"),
+           "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True),
            "date": started, "machine": mach, "note": args.note, "quick": args.quick,
            "command": " ".join(cmd)}
     rec.update(planned(c))
@@ -534,10 +502,15 @@ def update_doc(md, doc=os.path.join(REPO, "docs", "scaling.md")):
         f.write(text)
 
 
-def write_outputs(data, quick):
+def write_outputs(data, quick, rendered=False):
     json_path, md_path = paths(quick)
     data["model"] = fit_model(allocator_groups(data["records"]).get(None, {}))
     save(json_path, data)
+    md = render(data, quick)
+    # the table first: its provenance line records whether the code differs from the
+    # commit, and the memory model below is a tracked file this writes
+    write_table(md_path, "# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md, SCRIPT,
+                rendered_from=json_path if rendered else None)
     if data["model"] and not quick:
         if model_spans(data["model"]):
             write_memory_model(data["model"], json_path)
@@ -545,9 +518,6 @@ def write_outputs(data, quick):
             print("memory model not written to flowpm_mtf/memory_model.json: the fit needs >= %d "
                   "runs whose slots per rank span a factor >= %g, with residuals <= %g"
                   % (MODEL_MIN_RUNS, MODEL_MIN_SPAN, MODEL_MAX_RESIDUAL), flush=True)
-    md = render(data, quick)
-    with open(md_path, "w") as f:
-        f.write("# Memory benchmark (`scripts/bench_scaling.py`)\n\n" + md)
     if not quick:
         update_doc(md)
     return md
@@ -575,7 +545,7 @@ def main(argv=None):
     sub.add_parser("render", help="JSON -> Markdown (+ docs/scaling.md)")
     args = ap.parse_args(argv)
     json_path, _ = paths(args.quick)
-    data = load(json_path)
+    data = read_raw(json_path) if args.cmd == "render" else load(json_path)
     if args.cmd == "list":
         for name in CONFIGS:
             _, c = config_for(name, argparse.Namespace(quick=args.quick, nc=None, ranks=None))
@@ -602,7 +572,7 @@ def main(argv=None):
             write_outputs(data, args.quick)
             print("  %s" % ("peak per rank %s MB" % _fmt_range(rec["peak_mb_per_rank"])
                             if rec["ok"] else "FAILED: " + rec["error"]), flush=True)
-    md = write_outputs(data, args.quick)
+    md = write_outputs(data, args.quick, rendered=args.cmd == "render")
     if args.cmd == "render":
         print(md)
     return 0

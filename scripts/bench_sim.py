@@ -9,7 +9,7 @@ Modes::
     # single-device FlowPM 0.1.1 on the same configuration, one JSON record
     python scripts/bench_sim.py flowpm --nc 64 --json rec.json
     # everything: launches the runs above, merges them into
-    # results/bench_sim.json and results/bench_sim.md
+    # results/bench_sim.md and the raw results/raw/bench_sim.json (unversioned)
     python scripts/bench_sim.py all --sizes 64 128 --ranks 1 2 4
     # rewrite the Markdown from the JSON
     python scripts/bench_sim.py render
@@ -48,29 +48,22 @@ import argparse
 import json
 import logging
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from flowpm_bench import RESULTS, provenance
+from flowpm_bench.configs import sim_config
+from flowpm_bench.launch import mpirun_command, run
+from flowpm_bench.measure import peak_mb
+from flowpm_bench.results import (json_path, read_json, read_raw, write_json, write_result,
+                                  write_table)
+
 log = logging.getLogger("bench_sim")
-
-DEFAULT = {"box_size": 200.0, "lpt_order": 2, "a_start": 0.1, "a_end": 1.0, "n_steps": 10,
-           "dtype": "float32"}
-HALO_PER_64 = 8  # halo [cells] at 64^3 in 200 Mpc/h (25 Mpc/h); scaled with the mesh
-
-
-def peak_mb():
-    """Peak resident memory of this process [MB]."""
-    from flowpm_mtf.jobs.runner import peak_memory_mb
-
-    return peak_memory_mb()
+SCRIPT = "scripts/bench_sim.py"
 
 
 def median_time(fn, repeats, warmup=1):
@@ -78,22 +71,6 @@ def median_time(fn, repeats, warmup=1):
     from flowpm_mtf.jobs.runner import median_time as median
 
     return median(fn, repeats, warmup)
-
-
-def sim_config(nc, grid, steps, box_size=None, decomposition="eulerian", halo=None):
-    """The benchmark's SimConfig. Halo: ``halo`` if given; automatic (2) for the
-    eulerian decomposition; 25 Mpc/h at 200 Mpc/h (scaled with the mesh) for the
-    lagrangian one."""
-    from flowpm_mtf.config import SimConfig
-
-    fields = dict(DEFAULT, nc=nc, grid=grid, n_steps=steps, decomposition=decomposition)
-    if box_size is not None:
-        fields["box_size"] = box_size
-    if halo is not None:
-        fields["halo_size"] = halo
-    elif decomposition == "lagrangian":
-        fields["halo_size"] = max(1, HALO_PER_64 * nc // 64)
-    return SimConfig.from_dict(fields)
 
 
 def lagrangian_halo_needed(conf, positions, ids):
@@ -369,31 +346,14 @@ def cmd_flowpm(args):
 
 def _write(path, rec):
     if path:
-        with open(path, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(path, rec)
     else:
         json.dump(rec, sys.stdout, indent=1)
 
 
 # ----------------------------------------------------------------------------- all (driver)
-def _clean_env():
-    """The environment without an enclosing MPI job's variables (nested mpirun fails)."""
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "HOROVOD_"))}
-
-
-def _launch(cmd, timeout):
-    log.info("running: %s", " ".join(cmd))
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_clean_env())
-    if proc.returncode != 0:
-        raise RuntimeError("%s failed (%d):\n%s" % (" ".join(cmd), proc.returncode,
-                                                    proc.stderr[-3000:]))
-    return time.perf_counter() - t
-
-
 def cmd_all(args):
-    mpirun = _mpirun()
+    mpirun = mpirun_command()
     records = []
     tmp = tempfile.mkdtemp(prefix="bench_sim")
     for nc in args.sizes:
@@ -413,32 +373,19 @@ def cmd_all(args):
 
 def _launch_record(cmd, path, timeout):
     """Run ``cmd`` (which writes the JSON record ``path``); the record with its wall time."""
-    wall = _launch(cmd, timeout)
-    with open(path) as f:
-        rec = json.load(f)
+    wall = run(cmd, timeout)
+    rec = read_json(path)
     rec["wall_s"] = wall
     log.info("%s", summary_line(rec))
     return rec
 
 
 def _write_result(out, name, records, render):
-    """Write ``out/name.json`` (records + machine) and ``out/name.md`` (``render``)."""
+    """Write the raw ``name.json`` (records + machine) and the table ``out/name.md``."""
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "records": records,
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(out, name + ".md"), "w") as f:
-        f.write(render(result))
-    log.info("wrote %s", os.path.join(out, name + ".{json,md}"))
+    write_result(out, name, result, render(result), SCRIPT)
     return result
-
-
-def _mpirun():
-    mpirun = [shutil.which("mpirun") or "mpirun", "--oversubscribe"]
-    if os.geteuid() == 0:
-        mpirun.insert(1, "--allow-run-as-root")
-    return mpirun
 
 
 def cmd_migration(args):
@@ -457,7 +404,7 @@ def cmd_migration(args):
                 halo = int(np.ceil(records[0]["lagrangian_halo_needed_cells"]))
             halo = min(halo, args.nc // 2 - 1)
             extra += ["--halo", str(halo)]
-        cmd = (_mpirun() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
+        cmd = (mpirun_command() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
                + ["--json", path])
         try:
             records.append(_launch_record(cmd, path, args.timeout))
@@ -512,18 +459,16 @@ def migration_markdown(result):
 
 
 def cmd_render(args):
-    with open(os.path.join(args.out, "bench_sim.json")) as f:
-        result = json.load(f)
-    with open(os.path.join(args.out, "bench_sim.md"), "w") as f:
-        f.write(markdown(result))
+    path = json_path(args.out, "bench_sim")
+    write_table(os.path.join(args.out, "bench_sim.md"), markdown(read_raw(path)), SCRIPT,
+                rendered_from=path)
 
 
 def machine_info():
-    import psutil
-
-    return {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "load_avg_1min_at_end": os.getloadavg()[0]}
+    """:func:`flowpm_bench.provenance.machine`, with the 1-minute load at the end of the run."""
+    m = provenance.machine()
+    m["load_avg_1min_at_end"] = m.pop("loadavg")[0]
+    return m
 
 
 def step_median(rec):
@@ -608,7 +553,7 @@ def main(argv=None):
                            default="eulerian")
             p.add_argument("--halo", type=int, help="halo [cells] (default: see sim_config)")
     p = sub.add_parser("migration", help="eulerian (migration) vs lagrangian decomposition "
-                       "at high resolution on 2x2: results/bench_migration.{json,md}")
+                       "at high resolution on 2x2: results/bench_migration.md (+ raw JSON)")
     p.add_argument("--nc", type=int, default=128)
     p.add_argument("--box-size", type=float, default=64.0)
     p.add_argument("--steps", type=int, default=10)
@@ -617,9 +562,9 @@ def main(argv=None):
                    help="halo of the lagrangian run [cells] (default: what the eulerian run "
                         "measured it needs, capped at the block size - 1)")
     p.add_argument("--timeout", type=float, default=3600)
-    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    p.add_argument("--out", default=RESULTS)
     p = sub.add_parser("render", help="rewrite bench_sim.md from bench_sim.json")
-    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    p.add_argument("--out", default=RESULTS)
     p = sub.add_parser("all")
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -627,7 +572,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--no-flowpm", action="store_true")
-    p.add_argument("--out", default=os.path.join(REPO, "results"))
+    p.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s bench_sim: %(message)s")

@@ -6,8 +6,10 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 bash scripts/setup_env.sh
+# shellcheck disable=SC1091  # functions only: mpirun_options
+source scripts/launch_lib.sh
 NP="${NP:-2}"
-MPIRUN=(mpirun --oversubscribe)
-[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
+mapfile -t MPI_OPTS < <(mpirun_options local)
+MPIRUN=(mpirun "${MPI_OPTS[@]}")
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec "${MPIRUN[@]}" -np "$NP" .venv/bin/flowpm-mtf "${FLOWPM_MTF_COMMAND:-simulate}" --out "${OUT:-out/sim}" "$@"

@@ -12,6 +12,8 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+# shellcheck disable=SC1091  # functions only: mpirun_options, exec_subcommand
+source scripts/launch_lib.sh
 VENV="${VENV:-$REPO/.venv}"
 NP="${NP:-2}"
 COMMAND="${COMMAND:-simulate}"
@@ -20,23 +22,9 @@ HOSTS="${HOSTS:-localhost:$NP}"
 
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}" TF_FORCE_GPU_ALLOW_GROWTH=true
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-MPI_ARGS="--bind-to none"
-[ "$(id -u)" -eq 0 ] && MPI_ARGS="$MPI_ARGS --allow-run-as-root"
-[ "$HOSTS" = "localhost:$NP" ] && MPI_ARGS="$MPI_ARGS --oversubscribe"
+where=hosts; [ "$HOSTS" = "localhost:$NP" ] && where=local
+mapfile -t MPI_OPTS < <(mpirun_options "$where")
+MPI_ARGS="${MPI_OPTS[*]}"
 HVDRUN=("$VENV/bin/horovodrun" --mpi -np "$NP" -H "$HOSTS" --mpi-args="$MPI_ARGS")
 
-NC_ARGS=(); [ -n "${NC:-}" ] && NC_ARGS=(--nc "$NC")
-GRID_ARGS=(); [ -n "${GRID:-}" ] && GRID_ARGS=(--grid "$GRID")
-case "$COMMAND" in
-  simulate|fft-demo)
-    exec "${HVDRUN[@]}" "$VENV/bin/flowpm-mtf" "$COMMAND" "${NC_ARGS[@]}" "${GRID_ARGS[@]}" \
-      --out "$OUT" "$@" ;;
-  bench)
-    if [ -z "${GRID:-}" ] || [ -z "${NC:-}" ]; then
-      echo "COMMAND=bench needs NC and GRID" >&2; exit 2
-    fi
-    mkdir -p "$OUT"
-    exec "${HVDRUN[@]}" "$VENV/bin/python" scripts/bench_compare.py --backend hvd --size "$NC" \
-      --grid "$GRID" --record "$OUT/bench_hvd_${NC}_${GRID}.json" "$@" ;;
-  *) echo "unknown COMMAND=$COMMAND (simulate, fft-demo or bench)" >&2; exit 2 ;;
-esac
+exec_subcommand "$VENV" "$COMMAND" "$OUT" "${HVDRUN[@]}" -- "$@"

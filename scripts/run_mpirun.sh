@@ -12,18 +12,20 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+# shellcheck disable=SC1091  # functions only: mpirun_options, exec_subcommand
+source scripts/launch_lib.sh
 VENV="${VENV:-$REPO/.venv}"
 NP="${NP:-2}"
 COMMAND="${COMMAND:-simulate}"
 OUT="${OUT:-out/mpirun}"
 
-MPIRUN=(mpirun -np "$NP" --bind-to none)
-[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
 if [ -n "${HOSTFILE:-}" ]; then
-  MPIRUN+=(--hostfile "$HOSTFILE" --map-by "ppr:${GPUS_PER_NODE:-1}:node")
+  mapfile -t MPI_OPTS < <(mpirun_options hosts)
+  MPI_OPTS+=(--hostfile "$HOSTFILE" --map-by "ppr:${GPUS_PER_NODE:-1}:node")
 else
-  MPIRUN+=(--oversubscribe)
+  mapfile -t MPI_OPTS < <(mpirun_options local)
 fi
+MPIRUN=(mpirun -np "$NP" "${MPI_OPTS[@]}")
 # Forward the variables that matter to every rank (-x): thread counts, TF/NCCL/Horovod.
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}" TF_FORCE_GPU_ALLOW_GROWTH=true
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -33,18 +35,4 @@ for v in TF_CPP_MIN_LOG_LEVEL TF_FORCE_GPU_ALLOW_GROWTH OMP_NUM_THREADS PATH LD_
   [ -n "${!v:-}" ] && MPIRUN+=(-x "$v")
 done
 
-NC_ARGS=(); [ -n "${NC:-}" ] && NC_ARGS=(--nc "$NC")
-GRID_ARGS=(); [ -n "${GRID:-}" ] && GRID_ARGS=(--grid "$GRID")
-case "$COMMAND" in
-  simulate|fft-demo)
-    exec "${MPIRUN[@]}" "$VENV/bin/flowpm-mtf" "$COMMAND" "${NC_ARGS[@]}" "${GRID_ARGS[@]}" \
-      --out "$OUT" "$@" ;;
-  bench)
-    if [ -z "${GRID:-}" ] || [ -z "${NC:-}" ]; then
-      echo "COMMAND=bench needs NC and GRID" >&2; exit 2
-    fi
-    mkdir -p "$OUT"
-    exec "${MPIRUN[@]}" "$VENV/bin/python" scripts/bench_compare.py --backend hvd --size "$NC" \
-      --grid "$GRID" --record "$OUT/bench_hvd_${NC}_${GRID}.json" "$@" ;;
-  *) echo "unknown COMMAND=$COMMAND (simulate, fft-demo or bench)" >&2; exit 2 ;;
-esac
+exec_subcommand "$VENV" "$COMMAND" "$OUT" "${MPIRUN[@]}" -- "$@"

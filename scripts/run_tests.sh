@@ -8,7 +8,7 @@
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
+cd "$REPO" || exit 1
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091
 source .venv/bin/activate
@@ -24,8 +24,10 @@ export FLOWPM_MTF_NATIVE=require
 # A collective that one rank never joins shows up in the logs after 60 s.
 export HOROVOD_STALL_CHECK_TIME_SECONDS=60
 
-MPIRUN=(mpirun --oversubscribe)
-[ "$(id -u)" -eq 0 ] && MPIRUN+=(--allow-run-as-root)
+# shellcheck disable=SC1091  # functions only: mpirun_options
+source scripts/launch_lib.sh
+mapfile -t MPI_OPTS < <(mpirun_options local)
+MPIRUN=(mpirun "${MPI_OPTS[@]}")
 PYTEST_ARGS=(tests -q -p no:randomly --timeout 600 --timeout-method=thread "$@")
 
 status=0

@@ -62,7 +62,7 @@ build_native() {
 
 # ---------------------------------------------------------------- 2. venv
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(inputs_hash)" ] \
-   && "$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm_mtf, hvd_mesh_impl" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm_mtf, hvd_mesh_impl, flowpm_bench" 2>/dev/null; then
   build_native
   log "environment up to date: $VENV"
   exit 0
@@ -124,13 +124,15 @@ then
 fi
 
 # ---------------------------------------------------------------- 5. this package
+# Editable: flowpm_mtf, hvd_mesh_impl and flowpm_bench (the scripts' library) import from
+# this checkout. setup.py is an input of the stamp's hash, so a new package re-runs this.
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$REPO"
 
 # ---------------------------------------------------------------- 6. verify
 check="$("$VENV/bin/horovodrun" --check-build)"
 echo "$check" | grep -q "\[X\] MPI"  || { log "horovod built without MPI";  echo "$check"; exit 1; }
 echo "$check" | grep -q "\[X\] Gloo" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
-"$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_mtf, hvd_mesh_impl, mpi4py"
+"$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_mtf, hvd_mesh_impl, flowpm_bench, mpi4py"
 build_native
 inputs_hash > "$STAMP"
 log "environment ready: $VENV"

@@ -3,7 +3,6 @@
 The smoke run starts its own MPI jobs and TF cluster, so it runs in the 1-rank pass
 only; the scaling-model unit tests are pure Python and run in every pass.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "scripts")
+from flowpm_bench.launch import clean_env
+from flowpm_bench.scripts import load_script, script_path
+
 # The smoke run: 4 backends x 4 workloads at 16^3 on a 1x2 grid, one timed run each;
 # about 100 s on a loaded 2-core machine. A hang is cut off here.
 SMOKE_TIMEOUT_S = 600
@@ -21,25 +21,18 @@ SMOKE_TIMEOUT_S = 600
 FFT_ROUND_TRIP_TOL = 1e-5
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sm = _load("scaling_model")
-bc = _load("bench_compare")
+sm = load_script("scaling_model")
+bc = load_script("bench_compare")
 
 
 # ============================================================================ smoke run
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("bench"))
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_compare.py"),
+    proc = subprocess.run([sys.executable, script_path("bench_compare"),
                            "--backend", "all", "--smoke", "--out", out],
                           capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
-                          env=bc.clean_env())
+                          env=clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(os.path.join(out, "bench_compare.json")) as f:
         data = json.load(f)

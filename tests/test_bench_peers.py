@@ -4,7 +4,6 @@ and the derived columns of its Markdown.
 The runs start their own TF process, so they run in the 1-rank pass only; the
 rendering and memory-accounting tests are pure Python and run in every pass.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,8 +12,13 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "bench_peers.py")
+from flowpm_bench import REPO
+from flowpm_bench.launch import clean_env
+from flowpm_bench.measure import private_mb
+from flowpm_bench.peers import jaxpm_force
+from flowpm_bench.scripts import load_script, script_path
+
+SCRIPT = script_path("bench_peers")
 # One process building and running 32^3 (2LPT, 2 steps) or a 16^3-per-device graph:
 # well under a minute on a loaded 2-core machine; a hang is cut off here.
 RUN_TIMEOUT_S = 600
@@ -24,15 +28,13 @@ FFT_ROUND_TRIP_TOL = 1e-4
 # reuse a little memory freed earlier, so at least this fraction of the array.
 PRIVATE_FRACTION = 0.9
 
-spec = importlib.util.spec_from_file_location("bench_peers", SCRIPT)
-bp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bp)
+bp = load_script("bench_peers")
 
 
 def _run(args, tmp_path, name):
     out = str(tmp_path / (name + ".json"))
     proc = subprocess.run([sys.executable, SCRIPT] + args + ["--json", out], capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S, env=bp._clean_env(REPO))
+                          text=True, timeout=RUN_TIMEOUT_S, env=clean_env(REPO))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
@@ -58,7 +60,7 @@ def test_fft_pairs_runs_both_peers_and_writes_the_tables(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, "fft-pairs", "--sizes", "16", "--ranks", "1",
                            "--repeat", "2", "--fft-repeats", "3", "--out", str(out)],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env=bp._clean_env(REPO))
+                          env=clean_env(REPO))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "fft_pairs.json") as f:
         result = json.load(f)
@@ -121,9 +123,9 @@ def test_build_records_have_cpu_time_and_private_memory(tmp_path):
 
 
 def test_private_mb_counts_touched_memory():
-    before = bp.private_mb()
+    before = private_mb()
     a = np.ones(256 * 2**20 // 8)  # 256 MB, every page touched
-    grown = bp.private_mb() - before
+    grown = private_mb() - before
     assert grown >= PRIVATE_FRACTION * 256, grown
     del a
 
@@ -170,9 +172,42 @@ def test_baseline_tree_gets_its_native_ops_built(tmp_path, monkeypatch):
     # The baseline's own package loads every library as up to date (require: else an error).
     code = ("import flowpm_mtf.native as n; print(n.__file__); "
             "print(all(n.load(s) is not None for s in %r))" % sources)
-    env = dict(bp._clean_env(out), FLOWPM_MTF_NATIVE="require")
+    env = dict(clean_env(out), FLOWPM_MTF_NATIVE="require")
     proc = subprocess.run([sys.executable, "-c", code], cwd=out, capture_output=True, text=True,
                           env=env, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     path, ok = proc.stdout.split()
     assert path.startswith(out) and ok == "True"
+
+
+def test_jaxpm_program_compiles_and_has_a_cli():
+    """The JaxPM peer (run by path in JaxPM's own virtualenv) is valid Python with a CLI,
+    and imports neither TensorFlow nor our packages (it cannot, in that venv)."""
+    path = bp.JAXPM_PROGRAM
+    assert os.path.isfile(path)
+    proc = subprocess.run([sys.executable, "-m", "py_compile", path], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "nc" in proc.stdout and "out" in proc.stdout
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('j', %r); "
+            "s.loader.exec_module(u.module_from_spec(s)); "
+            "print(sorted({k.split('.')[0] for k in sys.modules} & "
+            "{'tensorflow', 'flowpm_mtf', 'flowpm_bench', 'hvd_mesh_impl', 'jax'}))" % path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_jaxpm_lattice_is_a_perturbed_periodic_lattice():
+    nc = 8
+    pos = jaxpm_force.perturbed_lattice(nc)
+    assert pos.shape == (nc**3, 3) and pos.dtype == np.float32
+    assert pos.min() >= 0 and pos.max() < nc
+    q = np.stack(np.meshgrid(*[np.arange(nc)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    d = (pos - q + nc / 2) % nc - nc / 2   # periodic offset from the lattice site
+    assert 0.5 < d.std() < 1.5               # N(0, 1) offsets
+    np.testing.assert_array_equal(pos, jaxpm_force.perturbed_lattice(nc))  # seeded

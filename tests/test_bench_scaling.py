@@ -1,15 +1,14 @@
 """scripts/bench_scaling.py without running MPI: the memory-model fit recovers known
 coefficients, the breakdown and the Markdown/doc rendering work on synthetic records."""
 import os
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "scripts"))
-import bench_scaling as bs  # noqa: E402
+from flowpm_bench.scripts import load_script
+
+bs = load_script("bench_scaling")
 
 pytestmark = pytest.mark.rank_independent
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from flowpm_bench.scripts import load_script
 from test_mpi_jobs import clean_env
 
 pytestmark = pytest.mark.single_process
@@ -64,8 +65,7 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
     assert b["comm_halo"] == 4 * 2 * h * (16 + 2 * h) * 16 * 4
 
 def test_markdown_table(record):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import bench_sim
+    bench_sim = load_script("bench_sim")
 
     md = bench_sim.markdown({"machine": bench_sim.machine_info(), "command": "test",
                              "date": "now", "records": [record]})

@@ -1,6 +1,5 @@
 """Checks before the compute (flowpm_mtf.preflight) and graphs that scale past 2^31 cells."""
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -39,11 +38,9 @@ class FakeComm:
 def test_memory_constants_fit_the_measured_runs():
     """The constants (MODEL_FILE, written by `scripts/bench_scaling.py render`) are the fit of
     the measured peaks stored with them, and the estimate is within MODEL_RTOL of each."""
-    sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
-    try:
-        import bench_scaling
-    finally:
-        sys.path.pop(0)
+    from flowpm_bench.scripts import load_script
+
+    bench_scaling = load_script("bench_scaling")
     model = preflight.load_memory_model()
     rows = model["rows"]
     assert len(rows) >= 3

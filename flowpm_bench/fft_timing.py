@@ -1,7 +1,7 @@
 """Timing of the distributed FFT round trip, ours and mpi4py-fft's (FFTW + MPI).
 
-Used by ``scripts/bench_fft.py`` (FFT table in ``results/``) and importable by
-other benchmark drivers (e.g. ``scripts/bench_peers.py``). No Horovod here: the
+Used by ``scripts/bench_fft.py`` (FFT table in ``results/``), ``scripts/bench_peers.py``
+and ``scripts/bench_compare.py`` (mpi4py-fft reference). No Horovod here: the
 caller passes the Mesh TF ``MeshImpl`` (and for mpi4py-fft an mpi4py
 communicator).
 
@@ -125,7 +125,7 @@ def mtf_roundtrip_runner(conf, mesh_impl, devices=("",), session_config=None):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from . import fft
+    from flowpm_mtf import fft
 
     with tf.Graph().as_default():
         t0 = time.perf_counter()

@@ -1,0 +1,43 @@
+# shellcheck shell=bash
+# Shell side of the scripts' shared library (flowpm_bench/launch.py is the Python side;
+# keep mpirun_options and flowpm_bench.launch.mpirun_command in step). Sourced by
+# scripts/run_*.sh; defines functions only.
+
+# mpirun_options [local|hosts]: the mpirun options of every launch, one per line:
+# --bind-to none (Open MPI's default binds each rank to one core when there are at most
+# 2 ranks: a 1-rank job would get one core), --allow-run-as-root as root, and
+# --oversubscribe on this host alone ("local", the default; not with a host list).
+#   mapfile -t MPI_OPTS < <(mpirun_options)
+mpirun_options() {
+  printf '%s\n' --bind-to none
+  if [ "$(id -u)" -eq 0 ]; then printf '%s\n' --allow-run-as-root; fi
+  if [ "${1:-local}" = local ]; then printf '%s\n' --oversubscribe; fi
+}
+
+# exec_subcommand VENV COMMAND OUT LAUNCHER... -- ARGS...: replace the shell by COMMAND
+# (simulate | fft-demo: flowpm-mtf; bench: one scripts/bench_compare.py record) under
+# LAUNCHER (an mpirun or horovodrun command line), with --nc "$NC" and --grid "$GRID"
+# when set and ARGS at the end. Exit 2 on an unknown COMMAND or bench without NC/GRID.
+exec_subcommand() {
+  local venv="$1" command="$2" out="$3"
+  shift 3
+  local launcher=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do launcher+=("$1"); shift; done
+  if [ $# -gt 0 ]; then shift; fi
+  local nc_args=() grid_args=()
+  if [ -n "${NC:-}" ]; then nc_args=(--nc "$NC"); fi
+  if [ -n "${GRID:-}" ]; then grid_args=(--grid "$GRID"); fi
+  case "$command" in
+    simulate|fft-demo)
+      exec "${launcher[@]}" "$venv/bin/flowpm-mtf" "$command" "${nc_args[@]}" "${grid_args[@]}" \
+        --out "$out" "$@" ;;
+    bench)
+      if [ -z "${GRID:-}" ] || [ -z "${NC:-}" ]; then
+        echo "COMMAND=bench needs NC and GRID" >&2; exit 2
+      fi
+      mkdir -p "$out"
+      exec "${launcher[@]}" "$venv/bin/python" scripts/bench_compare.py --backend hvd --size "$NC" \
+        --grid "$GRID" --record "$out/bench_hvd_${NC}_${GRID}.json" "$@" ;;
+    *) echo "unknown COMMAND=$command (simulate, fft-demo or bench)" >&2; exit 2 ;;
+  esac
+}
