@@ -466,9 +466,9 @@ def run_cluster_worker(args):
 
     from flowpm_mtf import native
 
-    # The graph the master sends may hold our CPU custom ops (FFT, CIC, noise): a worker
+    # The graph the master sends may hold our CPU custom ops (FFT, CIC, noise, particles): a worker
     # must register their kernels before it runs it.
-    for lib in ("fft_ops", "cic_ops", "noise_ops"):
+    for lib in native.names():
         native.load(lib)
     cluster, n = _cluster_spec(args.ports)
     threads = max(1, (os.cpu_count() or 1) // n)
