@@ -46,18 +46,20 @@ after lowering, with their processor numbers, for any ``MeshImpl``: one slice
 for an SPMD implementation (e.g. ``HvdSimdMeshImpl``), all of them for
 ``PlacementMeshImpl``. Positions come from ``mesh_impl.slice_begin``.
 """
+import errno
 import json
 import logging
 import os
+import re
 import shutil
 
 import numpy as np
 
-from .errors import FlowpmError
+from .errors import FlowpmError, OutputDirError, error_from_name
 
 __all__ = ["Rows", "Block", "local_slices", "held_pnums", "owns_slice",
            "replicated_value", "part_path", "write_distributed", "check_sources",
-           "gather_slab"]
+           "gather_slab", "DISK_FULL_ERRNOS", "is_disk_full", "disk_full_error"]
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +240,62 @@ def _write_h5(path, datasets, attrs, dataset_attrs):
             os.remove(tmp)
 
 
+# ----------------------------------------------------------------------------- disk full
+#: ``errno`` values of a full disk or an exhausted quota: the run directory's
+#: fault (:class:`flowpm_mtf.errors.OutputDirError`, exit 5), not an internal error.
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# The same in the text of an error that wraps the OSError (h5py, TensorFlow, another rank).
+_DISK_FULL_TEXT = re.compile(r"\[Errno (%s)\]|%s" % (
+    "|".join(str(e) for e in DISK_FULL_ERRNOS),
+    "|".join(re.escape(os.strerror(e)) for e in DISK_FULL_ERRNOS)), re.IGNORECASE)
+
+
+def is_disk_full(exc):
+    """Whether ``exc`` (an exception, or its text) says the disk or the quota is full.
+
+    Parameters
+    ----------
+    exc : BaseException or str or None
+
+    Returns
+    -------
+    bool
+        True for an ``OSError`` with ``errno`` ENOSPC or EDQUOT, or an error
+        whose text names them (h5py, TensorFlow and other ranks pass them on as
+        text).
+    """
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        return True
+    return exc is not None and bool(_DISK_FULL_TEXT.search(str(exc)))
+
+
+def disk_full_error(what, exc, local=False):
+    """The one-line :class:`OutputDirError` (exit 5) for a full disk while doing ``what``.
+
+    Parameters
+    ----------
+    what : str
+        E.g. ``"writing /out/.staging/snapshot.h5"``.
+    exc : BaseException or str
+        The original error (its first line is kept).
+    local : bool
+        Raised by this rank alone (not a collective verdict): the CLI then
+        prints it on this rank (``same_on_every_rank = False``).
+
+    Returns
+    -------
+    OutputDirError
+    """
+    text = (str(exc).strip().splitlines() or [""])[0]
+    err = OutputDirError("no space left on device (or disk quota exceeded) %s: %s; nothing was "
+                         "published and the previous complete run of the run directory, if "
+                         "any, is intact; free space (or raise the quota) and run again"
+                         % (what, text))
+    if local:
+        err.same_on_every_rank = False
+    return err
+
+
 def _fill_value(dtype):
     dtype = np.dtype(dtype)
     if dtype.kind in "fc":
@@ -247,14 +305,47 @@ def _fill_value(dtype):
     return 0
 
 
+def _describe(error):
+    """``(class name, text)`` of a rank's error, as :func:`_agree` sends it."""
+    if error is None or isinstance(error, tuple):
+        return error
+    if isinstance(error, FlowpmError):  # keeps its class (and exit code) on every rank
+        name, text = type(error).__name__, str(error)
+    elif isinstance(error, BaseException):
+        name, text = "FlowpmError", "%s: %s" % (type(error).__name__, error)
+    else:
+        name, text = "FlowpmError", str(error)
+    return name, text
+
+
 def _agree(comm, error, what):
-    """Raise on every rank if any rank reported an error (one line naming the first)."""
-    errors = comm.allgather(error)
+    """Raise on every rank if any rank reported an error (one line naming the first).
+
+    Parameters
+    ----------
+    comm : object
+        mpi4py-like communicator.
+    error : None, str or BaseException
+        This rank's error (``None``: none).
+    what : str
+        What was being done.
+
+    Raises
+    ------
+    FlowpmError
+        The same on every rank: :class:`OutputDirError` (exit 5) if the first
+        failing rank ran out of disk space or quota, the class of a
+        :class:`FlowpmError` it raised, else :class:`FlowpmError`.
+    """
+    errors = comm.allgather(_describe(error))
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
-        r, e = bad[0]
-        raise FlowpmError("%s failed on rank %d%s: %s" % (
-            what, r, " (and %d other ranks)" % (len(bad) - 1) if len(bad) > 1 else "", e))
+        r, (name, text) = bad[0]
+        where = "rank %d%s" % (r, " (and %d other ranks)" % (len(bad) - 1) if len(bad) > 1
+                               else "")
+        if name != "OutputDirError" and is_disk_full(text):
+            raise disk_full_error("%s on %s" % (what, where), text)
+        raise error_from_name(name, "%s failed on %s: %s" % (what, where, text))
 
 
 def collective(comm, local, root, what):
@@ -286,7 +377,7 @@ def collective(comm, local, root, what):
     try:
         mine = local()
     except Exception as exc:  # reported on every rank below
-        error = "%s: %s" % (type(exc).__name__, exc)
+        error = exc
     _agree(comm, error, what)
     merged = {}
     for m in comm.allgather(mine):
@@ -296,7 +387,7 @@ def collective(comm, local, root, what):
         try:
             root(merged)
         except Exception as exc:
-            error = "%s: %s" % (type(exc).__name__, exc)
+            error = exc
     _agree(comm, error, what)
     return merged
 

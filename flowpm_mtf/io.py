@@ -156,12 +156,25 @@ def atomic_path(path):
     ------
     str
         The temporary name (``path`` + ``.tmp-<pid>``).
+
+    Raises
+    ------
+    OutputDirError
+        The disk or the quota is full (``ENOSPC``/``EDQUOT``, also when h5py or
+        numpy wrap it): one line, exit 5, raised by this rank alone
+        (``same_on_every_rank`` False); the partial file is removed.
     """
+    from .h5dist import disk_full_error, is_disk_full
+
     path = os.fspath(path)
     tmp = _tmp_name(path)
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error("writing %s" % path, exc, local=True) from exc
+        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
