@@ -130,3 +130,52 @@ def test_versions_and_jsonable():
     assert v["flowpm_mtf"] != "unknown"
     assert io.to_jsonable({"a": (1, np.float32(2.5)), "b": np.arange(3)}) == {
         "a": [1, 2.5], "b": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("writer", ["hdf5", "table", "json"])
+def test_disk_full_is_the_output_dir_error_and_keeps_the_old_file(workdir, writer):
+    """A real ENOSPC (the temporary file is /dev/full): OutputDirError (exit 5, one line,
+    raised by this rank alone), the previous file untouched, no temporary file left."""
+    from flowpm_mtf.errors import OutputDirError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    path = os.path.join(workdir, "out." + {"hdf5": "h5", "table": "txt", "json": "json"}[writer])
+    with open(path, "w") as f:
+        f.write("previous")
+    os.symlink("/dev/full", io._tmp_name(path))
+    big = np.zeros((20000, 3))
+    with pytest.raises(OutputDirError, match="no space left on device.*%s" % os.path.basename(
+            path)) as err:
+        if writer == "hdf5":
+            io.write_hdf5(path, [("x", big, {})], rank=0)
+        elif writer == "table":
+            io.write_table(path, [big[:, 0]], "x", rank=0)
+        else:
+            io.write_json(path, {"x": big.tolist()}, rank=0)
+    assert err.value.exit_code == 5 and "\n" not in str(err.value)
+    assert err.value.same_on_every_rank is False  # the CLI prints it on this rank
+    with open(path) as f:
+        assert f.read() == "previous"
+    assert sorted(os.listdir(workdir)) == [os.path.basename(path)]
+
+
+def test_quota_exceeded_is_the_output_dir_error(workdir, monkeypatch):
+    """EDQUOT (a full quota, as on cluster file systems) is handled as ENOSPC."""
+    import errno
+
+    from flowpm_mtf.errors import OutputDirError
+
+    def dump(*args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(json, "dump", dump)
+    with pytest.raises(OutputDirError, match="quota"):
+        io.write_json(os.path.join(workdir, "a.json"), {"a": 1}, rank=0)
+    assert os.listdir(workdir) == []
+
+
+def test_other_write_errors_are_unchanged(workdir):
+    """Only a full disk becomes OutputDirError; other OSErrors stay what they are."""
+    with pytest.raises(FileNotFoundError):
+        io.write_json(os.path.join(workdir, "missing", "a.json"), {"a": 1}, rank=0)
