@@ -59,7 +59,8 @@ from .errors import FlowpmError, OutputDirError, error_from_name
 
 __all__ = ["Rows", "Block", "local_slices", "held_pnums", "owns_slice",
            "replicated_value", "part_path", "write_distributed", "check_sources",
-           "gather_slab", "DISK_FULL_ERRNOS", "is_disk_full", "disk_full_error"]
+           "gather_slab", "DISK_FULL_ERRNOS", "is_disk_full", "disk_full_error",
+           "reserve_space", "HDF5_OVERHEAD_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ def _write_h5(path, datasets, attrs, dataset_attrs):
     import h5py
 
     tmp = "%s.tmp-%d" % (path, os.getpid())
+    reserve_space(path, HDF5_OVERHEAD_BYTES + sum(_nbytes(v) for v in datasets.values()))
     try:
         with h5py.File(tmp, "w") as f:
             for name, value in datasets.items():
@@ -269,7 +271,7 @@ def is_disk_full(exc):
     return exc is not None and bool(_DISK_FULL_TEXT.search(str(exc)))
 
 
-def disk_full_error(what, exc, local=False):
+def disk_full_error(what, exc):
     """The one-line :class:`OutputDirError` (exit 5) for a full disk while doing ``what``.
 
     Parameters
@@ -278,22 +280,67 @@ def disk_full_error(what, exc, local=False):
         E.g. ``"writing /out/.staging/snapshot.h5"``.
     exc : BaseException or str
         The original error (its first line is kept).
-    local : bool
-        Raised by this rank alone (not a collective verdict): the CLI then
-        prints it on this rank (``same_on_every_rank = False``).
 
     Returns
     -------
     OutputDirError
     """
     text = (str(exc).strip().splitlines() or [""])[0]
-    err = OutputDirError("no space left on device (or disk quota exceeded) %s: %s; nothing was "
-                         "published and the previous complete run of the run directory, if "
-                         "any, is intact; free space (or raise the quota) and run again"
-                         % (what, text))
-    if local:
-        err.same_on_every_rank = False
-    return err
+    return OutputDirError("no space left on device (or disk quota exceeded) %s: %s; nothing was "
+                          "published and the previous complete run of the run directory, if "
+                          "any, is intact; free space (or raise the quota) and run again"
+                          % (what, text))
+
+
+#: Bytes reserved beyond the data of an HDF5 file (object headers, attributes,
+#: virtual-dataset mappings; see :func:`reserve_space`).
+HDF5_OVERHEAD_BYTES = 1 << 20
+
+
+def reserve_space(path, nbytes):
+    """Fail now, with a plain ``OSError`` (ENOSPC/EDQUOT), if ``nbytes`` do not fit next to ``path``.
+
+    HDF5 keeps metadata (and small datasets) in its cache and writes them when
+    the file is closed; a disk that fills up then leaves the library with a
+    file it can neither flush nor close (an error from a destructor, a crash at
+    exit). So an HDF5 file is written only after its size (data plus
+    :data:`HDF5_OVERHEAD_BYTES`) was allocated once in a scratch file
+    (``posix_fallocate``: real blocks, charged to the quota) and freed again.
+    Another process filling the disk in between can still defeat it.
+
+    Parameters
+    ----------
+    path : str
+        The file about to be written (the scratch file is ``path.reserve.tmp-<pid>``).
+    nbytes : int
+        Bytes to reserve.
+
+    Raises
+    ------
+    OSError
+        With ``errno`` ENOSPC or EDQUOT, before anything was written.
+    """
+    nbytes = int(nbytes)
+    if nbytes <= 0 or not hasattr(os, "posix_fallocate"):
+        return
+    scratch = "%s.reserve.tmp-%d" % (path, os.getpid())
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise OSError(exc.errno, os.strerror(exc.errno), path) from None
+        # No fallocate on this file system (EINVAL, EOPNOTSUPP): nothing reserved.
+    finally:
+        os.close(fd)
+        os.remove(scratch)
+
+
+def _nbytes(value):
+    """Bytes of a dataset value (Rows, Block data or array) once written."""
+    if isinstance(value, Rows):
+        return int(np.prod(value.rows_shape)) * value.dtype.itemsize
+    return int(np.asarray(value).nbytes)
 
 
 def _fill_value(dtype):
@@ -472,6 +519,8 @@ def _write_virtual(path, all_meta, attrs, dataset_attrs, small=None):
     for p in pnums:
         names += [n for n in all_meta[p]["datasets"] if n not in names]
     tmp = "%s.tmp-%d" % (path, os.getpid())
+    reserve_space(path, HDF5_OVERHEAD_BYTES + sum(_nbytes(v) for v in (small or {}).values())
+                  + 512 * len(pnums) * max(1, len(names)))  # one mapping per part and dataset
     try:
         with h5py.File(tmp, "w") as f:
             for name, value in (small or {}).items():

@@ -159,22 +159,18 @@ def atomic_path(path):
 
     Raises
     ------
-    OutputDirError
-        The disk or the quota is full (``ENOSPC``/``EDQUOT``, also when h5py or
-        numpy wrap it): one line, exit 5, raised by this rank alone
-        (``same_on_every_rank`` False); the partial file is removed.
+    OSError
+        As the write raised it, also for a full disk (``ENOSPC``/``EDQUOT``):
+        the writers run on rank 0 alone, where a :class:`FlowpmError` would
+        leave the other ranks waiting; the caller makes it collective
+        (:func:`flowpm_mtf.h5dist.collective` turns a full disk into
+        ``OutputDirError``, exit 5, on every rank).
     """
-    from .h5dist import disk_full_error, is_disk_full
-
     path = os.fspath(path)
     tmp = _tmp_name(path)
     try:
         yield tmp
         os.replace(tmp, path)
-    except OSError as exc:
-        if is_disk_full(exc):
-            raise disk_full_error("writing %s" % path, exc, local=True) from exc
-        raise
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -210,7 +206,12 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
     """
     import h5py
 
+    from .h5dist import HDF5_OVERHEAD_BYTES, reserve_space
+
     def write(tmp):
+        # A full disk fails here, cleanly, not in HDF5's close (see h5dist.reserve_space).
+        reserve_space(tmp, HDF5_OVERHEAD_BYTES + sum(np.asarray(v).nbytes
+                                                     for _, v, _ in datasets))
         with h5py.File(tmp, "w") as f:
             for name, value, dattrs in datasets:
                 dset = f.create_dataset(name, data=value, compression=compression)

@@ -358,21 +358,9 @@ class RunDir:
         return os.path.join(self.staging, name)
 
     def file(self, name):
-        """Where the output ``name`` is written: in the staging directory (parents created).
-
-        Raises
-        ------
-        OutputDirError
-            The disk or quota is full (raised by this rank alone).
-        """
+        """Where the output ``name`` is written: in the staging directory (parents created)."""
         path = self.staged(name)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as e:
-            if is_disk_full(e):
-                raise disk_full_error("creating %s" % os.path.dirname(path), e,
-                                      local=True) from e
-            raise
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         return path
 
     # ------------------------------------------------------------------ collective steps

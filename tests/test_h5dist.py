@@ -252,3 +252,46 @@ def test_collective_keeps_the_class_of_a_flowpm_error():
 
     with pytest.raises(ResumeError, match="writing z failed on rank 0: bad checkpoint"):
         h5dist.collective(SerialComm(), dict, root, "writing z")
+
+
+FULL_DISK_SCRIPT = r"""
+import os, sys
+import numpy as np
+from flowpm_mtf import h5dist
+from flowpm_mtf.backend import SerialComm
+d = sys.argv[1]
+st = os.statvfs(d)
+with open(os.path.join(d, "filler"), "wb") as f:  # leave 8 KiB free
+    f.write(b"\0" * (st.f_bavail * st.f_frsize - 8192))
+try:  # 24 KB of data: small enough for HDF5 to keep in its cache until the file closes
+    h5dist.write_distributed(os.path.join(d, "x.h5"), SerialComm(),
+                             {0: {"a": h5dist.Rows(np.ones((1000, 3)))}})
+    print("no error")
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_nearly_full_disk_fails_cleanly_not_in_hdf5s_close(tmp_path):
+    """On a real nearly full file system (a 256 KiB tmpfs; root only): HDF5 would fail
+    writing its cache while closing the file (an error from a destructor, then a crash at
+    exit); the space reservation makes it a clean OutputDirError and a normal exit."""
+    import subprocess
+    import sys
+
+    if world_comm().size > 1 or os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs: root, 1-rank pass only")
+    d = str(tmp_path / "fs")
+    os.makedirs(d)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", d],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        proc = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, d], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # no crash at exit
+        assert proc.stdout.startswith("OutputDirError no space left on device"), proc.stdout
+        assert sorted(os.listdir(d)) == ["filler", "x.parts"]
+        assert os.listdir(os.path.join(d, "x.parts")) == []
+    finally:
+        subprocess.run(["umount", d])

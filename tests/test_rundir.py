@@ -528,21 +528,26 @@ def test_disk_full_while_publishing_keeps_the_previous_state(tmp_path, monkeypat
 
 
 @single
-def test_disk_full_in_a_staged_file_is_exit_5(tmp_path):
-    """A real ENOSPC (/dev/full) while a job writes a staged output: exit 5, run intact."""
+def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_path):
+    """A real ENOSPC (/dev/full) in a rank-0 output (summary.json) written the way the
+    runner should write them, inside h5dist.collective: OutputDirError (exit 5) on every
+    rank, one line; the old run intact after close."""
     from flowpm_mtf import io
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     out = tmp_path / "run"
     complete_run(out, OLD_FILES)
-    with RunDir(out, "simulate", overwrite=True) as rd:
-        path = rd.file("summary.json")
-        os.symlink("/dev/full", io._tmp_name(path))  # the temporary file is on a full disk
-        with pytest.raises(OutputDirError, match="no space left on device.*summary.json") as e:
-            io.write_json(path, {"x": list(range(10000))}, rank=0)
-        assert e.value.exit_code == 5 and not e.value.same_on_every_rank
+    with pytest.raises(OutputDirError, match="no space left on device.*writing the outputs in .*run on rank 0") as e:
+        with RunDir(out, "simulate", overwrite=True) as rd:
+            path = rd.file("summary.json")
+            os.symlink("/dev/full", io._tmp_name(path))  # the temporary file is on a full disk
+            h5dist.collective(rd.comm, dict, lambda _: io.write_json(
+                path, {"x": list(range(10000))}, rank=0), "writing the outputs in %s" % out)
+            rd.publish()
+    assert e.value.exit_code == 5 and "\n" not in str(e.value)
     assert which_run(str(out)) == "old"
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 @single
