@@ -298,7 +298,7 @@ HDF5_OVERHEAD_BYTES = 1 << 20
 
 
 def reserve_space(path, nbytes):
-    """Fail now, with a plain ``OSError`` (ENOSPC/EDQUOT), if ``nbytes`` do not fit next to ``path``.
+    """Fail now, with a plain ``OSError`` (ENOSPC/EDQUOT), if ``nbytes`` do not fit at ``path``.
 
     HDF5 keeps metadata (and small datasets) in its cache and writes them when
     the file is closed; a disk that fills up then leaves the library with a

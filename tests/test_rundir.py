@@ -538,7 +538,8 @@ def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_pat
         pytest.skip("no /dev/full")
     out = tmp_path / "run"
     complete_run(out, OLD_FILES)
-    with pytest.raises(OutputDirError, match="no space left on device.*writing the outputs in .*run on rank 0") as e:
+    with pytest.raises(OutputDirError,
+                       match="no space left on device.*writing the outputs in .*run on rank 0") as e:
         with RunDir(out, "simulate", overwrite=True) as rd:
             path = rd.file("summary.json")
             os.symlink("/dev/full", io._tmp_name(path))  # the temporary file is on a full disk
