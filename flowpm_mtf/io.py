@@ -156,6 +156,15 @@ def atomic_path(path):
     ------
     str
         The temporary name (``path`` + ``.tmp-<pid>``).
+
+    Raises
+    ------
+    OSError
+        As the write raised it, also for a full disk (``ENOSPC``/``EDQUOT``):
+        the writers run on rank 0 alone, where a :class:`FlowpmError` would
+        leave the other ranks waiting; the caller makes it collective
+        (:func:`flowpm_mtf.h5dist.collective` turns a full disk into
+        ``OutputDirError``, exit 5, on every rank).
     """
     path = os.fspath(path)
     tmp = _tmp_name(path)
@@ -197,7 +206,12 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
     """
     import h5py
 
+    from .h5dist import HDF5_OVERHEAD_BYTES, reserve_space
+
     def write(tmp):
+        # A full disk fails here, cleanly, not in HDF5's close (see h5dist.reserve_space).
+        reserve_space(tmp, HDF5_OVERHEAD_BYTES + sum(np.asarray(v).nbytes
+                                                     for _, v, _ in datasets))
         with h5py.File(tmp, "w") as f:
             for name, value, dattrs in datasets:
                 dset = f.create_dataset(name, data=value, compression=compression)

@@ -204,3 +204,94 @@ def test_distributed_snapshot_reads_like_a_serial_one():
                                    (pos_all[bx][0] + [2 * bx, 0, 0]) * conf.cell_size % 60.0)
     np.testing.assert_array_equal(snap["density"][:, 0, 0], [0, 0, 1, 1, 2, 2])
     shutil.rmtree(d)
+
+
+def test_disk_full_on_one_rank_is_exit_5_on_every_rank():
+    """A real ENOSPC (/dev/full) while the last rank writes its part file: the same
+    one-line OutputDirError (exit 5) on every rank, naming that rank."""
+    from flowpm_mtf.errors import OutputDirError
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    path = os.path.join(d, "x.h5")
+    if comm.rank == comm.size - 1:
+        part = h5dist.part_path(path, comm.rank)
+        os.makedirs(os.path.dirname(part), exist_ok=True)
+        os.symlink("/dev/full", "%s.tmp-%d" % (part, os.getpid()))
+    with pytest.raises(OutputDirError, match="no space left on device.*rank %d"
+                       % (comm.size - 1)) as err:
+        h5dist.write_distributed(path, comm, {comm.rank: {"a": h5dist.Rows(np.zeros((5000, 3)))}})
+    assert err.value.exit_code == 5 and "\n" not in str(err.value)
+    comm.barrier()
+    if comm.rank == 0:
+        assert not os.path.exists(path)
+        shutil.rmtree(d)
+    comm.barrier()
+
+
+@pytest.mark.parametrize("error, cls", [
+    ("OSError: [Errno 28] No space left on device: '/x'", "OutputDirError"),  # checkpoint.save
+    ("OSError: [Errno 122] Disk quota exceeded", "OutputDirError"),
+    ("OSError: [Errno 13] Permission denied", "FlowpmError"),
+])
+def test_agree_classifies_a_ranks_error_text(error, cls):
+    """Errors passed between ranks as text (as checkpoint.save does) keep their meaning."""
+    with pytest.raises(FlowpmError) as err:
+        h5dist._agree(SerialComm(), error, "writing y")
+    assert type(err.value).__name__ == cls
+    assert err.value.exit_code == (5 if cls == "OutputDirError" else 1)
+
+
+def test_collective_keeps_the_class_of_a_flowpm_error():
+    from flowpm_mtf.errors import ResumeError
+
+    def root(_):
+        raise ResumeError("bad checkpoint")
+
+    with pytest.raises(ResumeError, match="writing z failed on rank 0: bad checkpoint"):
+        h5dist.collective(SerialComm(), dict, root, "writing z")
+
+
+FULL_DISK_SCRIPT = r"""
+import os, sys
+import numpy as np
+from flowpm_mtf import h5dist
+from flowpm_mtf.backend import SerialComm
+d = sys.argv[1]
+st = os.statvfs(d)
+with open(os.path.join(d, "filler"), "wb") as f:  # leave 8 KiB free
+    f.write(b"\0" * (st.f_bavail * st.f_frsize - 8192))
+try:  # 24 KB of data: small enough for HDF5 to keep in its cache until the file closes
+    h5dist.write_distributed(os.path.join(d, "x.h5"), SerialComm(),
+                             {0: {"a": h5dist.Rows(np.ones((1000, 3)))}})
+    print("no error")
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_nearly_full_disk_fails_cleanly_not_in_hdf5s_close(tmp_path):
+    """On a real nearly full file system (a 256 KiB tmpfs; root only): HDF5 would fail
+    writing its cache while closing the file (an error from a destructor, then a crash at
+    exit); the space reservation makes it a clean OutputDirError and a normal exit."""
+    import subprocess
+    import sys
+
+    if world_comm().size > 1 or os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs: root, 1-rank pass only")
+    d = str(tmp_path / "fs")
+    os.makedirs(d)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", d],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        proc = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, d], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr  # no crash at exit
+        assert proc.stdout.startswith("OutputDirError no space left on device"), proc.stdout
+        assert sorted(os.listdir(d)) == ["filler", "x.parts"]
+        assert os.listdir(os.path.join(d, "x.parts")) == []
+    finally:
+        subprocess.run(["umount", d])

@@ -130,3 +130,48 @@ def test_versions_and_jsonable():
     assert v["flowpm_mtf"] != "unknown"
     assert io.to_jsonable({"a": (1, np.float32(2.5)), "b": np.arange(3)}) == {
         "a": [1, 2.5], "b": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("writer", ["hdf5", "table", "json"])
+def test_disk_full_keeps_the_old_file_and_stays_an_oserror(workdir, writer):
+    """A real ENOSPC (the temporary file is /dev/full): the OSError (ENOSPC) reaches the
+    caller (rank 0 alone writes: the runner makes it collective, exit 5 on every rank, see
+    tests/test_rundir.py), the previous file is untouched, no temporary file is left."""
+    import errno
+
+    from flowpm_mtf import h5dist
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    path = os.path.join(workdir, "out." + {"hdf5": "h5", "table": "txt", "json": "json"}[writer])
+    with open(path, "w") as f:
+        f.write("previous")
+    os.symlink("/dev/full", io._tmp_name(path))
+    big = np.zeros((20000, 3))
+    with pytest.raises(OSError) as err:
+        if writer == "hdf5":
+            io.write_hdf5(path, [("x", big, {})], rank=0)
+        elif writer == "table":
+            io.write_table(path, [big[:, 0]], "x", rank=0)
+        else:
+            io.write_json(path, {"x": big.tolist()}, rank=0)
+    assert err.value.errno == errno.ENOSPC and h5dist.is_disk_full(err.value)
+    with open(path) as f:
+        assert f.read() == "previous"
+    assert sorted(os.listdir(workdir)) == [os.path.basename(path)]
+
+
+def test_hdf5_space_is_reserved_before_hdf5_writes(workdir, monkeypatch):
+    """A disk too full for the file fails before HDF5 opens it (HDF5 writes its metadata
+    at close, where a full disk leaves a file it cannot close: a crash at exit)."""
+    import errno
+
+    def fallocate(fd, offset, length):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    path = os.path.join(workdir, "a.h5")
+    with pytest.raises(OSError) as err:
+        io.write_hdf5(path, [("x", np.zeros(10), {})], rank=0)
+    assert err.value.errno == errno.EDQUOT
+    assert os.listdir(workdir) == []  # neither the file, its temporary nor the scratch file
