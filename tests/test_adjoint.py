@@ -9,22 +9,23 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import adjoint, domain, gravity, layout, lpt, nbody
+from flowpm_mtf import adjoint, domain, gravity, layout, lpt, nbody, painting
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()
 
 # Adjoint vs stored-graph gradient in float64: the same operations except that the adjoint
 # re-creates every state by the reverse integration (x_i = x_{i+1} - D p_h), which returns
-# the positions to round-off (~1e-15 cells, amplified by the few steps' force sensitivity,
-# see RECOVER_ATOL) and sums the cotangents in another order. Measured (16^3, 5 steps,
-# a = 0.1 -> 1): ~1e-13 relative to the largest component. 1e-6 is the issue's target; a
-# wrong index of a kick factor (K1_{i-1} vs K1_i) or a missed force VJP gives > 1e-2.
+# the positions to round-off (see RECOVER_ATOL), and sums the cotangents in another order.
+# Measured (16^3, 5 steps, a = 0.1 -> 1, grids 1x1, 2x1, 1x2): <= 4e-15 relative to the
+# largest component. 1e-6 is the issue's target; a wrong kick index in the force cotangent
+# (K1_i for K1_{i-1}) gives 0.17, omitting the final force's cotangent 1.5e-3.
 GRAD_RTOL = 1e-6
-# float32: the reverse integration re-creates the positions to ~1e-6 cells only, and the
-# CIC weights' slopes jump where a particle crosses a cell edge; compared against the
-# float64 reference. Measured: see the module docstring of flowpm_mtf.adjoint.
-GRAD_RTOL_FLOAT32 = 1e-2
+# float32 adjoint against the float64 stored-graph reference: measured 2.2e-6 (eulerian,
+# 1x1), the level of the float32 stored-graph gradient itself (2.3e-6): float32 round-off
+# of 5 steps, the reverse integration re-creating positions to ~1e-5 cells. 2e-5 leaves
+# room for other summation orders; a bookkeeping error is > 1e-3.
+GRAD_RTOL_FLOAT32 = 2e-5
 # Central differences along a random direction in float64 (as tests/test_nbody.py): the
 # one-step map is piecewise smooth (CIC), eps 1e-6 cells gives truncation ~1e-12 and
 # rounding ~1e-10 relative; a particle whose stencil changes cell within +-eps adds O(eps).
@@ -33,8 +34,8 @@ FD_RTOL = 1e-6
 # Positions recovered by the reverse loop vs the stored forward initial state, float64:
 # each reverse drift undoes the forward one up to the rounding of x + D p (~1e-15 cells
 # at |x| < 16) and of the migration's frame shifts (+- s), amplified by the force's
-# sensitivity over 5 steps. Measured ~1e-14 cells; 1e-10 catches any wrong factor (a
-# wrong kick would leave O(1e-2) cells).
+# sensitivity over 5 steps. Measured 2e-14 cells and 5e-14 relative for the momenta;
+# 1e-10 catches any wrong factor (a wrong kick leaves O(1e-2) cells).
 RECOVER_ATOL = 1e-10  # [cells]
 RECOVER_P_RTOL = 1e-10
 
@@ -88,12 +89,8 @@ def make_loss(conf, weight_field):
 
 
 def export(prefix, x, p, ids, conf):
-    return {prefix + "x": painting_global(x, conf), prefix + "p": p, prefix + "ids": ids}
-
-
-def painting_global(x, conf):
-    from flowpm_mtf import painting
-    return painting.to_global(x, conf)
+    """Fetch entries of a state for :func:`nbody_harness.by_id` (global positions)."""
+    return {prefix + "x": painting.to_global(x, conf), prefix + "p": p, prefix + "ids": ids}
 
 
 def reference_gradient(kind, conf, linear, weight_field):
@@ -112,19 +109,21 @@ def reference_gradient(kind, conf, linear, weight_field):
 
 
 def run_graph_with_session(kind, conf, build, drive):
-    """Build ``build(mesh) -> (state, exports)``, lower, initialise the variables and run
-    ``drive(sess, state, lowering) -> dict``; returns its result and the fetched exports."""
+    """Build ``build(mesh) -> (built, exports)`` and lower it; ``drive(built, lowering)``
+    lowers the adjoint's ops (before any session run) and returns ``run(sess, fetch)``,
+    which is called with the variables initialised and the lowered exports; returns its
+    result."""
     with tf.Graph().as_default():
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
         state, exports = build(mesh)
         lowering = mtf.Lowering(graph, {mesh: H.make_impl(kind, conf)})
-        ctx = drive(None, state, lowering)      # lower the steps before any run
+        run = drive(state, lowering)
         fetch = {k: lowering.export_to_tf_tensor(v) for k, v in exports.items()}
         with tf.Session(config=H.session_config(kind, conf)) as sess:
             sess.run(tf.global_variables_initializer())
             sess.run(lowering.copy_masters_to_slices())
-            return ctx(sess, fetch)
+            return run(sess, fetch)
 
 
 def adjoint_gradient(kind, conf, linear, weight_field):
@@ -140,7 +139,7 @@ def adjoint_gradient(kind, conf, linear, weight_field):
         out.update({"gx": gx, "gp": gp, "gids": v.ids})
         return adj, out
 
-    def drive(_, adj, lowering):
+    def drive(adj, lowering):
         ops = adjoint.lower_adjoint(adj, lowering)
 
         def run(sess, fetch):
@@ -219,6 +218,17 @@ def test_reverse_recovers_initial_state(case, decomposition, linear, weight_fiel
     assert np.abs(adj["ip"]).max() > 0
 
 
+def test_float32_adjoint(linear, weight_field):
+    """The float32 adjoint against the float64 stored-graph gradient (eulerian)."""
+    kind, grid = HVD_CASES[0]
+    _, _, ref = compared(kind, grid, "eulerian", linear, weight_field)
+    adj, _ = adjoint_gradient(kind, conf_for(grid, "eulerian", dtype="float32"), linear,
+                              weight_field)
+    errs = {k: H.rel_err(adj[k], ref[k]) for k in ("gx", "gp")}
+    print("float32 adjoint vs float64 stored gradient %s: %s" % (H.case_id((kind, grid)), errs))
+    assert max(errs.values()) <= GRAD_RTOL_FLOAT32, errs
+
+
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
 def test_one_step_dot_product(decomposition, linear):
     """<J v, u> == <v, J^T u> for one step (x0, p0) -> (x1, p1) with f0 = F(x0): J v by
@@ -247,7 +257,7 @@ def test_one_step_dot_product(decomposition, linear):
                + mtf.reduce_sum(id_field(ids, conf, 4) * pb))
         return (adj, eps_ph), {"phi": dot_u(final), "vjt": vjt}
 
-    def drive(_, built, lowering):
+    def drive(built, lowering):
         adj, eps_ph = built
         ops = adjoint.lower_adjoint(adj, lowering)
 
