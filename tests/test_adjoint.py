@@ -172,7 +172,7 @@ def compared(kind, grid, decomposition, linear, weight_field):
 HVD_CASES = [("hvd", g) for g in H.HVD_GRIDS.get(H.SIZE, [])]
 # Grids where particles cross block boundaries: the hvd grids with more than one block,
 # and on one rank a 2x2 grid of blocks on one processor (fpm_harness "single": the
-# migration's shifts between blocks, in this process; 4x faster than PlacementMeshImpl).
+# migration's shifts between blocks, in this process; faster than PlacementMeshImpl on 2 devices).
 MIGRATION_CASES = ([("hvd", g) for g in H.HVD_GRIDS.get(H.SIZE, []) if max(g) > 1]
                    or [("single", (2, 2))])
 
