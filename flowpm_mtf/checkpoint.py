@@ -9,10 +9,14 @@ Layout (``OUT/checkpoint/``)
     OUT/checkpoint/step_000004/rank00001.h5
     OUT/checkpoint/.tmp-step_000006/             a checkpoint being written (or torn)
 
+    OUT/checkpoint/step_000004/outputs/...       the run's outputs written before it
+
 A checkpoint is written into ``.tmp-step_NNNNNN/`` (every rank its part
-files; rank 0 then writes ``manifest.json`` with the step index, scale factor,
-config, process grid and the size and SHA-256 of every part file, fsyncs and
-renames the directory to ``step_NNNNNN``). Only then are older checkpoints
+files; rank 0 then links the outputs the run has staged so far into
+``outputs/`` and writes ``manifest.json`` with the step index, scale factor,
+config, process grid, the job's identity (:func:`identity`) and the size and
+SHA-256 of every part and output file, fsyncs and renames the directory to
+``step_NNNNNN``). Only then are older checkpoints
 removed (the newest ``keep`` survive), so a crash at any moment leaves the
 previous checkpoint intact. A directory is *valid* when its manifest parses and
 names this format and every part file exists with the recorded size; the
@@ -30,19 +34,45 @@ bit; another grid places every particle by id into the block that now owns it
 (its Lagrangian block; positions are re-expressed relative to the new block
 origin in float64), which changes results only at float round-off.
 
+Identity (what a resume is checked against)
+-------------------------------------------
+The manifest records the job (``simulate``, ...), its stage list (the scale
+factors of the time loop), the scale factor of the saved state and
+``state_config``: the ``SimConfig`` fields that change the particles'
+trajectory (everything but :data:`LAYOUT_FIELDS`: the process grid and the
+buffer layout on it, which a resume may change), with ``config_hash``, the
+SHA-256 of both (:func:`config_hash`). A resume by another job, with another
+state config or stage list, or whose stage at the saved step is not the saved
+scale factor, is refused with one line naming what differs
+(:func:`check_identity`, :func:`verify_resume`), before anything is computed.
+Checkpoints of format 1 (written before this record existed) record no job and
+none of the earlier outputs; they are refused, never guessed at.
+
+Outputs written before the checkpoint
+-------------------------------------
+Files a job writes during its time loop (snapshots, P(k) per step) go to the
+run directory's staging area; every checkpoint holds hard links (copies where
+links are impossible) of all of them, with size and SHA-256, and a resumed run
+puts them back into its staging area (:func:`restore_outputs`) before it
+continues, so it publishes the same files as an uninterrupted run. Writers
+replace files by rename (:func:`flowpm_mtf.io.atomic_path`, ``h5dist``), never
+in place, so a link in a checkpoint never changes afterwards.
+
 SIGTERM
 -------
 :class:`StopRequest` records SIGTERM (what Slurm sends before the time limit,
 also ``scancel --signal=TERM``) and :meth:`StopRequest.agreed` makes all ranks
 agree at a step boundary (one small allreduce): the signal may reach only some
 ranks, or at different times, but every rank sees the same answer at the same
-step, finishes that step, writes the checkpoint and exits 0.
+step, finishes that step, writes the checkpoint and exits 0 (a job that does not
+checkpoint stops there with an error instead, see :mod:`flowpm_mtf.jobs.runner`).
 """
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 
@@ -51,16 +81,29 @@ import numpy as np
 from .errors import ResumeError
 from .h5dist import _agree, collective
 
-__all__ = ["CHECKPOINT_DIR", "FORMAT", "checkpoint_root", "step_dir", "save", "candidates",
-           "read_manifest", "load", "StopRequest", "check_resume_config", "resume_command"]
+__all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
+           "state_config", "config_hash", "identity", "check_identity", "verify_resume", "save",
+           "candidates", "read_manifest", "load", "restore_outputs", "StopRequest",
+           "check_resume_config", "resume_command"]
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoint"
-FORMAT = "flowpm_mtf.checkpoint/1"
+FORMAT = "flowpm_mtf.checkpoint/2"
+#: Checkpoints written before the identity and the outputs were recorded: read, and refused.
+FORMAT_V1 = "flowpm_mtf.checkpoint/1"
+OUTPUTS_DIR = "outputs"
 STATE_NAMES = ("positions", "momenta", "forces")
 #: Config fields that may differ between a checkpoint and its resumed run.
 RESLICEABLE_FIELDS = ("grid",)
+#: SimConfig fields left out of the state config and its hash: the process grid and the
+#: buffer layout on it (the halo width and the particle capacities are chosen per grid,
+#: and the capacities grow on a rebuild). They change where a particle is stored, not its
+#: trajectory (another grid changes results at float round-off only); a resume may change
+#: the grid (:data:`RESLICEABLE_FIELDS`).
+LAYOUT_FIELDS = ("grid", "halo_size", "capacity", "send_capacity")
+# Temporary files of the writers (``<file>.tmp-<pid>``, ``*.tmp``): never part of a checkpoint.
+_TMP_RE = re.compile(r"\.tmp-\d+$|\.tmp$")
 
 
 def checkpoint_root(out_dir):
@@ -98,8 +141,194 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+# ----------------------------------------------------------------------------- identity
+def _to_dict(cfg):
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+
+
+def state_config(configs):
+    """The configuration that determines the particle state's trajectory.
+
+    Parameters
+    ----------
+    configs : dict
+        Section key -> config instance or dict; ``configs["config"]`` is the
+        ``SimConfig``.
+
+    Returns
+    -------
+    dict
+        The ``SimConfig`` fields (cosmology, ``nc``, box, ``n_steps``,
+        ``a_start``/``a_end``, LPT order, dtype, seed, decomposition) without
+        :data:`LAYOUT_FIELDS`. The other sections change the trajectory only
+        through the stage list (e.g. snapshot times, lens planes), which
+        :func:`identity` records and hashes with it; their other fields are
+        outputs (e.g. ``--power-steps``).
+    """
+    conf = _to_dict(configs["config"])
+    return {k: v for k, v in conf.items() if k not in LAYOUT_FIELDS}
+
+
+def config_hash(state, stages):
+    """SHA-256 (hex) of a state config and a stage list, in canonical JSON.
+
+    Parameters
+    ----------
+    state : dict
+        From :func:`state_config`.
+    stages : sequence of float
+        Scale factors of the time loop.
+    """
+    from .io import to_jsonable
+
+    text = json.dumps({"config": to_jsonable(state), "stages": [float(a) for a in stages]},
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def identity(job, configs, stages):
+    """What a checkpoint records about the run that wrote it (and a resume must match).
+
+    Parameters
+    ----------
+    job : str
+        Name of the job (``simulate``, ...).
+    configs : dict
+        Section key -> config (see :func:`state_config`).
+    stages : sequence of float
+        Scale factors of the job's time loop.
+
+    Returns
+    -------
+    dict
+        ``job``, ``state_config``, ``stages`` and ``config_hash``: JSON-able,
+        merged into the manifest.
+    """
+    from .io import to_jsonable
+
+    state = to_jsonable(state_config(configs))
+    stages = [float(a) for a in stages]
+    return {"job": str(job), "state_config": state, "stages": stages,
+            "config_hash": config_hash(state, stages)}
+
+
+def _first_difference(saved, mine, prefix=""):
+    """``(name, saved value, this value)`` of the first differing field, or None."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        for key in sorted(set(saved) | set(mine)):
+            diff = _first_difference(saved.get(key), mine.get(key), prefix + key + ".")
+            if diff is not None:
+                return diff
+        return None
+    if saved != mine:
+        return prefix.rstrip("."), saved, mine
+    return None
+
+
+def _show(value):
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def check_identity(manifest, ident, where, rtol=None):
+    """Why the checkpoint ``manifest`` cannot continue the run ``ident``, or None.
+
+    Parameters
+    ----------
+    manifest : dict
+        A checkpoint manifest (:func:`read_manifest`).
+    ident : dict
+        :func:`identity` of the run that would resume.
+    where : str
+        The checkpoint, for the message (its directory).
+    rtol : float, optional
+        Relative tolerance of the saved scale factor against the stage
+        (default :data:`flowpm_mtf.timeloop.STAGE_RTOL`).
+
+    Returns
+    -------
+    str or None
+        One line naming the first difference: an old checkpoint without an
+        identity, another job, an inconsistent record, a config field, the
+        stage of the saved step, the stage list.
+    """
+    if rtol is None:
+        from .timeloop import STAGE_RTOL as rtol
+    if manifest.get("format") == FORMAT_V1 or not all(
+            k in manifest for k in ("job", "config_hash", "state_config", "stages")):
+        return ("%s was written by an older flowpm-mtf (%s) that recorded neither its job, nor "
+                "its configuration hash, nor the outputs written before it, so it cannot be "
+                "resumed faithfully; start a new run with --overwrite"
+                % (where, manifest.get("format")))
+    if manifest["job"] != ident["job"]:
+        return "%s was written by job '%s', not '%s'" % (where, manifest["job"], ident["job"])
+    stages = [float(a) for a in manifest["stages"]]
+    if config_hash(manifest["state_config"], stages) != manifest["config_hash"]:
+        return ("%s is damaged: its config_hash does not match its recorded configuration; "
+                "start a new run with --overwrite" % where)
+    diff = _first_difference(manifest["state_config"], ident["state_config"])
+    if diff is not None:
+        return "%s: config differs: %s %s (checkpoint) != %s (this run)" % (
+            where, diff[0], _show(diff[1]), _show(diff[2]))
+    step, a, mine = int(manifest["step"]), float(manifest["a"]), ident["stages"]
+    if step >= len(mine) or abs(mine[step] - a) > rtol * abs(a):
+        return ("%s holds the state after step %d at a=%.6g, but this run has %s; the stage "
+                "lists differ" % (where, step, a, "stage %d at a=%.6g" % (step, mine[step])
+                                  if step < len(mine) else "only %d stages" % len(mine)))
+    if len(stages) != len(mine):
+        return "%s: stages differ: %d (checkpoint) != %d (this run)" % (where, len(stages),
+                                                                          len(mine))
+    for i, (x, y) in enumerate(zip(stages, mine)):
+        if abs(x - y) > rtol * abs(x):
+            return "%s: stages differ: stage %d at a=%.6g (checkpoint) != %.6g (this run)" % (
+                where, i, x, y)
+    if manifest["config_hash"] != ident["config_hash"]:  # equal fields: only a float format
+        return "%s: config_hash differs from this run's" % where
+    return None
+
+
+def verify_resume(out_dir, comm, ident):
+    """Refuse, on every rank, to resume OUT's newest checkpoint for another run (collective).
+
+    Rank 0 reads the newest complete checkpoint and compares it with ``ident``
+    (:func:`check_identity`); its verdict reaches every rank. Reads only the
+    manifest: called before any graph is built.
+
+    Parameters
+    ----------
+    out_dir : str
+    comm : object
+        mpi4py-like communicator.
+    ident : dict
+        :func:`identity` of this run.
+
+    Returns
+    -------
+    dict
+        The manifest checked, on every rank.
+
+    Raises
+    ------
+    ResumeError
+        On every rank: no complete checkpoint, or one that does not match.
+    """
+    verdict = None
+    if comm.rank == 0:
+        found = candidates(out_dir)
+        if not found:
+            verdict = (None, "--resume %s: no valid checkpoint in %s; start a new run with "
+                             "--overwrite" % (out_dir, checkpoint_root(out_dir)))
+        else:
+            path, manifest = found[0]
+            verdict = (manifest, check_identity(manifest, ident, path))
+    manifest, error = comm.bcast(verdict, root=0)
+    if error is not None:
+        raise ResumeError(error)
+    return manifest
+
+
 # ----------------------------------------------------------------------------- saving
-def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
+def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None, keep=2,
+         extra=None):
     """Write a checkpoint atomically (collective over ``comm``).
 
     Parameters
@@ -119,6 +348,12 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
         "momenta", "forces": arrays}`` for the slices this process holds.
     grid : tuple of int
         The process grid of the run.
+    ident : dict
+        :func:`identity` of the run (job, state config, stages, hash).
+    outputs_dir : str, optional
+        The run's staging area: every file in it (the outputs written so far)
+        is linked into the checkpoint's ``outputs/`` (rank 0; the writers have
+        finished, this call being collective).
     keep : int
         Number of complete checkpoints kept (older ones are removed after the
         new one is complete; at least 1).
@@ -167,8 +402,14 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
     def publish(all_files):
         manifest = {"format": FORMAT, "step": int(step), "a": float(a),
                     "config": config, "grid": [int(g) for g in grid],
-                    "files": all_files, "n_particles": sum(v["n"] for v in all_files.values())}
+                    "files": all_files, "n_particles": sum(v["n"] for v in all_files.values()),
+                    "outputs": {}}
         manifest.update(extra or {})
+        manifest.update(ident)
+        if outputs_dir is not None:
+            previous = next((m for m in map(read_manifest, _step_dirs(out_dir)) if m), {})
+            manifest["outputs"] = _capture_outputs(outputs_dir, os.path.join(tmp, OUTPUTS_DIR),
+                                                   previous.get("outputs", {}))
         mpath = os.path.join(tmp, "manifest.json")
         with open(mpath, "w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)
@@ -187,6 +428,111 @@ def save(out_dir, comm, step, a, config, parts, *, grid, keep=2, extra=None):
     return final
 
 
+def _link_or_copy(src, dst):
+    """Hard-link ``src`` to ``dst`` (a copy where the file system has no links)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _file_key(path):
+    st = os.stat(path)
+    return [int(st.st_dev), int(st.st_ino), int(st.st_size), int(st.st_mtime_ns)]
+
+
+def _capture_outputs(src, dest, previous):
+    """Link every output file under ``src`` into ``dest``; their records for the manifest.
+
+    Parameters
+    ----------
+    src : str
+        The staging area (dot files and temporary ``*.tmp-<pid>`` files skipped).
+    dest : str
+        ``<checkpoint>/outputs``.
+    previous : dict
+        The ``outputs`` of the newest earlier checkpoint: a file that is still
+        the same inode, size and mtime keeps its recorded SHA-256 (outputs are
+        replaced by rename, never changed in place), so a snapshot is hashed
+        once, not at every checkpoint.
+
+    Returns
+    -------
+    dict
+        Relative path -> ``{"size", "sha256", "key"}``.
+    """
+    files = {}
+    if not os.path.isdir(src):
+        return files
+    for root, dirs, names in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if name.startswith(".") or _TMP_RE.search(name):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, src)
+            target = os.path.join(dest, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            _link_or_copy(path, target)
+            key = _file_key(target)
+            old = previous.get(rel)
+            sha = old["sha256"] if old is not None and old.get("key") == key else _sha256(target)
+            files[rel] = {"size": key[2], "sha256": sha, "key": key}
+    return files
+
+
+def _check_outputs(path, manifest, checksums=True):
+    """Raise ``ValueError`` if an output file of checkpoint ``path`` is missing or differs."""
+    for rel, info in manifest.get("outputs", {}).items():
+        f = os.path.join(path, OUTPUTS_DIR, rel)
+        if os.path.getsize(f) != info["size"]:
+            raise ValueError("%s has %d bytes, the manifest says %d" % (f, os.path.getsize(f),
+                                                                        info["size"]))
+        if checksums and _sha256(f) != info["sha256"]:
+            raise ValueError("checksum mismatch in %s" % f)
+
+
+def restore_outputs(path, manifest, dest, comm):
+    """Put the outputs a checkpoint holds into the run's staging area (collective).
+
+    Rank 0 links (or copies) ``<path>/outputs/*`` to ``dest`` (their checksums
+    were verified by :func:`load`).
+
+    Parameters
+    ----------
+    path : str
+        The checkpoint directory (``OUT/checkpoint/step_NNNNNN``).
+    manifest : dict
+        Its manifest.
+    dest : str
+        The staging area of the resumed run.
+    comm : object
+        mpi4py-like communicator.
+
+    Returns
+    -------
+    list of str
+        The restored files (paths relative to ``dest``), on every rank.
+    """
+    def local():
+        return {}
+
+    def root(_):
+        for rel in sorted(manifest.get("outputs", {})):
+            target = os.path.join(dest, rel)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.lexists(target):
+                os.remove(target)
+            _link_or_copy(os.path.join(path, OUTPUTS_DIR, rel), target)
+
+    collective(comm, local, root, "restoring the outputs of %s" % path)
+    names = sorted(manifest.get("outputs", {}))
+    if names and comm.rank == 0:
+        log.info("restored %d output files written before step %d from %s", len(names),
+                 manifest["step"], path)
+    return names
+
+
 # ----------------------------------------------------------------------------- finding
 def _step_dirs(out_dir):
     """``step_*`` directories, newest first."""
@@ -202,17 +548,19 @@ def _step_dirs(out_dir):
 def read_manifest(path):
     """The manifest of checkpoint directory ``path``, or ``None`` if it is not complete.
 
-    Checks the format and that every part file exists with the recorded size
-    (not the checksums: see :func:`load`).
+    Checks the format (this one, or format 1, which :func:`check_identity`
+    refuses) and that every part and output file exists with the recorded
+    size (not the checksums: see :func:`load`).
     """
     try:
         with open(os.path.join(path, "manifest.json")) as fh:
             manifest = json.load(fh)
-        if manifest.get("format") != FORMAT:
+        if manifest.get("format") not in (FORMAT, FORMAT_V1):
             return None
         for name, info in manifest["files"].items():
             if os.path.getsize(os.path.join(path, name)) != info["size"]:
                 return None
+        _check_outputs(path, manifest, checksums=False)
         return manifest
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -371,10 +719,16 @@ def _replicas(comm, blocks):
     return max(1, len(held) // max(1, len(set(map(tuple, held)))))
 
 
-def load(out_dir, comm, conf, blocks):
+class _Refused(Exception):
+    """A checkpoint that is complete but belongs to another run (never skipped: refused)."""
+
+
+def load(out_dir, comm, conf, blocks, ident=None):
     """State slices from the newest checkpoint that every rank can read.
 
-    Collective over ``comm``.
+    Collective over ``comm``. Rank 0 also verifies the checksums of the
+    checkpoint's outputs (:func:`restore_outputs`); a damaged output file
+    makes every rank fall back to the previous checkpoint, as a damaged part.
 
     Parameters
     ----------
@@ -386,10 +740,14 @@ def load(out_dir, comm, conf, blocks):
         The resumed run's config (its grid may differ from the checkpoint's).
     blocks : dict
         ``pnum -> (bx, by)`` for the slices this process holds.
+    ident : dict, optional
+        :func:`identity` of the resumed run: a checkpoint that does not match
+        it (:func:`check_identity`) is refused, not skipped.
 
     Returns
     -------
     manifest : dict
+        Its directory is ``step_dir(out_dir, manifest["step"])``.
     parts : dict
         ``pnum -> {"positions", "momenta", "forces", "id"}``: ``[slots, 3]``
         arrays of dtype ``conf.dtype`` and ``[slots]`` ids (-1: empty slot),
@@ -399,7 +757,8 @@ def load(out_dir, comm, conf, blocks):
     Raises
     ------
     ResumeError
-        On every rank, if no checkpoint is valid everywhere.
+        On every rank, if no checkpoint is valid everywhere, or the newest
+        valid one does not match ``ident``.
     """
     from . import sizing
 
@@ -408,6 +767,12 @@ def load(out_dir, comm, conf, blocks):
     for path, manifest in candidates(out_dir):
         error, parts, count = None, {}, 0
         try:
+            if ident is not None:
+                refused = check_identity(manifest, ident, path)
+                if refused is not None:
+                    raise _Refused(refused)
+            if comm.rank == 0:
+                _check_outputs(path, manifest)
             same = tuple(manifest["grid"]) == tuple(conf.grid)
             for pnum, block in blocks.items():
                 name = _part_name(pnum)
@@ -423,9 +788,14 @@ def load(out_dir, comm, conf, blocks):
                 else:  # another grid or another capacity: place every particle anew
                     parts[pnum], n = _reslice(path, manifest, conf, block)
                 count += n
+        except _Refused as exc:
+            error = ("refused", str(exc))
         except Exception as exc:
             error = "%s: %s" % (type(exc).__name__, exc)
         gathered = comm.allgather((error, count))
+        refused = [e[1] for e, _ in gathered if isinstance(e, (tuple, list))]
+        if refused:
+            raise ResumeError(refused[0])
         errors = [e for e, _ in gathered if e]
         total = sum(c for _, c in gathered)
         if not errors and total != conf.n_particles * _replicas(comm, blocks):
@@ -465,10 +835,30 @@ def check_resume_config(manifest, overrides, makers):
     ------
     ResumeError
         Naming the first field that differs.
+
+    Notes
+    -----
+    A checkpoint of another job (its config sections are not ``makers``'s) is
+    not compared field by field: the configs returned are then this job's
+    saved-or-default ones, and the job's resume check (:func:`verify_resume`,
+    before any graph is built) refuses it naming both jobs.
     """
     out = {}
+    foreign = "job" in manifest and set(manifest["config"]) != set(makers)
     for key, make in makers.items():
         saved = dict(manifest["config"].get(key, {}))
+        if foreign:
+            saved = {k: v for k, v in saved.items() if k not in RESLICEABLE_FIELDS}
+            try:
+                out[key] = make(dict(saved, **{k: v for k, v in overrides.get(key, {}).items()
+                                               if v is not None}))
+            except (ValueError, TypeError):
+                raise ResumeError("--resume: the checkpoint of step %d was written by job '%s' "
+                                  "(config sections %s), not by this job (%s)" % (
+                                      manifest["step"], manifest["job"],
+                                      ", ".join(sorted(manifest["config"])),
+                                      ", ".join(sorted(makers)))) from None
+            continue
         base = make(saved).to_dict()
         keep = {}
         for name, value in sorted(overrides.get(key, {}).items()):
@@ -517,7 +907,7 @@ class StopRequest:
     def _handler(self, signum, frame):
         if self.received is None:
             self.received = signum
-            log.warning("received %s: finishing the current step, then checkpoint and exit",
+            log.warning("received %s: stopping at the end of the current step",
                         signal.Signals(signum).name)
 
     def __enter__(self):

@@ -63,9 +63,16 @@ def parts_for(conf, pnums, step):
     return out
 
 
-def save(out, comm, conf, step, pnums):
-    return checkpoint.save(out, comm, step, 0.1 * step, conf.to_dict(),
-                           parts_for(conf, pnums, step), grid=conf.grid)
+def ident_for(conf, job="simulate", stages=None):
+    stages = [0.1 * step for step in range(11)] if stages is None else stages
+    return checkpoint.identity(job, {"config": conf}, stages)
+
+
+def save(out, comm, conf, step, pnums, outputs_dir=None, ident=None):
+    """A checkpoint at step ``step`` at a = 0.1 step (stage ``step`` of :func:`ident_for`)."""
+    return checkpoint.save(out, comm, step, 0.1 * step, {"config": conf.to_dict()},
+                           parts_for(conf, pnums, step), grid=conf.grid,
+                           ident=ident or ident_for(conf), outputs_dir=outputs_dir)
 
 
 def test_save_load_same_grid_is_exact_and_torn_ones_are_skipped():
@@ -267,4 +274,169 @@ def test_manifest_records_files_and_checksums():
     assert sorted(manifest["files"]) == ["rank%05d.h5" % p for p in range(4)]
     assert all(len(v["sha256"]) == 64 for v in manifest["files"].values())
     assert not [d for d in os.listdir(checkpoint.checkpoint_root(out)) if d.startswith(".tmp")]
+    shutil.rmtree(out)
+
+
+# ----------------------------------------------------------------------------- identity
+@pytest.mark.rank_independent
+def test_identity_hashes_the_state_config_not_the_layout():
+    """The grid, halo and capacities (layout) leave the hash alone; every physics field moves it."""
+    from flowpm_mtf.config import Cosmology
+
+    conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=10)
+    ref = ident_for(conf)
+    for layout in (conf.replace(grid=(1, 2)), conf.replace(halo_size=2),
+                   conf.replace(capacity=conf.n_particles, send_capacity=64)):
+        assert ident_for(layout)["config_hash"] == ref["config_hash"]
+    for other in (conf.replace(n_steps=20), conf.replace(seed=1), conf.replace(dtype="float64"),
+                  conf.replace(lpt_order=1), conf.replace(a_start=0.2), conf.replace(nc=(8, 8, 8)),
+                  conf.replace(box_size=(100.0,) * 3), conf.replace(decomposition="lagrangian"),
+                  conf.replace(cosmology=Cosmology(sigma8=0.9))):
+        assert ident_for(other)["config_hash"] != ref["config_hash"], other
+    assert ident_for(conf, stages=[0.1, 0.2])["config_hash"] != ref["config_hash"]
+    assert ref["job"] == "simulate" and ref["stages"][3] == 0.1 * 3
+    assert "grid" not in ref["state_config"] and ref["state_config"]["n_steps"] == 10
+
+
+@pytest.mark.rank_independent
+def test_check_identity_names_what_differs():
+    conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=10)
+    out = tempfile.mkdtemp(prefix="ckpt")
+    path = save(out, SelfComm(), conf, 6, list(blocks_of(conf)))
+    saved = checkpoint.read_manifest(path)
+    assert saved["job"] == "simulate" and saved["a"] == 0.1 * 6
+    assert checkpoint.check_identity(saved, ident_for(conf.replace(grid=(1, 1))), path) is None
+
+    def why(manifest=saved, ident=None):
+        return checkpoint.check_identity(manifest, ident or ident_for(conf), path)
+
+    assert why(ident=ident_for(conf, job="lensing")) == \
+        "%s was written by job 'simulate', not 'lensing'" % path
+    assert why(ident=ident_for(conf.replace(n_steps=20))) == \
+        "%s: config differs: n_steps 10 (checkpoint) != 20 (this run)" % path
+    assert "cosmology.sigma8 0.8159 (checkpoint) != 0.9" in why(
+        ident=ident_for(conf.replace(cosmology=conf.cosmology.__class__(sigma8=0.9))))
+    # the saved state is at a = 0.6 = stage 6 of the checkpoint's stages; another list
+    moved = [0.1 * i for i in range(6)] + [0.68] + [0.7 + 0.1 * i for i in range(4)]
+    assert why(ident=ident_for(conf, stages=moved)) == (
+        "%s holds the state after step 6 at a=0.6, but this run has stage 6 at a=0.68; the "
+        "stage lists differ" % path)
+    assert "only 3 stages" in why(ident=ident_for(conf, stages=[0.1, 0.2, 0.3]))
+    assert "stages differ: stage 9 at a=0.9 (checkpoint) != 0.95" in why(
+        ident=ident_for(conf, stages=[0.1 * i for i in range(9)] + [0.95, 1.0]))
+    assert "stages differ: 11 (checkpoint) != 12" in why(
+        ident=ident_for(conf, stages=[0.1 * i for i in range(12)]))
+    # a record that does not hash to its hash; an old checkpoint without a record
+    assert "is damaged" in why(dict(saved, state_config=dict(saved["state_config"], seed=3)))
+    old = {k: v for k, v in saved.items()
+           if k not in ("job", "config_hash", "state_config", "stages")}
+    old["format"] = checkpoint.FORMAT_V1
+    assert "older flowpm-mtf (flowpm_mtf.checkpoint/1)" in why(old)
+    assert "--overwrite" in why(old)
+    shutil.rmtree(out)
+
+
+def test_load_and_verify_refuse_another_run_on_every_rank():
+    """A complete checkpoint of another job or config is refused (not skipped to an older one)."""
+    comm = world_comm()
+    conf = SimConfig(nc=NC, grid=grid_for(comm.size), halo_size=1, decomposition="lagrangian")
+    out = shared_tmpdir(comm)
+    mine = {comm.rank: blocks_of(conf)[comm.rank]}
+    with pytest.raises(ResumeError, match="no valid checkpoint"):
+        checkpoint.verify_resume(out, comm, ident_for(conf))
+    save(out, comm, conf, 2, [comm.rank])
+    save(out, comm, conf, 4, [comm.rank], ident=ident_for(conf, job="lensing"))
+    for check in (lambda ident: checkpoint.load(out, comm, conf, mine, ident=ident),
+                  lambda ident: checkpoint.verify_resume(out, comm, ident)):
+        with pytest.raises(ResumeError, match="step_000004 was written by job 'lensing', not "
+                                              "'simulate'"):
+            check(ident_for(conf))
+    assert checkpoint.verify_resume(out, comm, ident_for(conf, job="lensing"))["step"] == 4
+    manifest, _ = checkpoint.load(out, comm, conf, mine, ident=ident_for(conf, job="lensing"))
+    assert manifest["step"] == 4
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(out)
+
+
+@pytest.mark.rank_independent
+def test_resume_config_of_another_job_is_left_to_the_identity_check():
+    """Another job's sections are not compared field by field (its identity check names it)."""
+    conf = SimConfig(nc=NC, grid=(2, 1), halo_size=1, n_steps=4)
+    manifest = {"config": {"config": conf.to_dict(), "lensing": {"n_planes": 3}}, "step": 2,
+                "job": "lensing"}
+    makers = {"config": SimConfig.from_dict, "simulate": lambda d: _Opts(**d)}
+    got = checkpoint.check_resume_config(manifest, {"config": {"n_steps": 6, "grid": (1, 2)}},
+                                         makers)
+    assert got["config"].n_steps == 6 and got["config"].grid == (1, 2)
+    with pytest.raises(ResumeError, match="written by job 'lensing'"):
+        checkpoint.check_resume_config(manifest, {"config": {"nc": 7, "grid": (2, 1)}}, makers)
+
+
+class _Opts:
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def to_dict(self):
+        return dict(self.kw)
+
+
+# ----------------------------------------------------------------------------- outputs
+def _tree(root):
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+    return out
+
+
+@pytest.mark.rank_independent
+def test_outputs_written_before_a_checkpoint_are_kept_and_restored(monkeypatch):
+    """Every staged file goes into the checkpoint and back, byte for byte; a replaced file is
+    the new one in the next checkpoint, an unchanged one is not hashed again, a damaged one
+    makes the load fall back to the previous checkpoint."""
+    conf = SimConfig(nc=NC, grid=(1, 1), halo_size=1, decomposition="lagrangian")
+    out = tempfile.mkdtemp(prefix="ckpt")
+    staging = os.path.join(out, ".staging")
+    os.makedirs(os.path.join(staging, "snap.parts"))
+    files = {"power_a0.1000.txt": b"1 2 3\n", os.path.join("snap.parts", "rank00000.h5"): b"x" * 99,
+             "snap.h5": b"vds"}
+    for rel, data in files.items():
+        with open(os.path.join(staging, rel), "wb") as f:
+            f.write(data)
+    for junk in (".probe-1", "power.txt.tmp-123"):   # never part of a checkpoint
+        open(os.path.join(staging, junk), "w").close()
+    save(out, SelfComm(), conf, 2, [0], outputs_dir=staging)
+    m2 = checkpoint.read_manifest(checkpoint.step_dir(out, 2))
+    assert sorted(m2["outputs"]) == sorted(files)
+    # the run goes on: one file replaced by rename (as every writer does), one added
+    with io.atomic_path(os.path.join(staging, "snap.h5")) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(b"vds2")
+    files["snap.h5"] = b"vds2"
+    with open(os.path.join(staging, "power_a0.2000.txt"), "wb") as f:
+        f.write(b"4 5 6\n")
+    files["power_a0.2000.txt"] = b"4 5 6\n"
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p, *a: hashed.append(p) or real(p, *a))
+    save(out, SelfComm(), conf, 4, [0], outputs_dir=staging)
+    monkeypatch.setattr(checkpoint, "_sha256", real)
+    hashed_outputs = sorted(p.split(os.sep + "outputs" + os.sep, 1)[1]
+                            for p in hashed if os.sep + "outputs" + os.sep in p)
+    assert hashed_outputs == ["power_a0.2000.txt", "snap.h5"]   # the others kept their hash
+    assert _tree(os.path.join(checkpoint.step_dir(out, 2), "outputs"))["snap.h5"] == b"vds"
+    shutil.rmtree(staging)                                     # a stopped run: staging dropped
+    manifest, _ = checkpoint.load(out, SelfComm(), conf, blocks_of(conf))
+    assert manifest["step"] == 4
+    dest = os.path.join(out, "new-staging")
+    names = checkpoint.restore_outputs(checkpoint.step_dir(out, 4), manifest, dest, SelfComm())
+    assert sorted(names) == sorted(files) and _tree(dest) == files
+    # same size, other bytes in an output of step 4: back to step 2 (its own outputs)
+    with open(os.path.join(checkpoint.step_dir(out, 4), "outputs", "power_a0.2000.txt"),
+              "wb") as f:
+        f.write(b"4 5 7\n")
+    manifest, _ = checkpoint.load(out, SelfComm(), conf, blocks_of(conf))
+    assert manifest["step"] == 2 and sorted(manifest["outputs"]) == sorted(m2["outputs"])
     shutil.rmtree(out)

@@ -209,3 +209,48 @@ def test_peak_memory_survives_the_phase_resets():
     assert runner._phase_peak_mb() < held - 200    # the counter was reset ...
     assert runner.peak_memory_mb() >= held - 1     # ... the peak was not lost
     assert held > base + 250
+
+
+class _FakeJob:
+    def __init__(self, checkpoints):
+        self.name, self.checkpoints = "fake", checkpoints
+
+
+def _stop_context(checkpoints, received):
+    """A RunContext of a job, with a StopRequest that did (or did not) record a signal."""
+    import signal
+    import types
+
+    from flowpm_mtf import checkpoint
+    from flowpm_mtf.config import SimConfig
+    from flowpm_mtf.jobs import runner
+
+    stop = checkpoint.StopRequest(backend.SerialComm())
+    stop.received = signal.SIGTERM if received else None
+    return runner.RunContext(_FakeJob(checkpoints), {"config": SimConfig(nc=8)},
+                             types.SimpleNamespace(comm=backend.SerialComm()), None, False,
+                             runner.Hooks(), stop=stop)
+
+
+def test_sigterm_stops_a_job_that_does_not_checkpoint_at_a_step_boundary():
+    """``Job.checkpoints = False``: the after-step check stops it (not after its last step); a
+    job that checkpoints is left to its time loop (checkpoint, then stop)."""
+    from flowpm_mtf.jobs import runner
+
+    seen = []
+    ctx = _stop_context(checkpoints=False, received=True)
+    ctx.hooks.after_step.append(lambda c, i, info: seen.append(i))
+    with pytest.raises(runner.Stopped) as stopped:
+        ctx.after_step(5, a=0.5, total=14)
+    assert seen == [5]   # the hooks ran first
+    assert stopped.value.checkpoint is None and stopped.value.where == "step 5/14"
+    with pytest.raises(runner.Stopped, match="after iteration 3"):
+        ctx.after_step(3, iteration=3)
+    ctx.after_step(14, a=1.0, total=14)                  # the last step: let it finish
+    _stop_context(checkpoints=False, received=False).after_step(5, a=0.5, total=14)
+    _stop_context(checkpoints=True, received=True).after_step(5, a=0.5, total=14)
+    err = runner._not_resumable(_FakeJob(False), stopped.value)
+    assert str(err) == ("stopped by a signal after step 5/14; fake cannot resume yet (it writes "
+                        "no checkpoint): nothing was written, rerun the same command to start "
+                        "over")
+    assert err.exit_code != 0 and "--resume" not in str(err)

@@ -1,6 +1,10 @@
 """End to end: `flowpm-mtf simulate` snapshots do not depend on the process grid; checkpoint,
 SIGTERM and `--resume` (same grid bit-identical, other grid to round-off, torn checkpoints
-skipped, bad input refused on every rank)."""
+skipped, bad input refused on every rank); the outputs written before the checkpoint are
+published by the resumed run; a checkpoint of another job, config or stage list, or of an
+older flowpm-mtf, is refused; a job that does not checkpoint (lensing) stops on SIGTERM
+with an error and no resume hint."""
+import json
 import os
 import shutil
 import signal
@@ -19,8 +23,13 @@ from test_mpi_jobs import clean_env
 pytestmark = pytest.mark.single_process
 
 STEPS = 100  # steps cost ~10 ms here: a wide window for the SIGTERM
+# A snapshot at stage 2 (a = 0.11 lies between the regular stages 0.109 and 0.118) and a P(k)
+# after every step: outputs of the time loop written before the SIGTERM (after step >= 4).
+SNAPSHOT_A = 0.11
 ARGS = ["simulate", "--nc", "16", "--box-size", "100", "--steps", str(STEPS), "--halo", "4",
-        "--seed", "7", "--dtype", "float64", "--no-plot"]
+        "--seed", "7", "--dtype", "float64", "--no-plot", "--snapshots", str(SNAPSHOT_A),
+        "--power-steps"]
+N_STEPS = STEPS + 1  # the snapshot adds a stage
 BOX = 100.0
 # float64 everywhere; another process grid changes only the order of floating-point sums
 # (FFT/all-reduce partitioning) and, on resume, re-expresses block-local positions relative
@@ -28,7 +37,9 @@ BOX = 100.0
 GRID_POS_ATOL = 1e-8      # [Mpc/h]
 GRID_VEL_RTOL = 1e-8      # relative to the rms velocity
 GRID_DENSITY_ATOL = 1e-10
-SIGNAL_AFTER = "step 3/%d" % STEPS
+# P(k) of the same particles on another grid: only the order of the sums differs.
+GRID_PK_RTOL = 1e-10
+SIGNAL_AFTER = "step 3/%d" % N_STEPS
 
 
 def _run(np_, *args):
@@ -67,20 +78,20 @@ def _rank_pid(mpirun_pid, rank, timeout=60):
     raise AssertionError("rank %d of mpirun %d not found" % (rank, mpirun_pid))
 
 
-def _run_and_sigterm(np_, out, rank):
-    """Run on ``np_`` ranks; send SIGTERM to ``rank`` only, once rank 0 logged SIGNAL_AFTER."""
+def _run_and_sigterm(np_, out, rank, args=None, after=SIGNAL_AFTER):
+    """Run on ``np_`` ranks; send SIGTERM to ``rank`` only, once rank 0 logged ``after``."""
     cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(np_)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
-    cmd += [sys.executable, "-m", "flowpm_mtf.cli", *ARGS, "--out", out,
-            "--checkpoint-every", "20"]
+    args = [*ARGS, "--checkpoint-every", "20"] if args is None else args
+    cmd += [sys.executable, "-m", "flowpm_mtf.cli", *args, "--out", out]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=clean_env())
     pid = _rank_pid(proc.pid, rank)
     lines, sent = [], False
     for line in proc.stdout:
         lines.append(line)
-        if not sent and SIGNAL_AFTER in line:
+        if not sent and after in line:
             os.kill(pid, signal.SIGTERM)
             sent = True
     rc = proc.wait(timeout=600)
@@ -90,7 +101,8 @@ def _run_and_sigterm(np_, out, rank):
 @pytest.fixture(scope="module")
 def runs():
     base = tempfile.mkdtemp(prefix="restart")
-    d = {k: os.path.join(base, k) for k in ("r11", "r21", "r22", "sig", "resume22", "bad")}
+    d = {k: os.path.join(base, k) for k in ("r11", "r21", "r22", "sig", "resume22", "bad",
+                                              "foreign", "old", "moved")}
     proc = subprocess.run([sys.executable, "-m", "flowpm_mtf.cli", *ARGS, "--backend",
                            "placement", "--grid", "1x1", "--out", d["r11"]],
                           capture_output=True, text=True, timeout=600, env=clean_env())
@@ -98,8 +110,8 @@ def runs():
     _run(2, "--out", d["r21"], "--checkpoint-every", "20")
     _run(4, "--out", d["r22"])
     rc, sent, log = _run_and_sigterm(2, d["sig"], rank=1)
-    shutil.copytree(d["sig"], d["resume22"])
-    shutil.copytree(d["sig"], d["bad"])
+    for k in ("resume22", "bad", "foreign", "old", "moved"):
+        shutil.copytree(d["sig"], d[k])
     yield d, (rc, sent, log)
     shutil.rmtree(base, ignore_errors=True)
 
@@ -135,6 +147,75 @@ def test_sigterm_checkpoints_and_exits_zero_on_every_rank(runs):
     steps = sorted(os.listdir(os.path.join(d["sig"], "checkpoint")))
     assert steps and all(s.startswith("step_") for s in steps)
     assert int(steps[-1][5:]) < STEPS
+    # the outputs of the stages before it are in the checkpoint (staging is gone)
+    newest = os.path.join(d["sig"], "checkpoint", steps[-1])
+    with open(os.path.join(newest, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["job"] == "simulate" and len(manifest["stages"]) == N_STEPS + 1
+    outputs = set(manifest["outputs"])
+    assert _snapshot_name(SNAPSHOT_A) in outputs
+    assert len([o for o in outputs if o.startswith("power_a")]) == manifest["step"]
+    assert not os.path.exists(os.path.join(d["sig"], ".staging"))
+
+
+def _snapshot_name(a):
+    return "snapshot_a%.4f.h5" % a
+
+
+def _published(d):
+    """Path -> sha256 of the files of the complete run in ``d`` (its manifest)."""
+    from flowpm_mtf import rundir
+
+    assert rundir.verify_manifest(d) == []
+    return {f["path"]: f["sha256"] for f in rundir.read_manifest(d)["files"]}
+
+
+def _datasets(path):
+    with h5py.File(path, "r") as f:
+        return {k: f[k][...] for k in f}
+
+
+def _checkpoint_step(log):
+    """The step of the SIGTERM checkpoint, from the interrupted run's log."""
+    line = next(l for l in log.splitlines() if "stopped by signal after step" in l)
+    return int(line.split("after step ")[1].split("/")[0])
+
+
+# Files that differ between any two runs: timings; HDF5 files hold a few bytes that change
+# from one write to the next (compared by their datasets instead).
+RUN_SPECIFIC = ("summary.json",)
+
+
+def _assert_same_outputs(resumed, ref, exact_upto=None):
+    """``resumed`` published the same files as ``ref``; text outputs byte-identical (up to
+    stage ``exact_upto`` when resumed on another grid, later ones to GRID_PK_RTOL), HDF5
+    datasets of the snapshot written before the checkpoint equal.
+
+    On another grid the distributed files written after the resume have as many parts as
+    that grid has ranks: only the logical files (outside ``*.parts/``) are compared then.
+    """
+    a, b = _published(resumed), _published(ref)
+    if exact_upto is None:
+        assert sorted(a) == sorted(b)
+    else:
+        assert sorted(p for p in a if os.sep not in p) == sorted(p for p in b if os.sep not in p)
+        parts = _snapshot_name(SNAPSHOT_A)[:-3] + ".parts" + os.sep
+        assert sorted(p for p in a if p.startswith(parts)) == \
+            sorted(p for p in b if p.startswith(parts))   # restored as written
+    for path in sorted(a):
+        if path in RUN_SPECIFIC or path.startswith("snapshot") or os.sep in path:
+            continue
+        if exact_upto is None or (path.startswith("power_a") and
+                                  float(path[7:13]) <= exact_upto * (1 + 1e-9)):
+            assert a[path] == b[path], path
+        else:
+            np.testing.assert_allclose(np.loadtxt(os.path.join(resumed, path)),
+                                       np.loadtxt(os.path.join(ref, path)), rtol=GRID_PK_RTOL)
+    x, y = _datasets(os.path.join(resumed, _snapshot_name(SNAPSHOT_A))), \
+        _datasets(os.path.join(ref, _snapshot_name(SNAPSHOT_A)))
+    assert sorted(x) == sorted(y)
+    for k in x:   # written before the checkpoint on the reference's grid: identical
+        np.testing.assert_array_equal(x[k], y[k])
 
 
 def test_resume_same_grid_is_bit_identical(runs):
@@ -146,6 +227,14 @@ def test_resume_same_grid_is_bit_identical(runs):
         np.testing.assert_array_equal(a[k], b[k])
     assert np.array_equal(np.loadtxt(os.path.join(d["sig"], "power.txt")),
                           np.loadtxt(os.path.join(d["r21"], "power.txt")))
+    # every output of the uninterrupted run, those written before the checkpoint included
+    _assert_same_outputs(d["sig"], d["r21"])
+    assert len([p for p in _published(d["sig"]) if p.startswith("power_a")]) == N_STEPS
+    with open(os.path.join(d["sig"], "summary.json")) as f:
+        resumed = json.load(f)
+    with open(os.path.join(d["r21"], "summary.json")) as f:
+        ref = json.load(f)
+    assert resumed["resumed"] and resumed["migration"] == ref["migration"]
 
 
 def test_resume_on_another_grid_skipping_a_torn_checkpoint(runs):
@@ -156,10 +245,13 @@ def test_resume_on_another_grid_skipping_a_torn_checkpoint(runs):
     shutil.copytree(os.path.join(root, newest), torn)
     os.remove(os.path.join(torn, "rank00001.h5"))
     os.makedirs(os.path.join(root, ".tmp-step_%06d" % (STEPS - 1)), exist_ok=True)
+    with open(os.path.join(root, newest, "manifest.json")) as f:
+        a_saved = json.load(f)["a"]
     proc = _run(4, "--resume", d["resume22"])
     assert "ignoring incomplete checkpoint" in proc.stderr
     assert "resuming from %s" % os.path.join(root, newest) in proc.stderr
     _assert_close(_snap(d["resume22"]), _snap(d["r21"]))
+    _assert_same_outputs(d["resume22"], d["r21"], exact_upto=a_saved)
 
 
 def test_resume_without_checkpoint_is_one_clear_error_on_every_rank():
@@ -185,3 +277,78 @@ def test_resume_with_contradicting_config_is_refused(runs, capsys):
     assert "flowpm-mtf: error: --resume: n_steps=5 contradicts the checkpoint's n_steps=%d" \
         % STEPS in err
     assert not os.path.exists(os.path.join(d["bad"], "snapshot.h5"))
+
+
+def _edit_manifests(out, edit):
+    for step in os.listdir(os.path.join(out, "checkpoint")):
+        path = os.path.join(out, "checkpoint", step, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        edit(manifest)
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+
+
+def _tree_state(out):
+    return sorted((os.path.relpath(os.path.join(r, n), out), os.path.getsize(os.path.join(r, n)))
+                  for r, _, names in os.walk(out) for n in names)
+
+
+def test_resume_of_another_jobs_checkpoint_is_refused_on_every_rank(runs):
+    """The issue's case: a lensing checkpoint resumed by simulate. Refused before any graph."""
+    d, _ = runs
+    _edit_manifests(d["foreign"], lambda m: m.update(job="lensing"))
+    before = _tree_state(d["foreign"])
+    proc = _mpirun(2, "simulate", "--resume", d["foreign"], timeout=300)
+    assert proc.returncode == 6, proc.stderr[-3000:]   # ResumeError
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "was written by job 'lensing', not 'simulate'" in lines[0]
+    assert lines[0].startswith("flowpm-mtf: error: %s" % os.path.join(d["foreign"],
+                                                                      "checkpoint", "step_"))
+    assert "graph built" not in proc.stderr and "Traceback" not in proc.stderr
+    assert _tree_state(d["foreign"]) == before   # nothing touched
+
+
+@pytest.mark.parametrize("case", ["old", "moved"])
+def test_old_checkpoint_and_moved_stage_are_refused(runs, capsys, case):
+    """In this process (placement backend): a checkpoint of format 1 (no job, hash or outputs
+    recorded) and one whose saved scale factor is not this run's stage at its step."""
+    from flowpm_mtf import cli
+    from flowpm_mtf.errors import ResumeError
+
+    d, _ = runs
+    if case == "old":
+        _edit_manifests(d[case], lambda m: [m.pop(k) for k in ("job", "config_hash",
+                                                               "state_config", "stages")]
+                        and m.update(format="flowpm_mtf.checkpoint/1"))
+        want = "was written by an older flowpm-mtf (flowpm_mtf.checkpoint/1)"
+    else:
+        _edit_manifests(d[case], lambda m: m.update(a=m["a"] * 1.25))
+        want = "; the stage lists differ"
+    before = _tree_state(d[case])
+    assert cli.main(["simulate", "--resume", d[case], "--backend", "placement"]) == \
+        ResumeError.exit_code
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert len(lines) == 1 and want in lines[0], err[-3000:]
+    assert "graph built" not in err
+    assert _tree_state(d[case]) == before
+
+
+LENSING_ARGS = ["lensing", "--nc", "16", "--dtype", "float64", "--no-plot"]
+
+
+def test_lensing_sigterm_is_an_error_without_a_resume_hint():
+    """lensing does not checkpoint: SIGTERM stops it with one error line, a non-zero exit on
+    every rank, no "--resume" hint, and nothing left in its run directory."""
+    out = os.path.join(tempfile.mkdtemp(prefix="lensig"), "L")
+    rc, sent, log = _run_and_sigterm(2, out, rank=1, args=LENSING_ARGS, after="step 2/")
+    assert sent, log[-3000:]
+    assert rc != 0, log[-3000:]
+    lines = [l for l in log.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert len(lines) == 1, log[-3000:]
+    assert "lensing cannot resume yet" in lines[0] and "rerun the same command" in lines[0]
+    assert "--resume" not in log and "continue with" not in log
+    assert sorted(os.listdir(out)) == []   # no checkpoint, no staging, no manifest
+    shutil.rmtree(os.path.dirname(out))

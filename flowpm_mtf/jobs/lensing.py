@@ -11,6 +11,16 @@ the particles at its own time. After painting the planes of a stage, the job
 also measures the 3D P(k) of the particles there: it is the input of the
 Limber prediction of the convergence power spectrum.
 
+Interruption
+------------
+The lens planes are state of the time loop that checkpoints do not hold yet,
+so the job does not checkpoint (``Job.checkpoints = False``: no
+``--checkpoint-every``, no ``--resume``). SIGTERM stops it at the next step
+boundary all ranks agree on, with one line (``stopped by a signal after step
+k/n; lensing cannot resume yet ...: nothing was written, rerun the same command
+to start over``) and a non-zero exit code; no checkpoint and no output is left
+in the run directory.
+
 Outputs (written by rank 0 into the run directory)
 ---------------------------------------------------
 kappa.h5
@@ -88,6 +98,7 @@ class LensingJob(Job):
     sections = (ConfigSection("config", SimConfig, {"box_size": 256.0, "a_start": 0.2}),
                 ConfigSection("lensing", lensing.LensingConfig))
     default_out = "out/lensing"
+    checkpoints = False  # the planes are not checkpointed: SIGTERM stops it, see above
 
     def preflight(self, ctx):
         ctx.geom = lensing.geometry(ctx.conf, ctx.configs["lensing"])  # same error on all ranks

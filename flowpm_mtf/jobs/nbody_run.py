@@ -8,16 +8,27 @@ with :func:`flowpm_mtf.timeloop.integrate`, so the jobs share the stepping
 rule of :func:`flowpm_mtf.nbody.nbody`; observers (:class:`SnapshotWriter`,
 :class:`PowerAtStages`, the lensing job's plane painter) act after each step,
 then the step is timed, logged and the runner's after-step hook is called;
-then, every ``ctx.checkpoint_every`` steps or when the ranks agree on a stop
-request (SIGTERM), the state is checkpointed (:mod:`flowpm_mtf.checkpoint`) and,
-after a stop, :class:`flowpm_mtf.jobs.runner.Stopped` ends the job. With
-``ctx.resume`` the state comes from the newest valid checkpoint instead of the
-ICs.
+then, for a job that checkpoints (``Job.checkpoints``), every
+``ctx.checkpoint_every`` steps or when the ranks agree on a stop request
+(SIGTERM), the state is checkpointed (:mod:`flowpm_mtf.checkpoint`, with the
+outputs staged so far and the per-step records of the summary) and, after a
+stop, :class:`flowpm_mtf.jobs.runner.Stopped` ends the job (a job that does not
+checkpoint is stopped by the runner's after-step check, without a checkpoint).
+With ``ctx.resume`` the state, the outputs written before the checkpoint and
+those records come from the newest valid checkpoint instead of the ICs, after
+:func:`check_resume` verified, before any graph was built, that the checkpoint
+belongs to this job, config and stage list.
+
+Observers write their files during the loop (:class:`SnapshotWriter`,
+:class:`PowerWriter`), so that a checkpoint holds every output of the stages
+before it; a resumed loop does not call them again at the restored stage
+(they ran there before the checkpoint).
 
 No rank gathers the state: snapshots are written by every rank from its own
 slices (:func:`snapshot_parts`, :func:`write_snapshot`).
 """
 import logging
+import os
 import time
 
 import mesh_tensorflow as mtf
@@ -29,9 +40,9 @@ from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
 from . import runner
 
-__all__ = ["SimulationGraph", "lower_simulation", "run_stages", "fetch_state",
-           "snapshot_parts", "write_snapshot", "migration_summary", "SnapshotWriter",
-           "PowerAtStages"]
+__all__ = ["SimulationGraph", "lower_simulation", "run_stages", "check_resume", "run_identity",
+           "fetch_state", "snapshot_parts", "write_snapshot", "migration_summary",
+           "SnapshotWriter", "PowerAtStages", "PowerWriter", "power_name"]
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -161,9 +172,59 @@ def _checkpoint_parts(conf, state):
     return parts
 
 
+def run_identity(ctx, stages):
+    """:func:`flowpm_mtf.checkpoint.identity` of this run (job, state config, stages)."""
+    return checkpoint.identity(ctx.job.name, ctx.configs, stages)
+
+
+def check_resume(ctx, stages):
+    """Refuse, on every rank and before any graph is built, a checkpoint of another run.
+
+    Call from :meth:`Job.preflight` of a job that checkpoints, with the stages
+    its graph will have, when ``ctx.resume``.
+
+    Raises
+    ------
+    ResumeError
+        The newest checkpoint of the run directory was written by another job,
+        with another state config or stage list, or by an older flowpm-mtf
+        (:func:`flowpm_mtf.checkpoint.check_identity`).
+    """
+    from ..errors import ResumeError
+
+    if ctx.run_dir is None:
+        raise ResumeError("--resume needs a run directory")
+    checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, run_identity(ctx, stages))
+
+
+def _staging(ctx):
+    """The run directory's staging area (None for a plain directory, written in place)."""
+    return getattr(ctx.run_dir, "staging", None)
+
+
+def _loop_records(sim):
+    """The per-step records of the summary (migration statistics), JSON-able."""
+    return {"migration": [[label, None if st is None else np.asarray(st).tolist()]
+                          for label, st in sim.migration]}
+
+
 def _restore(ctx, sess, sim, ops):
-    """Assign the newest valid checkpoint to the state variables; returns its step."""
-    manifest, parts = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, ops["blocks"])
+    """Assign the newest valid checkpoint to the state variables; returns its step.
+
+    Also puts the checkpoint's outputs back into the staging area and its
+    per-step records into ``sim.migration``.
+    """
+    ident = run_identity(ctx, sim.stages)
+    manifest, parts = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, ops["blocks"],
+                                      ident=ident)
+    path = checkpoint.step_dir(ctx.run_dir.path, manifest["step"])
+    staging = _staging(ctx)
+    if staging is not None:
+        names = checkpoint.restore_outputs(path, manifest, staging, ctx.comm)
+        if ctx.outputs is not None:
+            ctx.outputs.names.extend(n for n in names if os.sep not in n)
+    sim.migration[:] = [(label, None if st is None else np.asarray(st))
+                        for label, st in manifest.get("loop", {}).get("migration", [])]
     placeholders, op = ops["restore"]
     feed = {}
     for v, (phs, slices) in enumerate(zip(placeholders, ops["state"])):
@@ -195,7 +256,9 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
         From :func:`lower_simulation`.
     observers : sequence of callable
         ``observer(j, a_j, None)`` at the first stage and after every step
-        (:func:`flowpm_mtf.timeloop.integrate`).
+        (:func:`flowpm_mtf.timeloop.integrate`); not at the restored stage of
+        a resumed run (they ran there before the checkpoint, whose outputs are
+        restored).
     note : callable, optional
         ``note(j) -> str`` appended to the log line of step ``j``.
 
@@ -238,31 +301,51 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
             steps.append(now - clock[0])
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
-            ctx.after_step(j, a=a)
+            ctx.after_step(j, a=a, total=sim.n_steps)
             _checkpoint_or_stop(ctx, sess, sim, ops, j)
         clock[0] = time.perf_counter()
 
+    if first > 0:  # the observers ran at the restored stage before the checkpoint
+        observers = [_after(first, obs) for obs in observers]
     timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
     timings["steps_s"] = steps
     timings["nbody_s"] = float(sum(steps))
     return first
 
 
+def _after(first, obs):
+    """``obs`` called at every stage but ``first``."""
+    def call(j, a, state):
+        if j != first:
+            obs(j, a, state)
+    return call
+
+
 def _checkpoint_or_stop(ctx, sess, sim, ops, j):
-    """After step ``j``: checkpoint every K steps or on an agreed stop request, then stop."""
+    """After step ``j``: checkpoint every K steps or on an agreed stop request, then stop.
+
+    Only for a job that checkpoints (``Job.checkpoints``); the runner's
+    after-step check stops the others (:meth:`runner.RunContext.after_step`).
+    """
+    if not getattr(ctx.job, "checkpoints", False):
+        return
     stop = ctx.stop is not None and ctx.stop.agreed() and j < sim.n_steps  # collective
     every = ctx.checkpoint_every
+    path = None
     if j < sim.n_steps and ctx.run_dir is not None and (stop or (every and j % every == 0)):
         t = time.perf_counter()
-        checkpoint.save(ctx.run_dir.path, ctx.comm, j, sim.stages[j], _configs_dict(ctx),
-                        _checkpoint_parts(ctx.conf, fetch_state(sess, ops)),
-                        grid=ctx.conf.grid)
+        path = checkpoint.save(ctx.run_dir.path, ctx.comm, j, sim.stages[j], _configs_dict(ctx),
+                               _checkpoint_parts(ctx.conf, fetch_state(sess, ops)),
+                               grid=ctx.conf.grid, ident=run_identity(ctx, sim.stages),
+                               outputs_dir=_staging(ctx), extra={"loop": _loop_records(sim)})
         ctx.timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
     if stop:
+        if path is None:  # no run directory: nothing to continue from
+            raise runner.Stopped(j, sim.n_steps)
         log.warning("stopped by signal after step %d/%d; checkpoint in %s; continue with: %s",
-                    j, sim.n_steps, checkpoint.step_dir(ctx.run_dir.path, j),
+                    j, sim.n_steps, path,
                     checkpoint.resume_command(ctx.run_dir.path, ctx.job.name))
-        raise runner.Stopped(j)
+        raise runner.Stopped(j, sim.n_steps, checkpoint=path)
 
 
 def snapshot_parts(conf, state, rho_slices, rho_vals, a):
@@ -390,6 +473,49 @@ class SnapshotWriter:
 def snapshot_name(a):
     """File name of the snapshot at scale factor ``a``: ``snapshot_a0.5000.h5``."""
     return "snapshot_a%.4f.h5" % a
+
+
+def power_name(a):
+    """File name of the P(k) at scale factor ``a``: ``power_a0.5000.txt``."""
+    return "power_a%.4f.txt" % a
+
+
+class PowerWriter:
+    """Observer writing ``power_a<a>.txt`` (k, P(k), modes) at some stages, as they are reached.
+
+    Written during the loop (rank 0), so that a checkpoint holds those of the
+    stages before it.
+
+    Parameters
+    ----------
+    ctx : runner.RunContext
+    sess : tf.Session
+    fetch : dict
+        Replicated TF tensors ``k``, ``pk``, ``modes``.
+    stages : iterable of int
+        Stage indices to measure at.
+
+    Attributes
+    ----------
+    written : list of str
+        The files written by this process's loop (rank 0).
+    """
+
+    def __init__(self, ctx, sess, fetch, stages):
+        self.ctx = ctx
+        self.measure = PowerAtStages(sess, fetch, stages)
+        self.written = []
+
+    def __call__(self, j, a, state):
+        self.measure(j, a, state)
+        res = self.measure.results.pop(j, None)
+        if res is None or self.ctx.outputs is None:
+            return
+        keep = res["modes"] > 0
+        name = power_name(a)
+        io.write_power(self.ctx.outputs.path(name), res["k"][keep], res["pk"][keep],
+                       res["modes"][keep], rank=0)
+        self.written.append(name)
 
 
 class PowerAtStages:

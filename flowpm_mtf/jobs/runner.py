@@ -15,7 +15,8 @@ Hook points (for run safety, checkpoints, signals)
     writable run directory, a memory estimate). Raise to stop the run.
 ``after_step(ctx, index, info)``
     After every step of the time loop (``index`` = stage reached, ``info`` a
-    dict with at least ``a`` [scale factor] or ``iteration``), on every rank.
+    dict with at least ``a`` [scale factor] or ``iteration``, and ``total``,
+    the number of steps, where known), on every rank.
 ``after_run(ctx, summary)``
     After the outputs are written (e.g. publish, manifest).
 
@@ -26,9 +27,18 @@ No rank gathers a full-size array: jobs fetch this process's slices
 their distributed files in :meth:`Job.write_all`, which the runner calls on
 **every** rank (collective; :mod:`flowpm_mtf.h5dist`) before the rank-0
 :meth:`Job.write`. SIGTERM is recorded for the whole run
-(:class:`flowpm_mtf.checkpoint.StopRequest`, ``ctx.stop``); a time loop that
-checkpoints and stops raises :class:`Stopped`, and the runner then returns a
-summary with ``"stopped": True`` (exit 0, no outputs). ``ctx.mark(label)``
+(:class:`flowpm_mtf.checkpoint.StopRequest`, ``ctx.stop``) and acted on at the
+first step boundary all ranks agree on:
+
+* a job that checkpoints (``Job.checkpoints``) writes a checkpoint there and
+  raises :class:`Stopped` with its path; the runner then returns a summary with
+  ``"stopped": True`` (exit 0; the outputs so far are in the checkpoint, the
+  run continues with ``--resume``);
+* any other job is stopped by :meth:`RunContext.after_step` (every rank, the
+  same step): nothing is written, no resume is offered, and the runner raises a
+  one-line :class:`flowpm_mtf.errors.FlowpmError` saying so (non-zero exit).
+
+``ctx.mark(label)``
 records the RSS at phase boundaries (``memory_phases_mb_per_rank`` of the
 summary, used by ``scripts/bench_scaling.py``).
 
@@ -45,7 +55,7 @@ import statistics
 import time
 
 from .. import allocator, checkpoint, domain, h5dist, io
-from ..errors import CapacityError
+from ..errors import CapacityError, FlowpmError, ResumeError
 from ..logs import rank0_only
 
 __all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_memory_mb",
@@ -104,11 +114,32 @@ def _reset_phase_peak():
 
 
 class Stopped(Exception):
-    """Raised by a time loop that wrote a checkpoint after a stop request (SIGTERM)."""
+    """Raised on every rank by a time loop stopped by a request (SIGTERM) at a step boundary.
 
-    def __init__(self, step):
-        super().__init__("stopped after step %d" % step)
+    Parameters
+    ----------
+    step : int
+        The last step completed.
+    total : int, optional
+        The number of steps of the loop.
+    checkpoint : str, optional
+        The checkpoint written there (None: none, the run cannot continue).
+    unit : str
+        What a step is called in messages (``"step"``, ``"iteration"``).
+    """
+
+    def __init__(self, step, total=None, checkpoint=None, unit="step"):
         self.step = int(step)
+        self.total = None if total is None else int(total)
+        self.checkpoint = checkpoint
+        self.unit = unit
+        super().__init__("stopped after %s" % self.where)
+
+    @property
+    def where(self):
+        """``"step 5/14"`` (or ``"step 5"``)."""
+        return "%s %d%s" % (self.unit, self.step, "" if self.total is None else
+                            "/%d" % self.total)
 
 
 def median_time(fn, repeats, warmup=0):
@@ -258,9 +289,25 @@ class RunContext:
         return self.run_dir.file(name)
 
     def after_step(self, index, **info):
-        """Call the after-step hooks (every rank, after step ``index``)."""
+        """Call the after-step hooks (every rank, after step ``index``); stop if requested.
+
+        For a job that does not checkpoint, the ranks then agree on a stop
+        request (collective) and all raise :class:`Stopped` at the same step
+        (not after the last one, ``index == info["total"]`` where the loop
+        gives its number of steps). A job that checkpoints
+        stops in its time loop, after the checkpoint
+        (:func:`flowpm_mtf.jobs.nbody_run.run_stages`).
+
+        Raises
+        ------
+        Stopped
+        """
         for hook in self.hooks.after_step:
             hook(self, index, info)
+        total = info.get("total")
+        if (self.stop is not None and not getattr(self.job, "checkpoints", False)
+                and (total is None or index < total) and self.stop.agreed()):
+            raise Stopped(index, total, unit="iteration" if "iteration" in info else "step")
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -326,6 +373,14 @@ def session(session_config=None, lowering=None, target=""):
         yield sess
 
 
+def _not_resumable(job, stopped):
+    """The one-line error of a job stopped by a signal without a checkpoint."""
+    why = ("%s cannot resume yet (it writes no checkpoint)" % job.name
+           if not getattr(job, "checkpoints", False) else "no run directory to checkpoint into")
+    return FlowpmError("stopped by a signal after %s; %s: nothing was written, rerun the same "
+                       "command to start over" % (stopped.where, why))
+
+
 # ----------------------------------------------------------------------------- the runner
 MAX_CAPACITY_RETRIES = 3
 """Rebuilds with larger particle capacities after a :class:`CapacityError`."""
@@ -358,8 +413,15 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_e
     dict
         The summary (also written to ``summary.json``): configs, timings [s],
         peak memory per rank [MB], versions, and the job's own fields;
-        ``{"stopped": True, "step": k}`` if SIGTERM stopped the run after a
-        checkpoint (no outputs are written then).
+        ``{"stopped": True, "step": k, "checkpoint": path}`` if SIGTERM stopped
+        a job that checkpoints (the outputs so far are in the checkpoint).
+
+    Raises
+    ------
+    FlowpmError
+        SIGTERM stopped a job that does not checkpoint (nothing written).
+    ResumeError
+        ``resume`` for a job that does not checkpoint.
     """
     # SIGTERM is recorded from here on (graph build, ICs, steps) and acted on by the
     # time loop at the first step boundary all ranks agree on.
@@ -374,6 +436,8 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     if isinstance(run_dir, (str, os.PathLike)):
         run_dir = PlainRunDir(run_dir)
     hooks = hooks or Hooks()
+    if resume and not getattr(job, "checkpoints", False):
+        raise ResumeError("%s cannot resume: it writes no checkpoints" % job.name)
     ctx = RunContext(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, stop)
     ctx.mark("start")
     for hook in hooks.preflight:
@@ -398,7 +462,10 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
                     try:
                         results = job.execute(ctx, sess, g, plan)
                     except Stopped as stopped:
-                        return {"stopped": True, "step": stopped.step, "timings": timings}
+                        if stopped.checkpoint is None:
+                            raise _not_resumable(job, stopped) from None
+                        return {"stopped": True, "step": stopped.step,
+                                "checkpoint": stopped.checkpoint, "timings": timings}
                     ctx.mark("steps")
             break
         except tf.errors.InvalidArgumentError as exc:

@@ -28,8 +28,10 @@ overview.png
     measured P(k) (binned per rank, bins all-reduced) against the
     growth-scaled linear P(k).
 checkpoint/
-    With ``--checkpoint-every K`` or on SIGTERM (:mod:`flowpm_mtf.checkpoint`);
-    ``--resume OUT`` continues from the newest valid one.
+    With ``--checkpoint-every K`` or on SIGTERM (:mod:`flowpm_mtf.checkpoint`;
+    with the snapshots and P(k) files written before it); ``--resume OUT``
+    continues from the newest valid one and publishes the same files as an
+    uninterrupted run.
 """
 import dataclasses
 import logging
@@ -99,7 +101,9 @@ class SimulateJob(Job):
         return timeloop.merge_stages(nbody.default_stages(conf), opts.snapshots)
 
     def preflight(self, ctx):
-        self._stages(ctx)   # every rank raises the same error for a snapshot outside the run
+        stages = self._stages(ctx)  # every rank raises the same error for a snapshot outside
+        if ctx.resume:              # the run; a checkpoint of another run is refused
+            nbody_run.check_resume(ctx, stages)
 
     def build(self, ctx, mesh):
         return SimulationGraph(ctx.conf, mesh, self._stages(ctx))
@@ -119,15 +123,10 @@ class SimulateJob(Job):
         extra = [a for a in opts.snapshots if abs(a - conf.a_end) > timeloop.STAGE_RTOL * a]
         if extra:
             observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra))
-        if opts.power_steps:
-            pk = nbody_run.PowerAtStages(sess, ops["fetch"], range(1, len(sim.stages)))
-            observers.append(pk)
+        if opts.power_steps:   # written as the loop goes: a checkpoint holds the earlier ones
+            observers.append(nbody_run.PowerWriter(ctx, sess, ops["fetch"],
+                                                   range(1, len(sim.stages))))
         nbody_run.run_stages(ctx, sess, sim, ops, observers)
-        if opts.power_steps and ctx.outputs is not None:
-            for j, res in sorted(pk.results.items()):
-                keep = res["modes"] > 0
-                io.write_power(ctx.outputs.path("power_a%.4f.txt" % sim.stages[j]),
-                               res["k"][keep], res["pk"][keep], res["modes"][keep], rank=0)
         with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only
             res = sess.run(ops["fetch"])
             res["state"] = nbody_run.fetch_state(sess, ops)
