@@ -79,7 +79,7 @@ import signal
 import numpy as np
 
 from .errors import ResumeError
-from .h5dist import _agree, collective
+from .h5dist import HDF5_OVERHEAD_BYTES, _agree, collective, reserve_space
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
            "state_config", "config_hash", "identity", "check_identity", "verify_resume", "save",
@@ -383,6 +383,9 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
         for pnum, arrays in parts.items():
             name = _part_name(pnum)
             path = os.path.join(tmp, name)
+            # a full disk fails here, cleanly, not inside HDF5's close (see h5dist.reserve_space)
+            reserve_space(path, HDF5_OVERHEAD_BYTES + sum(np.asarray(arrays[k]).nbytes
+                                                          for k in ("id",) + STATE_NAMES))
             with h5py.File(path, "w") as f:
                 for key in ("id",) + STATE_NAMES:
                     f.create_dataset(key, data=np.asarray(arrays[key]))

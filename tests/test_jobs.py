@@ -254,3 +254,30 @@ def test_sigterm_stops_a_job_that_does_not_checkpoint_at_a_step_boundary():
                         "no checkpoint): nothing was written, rerun the same command to start "
                         "over")
     assert err.exit_code != 0 and "--resume" not in str(err)
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("writer", ["write_summary", "write_power"])
+def test_disk_full_in_a_rank0_output_of_the_runner_is_exit_5(tmp_path, monkeypatch, writer):
+    """A full disk while rank 0 writes an output (summary.json after the run, or a P(k) file
+    during the loop) ends the job with OutputDirError (exit 5, one line) through the runner's
+    collective write, not an OSError (exit 1) that would leave the other ranks waiting."""
+    import errno
+
+    import fpm_harness as H
+    from flowpm_mtf.config import SimConfig
+    from flowpm_mtf.errors import OutputDirError
+    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs.simulate import SimulateOptions
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(io, writer, full)
+    conf = SimConfig(nc=8, box_size=50.0, grid=(1, 1), n_steps=1, dtype="float64")
+    with pytest.raises(OutputDirError) as err:
+        runner.run(jobs.get("simulate"),
+                   {"config": conf, "simulate": SimulateOptions(power_steps=True)},
+                   H.backend("placement", conf), str(tmp_path / "run"), plot=False)
+    assert err.value.exit_code == 5
+    assert "no space left on device" in str(err.value).lower() and "\n" not in str(err.value)

@@ -508,14 +508,19 @@ class PowerWriter:
 
     def __call__(self, j, a, state):
         self.measure(j, a, state)
-        res = self.measure.results.pop(j, None)
-        if res is None or self.ctx.outputs is None:
+        res = self.measure.results.pop(j, None)   # replicated: the same on every rank
+        if res is None or self.ctx.run_dir is None:
             return
         keep = res["modes"] > 0
         name = power_name(a)
-        io.write_power(self.ctx.outputs.path(name), res["k"][keep], res["pk"][keep],
-                       res["modes"][keep], rank=0)
-        self.written.append(name)
+
+        def write_rank0(_):
+            io.write_power(self.ctx.outputs.path(name), res["k"][keep], res["pk"][keep],
+                           res["modes"][keep], rank=0)
+            self.written.append(name)
+
+        # rank 0 writes; an error there (e.g. a full disk: exit 5) reaches every rank, no hang
+        h5dist.collective(self.ctx.comm, dict, write_rank0, "writing %s" % name)
 
 
 class PowerAtStages:

@@ -500,13 +500,18 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     if "n_particles" in summary:
         summary["bytes_per_particle_peak"] = (max(mem_all) * 2**20 * len(mem_all)
                                               / summary["n_particles"])
-    if ctx.outputs is not None:
+
+    def write_rank0(_):
         job.write(ctx, ctx.outputs, results, summary)
         io.write_summary(ctx.outputs.path("summary.json"), summary, rank=0)
         if plot:
             job.plot(ctx, ctx.outputs, results, summary)
         log.info("wrote %s (%stotal %.1f s, peak memory %.0f MB on rank 0)", run_dir.path,
                  job.report(ctx, summary), timings["total_s"], mem)
+
+    if run_dir is not None:
+        # rank 0 writes; an error there (e.g. a full disk: exit 5) reaches every rank, no hang
+        h5dist.collective(ctx.comm, dict, write_rank0, "writing the outputs in %s" % run_dir.path)
     job.check(ctx, summary)
     for hook in hooks.after_run:
         hook(ctx, summary)
