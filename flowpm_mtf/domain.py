@@ -688,10 +688,29 @@ def _lagrangian_escape_error(conf):
         hint = ("rerun with --halo %d (at most %d on this grid), or --decomposition eulerian "
                 "(no limit on the displacement)" % (need, limit))
     else:
-        hint = ("no --halo fits on this grid (it would need %d, blocks allow at most %d): rerun "
-                "with --decomposition eulerian (no limit on the displacement), or fewer ranks "
-                "along x and y" % (need, limit))
+        fewer = _grid_with_room(conf, need)
+        hint = ("no --halo surely suffices on this grid (the estimate needs %d; the blocks allow "
+                "--halo %d at most, which may fall short): rerun with --decomposition eulerian "
+                "(no limit on the displacement)%s" % (
+                    need, limit, "" if fewer is None else
+                    ", or on %d rank%s with --grid %dx%d --halo %d" % (
+                        fewer[0] * fewer[1], "s" if fewer[0] * fewer[1] > 1 else "",
+                        fewer[0], fewer[1], need)))
     return ParticleEscapeError("%s; %s" % (what, hint))
+
+
+def _grid_with_room(conf, halo):
+    """The grid of the most ranks (fewer than ``conf``'s) whose blocks hold ``halo``, or None."""
+    for n in range(conf.n_ranks - 1, 0, -1):
+        q = math.isqrt(n)
+        while n % q:
+            q -= 1
+        try:
+            conf.replace(grid=(n // q, q), halo_size=halo, capacity=None, send_capacity=None)
+        except ValueError:
+            continue
+        return (n // q, q)
+    return None
 
 
 def error_from_tf(exc, conf):

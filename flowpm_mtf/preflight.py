@@ -366,10 +366,10 @@ def _memory_hint(conf, terms, budget, node_avail, share, processes, masters, ext
     if best is not None:
         n, grid = best
         nodes, per_node = -(-n // share), min(share, n)
-        return ("it fits on %d rank%s (-np %d --grid %dx%d) at %s per rank, i.e. on %d node%s "
-                "like this one with %d rank%s each" % (
-                    n, "s" if n > 1 else "", n, grid[0], grid[1], _gb(budget), nodes,
-                    "s" if nodes > 1 else "", per_node, "s" if per_node > 1 else ""))
+        return ("the smallest rank count that fits at %s per rank is %d (-np %d --grid %dx%d), "
+                "i.e. %d node%s like this one with %d rank%s each" % (
+                    _gb(budget), n, n, grid[0], grid[1], nodes, "s" if nodes > 1 else "",
+                    per_node, "s" if per_node > 1 else ""))
     total = sum(t.nbytes for t in terms)
     fixed = [t for t in terms if not t.shrinks]
     worst = max(fixed, key=lambda t: t.nbytes)
@@ -769,7 +769,7 @@ def check_numerics(conf, stages=None):
         _, rms, ulps, spacing = failure
         a = _a_start_advice(conf)
         if a is not None:
-            fix = "use --a-start %g or larger%s" % (a, _or_float64(conf))
+            fix = "use --a-start >= %g%s" % (a, _or_float64(conf))
         else:
             fix = ("no --a-start below a_end=%g resolves them (the displacements stay below %d "
                    "spacings even at a_end); %s" % (conf.a_end, MIN_DISPLACEMENT_ULPS,

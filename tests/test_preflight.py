@@ -95,8 +95,9 @@ def test_memory_estimate_scales_with_ranks_and_dtype():
 
 
 def _advised_grid(msg):
-    """(ranks, grid) of the advice "it fits on N ranks (-np N --grid PxQ)"."""
-    m = re.search(r"it fits on (\d+) ranks? \(-np (\d+) --grid (\d+)x(\d+)\)", msg)
+    """(ranks, grid) of the advice "the smallest rank count ... is N (-np N --grid PxQ)"."""
+    m = re.search(r"the smallest rank count that fits at \S+ GB per rank is (\d+) \(-np (\d+) "
+                  r"--grid (\d+)x(\d+)\)", msg)
     assert m, msg
     assert m.group(1) == m.group(2)
     return int(m.group(1)), (int(m.group(3)), int(m.group(4)))
@@ -151,7 +152,7 @@ def test_suggested_a_start_is_accepted():
     conf = SimConfig(nc=64, a_start=1e-6)
     with pytest.raises(ConfigError) as e:
         preflight.check_numerics(conf)
-    a_min = float(str(e.value).split("--a-start ")[1].split()[0])
+    a_min = float(str(e.value).split("--a-start >= ")[1].split()[0])
     preflight.check_numerics(SimConfig(nc=64, a_start=a_min))
 
 
@@ -317,7 +318,7 @@ def test_sizes_below_int64_get_a_memory_error_with_real_advice(nc):
     with pytest.raises(MemoryBudgetError) as e:
         preflight.check_memory(conf, FakeComm(1), available=BUDGET, masters=False)
     msg = str(e.value)
-    if "it fits on" in msg:
+    if "smallest rank count" in msg:
         n, grid = _advised_grid(msg)
         preflight.check_memory(conf.replace(grid=grid), FakeComm(1), available=BUDGET,
                                masters=False)
@@ -343,7 +344,7 @@ def test_explicit_capacity_advice_is_a_capacity_that_fits(capacity, grid, ranks)
     with pytest.raises(MemoryBudgetError) as e:
         preflight.check_memory(conf, FakeComm(ranks), available=avail, masters=False)
     msg = str(e.value)
-    assert "grid 1x1, on more nodes" not in msg and "it fits on" not in msg, msg
+    assert "grid 1x1, on more nodes" not in msg and "smallest rank count" not in msg, msg
     best = int(re.search(r"use --capacity (\d+) or less", msg).group(1))
     assert best >= conf.particles_per_block
     preflight.check_memory(conf.replace(capacity=best), FakeComm(ranks), available=avail,
@@ -434,7 +435,7 @@ def test_reconstruction_variables_are_in_the_estimate(forward, grid):
     # between the two: the simulation's check passes, the reconstruction's refuses
     avail = conf.n_ranks * (sim + rec) // 2
     preflight.check_memory(conf, FakeComm(conf.n_ranks), available=avail, masters=False)
-    with pytest.raises(MemoryBudgetError, match="it fits on"):
+    with pytest.raises(MemoryBudgetError, match="smallest rank count that fits"):
         preflight.check_memory(conf, FakeComm(conf.n_ranks), available=avail, masters=False,
                                extra=extra)
 
@@ -449,7 +450,7 @@ def test_a_start_advice_passes_or_says_no_a_start_does(box, a_start):
         return
     except ConfigError as e:
         msg = str(e)
-    m = re.search(r"use --a-start (\S+) or larger", msg)
+    m = re.search(r"use --a-start >= (\S+?)( |$)", msg)
     if m:
         a = float(m.group(1))
         assert conf.a_start < a < conf.a_end, msg
@@ -471,7 +472,7 @@ def test_box_size_1e7_says_no_a_start_fixes_it():
         preflight.check_numerics(SimConfig(box_size=1e7))
     msg = str(e.value)
     assert "no --a-start below a_end=1 resolves them" in msg and "use --dtype float64" in msg
-    assert "--a-start >=" not in msg
+    assert "--a-start >=" not in msg   # no value of it passes
 
 
 @pytest.mark.parametrize("steps", [20000, 100000, 10**6])
@@ -509,8 +510,14 @@ def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
         assert h > halo and h >= d + 1, msg   # a particle may move h - 1 cells
         conf.replace(halo_size=h)             # valid on this grid
     else:
-        assert "no --halo fits on this grid" in msg and "--decomposition eulerian" in msg
-        assert math.floor(d) + domain.HALO_HINT_MARGIN_CELLS > min(conf.block_shape[:2]) - 1
+        assert "no --halo surely suffices on this grid" in msg, msg
+        assert "--decomposition eulerian" in msg
+        need = math.floor(d) + domain.HALO_HINT_MARGIN_CELLS
+        assert need > min(conf.block_shape[:2]) - 1
+        m = re.search(r"or on (\d+) ranks? with --grid (\d+)x(\d+) --halo (\d+)", msg)
+        if m:   # fewer ranks whose blocks hold that halo
+            assert int(m.group(1)) < conf.n_ranks and int(m.group(4)) == need
+            conf.replace(grid=(int(m.group(2)), int(m.group(3))), halo_size=need)
     # the eulerian decomposition's checks are not touched
     assert domain.error_from_tf(RuntimeError("flowpm_mtf.painting: particles escaped"),
                                 conf.replace(decomposition="eulerian", halo_size=None)) is None

@@ -77,7 +77,7 @@ def test_fft_demo_large_mesh_refused_before_allocating(tmp_path, nc):
 def test_capacity_1e11_advises_a_capacity_not_a_rank_count(tmp_path):
     line = refused(tmp_path, "simulate", "--capacity", "100000000000", code=4,
                    pattern=r"particle buffers .* alone would take .*use --capacity \d+ or less")
-    assert "it fits on" not in line and "grid 1x1" not in line
+    assert "smallest rank count" not in line and "grid 1x1" not in line
 
 
 def test_box_size_1e7_says_no_a_start_fixes_it(tmp_path):
@@ -86,14 +86,27 @@ def test_box_size_1e7_says_no_a_start_fixes_it(tmp_path):
 
 
 @pytest.mark.parametrize("args,np_", [(["--nc", "16", "--box-size", "64"], None),
-                                      (["--nc", "32", "--box-size", "128", "--grid", "2x1"], 2)])
+                                      (["--nc", "32", "--box-size", "128", "--grid", "2x1"], 2),
+                                      (["--nc", "16", "--box-size", "20", "--grid", "2x1"], 2)])
 def test_lagrangian_halo_hint_followed_once_succeeds(tmp_path, args, np_):
     """The hint used to be 2h + 1 (1 -> 3 -> 7 ...): followed once it now gives a run whose
-    particles stay in the halo."""
+    particles stay in the halo. Where no halo surely suffices on the grid (16 cells on 2
+    ranks), the hint is a grid whose blocks hold the halo (or the eulerian decomposition)."""
     common = ["simulate", *args, "--decomposition", "lagrangian", "--steps", "3"]
     line = refused(tmp_path, *common, "--halo", "1", code=3, np_=np_, preflight_error=False,
-                   pattern=r"beyond the 1-cell halo.*rerun with --halo \d+")
-    halo = re.search(r"rerun with --halo (\d+)", line).group(1)
-    proc = flowpm(*common, "--halo", halo, "--no-plot", "--out", tmp_path / "RERUN", np_=np_)
+                   pattern=r"beyond the 1-cell halo.*(rerun with --halo \d+|no --halo surely "
+                           r"suffices on this grid.*--decomposition eulerian)")
+    m = re.search(r"rerun with --halo (\d+)", line)
+    if m:
+        rerun, ranks = ["--halo", m.group(1)], np_
+    else:
+        m = re.search(r"or on (\d+) ranks? with --grid (\d+x\d+) --halo (\d+)", line)
+        assert m, line
+        rerun = ["--grid", m.group(2), "--halo", m.group(3)]
+        ranks = int(m.group(1)) if int(m.group(1)) > 1 else None
+    i = common.index("--grid") if "--grid" in common else None
+    if i is not None and "--grid" in rerun:
+        del common[i:i + 2]
+    proc = flowpm(*common, *rerun, "--no-plot", "--out", tmp_path / "RERUN", np_=ranks)
     assert proc.returncode == 0, proc.out[-3000:]
     assert not ERROR_LINE.search(proc.out)
