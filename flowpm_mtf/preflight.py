@@ -3,11 +3,22 @@
 Everything here runs before the TF graph is built (or, for the graph helpers,
 while it is built) and costs milliseconds:
 
+* :func:`check_sizes`: tensors of 2^63 elements or more (no TensorFlow shape
+  counts them): a :class:`ConfigError` naming the option, before anything else
+  computes with them;
 * :func:`check_memory`: the estimated peak memory per rank (the measured model
-  of ``docs/scaling.md``) against the memory the node has for its ranks;
+  of ``docs/scaling.md``, plus each job's own terms: :func:`fft_demo_memory`,
+  :func:`lensing_memory`, :func:`reconstruct_memory`, run from the jobs'
+  preflight by :func:`check_job_memory`) against the memory the node has for
+  its ranks. Every size is an exact Python int (the model's constants as exact
+  fractions): nothing wraps at 2^31 or 2^63 or rounds at 2^53. The advice is a
+  configuration that fits (checked: a rank count and grid, or a value of the
+  option whose part does not shrink with more ranks), or says that none does;
 * :func:`check_numerics`: inputs the floating-point type cannot represent
   (initial displacements or per-step moves below the resolution of the
-  positions), which would otherwise give a silently wrong result;
+  positions), which would otherwise give a silently wrong result; the advised
+  ``--a-start``/``--steps`` passes the whole check, or the message says that no
+  value of that option does and what does;
 * :func:`unfolded_zeros_initializer` and :func:`large_constants`: no full-size
   array is ever embedded in the graph (the 2 GB GraphDef/TensorProto limit).
 
@@ -466,6 +477,12 @@ def check_memory(conf, comm, processes=None, masters=True, force=False, availabl
 #: (complex128) and its normalised copy, the stored-order copy, |ref| (float64) [bytes/cell
 #: over the itemsize].
 FFT_REFERENCE_BYTES_PER_CELL = 16 + 16 + 16 + 8
+#: FFT demo: the TensorFlow working set of the distributed round trip beyond the fetched
+#: slices [itemsizes per cell of the rank]. The memory model's per-cell constant is 0 (its
+#: fit puts the simulation's mesh work into the slots), so it is measured here: fft-demo on
+#: 1 rank, float64, peaks of 1228 and 2230 MB at 192^3 and 256^3 (summary.json) are M0 + 98
+#: and 101 B per cell, of which the counted arrays give 88; 2 itemsizes (16 B) cover the rest.
+FFT_WORKING_ITEMSIZES_PER_CELL = 2
 #: Lensing maps [src, npix, npix]: the einsum term, the running sum and its all-reduce in
 #: TF (3 itemsize), the fetched copy (itemsize) and its float64 copy; per map the flat-sky
 #: power spectrum's FFT (complex128), |.|^2 and the ell and bin arrays (8 + 8 + 8).
@@ -513,7 +530,8 @@ def fft_demo_memory(conf):
             n = n if n and fits(n * step, valid_only=True) else 0
             return "--nc %d or less" % (n * step) if n else None
 
-        return [Term("the fetched slices (k and the round trip)", 3 * isz * cells * blocks, True),
+        return [Term("the distributed FFT (working set, fetched k and round trip)",
+                     (3 + FFT_WORKING_ITEMSIZES_PER_CELL) * isz * cells * blocks, True),
                 Term("the full-size numpy reference of every rank", reference(conf.nc), False,
                      "a smaller --nc", advise)]
 

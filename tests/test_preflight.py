@@ -521,3 +521,40 @@ def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
     # the eulerian decomposition's checks are not touched
     assert domain.error_from_tf(RuntimeError("flowpm_mtf.painting: particles escaped"),
                                 conf.replace(decomposition="eulerian", halo_size=None)) is None
+
+
+# fft-demo on 1 rank, float64: measured peak RSS [MB] (summary.json, peak_memory_mb_per_rank)
+FFT_DEMO_PEAKS_MB = {64: 590.0, 192: 1228.0, 256: 2230.0}
+
+
+@pytest.mark.parametrize("nc", sorted(FFT_DEMO_PEAKS_MB))
+def test_fft_demo_estimate_matches_measured_peaks(nc):
+    conf = SimConfig(nc=nc, dtype="float64")
+    est = preflight.estimate_peak_memory(conf, masters=False, particles=False,
+                                         extra=preflight.fft_demo_memory(conf))
+    assert est / 2**20 == pytest.approx(FFT_DEMO_PEAKS_MB[nc], rel=MODEL_RTOL)
+
+
+def test_job_memory_check_runs_once_and_honours_force():
+    class Backend:
+        name = "hvd"
+
+        class mesh_impl:
+            slice_only_variables = True
+
+    class Ctx:
+        conf = SimConfig(nc=1024, dtype="float64")
+        comm = FakeComm(1)
+        backend = Backend()
+
+    extra = preflight.fft_demo_memory(Ctx.conf)
+    ctx = Ctx()
+    ctx.force = False
+    if preflight.estimate_peak_memory(Ctx.conf, masters=False, particles=False,
+                                      extra=extra) <= (preflight.memory_available() or 0):
+        pytest.skip("this machine holds a 1024^3 float64 FFT demo")
+    with pytest.raises(MemoryBudgetError, match="numpy reference"):
+        preflight.check_job_memory(ctx, extra, particles=False)
+    ctx.force = True
+    assert preflight.check_job_memory(ctx, extra, particles=False)["estimate"] > 0
+    assert preflight.check_job_memory(ctx, extra, particles=False) is None   # once per run
