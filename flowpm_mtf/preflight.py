@@ -559,8 +559,9 @@ def lensing_memory(conf, n_planes, n_source, npix):
             n = _largest(lambda k: rays(k, blocks) <= room, npix)
             return "--field-npix %d or less" % n if n else None
 
-        terms = [Term("the lensing rays (%d source maps of %d^2 pixels and the interpolation "
-                      "weights of %d planes)" % (n_source, npix, n_planes), rays(npix, blocks),
+        terms = [Term("the lensing rays (%d source map%s of %d^2 pixels and the interpolation "
+                      "weights of %d planes)" % (n_source, "s" if n_source > 1 else "", npix,
+                                                 n_planes), rays(npix, blocks),
                       False, "a smaller --field-npix", advise),
                  Term("the %d lens planes" % n_planes, n_planes * sx * sy * (isz + 8) * blocks,
                       True)]
