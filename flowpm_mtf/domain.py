@@ -104,7 +104,7 @@ from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
 
 __all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
-           "error_from_tf", "bytes_per_migration"]
+           "error_from_tf", "bytes_per_migration", "HALO_HINT_MARGIN_CELLS", "lagrangian_halo"]
 
 log = logging.getLogger(__name__)
 
@@ -648,6 +648,71 @@ def parse_check(message):
             "send_capacity": int(caps.group(2))}
 
 
+#: Cells a lagrangian halo hint adds to the estimated largest displacement (6 linear rms at
+#: ``a_end``, :func:`flowpm_mtf.sizing.lpt_displacement_cells`; the largest of 10^6-10^9
+#: Gaussian draws is 4.9-6.1 rms): the CIC stencil's cell and one of margin.
+HALO_HINT_MARGIN_CELLS = 2
+
+
+def lagrangian_halo(conf):
+    """The halo a lagrangian run of ``conf`` needs [cells], and the displacement it covers.
+
+    A particle may move ``halo_size - 1`` cells away from its block (its CIC
+    stencil then still fits, :mod:`flowpm_mtf.painting`): the halo covers the
+    estimated largest displacement of the run, ``d =``
+    :func:`flowpm_mtf.sizing.lpt_displacement_cells` at ``a_end`` (6 linear rms),
+    plus :data:`HALO_HINT_MARGIN_CELLS`.
+
+    Returns
+    -------
+    (int, float)
+        Halo [cells], largest displacement [cells].
+    """
+    d = float(sizing.lpt_displacement_cells(conf, conf.a_end))
+    return int(math.floor(d)) + HALO_HINT_MARGIN_CELLS, d
+
+
+def _lagrangian_escape_error(conf):
+    """The :class:`ParticleEscapeError` of a lagrangian run whose particles left the halo,
+    with a halo that covers the run's displacement (not merely a larger one)."""
+    h = conf.halo_size
+    need, d = lagrangian_halo(conf)
+    if need <= h:
+        # the estimate was already covered: this run moved farther than linear theory says
+        need = max(need, 2 * h + 1)
+    limit = min(conf.block_shape[:2]) - 1
+    what = ("particles moved beyond the %d-cell halo of their block during the N-body (their "
+            "CIC stencil left the padded block; the largest displacement of this run is "
+            "estimated at %.1f cells)" % (h, d))
+    if need <= limit:
+        hint = ("rerun with --halo %d (at most %d on this grid), or --decomposition eulerian "
+                "(no limit on the displacement)" % (need, limit))
+    else:
+        fewer = _grid_with_room(conf, need)
+        hint = ("no --halo surely suffices on this grid (the estimate needs %d; the blocks allow "
+                "--halo %d at most, which may fall short): rerun with --decomposition eulerian "
+                "(no limit on the displacement)%s" % (
+                    need, limit, "" if fewer is None else
+                    ", or on %d rank%s with --grid %dx%d --halo %d" % (
+                        fewer[0] * fewer[1], "s" if fewer[0] * fewer[1] > 1 else "",
+                        fewer[0], fewer[1], need)))
+    return ParticleEscapeError("%s; %s" % (what, hint))
+
+
+def _grid_with_room(conf, halo):
+    """The grid of the most ranks (fewer than ``conf``'s) whose blocks hold ``halo``, or None."""
+    for n in range(conf.n_ranks - 1, 0, -1):
+        q = math.isqrt(n)
+        while n % q:
+            q -= 1
+        try:
+            conf.replace(grid=(n // q, q), halo_size=halo, capacity=None, send_capacity=None)
+        except ValueError:
+            continue
+        return (n // q, q)
+    return None
+
+
 def error_from_tf(exc, conf):
     """The :class:`FlowpmError` for a failed migration check, or None.
 
@@ -662,9 +727,14 @@ def error_from_tf(exc, conf):
     CapacityError or ParticleEscapeError or None
         ``CapacityError`` names the capacities that would work (1.25 x the
         needed ones); ``ParticleEscapeError`` a number of steps that would keep
-        the motion per step below 0.8 block.
+        the motion per step below 0.8 block, or, for particles that left the
+        halo of a lagrangian run, the halo that covers the run's displacement
+        (:func:`lagrangian_halo`).
     """
-    info = parse_check(str(getattr(exc, "message", exc)))
+    text = str(getattr(exc, "message", exc))
+    if conf.decomposition == "lagrangian" and "particles escaped" in text:
+        return _lagrangian_escape_error(conf)
+    info = parse_check(text)
     if info is None:
         return None
     st, cap, m = info["stats"], info["capacity"], info["send_capacity"]

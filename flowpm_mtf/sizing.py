@@ -75,14 +75,15 @@ def capacity(conf):
     linear sphere's (the blocks tile the box: their counts sum to the total).
     An underestimate is caught before any loss and retried with a larger one.
     """
-    npb = conf.particles_per_block
+    # exact Python ints (SimConfig's counts are numpy products, which wrap beyond 2^63)
+    npb = math.prod(int(n) for n in conf.block_shape)
     if conf.capacity is not None:
         return conf.capacity
     if conf.decomposition == "lagrangian" or conf.n_ranks == 1:
         return npb
     k = min(CAPACITY_SIGMAS, math.sqrt(2.0 * math.log(max(2, conf.n_ranks))))
     factor = CAPACITY_MARGIN + k * _sigma_block(conf, conf.a_end)
-    return int(min(conf.n_particles, 64 * math.ceil(npb * factor / 64)))
+    return int(min(math.prod(int(n) for n in conf.nc), 64 * math.ceil(npb * factor / 64)))
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,5 +1,7 @@
 """Checks before the compute (flowpm_mtf.preflight) and graphs that scale past 2^31 cells."""
+import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -89,6 +91,15 @@ def test_memory_estimate_scales_with_ranks_and_dtype():
         preflight.RUNTIME_MB * 2**20 + 4 * work(c4))
 
 
+def _advised_grid(msg):
+    """(ranks, grid) of the advice "the smallest rank count ... is N (-np N --grid PxQ)"."""
+    m = re.search(r"the smallest rank count that fits at \S+ GB per rank is (\d+) \(-np (\d+) "
+                  r"--grid (\d+)x(\d+)\)", msg)
+    assert m, msg
+    assert m.group(1) == m.group(2)
+    return int(m.group(1)), (int(m.group(3)), int(m.group(4)))
+
+
 def test_over_memory_refused_with_estimate_available_and_rank_count():
     conf = SimConfig(nc=512, grid=(2, 1))
     avail = 24 * GB
@@ -96,13 +107,15 @@ def test_over_memory_refused_with_estimate_available_and_rank_count():
         preflight.check_memory(conf, FakeComm(2), available=avail)
     msg = str(e.value)
     assert "12.0 GB available per rank (24.0 GB on the node for 2 ranks)" in msg
-    n = int(msg.split("smallest rank count that fits at 12.0 GB per rank is ")[1].split()[0])
-    best_grid = preflight._grid_fits(conf, n)
+    n, grid = _advised_grid(msg)
+    assert preflight._grid_fits(conf, n) == grid
     assert preflight.estimate_peak_memory(conf, n_ranks=n) <= 12 * GB
     for m in range(1, n):  # no smaller valid rank count fits
         if preflight._grid_fits(conf, m):
             assert preflight.estimate_peak_memory(conf, n_ranks=m) > 12 * GB
-    assert best_grid is not None and "--force" in msg
+    # following the advice: that grid, with 2 ranks per node, passes the check
+    preflight.check_memory(conf.replace(grid=grid), FakeComm(2), available=avail)
+    assert "--force" in msg
     # --force: only logged.
     res = preflight.check_memory(conf, FakeComm(2), available=avail, force=True)
     assert res["estimate"] > res["available_per_rank"]
@@ -115,7 +128,7 @@ def test_small_config_fits():
 
 def test_masters_alone_too_big():
     conf = SimConfig(nc=4096, grid=(1, 1))
-    with pytest.raises(MemoryBudgetError, match="no rank count fits.*master copies alone"):
+    with pytest.raises(MemoryBudgetError, match="no rank count fits: the full-size master copies.* alone would take"):
         preflight.check_memory(conf, FakeComm(1), available=64 * GB)
 
 
@@ -137,7 +150,7 @@ def test_suggested_a_start_is_accepted():
     with pytest.raises(ConfigError) as e:
         preflight.check_numerics(conf)
     a_min = float(str(e.value).split("--a-start >= ")[1].split()[0])
-    preflight.check_numerics(SimConfig(nc=64, a_start=a_min * 1.05))
+    preflight.check_numerics(SimConfig(nc=64, a_start=a_min))
 
 
 def test_too_many_steps_for_float32_rejected():
@@ -240,3 +253,305 @@ def test_variable_initializer_is_not_folded_into_a_full_size_constant():
     n = 4 * 2**20
     assert [n] in _initializer_constants(tf.zeros_initializer(), n)  # what Grappler does
     assert [n] not in _initializer_constants(preflight.unfolded_zeros_initializer(), n)
+
+
+# ----------------------------------------------------------------------------- issue item 5
+# Sizes are exact Python ints: around the int32 and int64 boundaries of the counts and
+# the 2^53 limit of float64 integers, the estimate is the exact formula, never wrapped.
+INT64_MAX = 2**63 - 1
+BUDGET = 16 * GB    # a node's memory per rank in the tests below (any value would do)
+
+
+def _exact_estimate(conf, masters):
+    """The memory model in exact rationals, written out independently of preflight."""
+    from fractions import Fraction
+
+    P, Q = conf.grid
+    sx, sy, nz = conf.nc[0] // P, conf.nc[1] // Q, conf.nc[2]
+    h = conf.halo_size
+    slots = sx * sy * nz if (conf.n_ranks == 1 or conf.decomposition == "lagrangian") \
+        else preflight.memory_terms(conf)[0]
+    cells = (sx + 2 * h) * (sy + 2 * h) * nz
+    scale = Fraction(conf.np_dtype.itemsize, 4)
+    parts = [Fraction(preflight.RUNTIME_MB) * 2**20,
+             Fraction(preflight.BYTES_PER_SLOT) * slots * scale,
+             Fraction(preflight.BYTES_PER_PADDED_CELL) * cells * scale]
+    if masters:
+        parts.append(36 * scale * conf.nc[0] * conf.nc[1] * conf.nc[2])
+    return sum(math.ceil(x) for x in parts)
+
+
+@pytest.mark.parametrize("nc", [1290, 1291, 2**11, 2**20, 208063, 208064, 2**21 - 1, 2**21,
+                                4194304, 10**11])
+@pytest.mark.parametrize("masters", [False, True])
+def test_estimate_is_exact_around_integer_and_float_boundaries(nc, masters):
+    """int32 (1290^3 < 2^31 < 1291^3), 2^53 (208064^3 > 2^53 > 208063^3), int64 (2^21 cubed
+    and its padded blocks pass 2^63; 4194304^3 is the issue's 0.5 GB estimate)."""
+    conf = SimConfig(nc=nc)
+    est = preflight.estimate_peak_memory(conf, masters=masters)
+    assert isinstance(est, int)
+    assert est == _exact_estimate(conf, masters)
+    assert est > preflight.BYTES_PER_PADDED_CELL * nc**3   # no wrap-around
+
+
+@pytest.mark.parametrize("nc", [2**21 - 1, 2**21, 4194304, 10**11, (2**31, 2**31, 2**2)])
+def test_sizes_beyond_int64_are_a_config_error(nc):
+    """A tensor with 2^63 elements or more is refused by name, by the memory check and by
+    the numerics check (which the CLI runs first), not a MemoryError or a wrong estimate."""
+    conf = SimConfig(nc=nc)
+    for check in (lambda: preflight.check_memory(conf, FakeComm(2), available=BUDGET),
+                  lambda: preflight.check_numerics(conf), lambda: preflight.check_sizes(conf)):
+        with pytest.raises(ConfigError, match=r"beyond the 2\^63-1 a TensorFlow shape can "
+                                              r"count.*use a smaller --nc"):
+            check()
+
+
+@pytest.mark.parametrize("nc", [1_400_000, 2**20, 65536, 2**12])
+def test_sizes_below_int64_get_a_memory_error_with_real_advice(nc):
+    """Just below the int64 limit (and at large but countable sizes) the check is the memory
+    check: exit 4 with either a rank count that fits (checked) or why none does."""
+    conf = SimConfig(nc=nc)
+    preflight.check_sizes(conf)
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_memory(conf, FakeComm(1), available=BUDGET, masters=False)
+    msg = str(e.value)
+    if "smallest rank count" in msg:
+        n, grid = _advised_grid(msg)
+        preflight.check_memory(conf.replace(grid=grid), FakeComm(1), available=BUDGET,
+                               masters=False)
+    else:
+        assert re.search(r"no rank count (up to \d+ )?fits", msg), msg
+
+
+def test_smallest_rank_count_search_is_cheap_for_absurd_sizes():
+    import time
+
+    t0 = time.perf_counter()
+    assert preflight.smallest_rank_count(SimConfig(nc=2**20), BUDGET, masters=False) is None
+    assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("capacity,grid,ranks", [(10**11, (1, 1), 1), (10**11, (2, 1), 2),
+                                                 (10**9, (1, 1), 1), (3 * 10**8, (2, 2), 4)])
+def test_explicit_capacity_advice_is_a_capacity_that_fits(capacity, grid, ranks):
+    """--capacity 1e11 used to advise "1 (grid 1x1, on more nodes)": more ranks do not
+    shrink an explicit capacity, so the advice is the largest --capacity that fits here."""
+    conf = SimConfig(nc=64, grid=grid, capacity=capacity)
+    avail = BUDGET * ranks
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_memory(conf, FakeComm(ranks), available=avail, masters=False)
+    msg = str(e.value)
+    assert "grid 1x1, on more nodes" not in msg and "smallest rank count" not in msg, msg
+    best = int(re.search(r"use --capacity (\d+) or less", msg).group(1))
+    assert best >= conf.particles_per_block
+    preflight.check_memory(conf.replace(capacity=best), FakeComm(ranks), available=avail,
+                           masters=False)
+    with pytest.raises(MemoryBudgetError):
+        preflight.check_memory(conf.replace(capacity=best + 1), FakeComm(ranks),
+                               available=avail, masters=False)
+
+
+def test_capacity_smaller_than_any_fit_says_no_capacity_fits():
+    conf = SimConfig(nc=256, capacity=10**10)
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_memory(conf, FakeComm(1), available=2 * GB, masters=False)
+    assert "alone would take" in str(e.value) and "--capacity" in str(e.value)
+
+
+# Lensing: the rays ([src, npix, npix] maps, the interpolation weights) are replicated and
+# the planes are per block: both are in the estimate.
+@pytest.mark.parametrize("npix,n_source", [(100000, 1), (30000, 2), (20000, 1), (4096, 4)])
+def test_lensing_rays_refused_with_a_field_npix_that_fits(npix, n_source):
+    conf = SimConfig(nc=64, grid=(2, 1), box_size=256.0, a_start=0.2)
+    extra = preflight.lensing_memory(conf, 12, n_source, npix)
+    base = preflight.estimate_peak_memory(conf, masters=False)
+    est = preflight.estimate_peak_memory(conf, masters=False, extra=extra)
+    assert est - base >= n_source * npix**2 * 4 * conf.np_dtype.itemsize
+    avail = 2 * (base + (est - base) // 2)   # the maps do not fit, the simulation does
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_memory(conf, FakeComm(2), available=avail, masters=False, extra=extra)
+    k = int(re.search(r"use --field-npix (\d+) or less", str(e.value)).group(1))
+    assert 0 < k < npix
+    preflight.check_memory(conf, FakeComm(2), available=avail, masters=False,
+                           extra=preflight.lensing_memory(conf, 12, n_source, k))
+
+
+def test_lensing_planes_scale_with_their_number_and_the_blocks():
+    conf = SimConfig(nc=64, grid=(2, 1))
+    one = preflight.estimate_peak_memory(conf, masters=False,
+                                         extra=preflight.lensing_memory(conf, 1, 1, 16))
+    many = preflight.estimate_peak_memory(conf, masters=False,
+                                          extra=preflight.lensing_memory(conf, 101, 1, 16))
+    assert many - one >= 100 * 32 * 64 * conf.np_dtype.itemsize
+
+
+@pytest.mark.parametrize("npix,ok", [(3037000499, True), (3037000500, False)])
+def test_lensing_maps_beyond_int64_are_a_config_error(npix, ok):
+    """3037000500^2 > 2^63 - 1 >= 3037000499^2."""
+    conf = SimConfig(nc=64)
+    tensors = preflight.lensing_tensors(1, npix)
+    if ok:
+        preflight.check_sizes(conf, tensors)
+    else:
+        with pytest.raises(ConfigError, match="convergence maps.*--field-npix"):
+            preflight.check_sizes(conf, tensors)
+
+
+# FFT demo: every rank holds the full-size numpy reference.
+@pytest.mark.parametrize("nc,dtype", [(1024, "float64"), (2048, "float64"), (1024, "float32"),
+                                      (768, "float64")])
+def test_fft_demo_reference_refused_with_an_nc_that_fits(nc, dtype):
+    conf = SimConfig(nc=nc, dtype=dtype, grid=(2, 1))
+    extra = preflight.fft_demo_memory(conf)
+    est = preflight.estimate_peak_memory(conf, masters=False, extra=extra, particles=False)
+    assert est >= nc**3 * (conf.np_dtype.itemsize + 16)   # the field and its FFT at least
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_memory(conf, FakeComm(2), available=2 * BUDGET, masters=False,
+                               extra=extra, particles=False)
+    k = int(re.search(r"use --nc (\d+) or less", str(e.value)).group(1))
+    small = conf.replace(nc=k)
+    preflight.check_memory(small, FakeComm(2), available=2 * BUDGET, masters=False,
+                           extra=preflight.fft_demo_memory(small), particles=False)
+
+
+# Reconstruction: the field variables, Adam's moments and the data are in the estimate.
+@pytest.mark.parametrize("forward", ["lpt", "nbody"])
+@pytest.mark.parametrize("grid", [(1, 1), (2, 2)])
+def test_reconstruction_variables_are_in_the_estimate(forward, grid):
+    conf = SimConfig(nc=256, grid=grid, n_steps=5)
+    cells = 256**3 // conf.n_ranks
+    extra = preflight.reconstruct_memory(conf, forward)
+    sim = preflight.estimate_peak_memory(conf, masters=False)
+    rec = preflight.estimate_peak_memory(conf, masters=False, extra=extra)
+    # the linear field, the two Adam moments and the observed data at least
+    assert rec - sim >= 4 * cells * conf.np_dtype.itemsize
+    if forward == "nbody":
+        lpt = preflight.estimate_peak_memory(conf, masters=False,
+                                             extra=preflight.reconstruct_memory(conf, "lpt"))
+        assert rec > lpt
+    # between the two: the simulation's check passes, the reconstruction's refuses
+    avail = conf.n_ranks * (sim + rec) // 2
+    preflight.check_memory(conf, FakeComm(conf.n_ranks), available=avail, masters=False)
+    with pytest.raises(MemoryBudgetError, match="smallest rank count that fits"):
+        preflight.check_memory(conf, FakeComm(conf.n_ranks), available=avail, masters=False,
+                               extra=extra)
+
+
+# Numerics: the advised value passes the check, or the message says none does.
+@pytest.mark.parametrize("box", [200.0, 1e4, 1e5, 1e7, 1e12])
+@pytest.mark.parametrize("a_start", [1e-10, 1e-6, 1e-3, 0.1])
+def test_a_start_advice_passes_or_says_no_a_start_does(box, a_start):
+    conf = SimConfig(nc=64, box_size=box, a_start=a_start)
+    try:
+        preflight.check_numerics(conf)
+        return
+    except ConfigError as e:
+        msg = str(e)
+    m = re.search(r"use --a-start >= (\S+?)( |$)", msg)
+    if m:
+        a = float(m.group(1))
+        assert conf.a_start < a < conf.a_end, msg
+        preflight.check_numerics(conf.replace(a_start=a))
+    elif "steps are too many" not in msg:
+        assert "no --a-start below a_end=1 resolves them" in msg, msg
+        with pytest.raises(ConfigError):   # indeed: not even just below a_end
+            preflight.check_numerics(conf.replace(a_start=0.999 * conf.a_end))
+    if "--dtype float64" in msg:
+        preflight.check_numerics(conf.replace(dtype="float64"))
+    else:
+        assert "no --dtype resolves it" in msg and "--box-size" in msg, msg
+        with pytest.raises(ConfigError):
+            preflight.check_numerics(conf.replace(dtype="float64"))
+
+
+def test_box_size_1e7_says_no_a_start_fixes_it():
+    with pytest.raises(ConfigError) as e:
+        preflight.check_numerics(SimConfig(box_size=1e7))
+    msg = str(e.value)
+    assert "no --a-start below a_end=1 resolves them" in msg and "use --dtype float64" in msg
+    assert "--a-start >=" not in msg   # no value of it passes
+
+
+@pytest.mark.parametrize("steps", [20000, 100000, 10**6])
+def test_steps_advice_passes(steps):
+    conf = SimConfig(nc=64, n_steps=steps)
+    try:
+        preflight.check_numerics(conf)
+        return
+    except ConfigError as e:
+        msg = str(e)
+    n = int(re.search(r"use --steps <= (\d+)", msg).group(1))
+    assert 1 <= n < steps
+    preflight.check_numerics(conf.replace(n_steps=n))
+
+
+# The lagrangian halo hint covers the run's estimated displacement (it used to be 2h + 1).
+@pytest.mark.parametrize("nc,box,grid,halo", [(16, 64.0, (1, 1), 1), (16, 64.0, (1, 1), 3),
+                                              (32, 128.0, (2, 1), 1), (64, 200.0, (2, 2), 2),
+                                              (16, 16.0, (2, 1), 1)])
+def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
+    from flowpm_mtf import domain, sizing
+    from flowpm_mtf.errors import ParticleEscapeError
+
+    conf = SimConfig(nc=nc, box_size=box, grid=grid, decomposition="lagrangian",
+                     halo_size=halo)
+    err = domain.error_from_tf(RuntimeError(
+        "flowpm_mtf.painting: particles escaped: paint found particles beyond the halo; "
+        "count = 3"), conf)
+    assert isinstance(err, ParticleEscapeError)
+    msg = str(err)
+    d = sizing.lpt_displacement_cells(conf, conf.a_end)
+    m = re.search(r"rerun with --halo (\d+)", msg)
+    if m:
+        h = int(m.group(1))
+        assert h > halo and h >= d + 1, msg   # a particle may move h - 1 cells
+        conf.replace(halo_size=h)             # valid on this grid
+    else:
+        assert "no --halo surely suffices on this grid" in msg, msg
+        assert "--decomposition eulerian" in msg
+        need = math.floor(d) + domain.HALO_HINT_MARGIN_CELLS
+        assert need > min(conf.block_shape[:2]) - 1
+        m = re.search(r"or on (\d+) ranks? with --grid (\d+)x(\d+) --halo (\d+)", msg)
+        if m:   # fewer ranks whose blocks hold that halo
+            assert int(m.group(1)) < conf.n_ranks and int(m.group(4)) == need
+            conf.replace(grid=(int(m.group(2)), int(m.group(3))), halo_size=need)
+    # the eulerian decomposition's checks are not touched
+    assert domain.error_from_tf(RuntimeError("flowpm_mtf.painting: particles escaped"),
+                                conf.replace(decomposition="eulerian", halo_size=None)) is None
+
+
+# fft-demo on 1 rank, float64: measured peak RSS [MB] (summary.json, peak_memory_mb_per_rank)
+FFT_DEMO_PEAKS_MB = {64: 590.0, 192: 1228.0, 256: 2230.0}
+
+
+@pytest.mark.parametrize("nc", sorted(FFT_DEMO_PEAKS_MB))
+def test_fft_demo_estimate_matches_measured_peaks(nc):
+    conf = SimConfig(nc=nc, dtype="float64")
+    est = preflight.estimate_peak_memory(conf, masters=False, particles=False,
+                                         extra=preflight.fft_demo_memory(conf))
+    assert est / 2**20 == pytest.approx(FFT_DEMO_PEAKS_MB[nc], rel=MODEL_RTOL)
+
+
+def test_job_memory_check_runs_once_and_honours_force():
+    class Backend:
+        name = "hvd"
+
+        class mesh_impl:
+            slice_only_variables = True
+
+    class Ctx:
+        conf = SimConfig(nc=1024, dtype="float64")
+        comm = FakeComm(1)
+        backend = Backend()
+
+    extra = preflight.fft_demo_memory(Ctx.conf)
+    ctx = Ctx()
+    ctx.force = False
+    if preflight.estimate_peak_memory(Ctx.conf, masters=False, particles=False,
+                                      extra=extra) <= (preflight.memory_available() or 0):
+        pytest.skip("this machine holds a 1024^3 float64 FFT demo")
+    with pytest.raises(MemoryBudgetError, match="numpy reference"):
+        preflight.check_job_memory(ctx, extra, particles=False)
+    ctx.force = True
+    assert preflight.check_job_memory(ctx, extra, particles=False)["estimate"] > 0
+    assert preflight.check_job_memory(ctx, extra, particles=False) is None   # once per run

@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import fft, io, layout, noise
+from .. import fft, io, layout, noise, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import register, runner
@@ -56,6 +56,11 @@ class FftDemoJob(Job):
     sections = (ConfigSection("config", SimConfig, {"dtype": "float64"}),
                 ConfigSection("fft_demo", FftDemoOptions))
     default_out = "out/fft-demo"
+
+    def preflight(self, ctx):
+        # Every rank holds the full-size numpy reference (field, FFT and copies): refused
+        # before any allocation if it does not fit (the CLI checks no memory for this job).
+        preflight.check_job_memory(ctx, preflight.fft_demo_memory(ctx.conf), particles=False)
 
     def build(self, ctx, mesh):
         conf = ctx.conf

@@ -39,7 +39,7 @@ import logging
 import mesh_tensorflow as mtf
 import numpy as np
 
-from .. import h5dist, io, lensing
+from .. import h5dist, io, lensing, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
@@ -101,7 +101,14 @@ class LensingJob(Job):
     checkpoints = False  # the planes are not checkpointed: SIGTERM stops it, see above
 
     def preflight(self, ctx):
-        ctx.geom = lensing.geometry(ctx.conf, ctx.configs["lensing"])  # same error on all ranks
+        # Sizes and memory first (from the options alone: the geometry allocates the rays),
+        # then the lightcone's consistency; the same error on every rank.
+        lconf = ctx.configs["lensing"]
+        n_source = len(np.atleast_1d(lconf.z_source))
+        preflight.check_job_memory(
+            ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
+            tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
+        ctx.geom = lensing.geometry(ctx.conf, lconf)
 
     def build(self, ctx, mesh):
         return LensingGraph(ctx.conf, ctx.geom, mesh)

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from .. import h5dist, io
+from .. import h5dist, io, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..reconstruct import ReconConfig, ReconstructionGraph
@@ -49,6 +49,12 @@ class ReconstructJob(Job):
     sections = (ConfigSection("config", SimConfig, {"nc": 32, "n_steps": 5}),
                 ConfigSection("reconstruction", ReconConfig))
     default_out = "out/recon"
+
+    def preflight(self, ctx):
+        # the field variables, Adam's moments, the data and the gradient tape are in the
+        # estimate (the simulation's terms alone are not)
+        preflight.check_job_memory(ctx, preflight.reconstruct_memory(
+            ctx.conf, ctx.configs["reconstruction"].forward))
 
     def build(self, ctx, mesh):
         return ReconstructionGraph(ctx.conf, ctx.configs["reconstruction"], mesh)
