@@ -47,7 +47,7 @@ def did_you_mean(key, names):
     names = list(names)
     by_lower = {n.lower(): n for n in names}
     hit = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
-    return " (did you mean \"%s\"?)" % by_lower[hit[0]] if hit else ""
+    return " (did you mean %r?)" % by_lower[hit[0]] if hit else ""
 
 
 def _is_number(v):

@@ -88,7 +88,7 @@ def test_cosmology_matches_flowpm_planck15():
     (dict(dtype=["float32"]), r"dtype must be one of float32, float64, got \['float32'\]"),
     (dict(decomposition=None), r"decomposition must be one of eulerian, lagrangian, got None"),
     (dict(cosmology={"Omega_cc": 0.3}), r"unknown cosmology key 'Omega_cc' "
-                                         r"\(did you mean \"Omega_c\"\?\)"),
+                                         r"\(did you mean 'Omega_c'\?\)"),
     (dict(cosmology=None), r"cosmology must be a dict of Cosmology fields"),
     (dict(nc=16, halo_size=1.5), r"halo_size must be an int.*1.5"),
     (dict(a_start=0.5, a_end=0.5), r"a_start=0.5, a_end=0.5"),

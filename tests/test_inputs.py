@@ -105,23 +105,23 @@ def test_config_not_an_object_or_not_utf8(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("data, patterns", [
-    ({"nc": "thirty-two"}, [r'"nc": expected an integer or a list of 3 integers, '
+    ({"nc": "thirty-two"}, [r"'nc': expected an integer or a list of 3 integers, "
                             r'got "thirty-two"']),
-    ({"nc": None}, [r'"nc": expected an integer.*got null']),
-    ({"cosmology": {"Omega_cc": 0.3}}, [r'unknown cosmology key "Omega_cc" '
-                                        r'\(did you mean "Omega_c"\?\)']),
-    ({"config": {"cosmology": {"sigma_8": 0.8}}}, [r'unknown cosmology key "sigma_8" '
-                                                   r'\(did you mean "sigma8"\?\)']),
-    ({"Omega_c": 0.3}, [r'unknown key "Omega_c" \(a cosmology parameter: '
+    ({"nc": None}, [r"'nc': expected an integer.*got null"]),
+    ({"cosmology": {"Omega_cc": 0.3}}, [r"unknown cosmology key 'Omega_cc' "
+                                        r"\(did you mean 'Omega_c'\?\)"]),
+    ({"config": {"cosmology": {"sigma_8": 0.8}}}, [r"unknown cosmology key 'sigma_8' "
+                                                   r"\(did you mean 'sigma8'\?\)"]),
+    ({"Omega_c": 0.3}, [r"unknown key 'Omega_c' \(a cosmology parameter: "
                         r'\{"cosmology": \{"Omega_c": \.\.\.\}\}\)']),
-    ({"steps": 3}, [r'unknown key "steps" \(the flag --steps is the key "n_steps"\)']),
-    ({"n_step": 3}, [r'unknown key "n_step" \(did you mean "n_steps"\?\)']),
-    ({"config": {"seeed": 3}}, [r'unknown key "seeed" in section "config" '
-                                r'\(did you mean "seed"\?\)']),
-    ({"simulate": 3}, [r'section "simulate": expected an object']),
-    ({"cosmology": {"h": "0.7"}}, [r'"cosmology.h": expected a number, got "0.7"']),
-    ({"cosmology": None}, [r'"cosmology": expected an object of cosmology fields.*got null']),
-    ({"grid": "2by1"}, [r'"grid": expected \[P, Q\].*got "2by1"']),
+    ({"steps": 3}, [r"unknown key 'steps' \(the flag --steps is the key 'n_steps'\)"]),
+    ({"n_step": 3}, [r"unknown key 'n_step' \(did you mean 'n_steps'\?\)"]),
+    ({"config": {"seeed": 3}}, [r"unknown key 'seeed' in section 'config' "
+                                r"\(did you mean 'seed'\?\)"]),
+    ({"simulate": 3}, [r"section 'simulate': expected an object"]),
+    ({"cosmology": {"h": "0.7"}}, [r"'cosmology.h': expected a number, got \"0.7\""]),
+    ({"cosmology": None}, [r"'cosmology': expected an object of cosmology fields.*got null"]),
+    ({"grid": "2by1"}, [r"'grid': expected \[P, Q\].*got \"2by1\""]),
 ])
 def test_config_values_of_the_issue(tmp_path, capsys, data, patterns):
     path = write_config(tmp_path, data)
@@ -177,7 +177,7 @@ TYPE_CASES = [(name, f.name, v) for name, job in sorted(REGISTRY.items())
 def test_every_config_key_with_a_wrong_type(tmp_path, capsys, job, key, value):
     path = write_config(tmp_path, {key: value})
     assert_config_error(*run_cli([job, "--config", path], capsys)[:2],
-                        re.escape("--config %s: " % path), re.escape('"%s"' % key),
+                        re.escape("--config %s: " % path), re.escape("%r" % key),
                         r"expected", re.escape(json.dumps(value)))
 
 
@@ -346,7 +346,7 @@ def test_two_ranks_one_line_exit_2(tmp_path, case):
         pattern = r"halo_size \(--halo\) must be >= 1"
     else:
         args = ["simulate", "--config", write_config(tmp_path, {"cosmology": {"Omega_cc": 1}})]
-        pattern = r'unknown cosmology key "Omega_cc" \(did you mean "Omega_c"\?\)'
+        pattern = r"unknown cosmology key 'Omega_cc' \(did you mean 'Omega_c'\?\)"
     assert_one_line_end_to_end(_mpirun(2, *args, "--out", out), pattern, out)
 
 

@@ -313,7 +313,7 @@ def check_file_value(section, name, value, path):
 
     f = {g.name: g for g in dataclasses.fields(section.cls)}[name]
     default = section.default(name)
-    where = "--config %s: %s" % (path, _shown(name))
+    where = "--config %s: %s" % (path, repr(name))
     if dataclasses.is_dataclass(default):          # the nested cosmology: a dict of numbers
         names = [g.name for g in dataclasses.fields(default)]
         if not isinstance(value, dict):
@@ -323,11 +323,11 @@ def check_file_value(section, name, value, path):
         for key, v in value.items():
             if key not in names:
                 raise ConfigError("--config %s: unknown %s key %s%s; the keys are %s"
-                                  % (path, name, _shown(key), did_you_mean(key, names),
+                                  % (path, name, repr(key), did_you_mean(key, names),
                                      ", ".join(names)))
             if not _number(v):
                 raise ConfigError("--config %s: %s: expected a number, got %s"
-                                  % (path, _shown("%s.%s" % (name, key)), _shown(v)))
+                                  % (path, repr("%s.%s" % (name, key)), _shown(v)))
         return value
     if f.name == "grid" and isinstance(value, str):
         try:
@@ -368,12 +368,12 @@ def _unknown_key(job, key, owner, sections, path, inside=None):
     if norm in flags and norm != flags[norm]:
         full = flags[norm]
         hint = (" (the flag --%s is the key %s)" % (str(key).lstrip("-").replace("_", "-"),
-                                                     _shown(full)) if "." not in full else
+                                                     repr(full)) if "." not in full else
                 " (a cosmology parameter: {\"%s\": {\"%s\": ...}})" % tuple(full.split(".")))
     else:
         hint = did_you_mean(key, list(owner) + ([] if inside else list(sections)))
     return ConfigError("--config %s: unknown key %s%s%s; the %s job takes the keys %s (or "
-                       "sections %s)" % (path, _shown(key), " in section %s" % _shown(inside)
+                       "sections %s)" % (path, repr(key), " in section %s" % repr(inside)
                                          if inside else "", hint, job.name,
                                          ", ".join(sorted(owner)), ", ".join(sorted(sections))))
 
@@ -414,7 +414,7 @@ def job_values(job, args, config_file=None):
                 if not isinstance(value, dict):
                     raise ConfigError("--config %s: section %s: expected an object of its "
                                       "fields {\"name\": value, ...}, got %s"
-                                      % (config_file, _shown(key), _shown(value)))
+                                      % (config_file, repr(key), _shown(value)))
                 items, inside = value.items(), key
             elif key in owner:
                 items, inside = [(key, value)], None
