@@ -72,6 +72,8 @@ import ctypes.util
 import os
 import sys
 
+from .errors import ConfigError
+
 ENV = "FLOWPM_MTF_ALLOCATOR"
 ACTIVE_ENV = "FLOWPM_MTF_ALLOCATOR_ACTIVE"
 MODES = ("tcmalloc", "lean", "tf")
@@ -83,8 +85,24 @@ NUMPY_FEATURES_ENV = "NPY_DISABLE_CPU_FEATURES"
 __all__ = ["ENV", "MODES", "AllocatorError", "environment", "ensure", "active"]
 
 
-class AllocatorError(ValueError):
-    """``FLOWPM_MTF_ALLOCATOR`` names an unknown mode or a library that is not installed."""
+class AllocatorError(ConfigError):
+    """``FLOWPM_MTF_ALLOCATOR`` names an unknown mode or a library that is not installed.
+
+    A :class:`~flowpm_mtf.errors.ConfigError` (exit code 2). An unknown mode
+    is the same on every rank (one environment): the command line reports it
+    once, from rank 0, like every other configuration error. A library missing
+    on a host is that host's: every rank that lacks it reports it with its rank
+    (``same_on_every_rank=False``).
+
+    Parameters
+    ----------
+    message : str
+    same_on_every_rank : bool
+    """
+
+    def __init__(self, message, same_on_every_rank=True):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
 
 
 def _tcmalloc_library():
@@ -138,7 +156,8 @@ def environment(mode=None, env=None):
             if explicit:
                 raise AllocatorError(
                     "%s=tcmalloc: lib%s.so is not installed (Debian: apt-get install "
-                    "libtcmalloc-minimal4; or %s=lean / tf)" % (ENV, TCMALLOC, ENV))
+                    "libtcmalloc-minimal4; or %s=lean / tf)" % (ENV, TCMALLOC, ENV),
+                    same_on_every_rank=False)
             mode = "tf"
         else:
             preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p]

@@ -48,6 +48,9 @@ from .jobs.options import parse_floats, parse_grid, parse_nc  # noqa: F401 (re-e
 
 log = logging.getLogger("flowpm_mtf.cli")  # rank-0 filter added in main()
 
+#: Exit code of a completed run, and of a run stopped by SIGTERM after its checkpoint.
+EXIT_OK = 0
+
 TF_QUIET_LEVEL = "1"
 """``TF_CPP_MIN_LOG_LEVEL`` without ``--verbose``: TF's C++ INFO lines are hidden."""
 
@@ -75,8 +78,9 @@ def add_run_arguments(parser, job):
                             "output")
     if getattr(job, "checkpoints", False):
         group.add_argument("--checkpoint-every", type=int, metavar="K",
-                           help="write a checkpoint into OUT/checkpoint every K steps (SIGTERM "
-                                "always checkpoints and exits 0)")
+                           help="write a checkpoint into OUT/checkpoint every K steps, K >= 1 "
+                                "(SIGTERM to the ranks, not to mpirun, checkpoints at the next "
+                                "step and exits 0; see docs/running.md)")
         group.add_argument("--resume", metavar="DIR",
                            help="continue the run in DIR from its newest valid checkpoint "
                                 "(outputs go to DIR; --grid may differ, other settings must "
@@ -179,14 +183,13 @@ def safety_hooks(job, args, run_dir):
 
 def explicit_values(job, args):
     """Section key -> {field: value} set by a flag or ``--config`` (not by defaults)."""
-    from .jobs.options import job_values
+    from .jobs.options import job_values, read_config_file
 
     given = job_values(job, args, args.config)
     defaults = job_values(job, argparse.Namespace(), None)
     file_keys = set()
     if args.config:
-        with open(args.config) as fh:
-            data = json.load(fh)
+        data = read_config_file(args.config)
         for key, value in data.items():
             file_keys.update(value if (key in given and isinstance(value, dict)) else [key])
     out = {}
@@ -230,8 +233,17 @@ def resume_configs(job, args):
     return configs
 
 
-def main(argv=None):
-    """Parse the command line and run one job; returns the exit code (see :func:`report_error`)."""
+def main(argv=None, startup_error=None):
+    """Parse the command line and run one job; returns the exit code (see :func:`report_error`).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Default ``sys.argv[1:]``.
+    startup_error : FlowpmError, optional
+        An error of the entry point before this process could start (the
+        allocator, :func:`entry`): reported like any other, nothing runs.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     verbose = "--verbose" in argv
     # Before TensorFlow is imported (by the jobs): its C++ start-up lines on every rank.
@@ -247,24 +259,39 @@ def main(argv=None):
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # Mesh TF's lowering counters
     args = None
     try:
+        if startup_error is not None:
+            raise startup_error
         registry = jobs.all_jobs()
         args = build_parser(registry).parse_args(argv)
         if args.backend == "hvd" and world()[1] > 1:
             backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
         run_job(registry[args.command], args, backend_mod, runner)
-        return 0
+        return EXIT_OK   # also a run stopped by SIGTERM after its checkpoint
     except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)
         return report_error(e, args, verbose)
 
 
-def run_job(job, args, backend_mod, runner):
-    """Configs (new run, or ``--resume``), backend, run directory, then the runner."""
-    from .errors import ConfigError, ResumeError
-    from .rundir import RunDir
+def check_run_options(args):
+    """Check the run options that are no config field (``--checkpoint-every``).
 
-    every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
+    Raises
+    ------
+    ConfigError
+    """
+    from .errors import ConfigError
+
+    every = getattr(args, "checkpoint_every", None)
     if every is not None and every < 1:
         raise ConfigError("--checkpoint-every takes a number of steps >= 1, got %d" % every)
+
+
+def run_job(job, args, backend_mod, runner):
+    """Configs (new run, or ``--resume``), backend, run directory, then the runner."""
+    from .errors import ResumeError
+    from .rundir import RunDir
+
+    check_run_options(args)
+    every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
     if resume:
         if args.out not in (None, resume):
             raise ResumeError("--resume %s writes its outputs there; drop --out %s"
@@ -357,6 +384,8 @@ def report_error(exc, args, verbose):
             _meet_before_exit()  # else the launcher may kill rank 0 before it prints
         return err.exit_code
     first = (str(exc).strip().splitlines() or [""])[0]
+    from .errors import EXIT_INTERNAL
+
     sys.stderr.write("flowpm-mtf: error: [rank %d] internal error %s: %s%s\n"
                      % (rank, type(exc).__name__, first,
                         "" if verbose else " (--verbose shows the traceback)"))
@@ -365,9 +394,9 @@ def report_error(exc, args, verbose):
         try:
             from mpi4py import MPI
         except ImportError:  # a broken installation: nothing to abort with
-            return 1
-        MPI.COMM_WORLD.Abort(1)
-    return 1
+            return EXIT_INTERNAL
+        MPI.COMM_WORLD.Abort(EXIT_INTERNAL)
+    return EXIT_INTERNAL
 
 
 def entry():
@@ -377,8 +406,10 @@ def entry():
     yields while it waits: the rank's threads outnumber its core) and
     :func:`flowpm_mtf.allocator.ensure` re-executes the process once with the
     environment of ``FLOWPM_MTF_ALLOCATOR``, both before MPI, Horovod or
-    TensorFlow are loaded; an unknown mode is a one-line error (exit 2) on every
-    rank.
+    TensorFlow are loaded. An unknown mode (or ``tcmalloc`` not installed) is
+    an :class:`~flowpm_mtf.allocator.AllocatorError`, a configuration error:
+    :func:`main` reports it like every other one (one line, from rank 0, exit 2
+    on every rank) and runs nothing.
     """
     from . import allocator, launch_env
 
@@ -387,8 +418,7 @@ def entry():
     try:
         allocator.ensure()
     except allocator.AllocatorError as e:
-        sys.stderr.write("flowpm-mtf: error: %s\n" % e)
-        return 2
+        return main(startup_error=e)
     return main()
 
 

@@ -30,16 +30,53 @@ DECOMPOSITIONS = ("eulerian", "lagrangian")
 
 
 # ----------------------------------------------------------------------------- helpers
+def did_you_mean(key, names):
+    """``" (did you mean 'x'?)"`` for the name of ``names`` closest to ``key``, or ``""``.
+
+    Parameters
+    ----------
+    key : str
+    names : iterable of str
+
+    Returns
+    -------
+    str
+    """
+    import difflib
+
+    names = list(names)
+    by_lower = {n.lower(): n for n in names}
+    hit = difflib.get_close_matches(str(key).lower(), list(by_lower), n=1, cutoff=0.6)
+    return " (did you mean %r?)" % by_lower[hit[0]] if hit else ""
+
+
+def _is_number(v):
+    """A real number: int or float (numpy too), not a bool, a string or None."""
+    return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+
+
 def _triple(value, name, kind):
-    """Expand a scalar to a 3-tuple and convert the elements with ``kind``."""
-    if np.isscalar(value):
+    """Expand a scalar to a 3-tuple and convert the elements with ``kind``.
+
+    Raises
+    ------
+    ValueError
+        Naming ``name``, the value and what is expected: one number or three,
+        integers for ``kind=int``.
+    """
+    what = ("an integer or 3 integers" if kind is int else "a number or 3 numbers")
+    if _is_number(value):
         value = (value,) * 3
-    value = tuple(value)
-    if len(value) != 3:
-        raise ValueError("%s must be a scalar or have 3 entries, got %r" % (name, value))
+    elif isinstance(value, (list, tuple, np.ndarray)):
+        value = tuple(value)
+    else:
+        raise ValueError("%s must be %s, got %r" % (name, what, value))
+    if len(value) != 3 or not all(_is_number(v) for v in value):
+        raise ValueError("%s must be a scalar or have 3 entries (%s), got %r"
+                         % (name, what, value))
     if kind is int:
         for v in value:
-            if isinstance(v, bool) or not float(v).is_integer():
+            if not (np.isfinite(v) and float(v).is_integer()):
                 raise ValueError("%s must hold integers, got %r" % (name, value))
     return tuple(kind(v) for v in value)
 
@@ -109,7 +146,16 @@ class Cosmology:
 
     @classmethod
     def from_dict(cls, d):
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`; a key that is no field raises ``ValueError``
+        naming it and the closest field."""
+        if not isinstance(d, dict):
+            raise ValueError("cosmology must be a dict of Cosmology fields (%s), got %r"
+                             % (", ".join(f.name for f in dataclasses.fields(cls)), d))
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in names:
+                raise ValueError("unknown cosmology key %r%s; the keys are %s"
+                                 % (key, did_you_mean(key, names), ", ".join(names)))
         return cls(**d)
 
     def to_flowpm_dict(self):
@@ -200,15 +246,18 @@ class SimConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
         set_("nc", _triple(self.nc, "nc", int))
         set_("box_size", _triple(self.box_size, "box_size", float))
-        grid = tuple(self.grid) if not np.isscalar(self.grid) else None
+        grid = tuple(self.grid) if isinstance(self.grid, (list, tuple, np.ndarray)) else None
         if grid is None or len(grid) != 2 or any(
-                isinstance(g, bool) or not float(g).is_integer() for g in grid):
+                not _is_number(g) or not np.isfinite(g) or not float(g).is_integer()
+                for g in grid):
             raise ValueError("grid must be a pair of integers (P, Q), got %r" % (self.grid,))
         set_("grid", tuple(int(g) for g in grid))
-        if isinstance(self.cosmology, dict):
-            set_("cosmology", Cosmology.from_dict(self.cosmology))
         if not isinstance(self.cosmology, Cosmology):
-            raise ValueError("cosmology must be a Cosmology, got %r" % (self.cosmology,))
+            set_("cosmology", Cosmology.from_dict(self.cosmology))
+        for name, allowed in (("dtype", tuple(_DTYPES)), ("decomposition", DECOMPOSITIONS)):
+            if getattr(self, name) not in allowed or not isinstance(getattr(self, name), str):
+                raise ValueError("%s must be one of %s, got %r"
+                                 % (name, ", ".join(allowed), getattr(self, name)))
 
         if any(n <= 0 for n in self.nc):
             raise ValueError("nc must be positive, got %r" % (self.nc,))
@@ -225,11 +274,13 @@ class SimConfig:
             if n % p:
                 raise ValueError("grid %r does not divide nc=%r: %s = %d is not a multiple of %d"
                                  % (self.grid, self.nc, what, n, p))
-        if self.decomposition not in DECOMPOSITIONS:
-            raise ValueError("decomposition must be one of %s, got %r"
-                             % (list(DECOMPOSITIONS), self.decomposition))
         sx, sy = self.nc[0] // P, self.nc[1] // Q
         if self.halo_size is None:
+            if min(sx, sy) < 2:
+                raise ValueError("nc=%r on grid %r gives blocks of (%d, %d) cells in x and y; "
+                                 "painting needs a halo of >= 1 cell, hence blocks of >= 2 "
+                                 "cells: use a larger nc or fewer ranks"
+                                 % (self.nc, self.grid, sx, sy))
             set_("halo_size", max(0, min(2, sx - 1, sy - 1)) if self.decomposition == "eulerian"
                  else max(0, min(8, sx - 1, sy - 1)))
         for name in ("capacity", "send_capacity"):
@@ -257,16 +308,18 @@ class SimConfig:
         set_("n_steps", int(self.n_steps))
         set_("lpt_order", int(self.lpt_order))
         set_("seed", int(self.seed))
-        if self.halo_size < 0:
-            raise ValueError("halo_size must be >= 0, got %d" % self.halo_size)
+        if self.halo_size < 1:
+            raise ValueError("halo_size (--halo) must be >= 1 cell (CIC painting deposits "
+                             "into the next block), or unset for automatic, got %d"
+                             % self.halo_size)
         if self.halo_size >= min(sx, sy):
             raise ValueError("halo_size=%d must be smaller than the block size (%d, %d) "
                              "[cells] of nc=%r on grid %r"
                              % (self.halo_size, sx, sy, self.nc, self.grid))
         for name in ("a_start", "a_end"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-                raise ValueError("%s must be a number, got %r" % (name, v))
+            if not _is_number(v) or not np.isfinite(v):
+                raise ValueError("%s must be a finite number, got %r" % (name, v))
             set_(name, float(v))
         if not 0.0 < self.a_start < self.a_end:
             raise ValueError("need 0 < a_start < a_end, got a_start=%r, a_end=%r"
@@ -275,8 +328,6 @@ class SimConfig:
             raise ValueError("n_steps must be >= 1, got %d" % self.n_steps)
         if self.lpt_order not in (1, 2):
             raise ValueError("lpt_order must be 1 or 2, got %d" % self.lpt_order)
-        if self.dtype not in _DTYPES:
-            raise ValueError("dtype must be one of %s, got %r" % (sorted(_DTYPES), self.dtype))
         if not 0 <= self.seed < 2**63:
             raise ValueError("seed must be in [0, 2**63), got %d" % self.seed)
 

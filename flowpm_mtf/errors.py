@@ -11,9 +11,13 @@ with :attr:`FlowpmError.exit_code` on every rank, without a traceback unless
 so code that already catches ``ValueError`` for bad configurations keeps working.
 """
 
-__all__ = ["FlowpmError", "ConfigError", "RankCountError", "ParticleEscapeError",
+__all__ = ["EXIT_INTERNAL", "FlowpmError", "ConfigError", "RankCountError", "ParticleEscapeError",
            "MemoryBudgetError", "OutputDirError", "ResumeError", "CapacityError",
            "error_from_name"]
+
+
+EXIT_INTERNAL = 1
+"""Exit code of an unexpected (internal) error, and of :class:`FlowpmError` itself."""
 
 
 class FlowpmError(Exception):
@@ -28,7 +32,7 @@ class FlowpmError(Exception):
         reports it; otherwise each rank that raises it does.
     """
 
-    exit_code = 1
+    exit_code = EXIT_INTERNAL
     same_on_every_rank = True
 
     def __init__(self, message):

@@ -131,3 +131,18 @@ def test_cli_names_a_bad_mode_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "flowpm-mtf: error: FLOWPM_MTF_ALLOCATOR='bogus': choose one of tcmalloc, lean, tf"]
+
+
+def test_errors_are_config_errors_reported_like_the_others(monkeypatch):
+    """An unknown mode is the same on every rank (printed once, by rank 0); a library
+    missing on a host is that host's (every rank that lacks it prints its line)."""
+    from flowpm_mtf.errors import ConfigError
+
+    with pytest.raises(allocator.AllocatorError) as unknown:
+        allocator.environment(None, {allocator.ENV: "jemalloc"})
+    assert isinstance(unknown.value, ConfigError) and unknown.value.exit_code == 2
+    assert unknown.value.same_on_every_rank
+    monkeypatch.setattr(allocator, "_tcmalloc_library", lambda: None)
+    with pytest.raises(allocator.AllocatorError) as missing:
+        allocator.environment("tcmalloc", {})
+    assert missing.value.exit_code == 2 and not missing.value.same_on_every_rank

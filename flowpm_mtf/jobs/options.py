@@ -27,7 +27,7 @@ import typing
 from ..backend import default_grid
 
 __all__ = ["parse_grid", "parse_nc", "parse_floats", "field_docs", "add_job_arguments",
-           "job_values", "make_configs"]
+           "read_config_file", "check_file_value", "job_values", "make_configs"]
 
 COSMO_PREFIX = "cosmo-"
 """Flags of the nested cosmology fields: ``--cosmo-<field>``."""
@@ -181,6 +181,203 @@ def _add_nested(parser, sec, f):
                            **_parser(g))
 
 
+# ----------------------------------------------------------------------------- --config
+def read_config_file(path):
+    """The JSON object of a ``--config`` file.
+
+    Parameters
+    ----------
+    path : str
+
+    Returns
+    -------
+    dict
+
+    Raises
+    ------
+    ConfigError
+        One line naming the file: missing, a directory, unreadable, not UTF-8,
+        invalid JSON (with line and column) or not a JSON object.
+    """
+    from ..errors import ConfigError
+
+    where = "--config %s" % path
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError("%s: no such file" % where) from None
+    except IsADirectoryError:
+        raise ConfigError("%s: is a directory, expected a JSON file" % where) from None
+    except PermissionError:
+        raise ConfigError("%s: cannot be read (permission denied)" % where) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("%s: not UTF-8 text (byte %d), expected a JSON file"
+                          % (where, e.start)) from None
+    except OSError as e:
+        raise ConfigError("%s: cannot be read: %s" % (where, e.strerror or e)) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("%s: invalid JSON at line %d, column %d: %s"
+                          % (where, e.lineno, e.colno, e.msg)) from None
+    if not isinstance(data, dict):
+        raise ConfigError("%s: expected a JSON object {\"key\": value, ...}, got %s"
+                          % (where, _shown(data)))
+    return data
+
+
+def _shown(value):
+    """A value as written in JSON (``null``, ``"text"``, ``[1, 2]``), shortened."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _number(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float))
+
+
+def _integer(v):
+    return _number(v) and (isinstance(v, int) or (v == v and abs(v) != float("inf")
+                                                  and float(v).is_integer()))
+
+
+def _kind(f, default):
+    """(check, description, optional) of the values a ``--config`` key of field ``f`` takes."""
+    t = f.type
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    optional = default is None
+    if origin is typing.Union and type(None) in args:
+        optional = True
+        t = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(t), typing.get_args(t)
+    if "choices" in f.metadata:
+        choices = tuple(f.metadata["choices"])
+        return ((lambda v: (not isinstance(v, bool)) and v in choices),
+                "one of %s" % ", ".join(_shown(c) for c in choices), optional)
+    if t is bool:
+        return (lambda v: isinstance(v, bool)), "true or false", optional
+    if t is int:
+        return _integer, "an integer", optional
+    if t is float:
+        return _number, "a number", optional
+    if t is str:
+        return (lambda v: isinstance(v, str)), "a string", optional
+    if origin is tuple:
+        if f.name == "grid":
+            return ((lambda v: isinstance(v, list) and len(v) == 2 and all(map(_integer, v))),
+                    "[P, Q] (two integers) or \"PxQ\"", True)
+        if args and args[-1] is Ellipsis:
+            return ((lambda v: _number(v) or (isinstance(v, list) and all(map(_number, v)))),
+                    "a number or a list of numbers", optional)
+        ok = _integer if args and args[0] is int else _number
+        what = "an integer or a list of 3 integers" if ok is _integer else \
+            "a number or a list of 3 numbers"
+        return ((lambda v: ok(v) or (isinstance(v, list) and len(v) == 3 and all(map(ok, v)))),
+                what, optional)
+    return None, None, True
+
+
+def check_file_value(section, name, value, path):
+    """Check the type of ``--config`` key ``name`` against its field; returns the value.
+
+    The value's range (positive, below a limit, ...) is the dataclass's to
+    check; this checks what JSON can get wrong: a string, ``null`` or a list
+    where a number is expected, or the reverse, and the keys of the nested
+    cosmology. ``"grid": "PxQ"`` becomes ``[P, Q]``.
+
+    Parameters
+    ----------
+    section : ConfigSection
+        The section that owns field ``name``.
+    name : str
+    value : object
+        As read from the JSON file.
+    path : str
+        The file (for the message).
+
+    Returns
+    -------
+    object
+
+    Raises
+    ------
+    ConfigError
+        Naming the file, the key, the value and what is expected.
+    """
+    from ..config import did_you_mean
+    from ..errors import ConfigError
+
+    f = {g.name: g for g in dataclasses.fields(section.cls)}[name]
+    default = section.default(name)
+    where = "--config %s: %s" % (path, repr(name))
+    if dataclasses.is_dataclass(default):          # the nested cosmology: a dict of numbers
+        names = [g.name for g in dataclasses.fields(default)]
+        if not isinstance(value, dict):
+            raise ConfigError("%s: expected an object of %s fields {%s}, got %s"
+                              % (where, name, ", ".join('"%s": number' % n for n in names[:3])
+                                 + ", ...", _shown(value)))
+        for key, v in value.items():
+            if key not in names:
+                raise ConfigError("--config %s: unknown %s key %s%s; the keys are %s"
+                                  % (path, name, repr(key), did_you_mean(key, names),
+                                     ", ".join(names)))
+            if not _number(v):
+                raise ConfigError("--config %s: %s: expected a number, got %s"
+                                  % (path, repr("%s.%s" % (name, key)), _shown(v)))
+        return value
+    if f.name == "grid" and isinstance(value, str):
+        try:
+            return list(parse_grid(value))
+        except argparse.ArgumentTypeError:
+            raise ConfigError("%s: expected [P, Q] (two integers) or \"PxQ\", got %s"
+                              % (where, _shown(value))) from None
+    ok, what, optional = _kind(f, default)
+    if value is None:
+        if optional:
+            return value
+        raise ConfigError("%s: expected %s, got null (the key has no automatic value; leave "
+                          "it out for the default %s)" % (where, what, _show(default)))
+    if ok is not None and not ok(value):
+        raise ConfigError("%s: expected %s%s, got %s"
+                          % (where, what, ", or null for automatic" if optional else "",
+                             _shown(value)))
+    return value
+
+
+def _unknown_key(job, key, owner, sections, path, inside=None):
+    """The ConfigError of an unknown ``--config`` key, with the closest valid key."""
+    from ..config import did_you_mean
+    from ..errors import ConfigError
+
+    flags = {}
+    for sec in job.sections:
+        for f in dataclasses.fields(sec.cls):
+            for flag in ["--" + f.name.replace("_", "-")] + list(f.metadata.get("flags", ())):
+                flags[flag.lstrip("-").replace("-", "_")] = f.name
+            default = sec.default(f.name)
+            if dataclasses.is_dataclass(default):
+                for g in dataclasses.fields(default):
+                    flags[(COSMO_PREFIX + g.name).replace("-", "_")] = "%s.%s" % (f.name,
+                                                                                    g.name)
+                    flags[g.name] = "%s.%s" % (f.name, g.name)
+    norm = str(key).lstrip("-").replace("-", "_")
+    if norm in flags and norm != flags[norm]:
+        full = flags[norm]
+        hint = (" (the flag --%s is the key %s)" % (str(key).lstrip("-").replace("_", "-"),
+                                                     repr(full)) if "." not in full else
+                " (a cosmology parameter: {\"%s\": {\"%s\": ...}})" % tuple(full.split(".")))
+    else:
+        hint = did_you_mean(key, list(owner) + ([] if inside else list(sections)))
+    return ConfigError("--config %s: unknown key %s%s%s; the %s job takes the keys %s (or "
+                       "sections %s)" % (path, repr(key), " in section %s" % repr(inside)
+                                         if inside else "", hint, job.name,
+                                         ", ".join(sorted(owner)), ", ".join(sorted(sections))))
+
+
 # ----------------------------------------------------------------------------- values
 def job_values(job, args, config_file=None):
     """Field values per section: the job's defaults, then ``config_file``, then ``args``.
@@ -200,30 +397,33 @@ def job_values(job, args, config_file=None):
 
     Raises
     ------
-    ValueError
-        For an unknown key in the file.
+    ConfigError
+        (a ``ValueError``) For a file that cannot be read, is no JSON object, has
+        an unknown key or a value of the wrong type (:func:`check_file_value`).
     """
+    from ..errors import ConfigError
+
     sections = _sections(job)
+    by_key = {sec.key: sec for sec in sections}
     values = {sec.key: dict(sec.defaults) for sec in sections}
     owner = {f.name: sec.key for sec in sections for f in dataclasses.fields(sec.cls)}
     if config_file:
-        with open(config_file) as fh:
-            data = json.load(fh)
-        if not isinstance(data, dict):
-            raise ValueError("--config %s: expected a JSON object" % config_file)
+        data = read_config_file(config_file)
         for key, value in data.items():
-            if key in values and isinstance(value, dict) and key not in owner:
-                items = value.items()
+            if key in values and key not in owner:
+                if not isinstance(value, dict):
+                    raise ConfigError("--config %s: section %s: expected an object of its "
+                                      "fields {\"name\": value, ...}, got %s"
+                                      % (config_file, repr(key), _shown(value)))
+                items, inside = value.items(), key
             elif key in owner:
-                items = [(key, value)]
+                items, inside = [(key, value)], None
             else:
-                raise ValueError("--config %s: unknown key %r; the %s job takes the fields %s "
-                                 "(or sections %s)" % (config_file, key, job.name,
-                                                       ", ".join(sorted(owner)),
-                                                       ", ".join(sorted(values))))
+                raise _unknown_key(job, key, owner, values, config_file)
             for name, v in items:
                 if owner.get(name) is None:
-                    raise ValueError("--config %s: unknown field %r" % (config_file, name))
+                    raise _unknown_key(job, name, owner, values, config_file, inside)
+                v = check_file_value(by_key[owner[name]], name, v, config_file)
                 _merge(values[owner[name]], name, v)
     for dest, value in sorted(vars(args).items()):
         if ":" not in dest:
