@@ -166,6 +166,7 @@ def safety_hooks(job, args, run_dir):
     from .jobs import runner
 
     def check(ctx):
+        ctx.force = args.force           # the jobs' own memory checks honour --force too
         checked_config(job.preflight, ctx)
         if job.name not in NO_NBODY_JOBS:
             preflight.check_numerics(ctx.conf)
@@ -323,6 +324,12 @@ def _as_user_error(exc, args):
         return exc
     if type(exc).__name__ == "InvalidArgumentError" and "particles escaped" in str(exc):
         conf = getattr(args, "conf", None)
+        if conf is not None:
+            from . import domain
+
+            err = domain.error_from_tf(exc, conf)   # the hint from the run's displacement
+            if err is not None:
+                return err
         hint = "more --steps or a larger --halo"
         if conf is not None:
             limit = min(conf.block_shape[:2]) - 1

@@ -12,6 +12,7 @@ rules (dimension -> mesh axis) are :attr:`SimConfig.layout_rules`.
 import dataclasses
 import json
 import logging
+import math
 from typing import Optional, Tuple
 
 import numpy as np
@@ -340,7 +341,7 @@ class SimConfig:
     @property
     def n_cells(self):
         """Total number of mesh cells."""
-        return int(np.prod(self.nc))
+        return math.prod(int(n) for n in self.nc)       # exact: no int64 wrap
 
     @property
     def block_shape(self):
@@ -356,7 +357,7 @@ class SimConfig:
     @property
     def particles_per_block(self):
         """Particles of one block's initial lattice, ``sx * sy * nz``."""
-        return int(np.prod(self.block_shape))
+        return math.prod(int(n) for n in self.block_shape)
 
     @property
     def n_particles(self):

@@ -12,7 +12,7 @@ so code that already catches ``ValueError`` for bad configurations keeps working
 """
 
 __all__ = ["EXIT_INTERNAL", "FlowpmError", "ConfigError", "RankCountError", "ParticleEscapeError",
-           "MemoryBudgetError", "OutputDirError", "ResumeError", "CapacityError",
+           "MemoryBudgetError", "OutputDirError", "ResumeError", "CapacityError", "StoppedError",
            "error_from_name"]
 
 
@@ -101,6 +101,12 @@ class CapacityError(FlowpmError):
         super().__init__(message)
         self.capacity = capacity
         self.send_capacity = send_capacity
+
+
+class StoppedError(FlowpmError):
+    """A signal stopped a job that cannot checkpoint; nothing was written (rerun it)."""
+
+    exit_code = 8
 
 
 def error_from_name(name, message):

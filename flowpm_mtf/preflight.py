@@ -616,8 +616,7 @@ def check_job_memory(ctx, extra=None, particles=True, tensors=()):
     """The memory check of a job with its own terms, from its :meth:`Job.preflight`.
 
     Runs once per run (the runner calls the job's preflight again after the hooks).
-    ``--force`` comes from ``ctx.force`` if the command line set it, else from the
-    command's arguments (``sys.argv``).
+    ``ctx.force`` (``--force``) skips it.
 
     Parameters
     ----------
@@ -627,14 +626,10 @@ def check_job_memory(ctx, extra=None, particles=True, tensors=()):
     tensors
         See :func:`check_sizes`.
     """
-    import sys
-
     if getattr(ctx, "_job_memory_checked", False):
         return None
     check_sizes(ctx.conf, tensors)
-    force = getattr(ctx, "force", None)
-    if force is None:
-        force = "--force" in sys.argv[1:]
+    force = getattr(ctx, "force", False)
     masters = particles and not getattr(ctx.backend.mesh_impl, "slice_only_variables", False)
     result = check_memory(ctx.conf, ctx.comm,
                           processes=1 if ctx.backend.name == "placement" else None,

@@ -7,7 +7,7 @@
 #
 # Environment: NP (ranks, default 2), HOSTFILE (Open MPI hostfile; default: this host),
 # GPUS_PER_NODE (ranks per node with a hostfile), VENV (default <repo>/.venv), COMMAND
-# (simulate | fft-demo | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
+# (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
 # arguments go to the sub-command.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,12 +26,14 @@ else
   mapfile -t MPI_OPTS < <(mpirun_options local)
 fi
 MPIRUN=(mpirun -np "$NP" "${MPI_OPTS[@]}")
-# Forward the variables that matter to every rank (-x): thread counts, TF/NCCL/Horovod.
+# Forward the variables that matter to every rank (-x): thread counts, TF/NCCL/Horovod,
+# and ours (on other hosts a rank would otherwise run another allocator or op path).
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}" TF_FORCE_GPU_ALLOW_GROWTH=true
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 for v in TF_CPP_MIN_LOG_LEVEL TF_FORCE_GPU_ALLOW_GROWTH OMP_NUM_THREADS PATH LD_LIBRARY_PATH \
          FLOWPM_MTF_INTRA_THREADS FLOWPM_MTF_INTER_THREADS NCCL_DEBUG NCCL_SOCKET_IFNAME \
-         NCCL_IB_HCA HOROVOD_FUSION_THRESHOLD HOROVOD_CYCLE_TIME; do
+         NCCL_IB_HCA HOROVOD_FUSION_THRESHOLD HOROVOD_CYCLE_TIME FLOWPM_MTF_ALLOCATOR \
+         FLOWPM_MTF_NATIVE FLOWPM_MTF_MAX_FULL_ELEMENTS FLOWPM_MTF_EXIT_TIMEOUT; do
   [ -n "${!v:-}" ] && MPIRUN+=(-x "$v")
 done
 

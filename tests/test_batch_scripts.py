@@ -201,3 +201,26 @@ def test_setup_env_refuses_a_full_disk_before_pip(fake_env):
     assert re.search(r"not enough disk space: the environment needs ~\d+ MB in .*new, "
                      r"100 MB free", proc.stderr), proc.stderr
     assert not venv.exists()
+
+
+@pytest.mark.parametrize("command", ["simulate", "fft-demo", "lensing", "reconstruct"])
+def test_launchers_run_every_job(command):
+    """run_mpirun.sh / run_horovodrun.sh dispatch through launch_lib.sh's exec_subcommand:
+    every job of flowpm-mtf is launched (under a stand-in launcher, echo), with NC, GRID,
+    OUT and the extra arguments in place."""
+    script = ('source scripts/launch_lib.sh; NC=16 GRID=2x1 exec_subcommand /v %s /o echo -- --x 1'
+              % command)
+    out = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["/v/bin/flowpm-mtf", command, "--nc", "16", "--grid", "2x1",
+                                  "--out", "/o", "--x", "1"]
+
+
+def test_launchers_refuse_an_unknown_command():
+    out = subprocess.run(["bash", "-c", "source scripts/launch_lib.sh; "
+                          "exec_subcommand /v simulat /o echo --"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == ("unknown COMMAND=simulat (simulate, fft-demo, lensing, "
+                                  "reconstruct or bench)")

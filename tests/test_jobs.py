@@ -253,7 +253,7 @@ def test_sigterm_stops_a_job_that_does_not_checkpoint_at_a_step_boundary():
     assert str(err) == ("stopped by a signal after step 5/14; fake cannot resume yet (it writes "
                         "no checkpoint): nothing was written, rerun the same command to start "
                         "over")
-    assert err.exit_code != 0 and "--resume" not in str(err)
+    assert err.exit_code == 8 and "--resume" not in str(err)
 
 
 @pytest.mark.rank_independent

@@ -20,6 +20,8 @@ import pytest
 from test_cli import _mpirun
 from test_mpi_jobs import clean_env
 
+from flowpm_mtf.errors import StoppedError
+
 pytestmark = pytest.mark.single_process
 
 STEPS = 100  # steps cost ~10 ms here: a wide window for the SIGTERM
@@ -345,7 +347,7 @@ def test_lensing_sigterm_is_an_error_without_a_resume_hint():
     out = os.path.join(tempfile.mkdtemp(prefix="lensig"), "L")
     rc, sent, log = _run_and_sigterm(2, out, rank=1, args=LENSING_ARGS, after="step 2/")
     assert sent, log[-3000:]
-    assert rc != 0, log[-3000:]
+    assert rc == StoppedError.exit_code, log[-3000:]   # 8
     lines = [l for l in log.splitlines() if l.startswith("flowpm-mtf: error:")]
     assert len(lines) == 1, log[-3000:]
     assert "lensing cannot resume yet" in lines[0] and "rerun the same command" in lines[0]

@@ -36,7 +36,7 @@ first step boundary all ranks agree on:
   run continues with ``--resume``);
 * any other job is stopped by :meth:`RunContext.after_step` (every rank, the
   same step): nothing is written, no resume is offered, and the runner raises a
-  one-line :class:`flowpm_mtf.errors.FlowpmError` saying so (non-zero exit).
+  one-line :class:`flowpm_mtf.errors.StoppedError` saying so (exit 8).
 
 ``ctx.mark(label)``
 records the RSS at phase boundaries (``memory_phases_mb_per_rank`` of the
@@ -55,7 +55,7 @@ import statistics
 import time
 
 from .. import allocator, checkpoint, domain, h5dist, io
-from ..errors import CapacityError, FlowpmError, ResumeError
+from ..errors import CapacityError, ResumeError, StoppedError
 from ..logs import rank0_only
 
 __all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_memory_mb",
@@ -233,6 +233,8 @@ class RunContext:
         SIGTERM recorded on this rank (``stop.agreed()`` is collective).
     memory : dict
         Phase label -> RSS marks [MB] (:meth:`mark`).
+    force : bool
+        Skip the memory check (``--force``); set by the command line's preflight hook.
     """
 
     def __init__(self, job, configs, backend, run_dir, plot, hooks, checkpoint_every=None,
@@ -253,6 +255,7 @@ class RunContext:
         self.timings = {}
         self.hooks = hooks
         self.t0 = time.perf_counter()
+        self.force = False
 
     def elapsed(self):
         """Seconds since the start of the run."""
@@ -377,8 +380,8 @@ def _not_resumable(job, stopped):
     """The one-line error of a job stopped by a signal without a checkpoint."""
     why = ("%s cannot resume yet (it writes no checkpoint)" % job.name
            if not getattr(job, "checkpoints", False) else "no run directory to checkpoint into")
-    return FlowpmError("stopped by a signal after %s; %s: nothing was written, rerun the same "
-                       "command to start over" % (stopped.where, why))
+    return StoppedError("stopped by a signal after %s; %s: nothing was written, rerun the same "
+                        "command to start over" % (stopped.where, why))
 
 
 # ----------------------------------------------------------------------------- the runner
