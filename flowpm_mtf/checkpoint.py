@@ -80,6 +80,7 @@ import numpy as np
 
 from .errors import ResumeError
 from .h5dist import HDF5_OVERHEAD_BYTES, _agree, collective, reserve_space
+from .io import fsync_path, sha256_file
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
            "state_config", "config_hash", "identity", "check_identity", "verify_resume", "save",
@@ -118,27 +119,6 @@ def step_dir(out_dir, step):
 
 def _part_name(pnum):
     return "rank%05d.h5" % pnum
-
-
-def _sha256(path, chunk=1 << 22):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- identity
@@ -399,7 +379,7 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
                            "n": int((np.asarray(arrays["id"]) >= 0).sum()),  # valid slots
                            "slots": int(np.asarray(arrays["id"]).size),
                            "xy_range": _xy_range(arrays),
-                           "size": os.path.getsize(path), "sha256": _sha256(path)}
+                           "size": os.path.getsize(path), "sha256": sha256_file(path)}
         return files
 
     def publish(all_files):
@@ -418,11 +398,11 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
             json.dump(manifest, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if os.path.exists(final):  # the same step written again (e.g. after a resume)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(checkpoint_root(out_dir))
+        fsync_path(checkpoint_root(out_dir))
         for old in _step_dirs(out_dir)[max(1, int(keep)):]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -479,7 +459,7 @@ def _capture_outputs(src, dest, previous):
             _link_or_copy(path, target)
             key = _file_key(target)
             old = previous.get(rel)
-            sha = old["sha256"] if old is not None and old.get("key") == key else _sha256(target)
+            sha = old["sha256"] if old is not None and old.get("key") == key else sha256_file(target)
             files[rel] = {"size": key[2], "sha256": sha, "key": key}
     return files
 
@@ -491,7 +471,7 @@ def _check_outputs(path, manifest, checksums=True):
         if os.path.getsize(f) != info["size"]:
             raise ValueError("%s has %d bytes, the manifest says %d" % (f, os.path.getsize(f),
                                                                         info["size"]))
-        if checksums and _sha256(f) != info["sha256"]:
+        if checksums and sha256_file(f) != info["sha256"]:
             raise ValueError("checksum mismatch in %s" % f)
 
 
@@ -641,7 +621,7 @@ def _may_overlap(xy_range, lo, hi, box):
 def _read_file(path, info):
     import h5py
 
-    if _sha256(path) != info["sha256"]:
+    if sha256_file(path) != info["sha256"]:
         raise ValueError("checksum mismatch in %s" % path)
     with h5py.File(path, "r") as f:
         out = {k: f[k][...] for k in ("id",) + STATE_NAMES}

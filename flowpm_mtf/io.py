@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import hashlib
 import logging
 import os
 import platform
@@ -55,7 +56,8 @@ __all__ = ["SNAPSHOT_FORMAT", "KAPPA_FORMAT", "DEFAULT_UNITS", "versions", "to_j
            "atomic_path", "write_hdf5", "write_table", "write_json", "write_summary",
            "write_snapshot", "read_snapshot", "write_power", "read_power", "write_kappa",
            "write_kappa_power", "write_reconstruction", "write_reconstruction_table",
-           "lagrangian_ids", "particle_part", "write_snapshot_distributed"]
+           "lagrangian_ids", "particle_part", "write_snapshot_distributed", "sha256_file",
+           "fsync_path"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +139,33 @@ def _is_writer(rank):
 
 def _tmp_name(path):
     return "%s.tmp-%d" % (path, os.getpid())
+
+
+def sha256_file(path, chunk=1 << 22):
+    """SHA-256 of a file's content, hex, read in ``chunk``-byte pieces (default 4 MiB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path):
+    """fsync a file or a directory by its path (a file's data, or the renames in a directory).
+
+    Best effort: a path that vanished, or a file system that cannot fsync a
+    directory, is skipped (the rename or write itself already happened).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

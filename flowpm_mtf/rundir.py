@@ -94,13 +94,12 @@ import socket
 import time
 
 from .backend import SerialComm
-from .checkpoint import _fsync_dir  # one directory fsync for checkpoints and runs
-from .checkpoint import _sha256 as sha256_file  # SHA-256 of a file, hex, 4 MiB chunks
 from .errors import FlowpmError, OutputDirError, ResumeError, error_from_name
 from .h5dist import disk_full_error, is_disk_full
+from .io import fsync_path, sha256_file
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
-           "verify_manifest", "has_checkpoint", "sha256_file", "swap_paths", "locate",
+           "verify_manifest", "has_checkpoint", "swap_paths", "locate",
            "generation", "RunDir"]
 
 log = logging.getLogger(__name__)
@@ -282,19 +281,6 @@ def _write_json(path, obj):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_file(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class RunDir:
@@ -643,7 +629,7 @@ class RunDir:
             _remove_tree(previous)
         else:
             os.rename(winner, out)
-            _fsync_dir(os.path.dirname(out))
+            fsync_path(os.path.dirname(out))
             self._take_lock(locks[winner])
         m = found.get(winner)
         log.warning("run directory %s: finished a publish that was killed: kept %s", out,
@@ -662,7 +648,7 @@ class RunDir:
         parent = os.path.dirname(out)
         try:
             _exchange(src, out)
-            _fsync_dir(parent)
+            fsync_path(parent)
             return src
         except _NoExchange:
             pass
@@ -680,7 +666,7 @@ class RunDir:
                 log.error("run directory %s: the previous run is at %s; the next run on this "
                           "--out puts it back", out, aside)
             raise
-        _fsync_dir(parent)
+        fsync_path(parent)
         return aside
 
     def _clean_leftovers(self, complete):
@@ -711,7 +697,7 @@ class RunDir:
                 rel = os.path.relpath(path, self.staging)
                 if rel in (MANIFEST, LOCK) or _TMP_RE.search(name):
                     continue
-                _fsync_file(path)  # on disk before the manifest that vouches for it
+                fsync_path(path)  # on disk before the manifest that vouches for it
                 files.append({"path": rel, "size": os.path.getsize(path),
                               "sha256": sha256_file(path)})
         previous = read_manifest(self.out)
@@ -723,7 +709,7 @@ class RunDir:
         manifest.update(to_jsonable(extra or {}))
         # The staging directory becomes a complete run by itself (manifest last).
         _write_json(os.path.join(self.staging, MANIFEST), manifest)
-        _fsync_dir(self.staging)
+        fsync_path(self.staging)
         if previous is None:
             self._publish_in_place(keep)
         else:
@@ -737,9 +723,9 @@ class RunDir:
         for name in sorted(os.listdir(self.staging)):
             if name != MANIFEST:
                 os.replace(os.path.join(self.staging, name), os.path.join(self.out, name))
-        _fsync_dir(self.out)
+        fsync_path(self.out)
         os.replace(os.path.join(self.staging, MANIFEST), os.path.join(self.out, MANIFEST))
-        _fsync_dir(self.out)
+        fsync_path(self.out)
         if not keep:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -751,8 +737,8 @@ class RunDir:
             raise OutputDirError("cannot publish: %s exists" % new)
         fd = self._lock_file(self.staging)  # the new tree's lock: OUT stays locked after the swap
         os.rename(self.staging, new)
-        _fsync_dir(self.out)
-        _fsync_dir(os.path.dirname(self.out))
+        fsync_path(self.out)
+        fsync_path(os.path.dirname(self.out))
         try:
             previous = self._swap_in(new)
         except OSError:

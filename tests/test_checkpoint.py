@@ -419,10 +419,10 @@ def test_outputs_written_before_a_checkpoint_are_kept_and_restored(monkeypatch):
         f.write(b"4 5 6\n")
     files["power_a0.2000.txt"] = b"4 5 6\n"
     hashed = []
-    real = checkpoint._sha256
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p, *a: hashed.append(p) or real(p, *a))
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
     save(out, SelfComm(), conf, 4, [0], outputs_dir=staging)
-    monkeypatch.setattr(checkpoint, "_sha256", real)
+    monkeypatch.setattr(checkpoint, "sha256_file", real)
     hashed_outputs = sorted(p.split(os.sep + "outputs" + os.sep, 1)[1]
                             for p in hashed if os.sep + "outputs" + os.sep in p)
     assert hashed_outputs == ["power_a0.2000.txt", "snap.h5"]   # the others kept their hash
