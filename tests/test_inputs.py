@@ -21,6 +21,10 @@ from flowpm_mtf import allocator, cli, errors, jobs
 from flowpm_mtf.jobs.options import COSMO_PREFIX
 from test_mpi_jobs import clean_env
 
+# Option parsing and error reporting need no process grid: the 1-rank pass covers them (on
+# more ranks the CLI reports on rank 0 only, and its mpirun cases launch their own jobs).
+pytestmark = pytest.mark.rank_independent
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNNING_MD = os.path.join(HERE, os.pardir, "docs", "running.md")
 ERROR_PREFIX = "flowpm-mtf: error: "
@@ -171,7 +175,6 @@ TYPE_CASES = [(name, f.name, v) for name, job in sorted(REGISTRY.items())
               for _, f, default in _fields(job) for v in _wrong_types(f, default)]
 
 
-@pytest.mark.rank_independent
 @pytest.mark.parametrize("job, key, value", TYPE_CASES,
                          ids=["%s-%s-%s" % (j, k, json.dumps(v)) for j, k, v in TYPE_CASES])
 def test_every_config_key_with_a_wrong_type(tmp_path, capsys, job, key, value):
@@ -200,7 +203,6 @@ RANGE_CASES = [
 ]
 
 
-@pytest.mark.rank_independent
 @pytest.mark.parametrize("job, key, value", RANGE_CASES,
                          ids=["%s-%s-%s" % (j, k, json.dumps(v)) for j, k, v in RANGE_CASES])
 def test_every_config_key_out_of_range(tmp_path, capsys, job, key, value):
@@ -237,7 +239,6 @@ NUMERIC_CASES = [(name, flag, dest, v) for name in sorted(REGISTRY)
                  for flag, dest in _numeric_options(name) for v in NUMERIC_VALUES]
 
 
-@pytest.mark.rank_independent
 @pytest.mark.parametrize("job, flag, dest, value", NUMERIC_CASES,
                          ids=["%s%s=%s" % (j, f, v) for j, f, _, v in NUMERIC_CASES])
 def test_every_numeric_option_at_zero_negative_nan_inf(capsys, job, flag, dest, value):
