@@ -426,6 +426,10 @@ class ReconstructionGraph:
     k, r, transfer, n_modes : mtf.Tensor or None
         Cross-correlation and transfer function of ``linear`` against
         ``truth`` per shell (None without a truth).
+    checkpoint_variables : dict of str to mtf.Tensor
+        The optimiser's whole state (variables by name: the field, Adam's moments
+        and step count): what a checkpoint must hold besides the iteration count
+        and the loss history (the data are re-made from the seed).
 
     Raises
     ------
@@ -479,3 +483,40 @@ class ReconstructionGraph:
             tiny = np.finfo(conf.np_dtype).tiny
             self.r = p_tr / mtf.sqrt(mtf.maximum(p_tt * p_rr, tiny))
             self.transfer = mtf.sqrt(p_rr / mtf.maximum(p_tt, tiny))
+        self.checkpoint_variables = {"linear": self.linear, "adam_m": self.adam.m,
+                                     "adam_v": self.adam.v, "adam_step": self.adam.step}
+
+    def lower_iteration(self, lowering):
+        """The lowered ops of one iteration and of the loss (call before the first run).
+
+        Returns
+        -------
+        dict
+            For :meth:`iterate` and :meth:`evaluate`.
+        """
+        from hvd_mesh_impl.training import ordered_update_op  # Horovod-free (floor 0)
+
+        scalars = {n: lowering.tensors[getattr(self, n)].to_laid_out_tensor().tensor_list[0]
+                   for n in ("loss", "chi2", "prior")}
+        return {"step": ordered_update_op(lowering, self.step_ops), "scalars": scalars}
+
+    def iterate(self, sess, ops):
+        """One Adam iteration; returns the loss terms at the field before the step.
+
+        Parameters
+        ----------
+        sess : tf.Session
+        ops : dict
+            From :meth:`lower_iteration`.
+
+        Returns
+        -------
+        dict
+            ``loss``, ``chi2``, ``prior`` (floats) at the field before the step.
+        """
+        vals, _ = sess.run([ops["scalars"], ops["step"]])
+        return {n: float(v) for n, v in vals.items()}
+
+    def evaluate(self, sess, ops):
+        """The loss terms at the current field (no step), as :meth:`iterate` returns them."""
+        return {n: float(v) for n, v in sess.run(ops["scalars"]).items()}

@@ -67,9 +67,7 @@ class ReconstructJob(Job):
 
     def lower(self, ctx, rg, lowering):
         return {"observe": lowering.lowered_operation(rg.observe_op),
-                "step": runner.lowered_group(lowering, rg.step_ops),
-                "scalars": runner.replicated(lowering, {n: getattr(rg, n)
-                                                        for n in ("loss", "chi2", "prior")}),
+                "iteration": rg.lower_iteration(lowering),
                 # the fields: this process's slices only (no gather)
                 "fields": runner.local(lowering, {"truth": rg.truth,
                                                   "reconstruction": rg.linear,
@@ -86,7 +84,7 @@ class ReconstructJob(Job):
                  rconf.likelihood_sigma, timings["observe_s"])
         t_opt = time.perf_counter()
         for i in range(rconf.iterations):
-            vals, _ = sess.run([ops["scalars"], ops["step"]])
+            vals = rg.iterate(sess, ops["iteration"])
             for n in history:
                 history[n].append(float(vals[n]))
             if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
@@ -99,7 +97,8 @@ class ReconstructJob(Job):
         timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
         with ctx.timed("fetch_s"):
             fields = {n: [t for _, t, _ in sl] for n, sl in ops["fields"].items()}
-            res = sess.run({**fields, **ops["spectra"], "final": ops["scalars"]})
+            res = sess.run({**fields, **ops["spectra"]})
+            res["final"] = rg.evaluate(sess, ops["iteration"])
         res["history"] = history
         res["slices"] = ops["fields"]
         return res
