@@ -126,6 +126,8 @@ def test_field_gradient_matches_stored(case, decomposition, white, weight_field)
     assert err <= FIELD_RTOL, err
 
 
+@pytest.mark.skipif(H.SIZE != 1, reason="a dtype check: the process grids are covered by the "
+                    "float64 tests")
 def test_noise_gradient_float32(white, weight_field):
     """Noise mode in float32 (eulerian): d loss / d white noise against the float64
     stored-graph reference."""
@@ -146,7 +148,9 @@ def _loss_at(kind, conf, white, weight_field):
     return float(H.run(kind, conf, build)["loss"])
 
 
-@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+# On more ranks the eulerian decomposition only (its cotangents migrate; cost).
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"] if H.SIZE == 1
+                         else ["eulerian"])
 def test_cosmology_gradient_matches_finite_differences(decomposition, white, weight_field):
     """d loss / d Omega_c and d sigma8 (noise fixed: through P(k), the LPT growth, every
     step's factors and the force) == central differences of the loss, float64."""

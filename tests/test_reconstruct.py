@@ -209,6 +209,8 @@ def _recon_eval(conf, data, field, cosmology=False):
             return rg.evaluate(sess, ops, cosmology=cosmology)
 
 
+@pytest.mark.skipif(H.SIZE != 1, reason="the data term on more ranks is tested in "
+                    "test_model_gradient.py; the prior term is a per-slice kernel")
 def test_reconstruction_cosmology_gradient_finite_differences():
     """The job's d loss / d Omega_c, d sigma8 at a fixed field (data term through the
     N-body, prior through P(k)) == central differences of the loss (float64)."""
