@@ -358,7 +358,7 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, nargs="+", default=[5, 10, 20, 40])
     p.add_argument("--only-10", type=lambda s: tuple(int(v) for v in s.split("x")),
-                   nargs="*", default=[(128, 1)],
+                   nargs="*", default=[],
                    help="(nc x ranks) pairs run at 10 steps only (cost), e.g. 128x1")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--warmup-large", type=int, default=0,
