@@ -161,7 +161,7 @@ def test_nbody_forward_model_reduces_the_loss():
     assert r[k < 0.15].min() > NBODY_R_MIN, (k, r)
 
 
-# Adjoint vs stored gradient in the same job (float64, 3 steps, 5 Adam iterations): the two
+# Adjoint vs stored gradient in the same job (float64, 3 steps, 3 Adam iterations): the two
 # gradients agree to ~1e-15 (tests/test_model_gradient.py); Adam's normalisation m / sqrt(v)
 # amplifies the relative error of small components, measured 2e-14 on the loss history.
 # Any error of the adjoint path (a missing prior gradient, a wrong sign) is > 1e-3.
@@ -177,7 +177,7 @@ def test_adjoint_reconstruction_matches_stored(decomposition):
     """--gradient adjoint and --gradient stored follow the same trajectory (N-body forward
     model, this world's process grid)."""
     conf = CONF.replace(grid=_grid(), n_steps=3, decomposition=decomposition)
-    runs = {g: _run("hvd", conf, R.ReconConfig(iterations=5, learning_rate=0.1, noise=0.1,
+    runs = {g: _run("hvd", conf, R.ReconConfig(iterations=3, learning_rate=0.1, noise=0.1,
                                                forward="nbody", gradient=g), None)
             for g in R.GRADIENTS}
     a, s = runs["adjoint"], runs["stored"]
