@@ -20,7 +20,6 @@ import logging
 
 import mesh_tensorflow as mtf
 import numpy as np
-import tensorflow.compat.v1 as tf
 
 from flowpm_mtf import complex_ops
 from flowpm_mtf.fft import FFT3DOperation

@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from flowpm_mtf import complex_ops, layout
-from flowpm_mtf.layout import K_DIMS, REAL_DIMS
+from flowpm_mtf.layout import K_DIMS
 
 from . import operators
 

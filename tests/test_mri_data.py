@@ -4,7 +4,6 @@ clear ValueError."""
 import numpy as np
 import pytest
 import mesh_tensorflow as mtf
-import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import layout
@@ -104,7 +103,8 @@ def test_operators_reject_a_wrong_mask():
     mesh = mtf.Mesh(graph, "m")
     img = mtf.zeros(mesh, operators.image_shape(conf))
     bad = mtf.zeros(mesh, mtf.Shape([mtf.Dimension("ky", 8), mtf.Dimension("kz", 4)]))
-    with pytest.raises(ValueError, match="the mask must have shape \\[ky=8, kz=8\\] .*got \\[ky=8, kz=4\\]") as err:
+    msg = "the mask must have shape \\[ky=8, kz=8\\] .*got \\[ky=8, kz=4\\]"
+    with pytest.raises(ValueError, match=msg) as err:
         operators.forward(img, bad, conf)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="the image must have shape"):

@@ -4,10 +4,9 @@
 beats zero-filled by >= 3 dB PSNR."""
 import numpy as np
 import pytest
-import mesh_tensorflow as mtf
 
 import fpm_harness as H
-from flowpm_mtf import layout
+from flowpm_mtf import complex_ops
 from mri_mtf import metrics, operators, phantom, recon, sampling
 from mri_mtf.config import ImagingConfig
 
@@ -21,7 +20,7 @@ def problem(mesh, conf):
     """Truth, mask and measured k-space, all generated slice by slice."""
     truth = phantom.phantom(mesh, conf)
     mask = sampling.mask(mesh, conf)
-    kdata = operators.forward(truth, mask, conf) + operators.complex_ops.apply_kernel(
+    kdata = operators.forward(truth, mask, conf) + complex_ops.apply_kernel(
         sampling.complex_noise(mesh, conf), mask)
     return truth, mask, kdata
 
