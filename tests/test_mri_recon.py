@@ -4,6 +4,8 @@
 beats zero-filled by >= 3 dB PSNR."""
 import numpy as np
 import pytest
+import mesh_tensorflow as mtf
+import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import complex_ops
@@ -97,3 +99,27 @@ def test_tv_config_rejects_bad_values():
     for kw in (dict(lam=0), dict(rho=-1), dict(iterations=0), dict(lam=float("inf"))):
         with pytest.raises(ValueError, match="TVConfig"):
             recon.TVConfig(**kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+def test_difference_operators_are_adjoint(case):
+    """<D x, g> = <x, D^T g> for the periodic differences on the split volume, and D x
+    equals numpy's np.roll differences."""
+    conf = ImagingConfig(nc=(8, 12, 16), grid=case[1], dtype="float64")
+    rng = np.random.RandomState(4)
+    x = rng.randn(*conf.nc)
+    g = [rng.randn(*conf.nc) for _ in range(3)]
+
+    def build(mesh):
+        shape = operators.image_shape(conf)
+        xm = mtf.import_tf_tensor(mesh, tf.constant(x), shape)
+        gm = [mtf.import_tf_tensor(mesh, tf.constant(a), shape) for a in g]
+        dx = recon.gradient(xm)
+        return {"dx0": dx[0], "dx2": dx[2],
+                "lhs": mtf.add_n([mtf.reduce_sum(a * b) for a, b in zip(dx, gm)]),
+                "rhs": mtf.reduce_sum(xm * recon.gradient_adjoint(gm))}
+
+    out = H.run(case[0], conf, build)
+    assert H.rel_err(out["dx0"], np.roll(x, -1, 0) - x) < 1e-14
+    assert H.rel_err(out["dx2"], np.roll(x, -1, 2) - x) < 1e-14
+    assert out["lhs"] == pytest.approx(out["rhs"], rel=1e-12)
