@@ -17,7 +17,8 @@ setup(
     python_requires=">=3.9,<3.12",
     # flowpm_bench: the shared library of scripts/ (benchmarks, launchers), run from a checkout
     packages=find_packages(include=["hvd_mesh_impl", "hvd_mesh_impl.*", "flowpm_mtf",
-                                    "flowpm_mtf.*", "flowpm_bench", "flowpm_bench.*"]),
+                                    "flowpm_mtf.*", "mri_mtf", "mri_mtf.*", "flowpm_bench",
+                                    "flowpm_bench.*"]),
     package_data={"flowpm_mtf": ["memory_model.json"]},
     install_requires=_reqs + ["psutil>=5.9"],
     extras_require={"horovod": ["horovod==0.28.1"], "test": ["pytest>=7.4", "pytest-timeout>=2.2"]},

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.rank_independent
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAP = os.path.join(REPO, "docs", "design.md")
-PACKAGES = ("hvd_mesh_impl", "flowpm_mtf", "flowpm_bench")
+PACKAGES = ("hvd_mesh_impl", "flowpm_mtf", "mri_mtf", "flowpm_bench")
 NATIVE_SUFFIXES = (".cc", ".h")
 HOROVOD_MODULES = {"hvd_mesh_impl.mesh_impl", "hvd_mesh_impl.runtime"}
 # names of hvd_mesh_impl's package namespace that load a Horovod module (its lazy __getattr__)
@@ -196,7 +196,8 @@ def test_only_the_backend_factory_reaches_horovod(graph):
 
 
 def test_importing_flowpm_mtf_starts_no_horovod(floors):
-    mods = sorted(module_name(p) for p in floors if p.endswith(".py") and p.startswith("flowpm_mtf"))
+    mods = sorted(module_name(p) for p in floors if p.endswith(".py")
+                  and p.startswith(("flowpm_mtf", "mri_mtf")))
     code = ("import importlib, sys\n"
             "for m in %r:\n    importlib.import_module(m)\n"
             "print(sorted(k for k in sys.modules if k == 'horovod' or k.startswith('horovod.')))" % mods)

@@ -1,0 +1,211 @@
+"""Imaging configuration: a frozen, validated description of one MRI reconstruction.
+
+:class:`ImagingConfig` carries the attributes that the grid-level helpers of
+:mod:`flowpm_mtf` read (``nc``, ``grid``, ``block_shape``, ``n_cells``,
+``mesh_shape``, ``layout_rules``, dtypes), so the distributed FFT, the block
+layout of :mod:`flowpm_mtf.halo` and the test harness take it in place of a
+``SimConfig``. The layout is that of ``flowpm_mtf`` (:mod:`flowpm_mtf.layout`):
+images ``[x, y, z]`` with ``x`` on mesh axis ``row`` and ``y`` on ``col``,
+k-space ``[kx, ky, kz]`` with ``ky`` on ``row`` and ``kz`` on ``col``.
+
+Every invalid value raises one ``ValueError`` whose message names it, before any
+graph is built.
+"""
+import dataclasses
+import logging
+import math
+from typing import Tuple
+
+import numpy as np
+
+from flowpm_mtf.layout import (BX, BY, COL, KY, KZ, ROW, X, Y)
+
+__all__ = ["ImagingConfig", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": "complex64", "float64": "complex128"}
+"""Real dtypes of an image and the complex dtypes of its k-space."""
+
+
+def _is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagingConfig:
+    """One 3D MRI reconstruction problem on a process grid.
+
+    Parameters
+    ----------
+    nc : int or 3-tuple of int
+        Voxels along x, y, z [voxels]; an int means a cube ``N^3``.
+    grid : 2-tuple of int
+        Process grid ``(P, Q)``: x split over P ranks (mesh axis ``row``), y over Q
+        ranks (``col``); z is never split. In k-space ``ky`` is on ``row`` and
+        ``kz`` on ``col``, so P must divide ``nc[0]`` and ``nc[1]``, and Q must
+        divide ``nc[1]`` and ``nc[2]``.
+    acceleration : float
+        Undersampling factor R >= 1 of the phase-encode plane ``(ky, kz)``:
+        ``round(ny * nz / R)`` of its ``ny * nz`` positions are sampled (every
+        readout ``kx`` of a sampled position) [dimensionless].
+    centre_fraction : float
+        Share of the samples spent on the fully sampled centre of the
+        phase-encode plane (the positions nearest ``k = 0``), in (0, 1]
+        [dimensionless].
+    density_power : float
+        Exponent ``d`` of the variable sampling density outside the centre,
+        ``(1 - r / sqrt 2)^d + 1e-3`` with ``r`` the phase-encode radius in units
+        of the Nyquist frequency (>= 0; 0 is uniform random) [dimensionless].
+    noise_sigma : float
+        Standard deviation of the complex Gaussian k-space noise, ``E|n|^2 =
+        sigma^2`` per sample, in image intensity units (the transform is
+        orthonormal, so it is also the noise per voxel of a fully sampled
+        reconstruction) (>= 0) [phantom intensity].
+    seed : int
+        Seed of the sampling mask and the noise (the same on every grid), in
+        ``[0, 2**63)``.
+    dtype : {"float32", "float64"}
+        Real dtype of images (k-space uses the matching complex dtype).
+
+    Raises
+    ------
+    ValueError
+        Naming the offending value (a grid that does not divide the volume, an
+        impossible R, ...).
+    """
+
+    nc: Tuple[int, int, int] = (32, 32, 32)
+    grid: Tuple[int, int] = (1, 1)
+    acceleration: float = 4.0
+    centre_fraction: float = 0.25
+    density_power: float = 2.0
+    noise_sigma: float = 0.01
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
+        nc = (self.nc,) * 3 if _is_int(self.nc) else self.nc
+        if (not isinstance(nc, (tuple, list, np.ndarray)) or len(nc) != 3
+                or not all(_is_int(n) for n in nc)):
+            raise ValueError("nc must be an integer or 3 integers [voxels], got %r" % (self.nc,))
+        nc = tuple(int(n) for n in nc)
+        if min(nc) < 2:
+            raise ValueError("nc must be >= 2 voxels per axis, got %r" % (nc,))
+        set_("nc", nc)
+        grid = self.grid
+        if (not isinstance(grid, (tuple, list, np.ndarray)) or len(grid) != 2
+                or not all(_is_int(g) for g in grid) or min(grid) < 1):
+            raise ValueError("grid must be a pair of positive integers (P, Q), got %r" % (grid,))
+        P, Q = (int(g) for g in grid)
+        set_("grid", (P, Q))
+        for n, p, what in ((nc[0], P, "nc[0] (x, split over P on 'row')"),
+                           (nc[1], Q, "nc[1] (y, split over Q on 'col')"),
+                           (nc[1], P, "nc[1] (ky, split over P on 'row' in k-space)"),
+                           (nc[2], Q, "nc[2] (kz, split over Q on 'col' in k-space)")):
+            if n % p:
+                raise ValueError("grid %r does not divide the volume nc=%r: %s = %d is not a "
+                                 "multiple of %d" % ((P, Q), nc, what, n, p))
+        if self.dtype not in DTYPES:
+            raise ValueError("dtype must be one of %s, got %r" % (", ".join(DTYPES), self.dtype))
+        for name in ("acceleration", "centre_fraction", "density_power", "noise_sigma"):
+            v = getattr(self, name)
+            if not _is_number(v) or not np.isfinite(v):
+                raise ValueError("%s must be a finite number, got %r" % (name, v))
+            set_(name, float(v))
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be an integer in [0, 2**63), got %r" % (self.seed,))
+        set_("seed", int(self.seed))
+        if not 0.0 < self.centre_fraction <= 1.0:
+            raise ValueError("centre_fraction must be in (0, 1], got %r" % self.centre_fraction)
+        if self.density_power < 0:
+            raise ValueError("density_power must be >= 0, got %r" % self.density_power)
+        if self.noise_sigma < 0:
+            raise ValueError("noise_sigma must be >= 0, got %r" % self.noise_sigma)
+        n_pe = nc[1] * nc[2]
+        if not 1.0 <= self.acceleration <= n_pe:
+            raise ValueError("acceleration R=%r must be in [1, %d] (the %d x %d phase-encode "
+                             "positions of nc=%r)" % (self.acceleration, n_pe, nc[1], nc[2], nc))
+        if self.n_centre < 1:
+            raise ValueError("acceleration R=%r with centre_fraction=%r samples no centre "
+                             "position of the %d x %d phase-encode plane: lower R or raise "
+                             "centre_fraction" % (self.acceleration, self.centre_fraction,
+                                                  nc[1], nc[2]))
+
+    # ------------------------------------------------------------------ sampling
+    @property
+    def n_phase_encodes(self):
+        """Positions of the phase-encode plane, ``ny * nz``."""
+        return self.nc[1] * self.nc[2]
+
+    @property
+    def n_samples(self):
+        """Sampled phase-encode positions, ``round(ny * nz / R)`` (>= 1)."""
+        return max(1, int(round(self.n_phase_encodes / self.acceleration)))
+
+    @property
+    def n_centre(self):
+        """Sampled positions of the fully sampled centre, ``round(fraction * n_samples)``."""
+        return min(self.n_samples, int(round(self.centre_fraction * self.n_samples)))
+
+    # ------------------------------------------------------------------ grid (as SimConfig)
+    @property
+    def n_cells(self):
+        """Voxels of the volume, ``nx * ny * nz``."""
+        return math.prod(self.nc)
+
+    @property
+    def n_ranks(self):
+        """Processors, ``P * Q``."""
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def block_shape(self):
+        """Voxels of one rank's block along x, y, z [voxels]."""
+        return (self.nc[0] // self.grid[0], self.nc[1] // self.grid[1], self.nc[2])
+
+    @property
+    def mesh_shape(self):
+        """Processor mesh for Mesh TF: ``[("row", P), ("col", Q)]``."""
+        return [(ROW, self.grid[0]), (COL, self.grid[1])]
+
+    @property
+    def layout_rules(self):
+        """Tensor dimension -> mesh axis (those of ``flowpm_mtf``)."""
+        return [(X, ROW), (Y, COL), (KY, ROW), (KZ, COL), (BX, ROW), (BY, COL)]
+
+    @property
+    def np_dtype(self):
+        """Real numpy dtype of images."""
+        return np.dtype(self.dtype)
+
+    @property
+    def np_complex_dtype(self):
+        """Complex numpy dtype of k-space."""
+        return np.dtype(DTYPES[self.dtype])
+
+    @property
+    def tf_dtype(self):
+        """Real TensorFlow dtype of images."""
+        import tensorflow.compat.v1 as tf
+        return tf.as_dtype(self.dtype)
+
+    @property
+    def tf_complex_dtype(self):
+        """Complex TensorFlow dtype of k-space."""
+        import tensorflow.compat.v1 as tf
+        return tf.as_dtype(DTYPES[self.dtype])
+
+    def replace(self, **kw):
+        """A copy with some fields replaced (validated again)."""
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self):
+        """A JSON-able dict of the fields."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}

@@ -1,0 +1,205 @@
+r"""Distributed reconstructions: zero-filled, and total variation by ADMM.
+
+Total variation
+---------------
+The complex image ``x`` (``[x, y, z]``, split over the grid) minimises
+
+.. math::
+
+    \tfrac12 \|M F x - y\|^2 + \lambda \sum_{\mathbf r} |\nabla x(\mathbf r)|,
+    \qquad |\nabla x| = \Big(\sum_{j=1}^{3} |D_j x|^2\Big)^{1/2},
+
+with ``D_j`` the periodic forward difference along axis ``j``
+(``x[i + 1] - x[i]``: ``mtf.shift``, one plane from the neighbouring rank) and the
+isotropic norm over the three directions and the real and imaginary parts. ADMM
+(Boyd et al. 2011, with ``z = \nabla x`` and the scaled dual ``u``), per iteration:
+
+.. math::
+
+    x &\leftarrow F^H\Big[\frac{M y + \rho\, F D^T (z - u)}{M + \rho\, |d(k)|^2}\Big],
+    \qquad |d(k)|^2 = \sum_j 4 \sin^2(\pi k_j / n_j), \\
+    z &\leftarrow \mathrm{shrink}(\nabla x + u,\ \lambda / \rho), \qquad
+    u \leftarrow u + \nabla x - z,
+
+where ``shrink(v, t) = v max(1 - t / |v|, 0)`` per voxel. The ``x`` update is exact
+because ``F^H M F`` and ``D^T D`` (periodic) are both diagonal in k-space: one forward
+and one inverse distributed FFT per iteration. Starting from the zero-filled
+``x = F^H y``, ``z = \nabla x``, ``u = 0``. The iterations are unrolled in the graph
+(:func:`tv_admm`); the result is reported as the magnitude ``|x|``.
+
+With ``E|n|^2 = sigma^2 = 1e-4`` and R = 4 on the Shepp-Logan phantom, the defaults of
+:class:`TVConfig` give +4 dB PSNR over zero-filled at 16^3 and +5.6 dB at 32^3
+(numpy prototype of the same iteration).
+"""
+import dataclasses
+import logging
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from flowpm_mtf import complex_ops, layout
+from flowpm_mtf.layout import K_DIMS
+
+from . import operators
+
+__all__ = ["TVConfig", "gradient", "gradient_adjoint", "laplacian_symbol", "tv_admm",
+           "tv_admm_numpy", "zero_filled"]
+
+log = logging.getLogger(__name__)
+
+zero_filled = operators.zero_filled
+
+
+@dataclasses.dataclass(frozen=True)
+class TVConfig:
+    """Settings of the TV reconstruction.
+
+    Parameters
+    ----------
+    lam : float
+        Weight ``lambda`` of the TV term (> 0) [phantom intensity].
+    rho : float
+        ADMM penalty ``rho`` (> 0) [dimensionless].
+    iterations : int
+        ADMM iterations (>= 1), unrolled in the graph.
+    """
+
+    lam: float = 0.005
+    rho: float = 0.02
+    iterations: int = 20
+
+    def __post_init__(self):
+        for name in ("lam", "rho"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) \
+                    or not np.isfinite(v) or v <= 0:
+                raise ValueError("TVConfig.%s must be a positive number, got %r" % (name, v))
+            object.__setattr__(self, name, float(v))
+        it = self.iterations
+        if isinstance(it, bool) or not isinstance(it, (int, np.integer)) or it < 1:
+            raise ValueError("TVConfig.iterations must be an integer >= 1, got %r" % (it,))
+        object.__setattr__(self, "iterations", int(it))
+
+
+def gradient(x):
+    """Periodic forward differences ``[D_x x, D_y x, D_z x]`` of an ``[x, y, z]`` image."""
+    return [mtf.shift(x, -1, d, wrap=True) - x for d in x.shape.dims]
+
+
+def gradient_adjoint(g):
+    """``D^T g = sum_j (g_j[i - 1] - g_j[i])``: the adjoint of :func:`gradient`."""
+    out = None
+    for gj, d in zip(g, g[0].shape.dims):
+        t = mtf.shift(gj, 1, d, wrap=True) - gj
+        out = t if out is None else out + t
+    return out
+
+
+def laplacian_symbol(mesh, conf, dtype):
+    """``|d(k)|^2 = sum_j 4 sin^2(pi k_j / n_j)`` on ``[kx, ky, kz]`` (stored order): the
+    k-space symbol of ``D^T D`` [dimensionless]."""
+    terms = []
+    for d, n in zip(K_DIMS, conf.nc):
+        k = np.fft.fftfreq(n)[layout.k_order(n)]
+        v = (4.0 * np.sin(np.pi * k) ** 2).astype(np.dtype(dtype))
+        terms.append(mtf.import_tf_tensor(mesh, tf.constant(v), mtf.Shape([mtf.Dimension(d, n)]),
+                                          name="laplacian_" + d))
+    return terms[0] + terms[1] + terms[2]
+
+
+def _to_complex(t, cdtype):
+    return mtf.cast(t, cdtype)
+
+
+def _shrink(v, t):
+    """Isotropic soft threshold of the complex vector field ``v`` (a list of 3) by ``t``."""
+    norm2 = None
+    for vj in v:
+        a = complex_ops.abs2(vj)
+        norm2 = a if norm2 is None else norm2 + a
+    factor = mtf.cwise(lambda n2: tf.maximum(1.0 - t / tf.maximum(tf.sqrt(n2), 1e-30), 0.0),
+                       [norm2], name="tv_shrink")
+    f = _to_complex(factor, v[0].dtype)
+    return [vj * f for vj in v]
+
+
+def tv_admm(kdata, mask, conf, tv=TVConfig(), name="tv"):
+    """Total-variation reconstruction by ADMM (see the module docstring).
+
+    Parameters
+    ----------
+    kdata : mtf.Tensor
+        Measured complex k-space ``[kx, ky, kz]`` (zero where not sampled)
+        [phantom intensity].
+    mask : mtf.Tensor
+        Real 0/1 ``[ky, kz]``.
+    conf : ImagingConfig
+    tv : TVConfig
+
+    Returns
+    -------
+    mtf.Tensor
+        The complex image ``x`` ``[x, y, z]`` after ``tv.iterations`` iterations
+        [phantom intensity] (:func:`mri_mtf.operators.magnitude` for ``|x|``).
+    """
+    log.debug("TV-ADMM %s: lambda=%g rho=%g, %d iterations", conf.nc, tv.lam, tv.rho,
+              tv.iterations)
+    mesh = kdata.mesh
+    my = complex_ops.apply_kernel(kdata, mask, name=name + "_my")
+    den = laplacian_symbol(mesh, conf, conf.np_dtype) * tv.rho + mask
+    inv_den = mtf.cwise(tf.math.reciprocal, [den], name=name + "_inv_den")
+    if inv_den.shape.dimension_names != list(K_DIMS):
+        inv_den = mtf.transpose(inv_den, operators.kspace_shape(conf))
+    x = operators.ifft_ortho(my, conf, name=name + "_x0")
+    z = gradient(x)
+    u = [mtf.zeros(mesh, x.shape, x.dtype) for _ in range(3)]
+    thresh = tv.lam / tv.rho
+    for it in range(tv.iterations):
+        rhs = my + operators.fft_ortho(
+            gradient_adjoint([zj - uj for zj, uj in zip(z, u)]) * tv.rho, conf,
+            name="%s_fft%d" % (name, it))
+        x = operators.ifft_ortho(complex_ops.apply_kernel(rhs, inv_den), conf,
+                                 name="%s_ifft%d" % (name, it))
+        g = gradient(x)
+        v = [gj + uj for gj, uj in zip(g, u)]
+        z = _shrink(v, thresh)
+        u = [vj - zj for vj, zj in zip(v, z)]
+    return x
+
+
+def tv_admm_numpy(kdata, mask2d, tv=TVConfig()):
+    """Reference of :func:`tv_admm` on whole arrays (numpy FFT order).
+
+    Parameters
+    ----------
+    kdata : ndarray, complex, shape ``nc``
+        Measured k-space (numpy order) [phantom intensity].
+    mask2d : ndarray, shape ``(ny, nz)``
+        0/1 phase-encode mask (numpy order).
+    tv : TVConfig
+
+    Returns
+    -------
+    ndarray, complex128
+    """
+    nc = kdata.shape
+    m = np.broadcast_to(mask2d[None].astype(np.float64), nc)
+    F = lambda a: np.fft.fftn(a, norm="ortho")  # noqa: E731
+    Fi = lambda a: np.fft.ifftn(a, norm="ortho")  # noqa: E731
+    grad = lambda a: [np.roll(a, -1, j) - a for j in range(3)]  # noqa: E731
+    gradT = lambda g: sum(np.roll(g[j], 1, j) - g[j] for j in range(3))  # noqa: E731
+    lap = sum(np.meshgrid(*[4.0 * np.sin(np.pi * np.fft.fftfreq(n)) ** 2 for n in nc],
+                          indexing="ij"))
+    my = m * kdata
+    x = Fi(my)
+    z, u = grad(x), [np.zeros(nc, complex)] * 3
+    t = tv.lam / tv.rho
+    for _ in range(tv.iterations):
+        x = Fi((my + tv.rho * F(gradT([a - b for a, b in zip(z, u)]))) / (m + tv.rho * lap))
+        v = [a + b for a, b in zip(grad(x), u)]
+        nv = np.sqrt(sum(np.abs(a) ** 2 for a in v))
+        f = np.maximum(1.0 - t / np.maximum(nv, 1e-30), 0.0)
+        z = [a * f for a in v]
+        u = [a - b for a, b in zip(v, z)]
+    return x

@@ -1,0 +1,86 @@
+"""No rank's TF graph holds the full volume in the MRI pipeline (issue 29).
+
+The whole imaging graph (phantom, mask, noise, measurement, zero-filled and TV-ADMM
+reconstructions, the model-parallel convolution with its gradients, PSNR and SSIM) is
+lowered with HvdSimdMeshImpl on the grids of the world size (2 or 4 ranks), and every
+rank checks every TF tensor its outputs depend on: at most the rank's block padded by the
+widest halo (3 planes, SSIM's window), ``(nx/P + 6)(ny/Q + 6) nz`` voxels. Axes of <= 4
+elements (channels, unit block axes) do not count as voxels; the mask plane ``ny nz`` is
+2D and smaller. With 32^3 a full-size volume is 1.2x (2 ranks) or 2.1x (4 ranks) the
+bound, so a gathered or full-size tensor fails.
+"""
+import numpy as np
+import pytest
+import mesh_tensorflow as mtf
+import tensorflow.compat.v1 as tf
+
+from conftest import world
+
+tf.disable_eager_execution()
+
+RANK, SIZE = world()
+GRIDS = {2: [(2, 1), (1, 2)], 4: [(2, 2)]}.get(SIZE, [])
+NC, HALO, SHORT = 32, 3, 4
+
+
+def _voxels(shape):
+    return int(np.prod([n for n in shape if n > SHORT]))
+
+
+def build(mesh, conf):
+    from mri_mtf import conv, metrics, operators, phantom, recon, sampling
+    from flowpm_mtf import complex_ops
+
+    truth = phantom.phantom(mesh, conf)
+    mask = sampling.mask(mesh, conf)
+    kdata = operators.forward(truth, mask, conf) + complex_ops.apply_kernel(
+        sampling.complex_noise(mesh, conf), mask)
+    zf = recon.zero_filled(kdata, mask, conf)
+    tv = operators.magnitude(recon.tv_admm(kdata, mask, conf, recon.TVConfig(iterations=2)))
+    c = mtf.Dimension("c", 1)
+    img = mtf.reshape(tv, mtf.Shape(tv.shape.dims + [c]))
+    w = mtf.ones(mesh, conv.filter_shape((3, 3, 3), c, mtf.Dimension("cout", 2)), tv.dtype)
+    y = conv.conv3d(img, w, conf)
+    gx, gw = mtf.gradients([mtf.reduce_sum(mtf.square(y))], [img, w])
+    return [metrics.psnr(zf, truth), metrics.ssim(tv, truth), gx, gw]
+
+
+def violations(grid, gather=False):
+    """TF tensors of this rank's lowered imaging graph above the share; ``gather`` adds a
+    replicated (full-size) copy of the phantom, which the check must catch."""
+    from hvd_mesh_impl import HvdSimdMeshImpl
+    from hvd_mesh_impl.training import ancestors
+    from mri_mtf.config import ImagingConfig
+
+    conf = ImagingConfig(nc=NC, grid=grid)
+    P, Q = grid
+    bound = (NC // P + 2 * HALO) * (NC // Q + 2 * HALO) * NC
+    assert bound < NC ** 3
+    impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
+    bad = []
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        outs = build(mesh, conf)
+        if gather:
+            full = mtf.rename_dimension(mtf.rename_dimension(outs[2], "x", "xa"), "y", "ya")
+            outs.append(mtf.reduce_sum(full))
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        roots = [lowering.tensors[t].to_laid_out_tensor().tensor_list[0].op for t in outs]
+        for op in ancestors(roots):
+            for t in op.outputs:
+                if t.shape.is_fully_defined() and _voxels(t.shape.as_list()) > bound:
+                    bad.append("%s (%s) %s" % (t.name, op.type, t.shape.as_list()))
+    return bad
+
+
+@pytest.mark.skipif(SIZE == 1, reason="on one rank the share is the whole volume")
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: "x".join(map(str, g)))
+def test_imaging_graph_holds_only_the_ranks_share(grid):
+    bad = violations(grid)
+    assert not bad, "rank %d holds full-size arrays:\n%s" % (RANK, "\n".join(bad[:30]))
+
+
+@pytest.mark.skipif(SIZE == 1, reason="on one rank the share is the whole volume")
+def test_a_gathered_volume_is_caught():
+    assert violations(GRIDS[0], gather=True)
