@@ -159,6 +159,13 @@ def real_vdot(u, v, name="real_vdot"):
             return tf.math.real(tf.math.conj(tf.cast(a, c)) * tf.cast(b, c))
         return a * b
 
-    prod = mtf.slicewise(fn, [u, v], output_shape=u.shape, output_dtype=out,
-                         splittable_dims=u.shape.dims, name=name)
+    if u is v:
+        # one input: Mesh TF's generic gradient of a slicewise op takes tf.gradients with
+        # respect to each input, and with the same tensor twice each already holds the
+        # total, which it then adds again (the gradient of <u, u> came out 4u, not 2u)
+        prod = mtf.slicewise(lambda a: fn(a, a), [u], output_shape=u.shape, output_dtype=out,
+                             splittable_dims=u.shape.dims, name=name)
+    else:
+        prod = mtf.slicewise(fn, [u, v], output_shape=u.shape, output_dtype=out,
+                             splittable_dims=u.shape.dims, name=name)
     return mtf.reduce_sum(prod)

@@ -254,3 +254,25 @@ def test_padded_gradient_field_needs_one_block():
             kernels.neg_gradient_potential(dk, conf, kern, sequential=True, padded=True)
         with pytest.raises(ValueError, match="packed and sequential"):
             kernels.neg_gradient_potential(dk, conf, kern, padded=True)
+
+
+@pytest.mark.parametrize("dtype", [tf.float64, tf.complex128])
+def test_real_vdot_of_a_tensor_with_itself(dtype):
+    """d/du 0.5 <u, u> = u (the same tensor on both sides: Mesh TF's generic slicewise
+    gradient counted it twice, giving 2u), and <u, v> still differentiates in both."""
+    conf = SimConfig(nc=8, box_size=8.0, grid=(1, 1))
+    rng = np.random.RandomState(3)
+    u0 = rng.randn(8, 8, 8) + (1j * rng.randn(8, 8, 8) if dtype.is_complex else 0)
+    v0 = rng.randn(8, 8, 8)
+
+    def build(mesh):
+        shape = fft.real_shape(conf)
+        u = mtf.import_tf_tensor(mesh, tf.constant(u0, dtype), shape)
+        v = mtf.import_tf_tensor(mesh, tf.constant(v0, dtype), shape)
+        gu, = mtf.gradients([complex_ops.real_vdot(u, u) * 0.5], [u])
+        gv, = mtf.gradients([complex_ops.real_vdot(u, v)], [v])
+        return {"gu": gu, "gv": gv}
+
+    out = H.run("hvd", conf, build)
+    np.testing.assert_allclose(out["gu"], u0, rtol=1e-14)
+    np.testing.assert_allclose(out["gv"], u0, rtol=1e-14)
