@@ -209,7 +209,8 @@ def resume_configs(job, args):
     Raises
     ------
     ResumeError
-        No valid checkpoint in the directory, or an option that contradicts it.
+        No valid checkpoint in the directory, one written by another job, or an
+        option that contradicts it.
     """
     from . import checkpoint
     from .errors import ResumeError
@@ -219,7 +220,10 @@ def resume_configs(job, args):
         raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
                           "to write checkpoints, or start a new run)"
                           % (args.resume, checkpoint.checkpoint_root(args.resume)))
-    manifest = found[0][1]
+    path, manifest = found[0]
+    if manifest.get("job") not in (None, job.name):   # before its configs are read as ours
+        raise ResumeError(checkpoint.check_identity(
+            manifest, {"job": job.name, "state_config": {}, "stages": []}, path))
     overrides = explicit_values(job, args)
     sim = overrides.setdefault("config", {})
     if sim.get("grid") is None:
