@@ -1,4 +1,4 @@
-"""Checkpoints of the particle state (every rank its slices), restart, and SIGTERM handling.
+"""Checkpoints of a job's state (every rank its slices), restart, and SIGTERM handling.
 
 Layout (``OUT/checkpoint/``)
 ----------------------------
@@ -34,14 +34,26 @@ bit; another grid places every particle by id into the block that now owns it
 (its Lagrangian block; positions are re-expressed relative to the new block
 origin in float64), which changes results only at float round-off.
 
+A job's distributed fields besides the particles (the lens planes of
+``lensing``; the field and Adam's moments and step count of ``reconstruct``)
+go into the same part files as datasets ``fields/<name>`` with the index of the
+slice's first element (attribute ``begin``), recorded in the manifest per part
+(``fields``: ``begin``, ``shape``, ``dtype``) and listed in its ``fields``. A
+rank reads back the parts whose slices overlap its own (on the same grid, only
+its own part: bit for bit), never a whole field (:func:`load`'s ``fields``).
+A job without particles (``reconstruct``) writes parts with fields only, and a
+loop that is no time integration records no stages and ``a = None``.
+
 Identity (what a resume is checked against)
 -------------------------------------------
 The manifest records the job (``simulate``, ...), its stage list (the scale
 factors of the time loop), the scale factor of the saved state and
 ``state_config``: the ``SimConfig`` fields that change the particles'
 trajectory (everything but :data:`LAYOUT_FIELDS`: the process grid and the
-buffer layout on it, which a resume may change), with ``config_hash``, the
-SHA-256 of both (:func:`config_hash`). A resume by another job, with another
+buffer layout on it, which a resume may change) and the job's own settings that
+change its state (``Job.state_sections``, e.g. every lensing setting, every
+reconstruction setting but ``log_every``), with ``config_hash``, the SHA-256 of
+both (:func:`config_hash`). A resume by another job, with another
 state config or stage list, or whose stage at the saved step is not the saved
 scale factor, is refused with one line naming what differs
 (:func:`check_identity`, :func:`verify_resume`), before anything is computed.
