@@ -104,7 +104,7 @@ from .logs import rank0_only
 from .lpt import State
 from .preflight import unfolded_zeros_initializer
 
-__all__ = ["AdjointGraph", "Cotangents", "reverse_factors", "reverse_step", "lower_adjoint",
+__all__ = ["AdjointGraph", "Cotangents", "SUMS", "reverse_factors", "reverse_step", "lower_adjoint",
            "run_forward", "run_reverse", "run_gradient"]
 
 log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repeat it
@@ -149,7 +149,7 @@ def reverse_factors(conf, stages):
 
 
 def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
-    """One reverse kick-drift-kick step with the cotangent propagation (graph of one step).
+    r"""One reverse kick-drift-kick step with the cotangent propagation (graph of one step).
 
     Parameters
     ----------
@@ -173,6 +173,15 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
         the migration's statistics (eulerian) or None.
     cot : Cotangents
         Total cotangents at stage ``i`` (the force VJP at ``x_i`` included).
+    sums : list of 4 mtf.Tensor
+        Scalars (summed over the valid particles of every block) from which the
+        gradient with respect to the step's factors and the force's
+        :math:`\tfrac32\Omega_m` follows (:data:`SUMS`):
+        :math:`\sum \bar p_{i+1} \cdot f_{i+1} = \partial L/\partial K1_i`,
+        :math:`\sum \bar x_{i+1} \cdot p_h = \partial L/\partial D_i`,
+        :math:`\sum \bar p_h \cdot f_i = \partial L/\partial K0_i` and
+        :math:`\sum \bar f_i \cdot f_i`, the cotangent of the force's
+        prefactor times the prefactor.
     """
     if len(factors) != 4:
         raise ValueError("reverse_step: factors must be (K0, D, K1, K1_prev), got %d values"
@@ -183,6 +192,8 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     x, p, f, ids = state.positions, state.momenta, state.forces, state.ids
     xb, pb = cot
     p_h = p - f * k1
+    w_in = domain.weights(ids, conf)
+    sums = [_dot(pb, f, w_in, name + "_sum_k1"), _dot(xb, p_h, w_in, name + "_sum_drift")]
     dx = -(p_h * drift)
     x = x + dx
     pb_h = pb + xb * drift
@@ -199,7 +210,21 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     vjp = mtf.gradients([f], [x], grad_ys=[fb])[0]
     if vjp is not None:
         xb = xb + vjp
-    return State(x, p, f, ids, stats), Cotangents(xb, pb_h)
+    w_out = domain.weights(ids, conf)
+    sums += [_dot(pb_h, f, w_out, name + "_sum_k0"), _dot(fb, f, w_out, name + "_sum_force")]
+    return State(x, p, f, ids, stats), Cotangents(xb, pb_h), sums
+
+
+SUMS = ("K1", "drift", "K0", "force")
+"""The scalars of :func:`reverse_step` (``sums``), in order."""
+
+
+def _dot(u, v, weight, name):
+    """``sum(weight * u . v)`` over every particle (a replicated scalar)."""
+    prod = u * v
+    if weight is not None:
+        prod = prod * weight
+    return mtf.reduce_sum(prod, output_shape=mtf.Shape([]), name=name)
 
 
 def _particle_shape(conf):
@@ -262,6 +287,10 @@ class AdjointGraph:
     step_stats, reverse_stats : mtf.Tensor or None
         Migration statistics of the forward and reverse steps
         (:data:`flowpm_mtf.domain.STATS`; eulerian only).
+    reverse_sums : mtf.Tensor
+        ``[adjoint_sum]`` (:data:`SUMS`): the reverse step's scalars for the
+        gradient with respect to the time-integration factors and the force
+        prefactor (:func:`reverse_step`).
     """
 
     def __init__(self, conf, mesh, stages=None, initial_state=None, loss_fn=None, kernels=None):
@@ -287,8 +316,12 @@ class AdjointGraph:
         if loss_fn is not None:
             self.loss = loss_fn(self.variables)
             grads = mtf.gradients([self.loss], list(self.variables[:2]))
-            self.loss_ops = [mtf.assign(v, g if g is not None else mtf.zeros(mesh, shape, dt))
-                             for v, g in zip(self.cotangents, grads)]
+            # empty slots (eulerian) carry no particle: their cotangents are zero whatever
+            # the loss does with them
+            valid = domain.weights(self.variables.ids, conf)
+            grads = [mtf.zeros(mesh, shape, dt) if g is None else g if valid is None
+                     else g * valid for g in grads]
+            self.loss_ops = [mtf.assign(v, g) for v, g in zip(self.cotangents, grads)]
         # forward: one step for all steps, factors fed (as SimulationGraph)
         self.factors, fac = _imported_factors(mesh, conf, 3, "adjoint_step_factors")
         new = nbody.kdk_step(self.variables, conf, kernels=kernels, factors=fac)
@@ -296,10 +329,11 @@ class AdjointGraph:
         self.step_stats = new.stats
         # reverse: one step for all steps
         self.reverse_factors_ph, rfac = _imported_factors(mesh, conf, 4, "adjoint_reverse_factors")
-        back, cot = reverse_step(self.variables, self.cotangents, conf, rfac, kernels)
+        back, cot, sums = reverse_step(self.variables, self.cotangents, conf, rfac, kernels)
         self.reverse_ops = ([mtf.assign(v, t) for v, t in zip(self.variables[:4], back[:4])]
                             + [mtf.assign(v, t) for v, t in zip(self.cotangents, cot)])
         self.reverse_stats = back.stats
+        self.reverse_sums = mtf.stack(sums, "adjoint_sum", axis=0, name="adjoint_sums")
         self.step_factors = list(nbody.all_step_factors(conf, self.stages)) \
             if self.stages.size > 1 else []
         self.reverse_factors = reverse_factors(conf, self.stages)
@@ -336,6 +370,7 @@ def lower_adjoint(adj, lowering):
             "step": _group(lowering, adj.step_ops), "reverse": _group(lowering, adj.reverse_ops),
             "stats": {"step": _replicated(lowering, adj.step_stats),
                       "reverse": _replicated(lowering, adj.reverse_stats)},
+            "sums": _replicated(lowering, adj.reverse_sums),
             "loss_value": _replicated(lowering, adj.loss) if adj.loss is not None else None}
 
 
@@ -376,16 +411,20 @@ def run_reverse(sess, adj, ops):
 
     Returns
     -------
-    list
+    stats : list
         Migration statistics of every run of the reverse step (the first, the
         final force's cotangent, then steps ``N-1 .. 0``; None: lagrangian).
+    sums : numpy.ndarray
+        ``[n_steps + 1, 4]`` float64: the :data:`SUMS` of every run, same order.
     """
-    stats = []
+    stats, sums = [], []
     for row in adj.reverse_factors:
-        out = sess.run([ops["reverse"], ops["stats"]["reverse"]], {adj.reverse_factors_ph: row})
+        out = sess.run([ops["reverse"], ops["stats"]["reverse"], ops["sums"]],
+                       {adj.reverse_factors_ph: row})
         stats.append(out[1])
+        sums.append(out[2])
     log.info("adjoint: reverse %d steps to a=%g", adj.n_steps, adj.stages[0])
-    return stats
+    return stats, np.asarray(sums, np.float64)
 
 
 def run_gradient(sess, adj, ops, init=True):
@@ -405,7 +444,7 @@ def run_gradient(sess, adj, ops, init=True):
     -------
     dict
         ``loss`` (value at the final state), ``forward`` and ``reverse``
-        migration statistics per run. Afterwards ``adj.cotangents`` hold
+        migration statistics per run, ``sums`` (:func:`run_reverse`). Afterwards ``adj.cotangents`` hold
         ``dL/dx_0, dL/dp_0`` and ``adj.variables`` the re-created first state.
     """
     if adj.loss is None:
@@ -417,5 +456,5 @@ def run_gradient(sess, adj, ops, init=True):
     fwd = run_forward(sess, adj, ops)
     loss = sess.run(ops["loss_value"])
     sess.run(ops["loss"])
-    rev = run_reverse(sess, adj, ops)
-    return {"loss": loss, "forward": fwd, "reverse": rev}
+    rev, sums = run_reverse(sess, adj, ops)
+    return {"loss": loss, "forward": fwd, "reverse": rev, "sums": sums}

@@ -587,12 +587,16 @@ RECON_FETCHED_FIELDS = 3
 RECON_TAPE_VALUES_PER_SLOT = 9
 
 
-def reconstruct_memory(conf, forward):
+def reconstruct_memory(conf, forward, gradient="stored"):
     """``extra`` for :func:`check_memory` of the reconstruction: its field variables (the
     linear field, Adam's moments, the observed data), the fetched fields, and the particle
-    state the gradient keeps (one stage for ``"lpt"``, every step for ``"nbody"``)."""
+    state the gradient keeps (one stage for ``"lpt"``; for ``"nbody"`` every step with the
+    ``"stored"`` gradient, two with the ``"adjoint"``: the state and its cotangents)."""
     isz = conf.np_dtype.itemsize
-    stages = 1 if forward == "lpt" else conf.n_steps + 1
+    if forward == "lpt":
+        stages = 1
+    else:
+        stages = 2 if gradient == "adjoint" else conf.n_steps + 1
 
     def extra(c, blocks, masters):
         cells = math.prod(int(x) for x in c.block_shape)

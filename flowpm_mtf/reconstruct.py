@@ -50,7 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import complex_ops, domain, fft, gravity, ics, lpt, nbody, power
+from . import complex_ops, domain, fft, gravity, ics, lpt, model_gradient, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
@@ -63,6 +63,14 @@ log = rank0_only(logging.getLogger(__name__))  # progress: every rank would repe
 
 FORWARD_MODELS = ("lpt", "nbody")
 """Forward models: LPT to ``a_end``, or LPT + FastPM N-body to ``a_end``."""
+
+GRADIENTS = ("adjoint", "stored")
+"""How the gradient of the N-body forward model is taken: the adjoint of the time loop
+(:class:`flowpm_mtf.model_gradient.ModelGradient`, memory of one step), or
+``mtf.gradients`` through the unrolled model (every step's activations kept)."""
+
+COSMOLOGY_PARAMETERS = ("Omega_c", "sigma8")
+"""Parameters whose loss gradient the adjoint reports at the final field."""
 
 NOISE_SEED_OFFSET = 1000003
 """The observation noise uses the seed ``conf.seed + NOISE_SEED_OFFSET`` (an
@@ -91,6 +99,10 @@ class ReconConfig:
         ``1 + delta`` per cell [dimensionless] (>= 0).
     forward : {"lpt", "nbody"}
         Forward model (see the module docstring).
+    gradient : {"adjoint", "stored"}
+        How the gradient of the ``"nbody"`` forward model is taken
+        (:data:`GRADIENTS`); the ``"lpt"`` model has no time loop, and both
+        are then the same graph.
     sigma : float or None
         Per-cell standard deviation assumed by the likelihood
         [dimensionless]; default ``noise``, or :data:`NOISELESS_SIGMA` when
@@ -111,6 +123,7 @@ class ReconConfig:
     learning_rate: float = 0.1
     noise: float = 0.1
     forward: str = dataclasses.field(default="lpt", metadata={"choices": FORWARD_MODELS})
+    gradient: str = dataclasses.field(default="adjoint", metadata={"choices": GRADIENTS})
     sigma: float = None
     beta1: float = 0.9
     beta2: float = 0.999
@@ -139,6 +152,13 @@ class ReconConfig:
                 raise ValueError("%s must be in [0, 1), got %r" % (name, v))
         if self.forward not in FORWARD_MODELS:
             raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, self.forward))
+        if self.gradient not in GRADIENTS:
+            raise ValueError("gradient must be one of %s, got %r" % (GRADIENTS, self.gradient))
+
+    @property
+    def uses_adjoint(self):
+        """True when the gradient goes through the adjoint of the time loop."""
+        return self.forward == "nbody" and self.gradient == "adjoint"
 
     @property
     def likelihood_sigma(self):
@@ -472,8 +492,32 @@ class ReconstructionGraph:
         self.linear = mtf.get_variable(mesh, "linear", shape, dtype=dtype, initializer=zeros,
                                        trainable=True)
         s = self.linear
-        self.loss, self.chi2, self.prior = loss_terms(s, self.observed, conf, rconf)
-        grad = mtf.gradients([self.loss], [s])[0]
+        self.model_gradient = None
+        if rconf.uses_adjoint:
+            inv_n = float(1.0 / conf.n_cells)
+            sigma2 = float(1.0 / rconf.likelihood_sigma**2)
+
+            def data_term(state):   # chi2 / N of the final state
+                model = gravity.density(state.positions, conf, domain.weights(state.ids, conf))
+                return mtf.reduce_sum(mtf.square(self.observed - model)) * (sigma2 * inv_n)
+
+            mg = model_gradient.ModelGradient(conf, mesh, data_term, linear=s,
+                                              params=COSMOLOGY_PARAMETERS)
+            self.model_gradient = mg
+            kernel = inverse_power_kernel(conf, mesh)
+            self.prior = prior_chi2(s, conf, kernel)
+            # the prior's dependence on the cosmology, through P(k): sum(K_bar dK/dtheta)
+            kbar = mtf.gradients([self.prior * inv_n], [kernel])[0]
+            volume = float(np.prod(conf.box_size))
+            self.prior_cosmology = {p: mtf.reduce_sum(kbar * model_gradient.power_kernel_derivative(
+                conf, mesh, p, lambda pk, k: np.sqrt(volume / pk), name="prior_d_" + p),
+                output_shape=mtf.Shape([])) for p in COSMOLOGY_PARAMETERS}
+            self.chi2 = mg.adjoint.loss * float(conf.n_cells)
+            self.loss = mg.adjoint.loss + self.prior * inv_n
+            grad = mg.field_gradient + mtf.gradients([self.prior * inv_n], [s])[0]
+        else:
+            self.loss, self.chi2, self.prior = loss_terms(s, self.observed, conf, rconf)
+            grad = mtf.gradients([self.loss], [s])[0]
         self.step_ops, self.adam = adam_update(self.linear, grad, rconf.learning_rate,
                                                rconf.beta1, rconf.beta2, rconf.epsilon)
         self.truth = truth
@@ -498,7 +542,13 @@ class ReconstructionGraph:
 
         scalars = {n: lowering.tensors[getattr(self, n)].to_laid_out_tensor().tensor_list[0]
                    for n in ("loss", "chi2", "prior")}
-        return {"step": ordered_update_op(lowering, self.step_ops), "scalars": scalars}
+        ops = {"step": ordered_update_op(lowering, self.step_ops), "scalars": scalars}
+        if self.model_gradient is not None:
+            ops["adjoint"] = self.model_gradient.lower(lowering)
+            ops["prior_cosmology"] = {
+                p: lowering.tensors[t].to_laid_out_tensor().tensor_list[0]
+                for p, t in self.prior_cosmology.items()}
+        return ops
 
     def iterate(self, sess, ops):
         """One Adam iteration; returns the loss terms at the field before the step.
@@ -514,9 +564,35 @@ class ReconstructionGraph:
         dict
             ``loss``, ``chi2``, ``prior`` (floats) at the field before the step.
         """
-        vals, _ = sess.run([ops["scalars"], ops["step"]])
-        return {n: float(v) for n, v in vals.items()}
+        if self.model_gradient is None:
+            vals, _ = sess.run([ops["scalars"], ops["step"]])
+            return {n: float(v) for n, v in vals.items()}
+        # ICs and forward (the loss terms are those of the final state), loss cotangent,
+        # reverse, then the chain to the field together with the Adam step
+        vals = self._forward(sess, ops)
+        self._reverse(sess, ops, extra=ops["step"])
+        return vals
 
-    def evaluate(self, sess, ops):
-        """The loss terms at the current field (no step), as :meth:`iterate` returns them."""
-        return {n: float(v) for n, v in sess.run(ops["scalars"]).items()}
+    def evaluate(self, sess, ops, cosmology=False):
+        """The loss terms at the current field (no step), as :meth:`iterate` returns them.
+
+        With ``cosmology`` (adjoint only), also ``d_loss_d_<param>`` for
+        :data:`COSMOLOGY_PARAMETERS` at the fixed field: the data term through
+        the growth, the time steps and the force (:mod:`flowpm_mtf.model_gradient`)
+        plus the prior's through P(k).
+        """
+        if self.model_gradient is None:
+            return {n: float(v) for n, v in sess.run(ops["scalars"]).items()}
+        vals = self._forward(sess, ops)
+        if cosmology:
+            data = self._reverse(sess, ops)
+            prior = sess.run(ops["prior_cosmology"])
+            vals.update({"d_loss_d_" + p: g + float(prior[p]) for p, g in data.items()})
+        return vals
+
+    def _forward(self, sess, ops):
+        return {n: float(v) for n, v in self.model_gradient.forward(
+            sess, ops["adjoint"], fetch=ops["scalars"]).items()}
+
+    def _reverse(self, sess, ops, extra=None):
+        return self.model_gradient.backward(sess, ops["adjoint"], extra)["cosmology"]

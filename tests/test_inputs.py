@@ -199,7 +199,7 @@ RANGE_CASES = [
     ("reconstruct", "learning_rate", 0), ("reconstruct", "noise", -0.1),
     ("reconstruct", "sigma", 0), ("reconstruct", "epsilon", -1e-8),
     ("reconstruct", "log_every", 0), ("reconstruct", "beta1", 1.0),
-    ("fft-demo", "repeats", 0),
+    ("reconstruct", "gradient", "backprop"), ("fft-demo", "repeats", 0),
 ]
 
 

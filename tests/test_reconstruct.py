@@ -14,6 +14,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
+import nbody_harness as NH
 from flowpm_mtf import cli, fft, ics, jobs, linear_power
 from flowpm_mtf import reconstruct as R
 from flowpm_mtf.jobs import runner
@@ -158,6 +159,74 @@ def test_nbody_forward_model_reduces_the_loss():
     assert np.all(np.isfinite(loss)) and loss[-1] < NBODY_LOSS_FRACTION * loss[0], loss
     k, r = np.asarray(summary["k"]), np.asarray(summary["r"])
     assert r[k < 0.15].min() > NBODY_R_MIN, (k, r)
+
+
+# Adjoint vs stored gradient in the same job (float64, 3 steps, 5 Adam iterations): the two
+# gradients agree to ~1e-15 (tests/test_model_gradient.py); Adam's normalisation m / sqrt(v)
+# amplifies the relative error of small components, measured 2e-14 on the loss history.
+# Any error of the adjoint path (a missing prior gradient, a wrong sign) is > 1e-3.
+ADJOINT_HISTORY_RTOL = 1e-10
+# d loss / d cosmology at a fixed field vs central differences (float64; relative step 1e-5
+# as in tests/test_model_gradient.py, where the loss is far from quadratic at 1e-4).
+COSMO_FD_REL = 1e-5
+COSMO_RTOL = 1e-6
+
+
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+def test_adjoint_reconstruction_matches_stored(decomposition):
+    """--gradient adjoint and --gradient stored follow the same trajectory (N-body forward
+    model, this world's process grid)."""
+    conf = CONF.replace(grid=_grid(), n_steps=3, decomposition=decomposition)
+    runs = {g: _run("hvd", conf, R.ReconConfig(iterations=5, learning_rate=0.1, noise=0.1,
+                                               forward="nbody", gradient=g), None)
+            for g in R.GRADIENTS}
+    a, s = runs["adjoint"], runs["stored"]
+    for n in ("loss", "chi2", "prior"):
+        err = H.rel_err(a[n], s[n])
+        print("%s history adjoint vs stored (%s): %.3g" % (n, decomposition, err))
+        assert err <= ADJOINT_HISTORY_RTOL, (n, a[n], s[n])
+    assert a["loss"][-1] < a["loss"][0]
+    assert set(a["cosmology_gradient"]) == set(R.COSMOLOGY_PARAMETERS)
+    assert "cosmology_gradient" not in s
+
+
+def _recon_eval(conf, data, field, cosmology=False):
+    """ReconstructionGraph.evaluate at a given field with fixed data (adjoint path)."""
+    rconf = R.ReconConfig(iterations=1, noise=0.1, forward="nbody", gradient="adjoint")
+    kind = "hvd"
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        rg = R.ReconstructionGraph(conf, rconf, mesh, observed=data)
+        assign = mtf.assign(rg.linear, NH.import_field(mesh, conf, field))
+        lowering = mtf.Lowering(graph, {mesh: H.make_impl(kind, conf)})
+        ops = rg.lower_iteration(lowering)
+        set_field = lowering.lowered_operation(assign)
+        with tf.Session(config=H.session_config(kind, conf)) as sess:
+            sess.run(tf.global_variables_initializer())
+            sess.run(lowering.copy_masters_to_slices())
+            sess.run(set_field)
+            return rg.evaluate(sess, ops, cosmology=cosmology)
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="the data term on more ranks is tested in "
+                    "test_model_gradient.py; the prior term is a per-slice kernel")
+def test_reconstruction_cosmology_gradient_finite_differences():
+    """The job's d loss / d Omega_c, d sigma8 at a fixed field (data term through the
+    N-body, prior through P(k)) == central differences of the loss (float64)."""
+    conf = CONF.replace(grid=_grid(), n_steps=3)
+    field = NH.linear_field_numpy(conf)
+    data = 1.0 + np.random.RandomState(3).randn(*conf.nc) * 0.5
+    got = _recon_eval(conf, data, field, cosmology=True)
+    for p in R.COSMOLOGY_PARAMETERS:
+        v = getattr(conf.cosmology, p)
+        h = COSMO_FD_REL * v
+        vals = [_recon_eval(conf.replace(cosmology=dataclasses.replace(
+            conf.cosmology, **{p: v + sgn * h})), data, field)["loss"] for sgn in (1, -1)]
+        fd = (vals[0] - vals[1]) / (2 * h)
+        print("reconstruction d loss / d %s: adjoint %.10g, finite differences %.10g"
+              % (p, got["d_loss_d_" + p], fd))
+        assert abs(got["d_loss_d_" + p] - fd) <= COSMO_RTOL * abs(fd), (p, got, fd)
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -68,7 +68,8 @@ class ReconstructJob(Job):
         # the field variables, Adam's moments, the data and the gradient tape are in the
         # estimate (the simulation's terms alone are not)
         preflight.check_job_memory(ctx, preflight.reconstruct_memory(
-            ctx.conf, ctx.configs["reconstruction"].forward))
+            ctx.conf, ctx.configs["reconstruction"].forward,
+            ctx.configs["reconstruction"].gradient))
         if ctx.resume:   # a checkpoint of another run is refused before any graph
             if ctx.run_dir is None:
                 from ..errors import ResumeError
@@ -127,7 +128,7 @@ class ReconstructJob(Job):
         with ctx.timed("fetch_s"):
             fields = {n: [t for _, t, _ in sl] for n, sl in ops["fields"].items()}
             res = sess.run({**fields, **ops["spectra"]})
-            res["final"] = rg.evaluate(sess, ops["iteration"])
+            res["final"] = rg.evaluate(sess, ops["iteration"], cosmology=True)
         res["history"] = history
         res["slices"] = ops["fields"]
         return res
@@ -149,7 +150,12 @@ class ReconstructJob(Job):
             ctx.comm, [(v[:, :, :depth].mean(axis=2), b[:2]) for (_, _, b), v in
                        zip(sl, res[name])], conf.nc[:2]) for name, sl in res["slices"].items()}
         k, r, tk, _ = res["table"]
+        # the adjoint's d loss / d cosmology at the final field (the data term; see
+        # ReconstructionGraph.evaluate)
+        cosmology = {n[len("d_loss_d_"):]: v for n, v in res["final"].items()
+                     if n.startswith("d_loss_d_")}
         return {"likelihood_sigma": rconf.likelihood_sigma, "loss": history["loss"],
+                **({"cosmology_gradient": cosmology} if cosmology else {}),
                 "chi2": history["chi2"], "prior": history["prior"],
                 "k": k.tolist(), "r": r.tolist(), "transfer": tk.tolist()}
 
