@@ -1,4 +1,4 @@
-"""Checkpoints of the particle state (every rank its slices), restart, and SIGTERM handling.
+"""Checkpoints of a job's state (every rank its slices), restart, and SIGTERM handling.
 
 Layout (``OUT/checkpoint/``)
 ----------------------------
@@ -34,14 +34,26 @@ bit; another grid places every particle by id into the block that now owns it
 (its Lagrangian block; positions are re-expressed relative to the new block
 origin in float64), which changes results only at float round-off.
 
+A job's distributed fields besides the particles (the lens planes of
+``lensing``; the field and Adam's moments and step count of ``reconstruct``)
+go into the same part files as datasets ``fields/<name>`` with the index of the
+slice's first element (attribute ``begin``), recorded in the manifest per part
+(``fields``: ``begin``, ``shape``, ``dtype``) and listed in its ``fields``. A
+rank reads back the parts whose slices overlap its own (on the same grid, only
+its own part: bit for bit), never a whole field (:func:`load`'s ``fields``).
+A job without particles (``reconstruct``) writes parts with fields only, and a
+loop that is no time integration records no stages and ``a = None``.
+
 Identity (what a resume is checked against)
 -------------------------------------------
 The manifest records the job (``simulate``, ...), its stage list (the scale
 factors of the time loop), the scale factor of the saved state and
 ``state_config``: the ``SimConfig`` fields that change the particles'
 trajectory (everything but :data:`LAYOUT_FIELDS`: the process grid and the
-buffer layout on it, which a resume may change), with ``config_hash``, the
-SHA-256 of both (:func:`config_hash`). A resume by another job, with another
+buffer layout on it, which a resume may change) and the job's own settings that
+change its state (``Job.state_sections``, e.g. every lensing setting, every
+reconstruction setting but ``log_every``), with ``config_hash``, the SHA-256 of
+both (:func:`config_hash`). A resume by another job, with another
 state config or stage list, or whose stage at the saved step is not the saved
 scale factor, is refused with one line naming what differs
 (:func:`check_identity`, :func:`verify_resume`), before anything is computed.
@@ -85,7 +97,7 @@ from .io import fsync_path, sha256_file
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
            "state_config", "config_hash", "identity", "check_identity", "verify_resume", "save",
            "candidates", "read_manifest", "load", "restore_outputs", "StopRequest",
-           "check_resume_config", "resume_command"]
+           "check_resume_config", "resume_command", "resume_hint"]
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +107,8 @@ FORMAT = "flowpm_mtf.checkpoint/2"
 FORMAT_V1 = "flowpm_mtf.checkpoint/1"
 OUTPUTS_DIR = "outputs"
 STATE_NAMES = ("positions", "momenta", "forces")
+#: HDF5 group of a part file holding the job's distributed fields (:func:`save`).
+FIELDS_GROUP = "fields"
 #: Config fields that may differ between a checkpoint and its resumed run.
 RESLICEABLE_FIELDS = ("grid",)
 #: SimConfig fields left out of the state config and its hash: the process grid and the
@@ -126,27 +140,35 @@ def _to_dict(cfg):
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
 
 
-def state_config(configs):
-    """The configuration that determines the particle state's trajectory.
+def state_config(configs, sections=None):
+    """The configuration that determines the state's trajectory.
 
     Parameters
     ----------
     configs : dict
         Section key -> config instance or dict; ``configs["config"]`` is the
         ``SimConfig``.
+    sections : dict, optional
+        Further section key -> tuple of its output-only fields: those sections'
+        other fields change the job's state too (e.g. ``{"lensing": ()}``: the
+        lens planes; ``{"reconstruction": ("log_every",)}``: the optimiser).
 
     Returns
     -------
     dict
         The ``SimConfig`` fields (cosmology, ``nc``, box, ``n_steps``,
         ``a_start``/``a_end``, LPT order, dtype, seed, decomposition) without
-        :data:`LAYOUT_FIELDS`. The other sections change the trajectory only
-        through the stage list (e.g. snapshot times, lens planes), which
-        :func:`identity` records and hashes with it; their other fields are
-        outputs (e.g. ``--power-steps``).
+        :data:`LAYOUT_FIELDS`, and each of ``sections`` under its key without
+        its output-only fields. The other sections change the trajectory only
+        through the stage list (e.g. snapshot times), which :func:`identity`
+        records and hashes with it; their other fields are outputs (e.g.
+        ``--power-steps``).
     """
     conf = _to_dict(configs["config"])
-    return {k: v for k, v in conf.items() if k not in LAYOUT_FIELDS}
+    state = {k: v for k, v in conf.items() if k not in LAYOUT_FIELDS}
+    for key, output_only in sorted((sections or {}).items()):
+        state[key] = {k: v for k, v in _to_dict(configs[key]).items() if k not in output_only}
+    return state
 
 
 def config_hash(state, stages):
@@ -166,7 +188,7 @@ def config_hash(state, stages):
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def identity(job, configs, stages):
+def identity(job, configs, stages, sections=None, fields=(), total=None):
     """What a checkpoint records about the run that wrote it (and a resume must match).
 
     Parameters
@@ -176,20 +198,35 @@ def identity(job, configs, stages):
     configs : dict
         Section key -> config (see :func:`state_config`).
     stages : sequence of float
-        Scale factors of the job's time loop.
+        Scale factors of the job's time loop (empty for a loop that is no
+        time integration, e.g. the iterations of ``reconstruct``).
+    sections : dict, optional
+        The job's own config sections that change its state
+        (:func:`state_config`).
+    fields : sequence of str
+        The distributed fields besides the particles the job's checkpoints
+        hold (e.g. ``("planes",)``): a checkpoint without one is refused.
+    total : int, optional
+        Number of steps (iterations) of the loop when ``stages`` is empty.
 
     Returns
     -------
     dict
-        ``job``, ``state_config``, ``stages`` and ``config_hash``: JSON-able,
-        merged into the manifest.
+        ``job``, ``state_config``, ``stages`` and ``config_hash`` (with
+        ``fields`` and ``total`` where given): JSON-able, merged into the
+        manifest.
     """
     from .io import to_jsonable
 
-    state = to_jsonable(state_config(configs))
+    state = to_jsonable(state_config(configs, sections))
     stages = [float(a) for a in stages]
-    return {"job": str(job), "state_config": state, "stages": stages,
-            "config_hash": config_hash(state, stages)}
+    ident = {"job": str(job), "state_config": state, "stages": stages,
+             "config_hash": config_hash(state, stages)}
+    if fields:
+        ident["fields"] = sorted(str(f) for f in fields)
+    if total is not None:
+        ident["total"] = int(total)
+    return ident
 
 
 def _first_difference(saved, mine, prefix=""):
@@ -249,6 +286,21 @@ def check_identity(manifest, ident, where, rtol=None):
     if diff is not None:
         return "%s: config differs: %s %s (checkpoint) != %s (this run)" % (
             where, diff[0], _show(diff[1]), _show(diff[2]))
+    missing = sorted(set(ident.get("fields", ())) - set(manifest.get("fields", ())))
+    if missing:
+        return ("%s holds no %s (written by an older flowpm-mtf), so it cannot be resumed "
+                "faithfully; start a new run with --overwrite" % (where, ", ".join(missing)))
+    if not ident["stages"]:   # a loop of iterations: the config fixes the count
+        if manifest["stages"]:
+            return "%s: stages differ: %d (checkpoint) != 0 (this run)" % (
+                where, len(manifest["stages"]))
+        total = ident.get("total")
+        if total is not None and int(manifest["step"]) >= total:
+            return "%s holds the state after %d iterations, but this run has only %d" % (
+                where, int(manifest["step"]), total)
+        if manifest["config_hash"] != ident["config_hash"]:
+            return "%s: config_hash differs from this run's" % where
+        return None
     step, a, mine = int(manifest["step"]), float(manifest["a"]), ident["stages"]
     if step >= len(mine) or abs(mine[step] - a) > rtol * abs(a):
         return ("%s holds the state after step %d at a=%.6g, but this run has %s; the stage "
@@ -308,7 +360,7 @@ def verify_resume(out_dir, comm, ident):
 
 # ----------------------------------------------------------------------------- saving
 def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None, keep=2,
-         extra=None):
+         extra=None, fields=None):
     """Write a checkpoint atomically (collective over ``comm``).
 
     Parameters
@@ -318,14 +370,15 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
     comm : object
         mpi4py-like communicator.
     step : int
-        Number of completed N-body steps.
-    a : float
-        Scale factor of the state.
+        Number of completed N-body steps (or iterations).
+    a : float or None
+        Scale factor of the state (None: a loop that is no time integration).
     config : dict
         The run's configuration (``SimConfig.to_dict()``).
     parts : dict
         ``pnum -> {"block": (bx, by), "origin": [3], "id": [n], "positions",
-        "momenta", "forces": arrays}`` for the slices this process holds.
+        "momenta", "forces": arrays}`` for the slices this process holds
+        (empty for a job without particles).
     grid : tuple of int
         The process grid of the run.
     ident : dict
@@ -339,6 +392,13 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
         new one is complete; at least 1).
     extra : dict, optional
         More JSON-able fields for the manifest.
+    fields : dict, optional
+        ``pnum -> {name: (array, begin)}``: this process's slices of the
+        job's distributed fields besides the particles (e.g. lens planes, the
+        optimiser's variables; a replicated scalar has ``begin == ()``), each
+        with the index of its first element in the global field. Written into
+        the part file of ``pnum`` as the dataset ``fields/<name>`` (attribute
+        ``begin``); never gathered.
 
     Returns
     -------
@@ -346,6 +406,8 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
         The checkpoint directory, on every rank.
     """
     import h5py
+
+    fields = fields or {}
 
     final = step_dir(out_dir, step)
     tmp = os.path.join(checkpoint_root(out_dir), ".tmp-" + os.path.basename(final))
@@ -360,32 +422,51 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
     _agree(comm, error, "creating checkpoint directory %s" % tmp)
     def write_parts():
         files = {}
-        for pnum, arrays in parts.items():
+        for pnum in sorted(set(parts) | set(fields)):
+            arrays = parts.get(pnum)
+            mine = {name: (np.asarray(v), tuple(int(b) for b in begin))
+                    for name, (v, begin) in fields.get(pnum, {}).items()}
             name = _part_name(pnum)
             path = os.path.join(tmp, name)
             # a full disk fails here, cleanly, not inside HDF5's close (see h5dist.reserve_space)
-            reserve_space(path, HDF5_OVERHEAD_BYTES + sum(np.asarray(arrays[k]).nbytes
-                                                          for k in ("id",) + STATE_NAMES))
+            reserve_space(path, HDF5_OVERHEAD_BYTES + sum(v.nbytes for v, _ in mine.values()) +
+                          (sum(np.asarray(arrays[k]).nbytes for k in ("id",) + STATE_NAMES)
+                           if arrays is not None else 0))
             with h5py.File(path, "w") as f:
-                for key in ("id",) + STATE_NAMES:
-                    f.create_dataset(key, data=np.asarray(arrays[key]))
-                f.attrs["block"] = np.asarray(arrays["block"], np.int64)
-                f.attrs["origin"] = np.asarray(arrays["origin"], np.float64)
+                if arrays is not None:
+                    for key in ("id",) + STATE_NAMES:
+                        f.create_dataset(key, data=np.asarray(arrays[key]))
+                    f.attrs["block"] = np.asarray(arrays["block"], np.int64)
+                    f.attrs["origin"] = np.asarray(arrays["origin"], np.float64)
+                for fname, (value, begin) in sorted(mine.items()):
+                    dset = f.create_dataset(FIELDS_GROUP + "/" + fname, data=value)
+                    dset.attrs["begin"] = np.asarray(begin, np.int64)
                 f.attrs["pnum"] = int(pnum)
                 f.attrs["step"] = int(step)
             with open(path, "rb+") as fh:
                 os.fsync(fh.fileno())
-            files[name] = {"pnum": int(pnum), "block": [int(b) for b in arrays["block"]],
-                           "n": int((np.asarray(arrays["id"]) >= 0).sum()),  # valid slots
-                           "slots": int(np.asarray(arrays["id"]).size),
-                           "xy_range": _xy_range(arrays),
-                           "size": os.path.getsize(path), "sha256": sha256_file(path)}
+            files[name] = {"pnum": int(pnum), "size": os.path.getsize(path),
+                           "sha256": sha256_file(path)}
+            if arrays is not None:
+                files[name].update({
+                    "block": [int(b) for b in arrays["block"]],
+                    "n": int((np.asarray(arrays["id"]) >= 0).sum()),  # valid slots
+                    "slots": int(np.asarray(arrays["id"]).size),
+                    "xy_range": _xy_range(arrays)})
+            if mine:
+                files[name]["fields"] = {
+                    fname: {"begin": list(begin), "shape": [int(n) for n in value.shape],
+                            "dtype": str(value.dtype)}
+                    for fname, (value, begin) in sorted(mine.items())}
         return files
 
     def publish(all_files):
-        manifest = {"format": FORMAT, "step": int(step), "a": float(a),
+        manifest = {"format": FORMAT, "step": int(step),
+                    "a": None if a is None else float(a),
                     "config": config, "grid": [int(g) for g in grid],
-                    "files": all_files, "n_particles": sum(v["n"] for v in all_files.values()),
+                    "files": all_files,
+                    "n_particles": sum(v.get("n", 0) for v in all_files.values()),
+                    "fields": sorted({n for v in all_files.values() for n in v.get("fields", {})}),
                     "outputs": {}}
         manifest.update(extra or {})
         manifest.update(ident)
@@ -407,7 +488,8 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
             shutil.rmtree(old, ignore_errors=True)
 
     collective(comm, write_parts, publish, "writing checkpoint %s" % final)
-    log.info("checkpoint after step %d (a=%.4f) written to %s", step, a, final)
+    log.info("checkpoint after %s %d%s written to %s", "iteration" if a is None else "step",
+             step, "" if a is None else " (a=%.4f)" % a, final)
     return final
 
 
@@ -706,7 +788,7 @@ class _Refused(Exception):
     """A checkpoint that is complete but belongs to another run (never skipped: refused)."""
 
 
-def load(out_dir, comm, conf, blocks, ident=None):
+def load(out_dir, comm, conf, blocks, ident=None, fields=None):
     """State slices from the newest checkpoint that every rank can read.
 
     Collective over ``comm``. Rank 0 also verifies the checksums of the
@@ -721,11 +803,17 @@ def load(out_dir, comm, conf, blocks, ident=None):
         mpi4py-like communicator.
     conf : SimConfig
         The resumed run's config (its grid may differ from the checkpoint's).
-    blocks : dict
-        ``pnum -> (bx, by)`` for the slices this process holds.
+    blocks : dict or None
+        ``pnum -> (bx, by)`` for the particle slices this process holds (None:
+        a job without particles).
     ident : dict, optional
         :func:`identity` of the resumed run: a checkpoint that does not match
         it (:func:`check_identity`) is refused, not skipped.
+    fields : dict, optional
+        ``name -> [(pnum, shape, begin), ...]``: the slices of the job's
+        distributed fields this process holds (:func:`save`'s ``fields``).
+        Each is read from the part files whose slice overlaps it (only its
+        own one on the same grid), so no rank reads a whole field.
 
     Returns
     -------
@@ -736,6 +824,9 @@ def load(out_dir, comm, conf, blocks, ident=None):
         arrays of dtype ``conf.dtype`` and ``[slots]`` ids (-1: empty slot),
         ``slots = sizing.capacity(conf)``; the same grid and capacity restore
         the saved buffers bit for bit.
+    values : dict
+        Only with ``fields``: ``pnum -> {name: ndarray}`` of the requested
+        slices (bit for bit what was saved on the same grid).
 
     Raises
     ------
@@ -746,9 +837,9 @@ def load(out_dir, comm, conf, blocks, ident=None):
     from . import sizing
 
     tried = []
-    slots = sizing.capacity(conf)
+    slots = sizing.capacity(conf) if blocks else 0
     for path, manifest in candidates(out_dir):
-        error, parts, count = None, {}, 0
+        error, parts, values, count = None, {}, {}, 0
         try:
             if ident is not None:
                 refused = check_identity(manifest, ident, path)
@@ -757,7 +848,7 @@ def load(out_dir, comm, conf, blocks, ident=None):
             if comm.rank == 0:
                 _check_outputs(path, manifest)
             same = tuple(manifest["grid"]) == tuple(conf.grid)
-            for pnum, block in blocks.items():
+            for pnum, block in (blocks or {}).items():
                 name = _part_name(pnum)
                 info = manifest["files"].get(name) if same else None
                 if info is not None and info.get("slots", info["n"]) == slots:
@@ -771,6 +862,8 @@ def load(out_dir, comm, conf, blocks, ident=None):
                 else:  # another grid or another capacity: place every particle anew
                     parts[pnum], n = _reslice(path, manifest, conf, block)
                 count += n
+            if fields:
+                values = _read_fields(path, manifest, fields)
         except _Refused as exc:
             error = ("refused", str(exc))
         except Exception as exc:
@@ -781,20 +874,75 @@ def load(out_dir, comm, conf, blocks, ident=None):
             raise ResumeError(refused[0])
         errors = [e for e, _ in gathered if e]
         total = sum(c for _, c in gathered)
-        if not errors and total != conf.n_particles * _replicas(comm, blocks):
+        if not errors and blocks is not None and \
+                total != conf.n_particles * _replicas(comm, blocks):
             errors = ["the checkpoint holds %d particles, expected %d"
                       % (total, conf.n_particles)]
         if not errors:
-            log.info("resuming from %s (step %d, a=%.4f, written on grid %s)", path,
-                     manifest["step"], manifest["a"], "x".join(map(str, manifest["grid"])))
-            return manifest, parts
+            log.info("resuming from %s (%s %d%s, written on grid %s)", path,
+                     "iteration" if manifest.get("a") is None else "step", manifest["step"],
+                     "" if manifest.get("a") is None else ", a=%.4f" % manifest["a"],
+                     "x".join(map(str, manifest["grid"])))
+            return (manifest, parts, values) if fields is not None else (manifest, parts)
         log.warning("skipping checkpoint %s: %s", path, errors[0])
         tried.append(os.path.basename(path))
     raise ResumeError("no valid checkpoint in %s%s; start a new run with --overwrite" % (
         checkpoint_root(out_dir), " (tried %s)" % ", ".join(tried) if tried else ""))
 
 
-def check_resume_config(manifest, overrides, makers):
+def _read_fields(path, manifest, wanted):
+    """The requested slices of the checkpoint's distributed fields (see :func:`load`).
+
+    Every slice is assembled from the part files whose slice of that field
+    overlaps it (checksums verified once per file); a region no part covers
+    is an error (``ValueError``).
+    """
+    import h5py
+
+    verified = set()
+    out = {}
+    for fname, slices in sorted(wanted.items()):
+        holders = [(name, info["fields"][fname]) for name, info in sorted(manifest["files"].items())
+                   if fname in info.get("fields", {})]
+        if not holders:
+            raise ValueError("%s holds no field '%s'" % (path, fname))
+        for pnum, shape, begin in slices:
+            shape, begin = tuple(int(n) for n in shape), tuple(int(b) for b in begin)
+            value, covered = None, np.zeros(shape, bool)
+            for name, rec in holders:
+                lo = [max(b, c) for b, c in zip(begin, rec["begin"])]
+                hi = [min(b + n, c + m) for b, n, c, m in zip(begin, shape, rec["begin"],
+                                                              rec["shape"])]
+                if any(h <= l for l, h in zip(lo, hi)):
+                    continue
+                dst = tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, begin))
+                if covered[dst].all():
+                    continue   # a replicated copy of a region read already
+                if len(rec["shape"]) != len(shape):
+                    raise ValueError("field '%s' of %s has rank %d, expected %d"
+                                     % (fname, name, len(rec["shape"]), len(shape)))
+                file_path = os.path.join(path, name)
+                if name not in verified:
+                    if sha256_file(file_path) != manifest["files"][name]["sha256"]:
+                        raise ValueError("checksum mismatch in %s" % file_path)
+                    verified.add(name)
+                src = tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, rec["begin"]))
+                with h5py.File(file_path, "r") as f:
+                    part = f[FIELDS_GROUP + "/" + fname][src]
+                if value is None:
+                    value = np.empty(shape, part.dtype)
+                value[dst] = part
+                covered[dst] = True
+                if covered.all():
+                    break   # a replicated slice is complete after its first copy
+            if value is None or not covered.all():
+                raise ValueError("the parts of %s do not cover the slice at %s of field '%s'"
+                                 % (path, list(begin), fname))
+            out.setdefault(pnum, {})[fname] = value
+    return out
+
+
+def check_resume_config(manifest, overrides, makers, job=None):
     """Reject settings that contradict the checkpoint; return the resumed run's configs.
 
     Parameters
@@ -807,6 +955,9 @@ def check_resume_config(manifest, overrides, makers):
     makers : dict
         Section key -> ``dict -> config instance`` (normalises values for the
         comparison, e.g. ``nc=64`` and ``nc=[64, 64, 64]`` agree).
+    job : str, optional
+        The job that resumes: a checkpoint recording another job is foreign
+        even where the two jobs have the same config sections.
 
     Returns
     -------
@@ -821,13 +972,14 @@ def check_resume_config(manifest, overrides, makers):
 
     Notes
     -----
-    A checkpoint of another job (its config sections are not ``makers``'s) is
-    not compared field by field: the configs returned are then this job's
+    A checkpoint of another job (another recorded ``job``, or config sections
+    that are not ``makers``'s) is not compared field by field: the configs returned are then this job's
     saved-or-default ones, and the job's resume check (:func:`verify_resume`,
     before any graph is built) refuses it naming both jobs.
     """
     out = {}
-    foreign = "job" in manifest and set(manifest["config"]) != set(makers)
+    foreign = "job" in manifest and (set(manifest["config"]) != set(makers) or
+                                     (job is not None and manifest["job"] != job))
     for key, make in makers.items():
         saved = dict(manifest["config"].get(key, {}))
         if foreign:
@@ -864,6 +1016,39 @@ def resume_command(out_dir, command="simulate"):
     return "flowpm-mtf %s --resume %s" % (command, out_dir)
 
 
+def resume_hint(out_dir, job):
+    """What a new run of ``job`` can do about the checkpointed, unfinished run in OUT.
+
+    Parameters
+    ----------
+    out_dir : str
+        A run directory holding ``checkpoint/step_*`` directories.
+    job : str
+        The job about to run there.
+
+    Returns
+    -------
+    str
+        One sentence that is true for the newest checkpoint: ``pass --resume
+        OUT ...`` only when it was written by ``job`` in this format; the
+        command of the job that wrote it; or ``--overwrite`` alone for a torn
+        checkpoint or one of an older flowpm-mtf.
+    """
+    found = candidates(out_dir)
+    if not found:
+        return ("its checkpoint in %s is incomplete and cannot be resumed; pass --overwrite to "
+                "start over" % checkpoint_root(out_dir))
+    path, manifest = found[0]
+    saved = manifest.get("job")
+    if manifest.get("format") != FORMAT or saved is None:
+        return ("%s was written by an older flowpm-mtf and cannot be resumed; pass --overwrite "
+                "to start over" % path)
+    if saved != job:
+        return ("that run is a '%s' run: continue it with '%s', or pass --overwrite to replace "
+                "it with this %s run" % (saved, resume_command(out_dir, saved), job))
+    return "pass --resume %s to continue it or --overwrite to start over" % out_dir
+
+
 # ----------------------------------------------------------------------------- SIGTERM
 class StopRequest:
     """SIGTERM recorded on this rank, agreed on by all ranks at step boundaries.
@@ -890,7 +1075,7 @@ class StopRequest:
     def _handler(self, signum, frame):
         if self.received is None:
             self.received = signum
-            log.warning("received %s: stopping at the end of the current step",
+            log.warning("received %s: stopping at the end of the current step (or iteration)",
                         signal.Signals(signum).name)
 
     def __enter__(self):

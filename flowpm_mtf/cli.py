@@ -77,10 +77,11 @@ def add_run_arguments(parser, job):
                        help="tracebacks on errors, TensorFlow's C++ start-up lines, debug "
                             "output")
     if getattr(job, "checkpoints", False):
+        unit = getattr(job, "loop_unit", "step")
         group.add_argument("--checkpoint-every", type=int, metavar="K",
-                           help="write a checkpoint into OUT/checkpoint every K steps, K >= 1 "
+                           help="write a checkpoint into OUT/checkpoint every K %ss, K >= 1 "
                                 "(SIGTERM to the ranks, not to mpirun, checkpoints at the next "
-                                "step and exits 0; see docs/running.md)")
+                                "%s and exits 0; see docs/checkpoints.md)" % (unit, unit))
         group.add_argument("--resume", metavar="DIR",
                            help="continue the run in DIR from its newest valid checkpoint "
                                 "(outputs go to DIR; --grid may differ, other settings must "
@@ -208,7 +209,8 @@ def resume_configs(job, args):
     Raises
     ------
     ResumeError
-        No valid checkpoint in the directory, or an option that contradicts it.
+        No valid checkpoint in the directory, one written by another job, or an
+        option that contradicts it.
     """
     from . import checkpoint
     from .errors import ResumeError
@@ -218,14 +220,21 @@ def resume_configs(job, args):
         raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
                           "to write checkpoints, or start a new run)"
                           % (args.resume, checkpoint.checkpoint_root(args.resume)))
-    manifest = found[0][1]
+    path, manifest = found[0]
+    if manifest.get("job") not in (None, job.name):   # before its configs are read as ours
+        raise ResumeError(checkpoint.check_identity(
+            manifest, {"job": job.name, "state_config": {}, "stages": []}, path))
     overrides = explicit_values(job, args)
     sim = overrides.setdefault("config", {})
     if sim.get("grid") is None:
-        n = world()[1]
-        sim["grid"] = default_grid(n) if args.backend == "hvd" else tuple(manifest["grid"])
+        # the checkpoint's grid where the ranks fit it (a resume on the same grid is
+        # bit-identical), else the default grid of this rank count (re-sliced)
+        n, saved = world()[1], tuple(manifest["grid"])
+        sim["grid"] = saved if (args.backend != "hvd" or
+                                int(saved[0]) * int(saved[1]) == n) else default_grid(n)
     configs = checkpoint.check_resume_config(manifest, overrides,
-                                             {sec.key: sec.make for sec in job.sections})
+                                             {sec.key: sec.make for sec in job.sections},
+                                             job=job.name)
     n = world()[1]
     conf = configs["config"]
     if args.backend == "hvd" and conf.n_ranks != n:
@@ -272,8 +281,10 @@ def main(argv=None, startup_error=None):
         return report_error(e, args, verbose)
 
 
-def check_run_options(args):
+def check_run_options(args, job=None):
     """Check the run options that are no config field (``--checkpoint-every``).
+
+    ``job`` (the Job class) names the unit of its loop in the message.
 
     Raises
     ------
@@ -283,7 +294,8 @@ def check_run_options(args):
 
     every = getattr(args, "checkpoint_every", None)
     if every is not None and every < 1:
-        raise ConfigError("--checkpoint-every takes a number of steps >= 1, got %d" % every)
+        unit = getattr(job, "loop_unit", "step")
+        raise ConfigError("--checkpoint-every takes a number of %ss >= 1, got %d" % (unit, every))
 
 
 def run_job(job, args, backend_mod, runner):
@@ -291,7 +303,7 @@ def run_job(job, args, backend_mod, runner):
     from .errors import ResumeError
     from .rundir import RunDir
 
-    check_run_options(args)
+    check_run_options(args, job)
     every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
     if resume:
         if args.out not in (None, resume):

@@ -566,9 +566,10 @@ class RunDir:
                 raise OutputDirError("--out %s holds a complete run (%s); pass --overwrite to "
                                      "replace it or choose another --out" % (out, MANIFEST))
             if checkpoint:
-                raise OutputDirError("--out %s holds an unfinished run with a checkpoint; pass "
-                                     "--resume %s to continue it or --overwrite to start over"
-                                     % (out, out))
+                from .checkpoint import resume_hint
+
+                raise OutputDirError("--out %s holds an unfinished run with a checkpoint; %s"
+                                     % (out, resume_hint(out, self.job)))
         if complete:
             self._check_can_swap()
         self._clean_leftovers(complete)

@@ -2,8 +2,8 @@
 SIGTERM and `--resume` (same grid bit-identical, other grid to round-off, torn checkpoints
 skipped, bad input refused on every rank); the outputs written before the checkpoint are
 published by the resumed run; a checkpoint of another job, config or stage list, or of an
-older flowpm-mtf, is refused; a job that does not checkpoint (lensing) stops on SIGTERM
-with an error and no resume hint."""
+older flowpm-mtf, is refused. (lensing and reconstruct: tests/test_lensing_resume.py,
+tests/test_reconstruct_resume.py.)"""
 import json
 import os
 import shutil
@@ -20,7 +20,6 @@ import pytest
 from test_cli import _mpirun
 from test_mpi_jobs import clean_env
 
-from flowpm_mtf.errors import StoppedError
 
 pytestmark = pytest.mark.single_process
 
@@ -336,21 +335,3 @@ def test_old_checkpoint_and_moved_stage_are_refused(runs, capsys, case):
     assert len(lines) == 1 and want in lines[0], err[-3000:]
     assert "graph built" not in err
     assert _tree_state(d[case]) == before
-
-
-LENSING_ARGS = ["lensing", "--nc", "16", "--dtype", "float64", "--no-plot"]
-
-
-def test_lensing_sigterm_is_an_error_without_a_resume_hint():
-    """lensing does not checkpoint: SIGTERM stops it with one error line, a non-zero exit on
-    every rank, no "--resume" hint, and nothing left in its run directory."""
-    out = os.path.join(tempfile.mkdtemp(prefix="lensig"), "L")
-    rc, sent, log = _run_and_sigterm(2, out, rank=1, args=LENSING_ARGS, after="step 2/")
-    assert sent, log[-3000:]
-    assert rc == StoppedError.exit_code, log[-3000:]   # 8
-    lines = [l for l in log.splitlines() if l.startswith("flowpm-mtf: error:")]
-    assert len(lines) == 1, log[-3000:]
-    assert "lensing cannot resume yet" in lines[0] and "rerun the same command" in lines[0]
-    assert "--resume" not in log and "continue with" not in log
-    assert sorted(os.listdir(out)) == []   # no checkpoint, no staging, no manifest
-    shutil.rmtree(os.path.dirname(out))

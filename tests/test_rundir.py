@@ -181,10 +181,15 @@ def test_foreign_directory_is_never_touched(tmp_path):
 def test_checkpointed_run_needs_resume_or_overwrite(tmp_path):
     out = tmp_path / "run"
     os.makedirs(out / "checkpoint" / "step_000004")
-    (out / "checkpoint" / "step_000004" / "manifest.json").write_text("{}")
+    (out / "checkpoint" / "step_000004" / "manifest.json").write_text(json.dumps(
+        {"format": "flowpm_mtf.checkpoint/2", "job": "simulate", "step": 4, "files": {}}))
     (out / ".lock").write_text("{}")
-    with pytest.raises(OutputDirError, match="--resume .* --overwrite"):
+    with pytest.raises(OutputDirError, match="pass --resume .* --overwrite"):
         RunDir(out, "simulate").open()
+    # the hint is true for the checkpoint there: another job's command, or --overwrite only
+    with pytest.raises(OutputDirError, match="'simulate' run: continue it with 'flowpm-mtf "
+                                             "simulate --resume"):
+        RunDir(out, "lensing").open()
     with RunDir(out, "simulate", resume=True) as rd:  # keeps the checkpoint
         assert rundir.has_checkpoint(out)
         rd.publish()

@@ -94,11 +94,22 @@ class Job:
     default_out : str
         Default run directory.
     checkpoints : bool
-        The job's time loop checkpoints and resumes (``--checkpoint-every``,
+        The job's loop checkpoints and resumes (``--checkpoint-every``,
         ``--resume``; :mod:`flowpm_mtf.checkpoint`).
+    loop_unit : str
+        What one pass of the job's loop is called (``"step"``, ``"iteration"``):
+        the unit of ``--checkpoint-every`` and of the stop messages.
+    state_sections : dict
+        The job's own config sections (besides ``"config"``) whose fields
+        change its state, section key -> tuple of its output-only fields: they
+        are part of the checkpoint's config hash
+        (:func:`flowpm_mtf.checkpoint.state_config`), so a resume with another
+        value is refused.
     """
 
     checkpoints = False
+    loop_unit = "step"
+    state_sections = {}
     name = None
     help = ""
     sections = ()

@@ -13,13 +13,14 @@ Limber prediction of the convergence power spectrum.
 
 Interruption
 ------------
-The lens planes are state of the time loop that checkpoints do not hold yet,
-so the job does not checkpoint (``Job.checkpoints = False``: no
-``--checkpoint-every``, no ``--resume``). SIGTERM stops it at the next step
-boundary all ranks agree on, with one line (``stopped by a signal after step
-k/n; lensing cannot resume yet ...: nothing was written, rerun the same command
-to start over``) and a non-zero exit code; no checkpoint and no output is left
-in the run directory.
+The job checkpoints like ``simulate`` (``--checkpoint-every K``, ``--resume
+OUT``, SIGTERM: :mod:`flowpm_mtf.checkpoint`): a checkpoint holds the particle
+state, every lens plane (each rank its own (x, y) block of each plane: the
+planes painted so far, zero for the later ones) and the P(k) measured at the
+plane stages so far; the Born maps are computed from the planes at the end.
+The lensing settings are part of the checkpoint's config hash (they set the
+stages and the planes), so a resume with other settings is refused. A resumed
+run on the same process grid ends bit-identical to an uninterrupted one.
 
 Outputs (written by rank 0 into the run directory)
 ---------------------------------------------------
@@ -47,7 +48,7 @@ from . import nbody_run, register, runner
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
 
-__all__ = ["LensingGraph", "LensingJob", "kappa_plot"]
+__all__ = ["LensingGraph", "LensingJob", "plane_names", "kappa_plot"]
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -98,7 +99,8 @@ class LensingJob(Job):
     sections = (ConfigSection("config", SimConfig, {"box_size": 256.0, "a_start": 0.2}),
                 ConfigSection("lensing", lensing.LensingConfig))
     default_out = "out/lensing"
-    checkpoints = False  # the planes are not checkpointed: SIGTERM stops it, see above
+    checkpoints = True   # particles, planes and the P(k) at the planes so far
+    state_sections = {"lensing": ()}   # every lensing setting shapes the stages or the planes
 
     def preflight(self, ctx):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
@@ -109,6 +111,9 @@ class LensingJob(Job):
             ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
             tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
         ctx.geom = lensing.geometry(ctx.conf, lconf)
+        if ctx.resume:   # a checkpoint of another run is refused before any graph
+            stages, _ = lensing.lightcone_stages(ctx.conf, ctx.geom)
+            nbody_run.check_resume(ctx, stages, plane_names(ctx.geom.n_planes))
 
     def build(self, ctx, mesh):
         return LensingGraph(ctx.conf, ctx.geom, mesh)
@@ -126,6 +131,8 @@ class LensingJob(Job):
         ops["plane_slices"] = [h5dist.local_slices(lowering, p) for p in g.planes]
         ops["maps"] = {"kappa": h5dist.replicated_value(lowering, g.kappa),
                        "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
+        ops["plane_vars"] = runner.VariableSlices(
+            lowering, dict(zip(plane_names(len(g.planes)), g.planes)))
         return ops
 
     def execute(self, ctx, sess, g, ops):
@@ -140,7 +147,18 @@ class LensingJob(Job):
             return ", plane %s at r=%s Mpc/h" % (",".join(map(str, names)), ",".join(
                 "%.0f" % geom.r[i] for i in names))
 
-        nbody_run.run_stages(ctx, sess, g, ops, [pk], note)
+        def records():   # the P(k) of the planes painted so far (replicated), exact in JSON
+            return {"plane_pk": [[int(j), {n: np.asarray(v).tolist() for n, v in r.items()}]
+                                 for j, r in sorted(pk.results.items())]}
+
+        def restore(saved):
+            for j, r in saved.get("plane_pk", []):
+                pk.results[int(j)] = {n: np.asarray(v, pk.fetch[n].dtype.as_numpy_dtype)
+                                      for n, v in r.items()}
+
+        nbody_run.run_stages(ctx, sess, g, ops, [pk], note,
+                             loop_state=nbody_run.LoopState(ops["plane_vars"], records,
+                                                            restore))
         ctx.timings["planes_s"] = float(pk.seconds)
         with ctx.timed("born_s"):
             res = sess.run(ops["maps"])
@@ -190,6 +208,11 @@ class LensingJob(Job):
 
     def report(self, ctx, summary):
         return "kappa rms %s, " % ", ".join("%.3g" % v for v in summary["kappa_rms"])
+
+
+def plane_names(n_planes):
+    """Names of the lens planes in a checkpoint: ``plane_0``, ``plane_1``, ..."""
+    return ["plane_%d" % i for i in range(int(n_planes))]
 
 
 def kappa_plot(path, kappa, geom, ell, measured, limber):

@@ -41,6 +41,7 @@ from ..preflight import unfolded_zeros_initializer
 from . import runner
 
 __all__ = ["SimulationGraph", "lower_simulation", "run_stages", "check_resume", "run_identity",
+           "LoopState",
            "fetch_state", "snapshot_parts", "write_snapshot", "migration_summary",
            "SnapshotWriter", "PowerAtStages", "PowerWriter", "power_name"]
 
@@ -172,12 +173,43 @@ def _checkpoint_parts(conf, state):
     return parts
 
 
-def run_identity(ctx, stages):
-    """:func:`flowpm_mtf.checkpoint.identity` of this run (job, state config, stages)."""
-    return checkpoint.identity(ctx.job.name, ctx.configs, stages)
+def run_identity(ctx, stages, fields=()):
+    """:func:`flowpm_mtf.checkpoint.identity` of this run (job, state config, stages).
+
+    The job's ``state_sections`` are part of the state config; ``fields`` names
+    the distributed fields its checkpoints hold besides the particles.
+    """
+    return checkpoint.identity(ctx.job.name, ctx.configs, stages,
+                               sections=getattr(ctx.job, "state_sections", None), fields=fields)
 
 
-def check_resume(ctx, stages):
+class LoopState:
+    """What a job's time loop holds besides the particles, for its checkpoints.
+
+    Parameters
+    ----------
+    variables : runner.VariableSlices, optional
+        Mesh TF variables of the job (e.g. lens planes): every rank saves and
+        restores its own slices.
+    records : callable, optional
+        ``records() -> dict`` (JSON-able): the job's loop records (e.g. the
+        P(k) measured at the stages so far), saved in the manifest.
+    restore : callable, optional
+        ``restore(records)``: puts those records back on a resume.
+    """
+
+    def __init__(self, variables=None, records=None, restore=None):
+        self.variables = variables
+        self.records = records
+        self.restore_records = restore
+
+    @property
+    def fields(self):
+        """Names of the variables (the checkpoint's fields)."""
+        return tuple(self.variables.names) if self.variables is not None else ()
+
+
+def check_resume(ctx, stages, fields=()):
     """Refuse, on every rank and before any graph is built, a checkpoint of another run.
 
     Call from :meth:`Job.preflight` of a job that checkpoints, with the stages
@@ -194,7 +226,7 @@ def check_resume(ctx, stages):
 
     if ctx.run_dir is None:
         raise ResumeError("--resume needs a run directory")
-    checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, run_identity(ctx, stages))
+    checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, run_identity(ctx, stages, fields))
 
 
 def _staging(ctx):
@@ -202,21 +234,27 @@ def _staging(ctx):
     return getattr(ctx.run_dir, "staging", None)
 
 
-def _loop_records(sim):
-    """The per-step records of the summary (migration statistics), JSON-able."""
-    return {"migration": [[label, None if st is None else np.asarray(st).tolist()]
-                          for label, st in sim.migration]}
+def _loop_records(sim, state=None):
+    """The per-step records of the summary (migration statistics) and of the job, JSON-able."""
+    out = {"migration": [[label, None if st is None else np.asarray(st).tolist()]
+                         for label, st in sim.migration]}
+    if state is not None and state.records is not None:
+        out["job"] = state.records()
+    return out
 
 
-def _restore(ctx, sess, sim, ops):
+def _restore(ctx, sess, sim, ops, state=None):
     """Assign the newest valid checkpoint to the state variables; returns its step.
 
-    Also puts the checkpoint's outputs back into the staging area and its
-    per-step records into ``sim.migration``.
+    Also puts the checkpoint's outputs back into the staging area, its
+    per-step records into ``sim.migration`` and, with ``state``
+    (:class:`LoopState`), the job's variables and records.
     """
-    ident = run_identity(ctx, sim.stages)
-    manifest, parts = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, ops["blocks"],
-                                      ident=ident)
+    state = state or LoopState()
+    ident = run_identity(ctx, sim.stages, state.fields)
+    manifest, parts, values = checkpoint.load(
+        ctx.run_dir.path, ctx.comm, ctx.conf, ops["blocks"], ident=ident,
+        fields=state.variables.requests() if state.variables is not None else {})
     path = checkpoint.step_dir(ctx.run_dir.path, manifest["step"])
     staging = _staging(ctx)
     if staging is not None:
@@ -233,6 +271,10 @@ def _restore(ctx, sess, sim, ops):
             feed[ph] = np.asarray(parts[p][key], ph.dtype.as_numpy_dtype).reshape(
                 ph.shape.as_list())
     sess.run(op, feed)
+    if state.variables is not None:
+        state.variables.restore(sess, values)
+    if state.restore_records is not None:
+        state.restore_records(manifest.get("loop", {}).get("job", {}))
     return int(manifest["step"])
 
 
@@ -240,7 +282,7 @@ def _configs_dict(ctx):
     return {key: cfg.to_dict() for key, cfg in ctx.configs.items()}
 
 
-def run_stages(ctx, sess, sim, ops, observers=(), note=None):
+def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     """The ICs (or the restored checkpoint), then the time loop over ``sim.stages``.
 
     Parameters
@@ -261,6 +303,9 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
         restored).
     note : callable, optional
         ``note(j) -> str`` appended to the log line of step ``j``.
+    loop_state : LoopState, optional
+        The job's state besides the particles (variables, records): saved in
+        every checkpoint and restored on a resume.
 
     Returns
     -------
@@ -277,7 +322,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
     t = time.perf_counter()
     first = 0
     if ctx.resume:
-        first = _restore(ctx, sess, sim, ops)
+        first = _restore(ctx, sess, sim, ops, loop_state)
         timings["restore_s"] = time.perf_counter() - t
         log.info("restored step %d/%d (a=%.4f) in %.2f s", first, sim.n_steps,
                  sim.stages[first], timings["restore_s"])
@@ -302,7 +347,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None):
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
             ctx.after_step(j, a=a, total=sim.n_steps)
-            _checkpoint_or_stop(ctx, sess, sim, ops, j)
+            _checkpoint_or_stop(ctx, sess, sim, ops, j, loop_state)
         clock[0] = time.perf_counter()
 
     if first > 0:  # the observers ran at the restored stage before the checkpoint
@@ -321,7 +366,7 @@ def _after(first, obs):
     return call
 
 
-def _checkpoint_or_stop(ctx, sess, sim, ops, j):
+def _checkpoint_or_stop(ctx, sess, sim, ops, j, state=None):
     """After step ``j``: checkpoint every K steps or on an agreed stop request, then stop.
 
     Only for a job that checkpoints (``Job.checkpoints``); the runner's
@@ -334,10 +379,15 @@ def _checkpoint_or_stop(ctx, sess, sim, ops, j):
     path = None
     if j < sim.n_steps and ctx.run_dir is not None and (stop or (every and j % every == 0)):
         t = time.perf_counter()
+        state = state or LoopState()
         path = checkpoint.save(ctx.run_dir.path, ctx.comm, j, sim.stages[j], _configs_dict(ctx),
                                _checkpoint_parts(ctx.conf, fetch_state(sess, ops)),
-                               grid=ctx.conf.grid, ident=run_identity(ctx, sim.stages),
-                               outputs_dir=_staging(ctx), extra={"loop": _loop_records(sim)})
+                               grid=ctx.conf.grid,
+                               ident=run_identity(ctx, sim.stages, state.fields),
+                               outputs_dir=_staging(ctx),
+                               extra={"loop": _loop_records(sim, state)},
+                               fields=(state.variables.fetch(sess)
+                                       if state.variables is not None else None))
         ctx.timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
     if stop:
         if path is None:  # no run directory: nothing to continue from

@@ -17,6 +17,16 @@ summary.json
 reconstruction.png
     Slices of the true and reconstructed fields and the data; r(k), T(k), loss.
 
+checkpoint/
+    With ``--checkpoint-every K`` (iterations) or on SIGTERM
+    (:mod:`flowpm_mtf.checkpoint`): every rank's slices of the optimiser's
+    whole state (:attr:`~flowpm_mtf.reconstruct.ReconstructionGraph.checkpoint_variables`:
+    the field, Adam's moments and step count), the iteration count and the
+    loss/chi2/prior history; the data are made again from the seed on
+    ``--resume OUT``, which ends bit-identical to an uninterrupted run on the
+    same process grid. Every reconstruction setting but ``log_every`` is in
+    the checkpoint's config hash: a resume with another is refused.
+
 Errors: ``ValueError`` at graph construction, on every rank (see
 :class:`flowpm_mtf.reconstruct.ReconstructionGraph`);
 ``tf.errors.InvalidArgumentError`` if a trial field displaces particles beyond
@@ -28,7 +38,7 @@ import time
 
 import numpy as np
 
-from .. import h5dist, io, preflight
+from .. import checkpoint, h5dist, io, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..reconstruct import ReconConfig, ReconstructionGraph
@@ -49,6 +59,10 @@ class ReconstructJob(Job):
     sections = (ConfigSection("config", SimConfig, {"nc": 32, "n_steps": 5}),
                 ConfigSection("reconstruction", ReconConfig))
     default_out = "out/recon"
+    checkpoints = True   # the optimiser's variables, the iteration count and the history
+    loop_unit = "iteration"
+    #: Every reconstruction setting changes the result but the logging interval.
+    state_sections = {"reconstruction": ("log_every",)}
 
     def preflight(self, ctx):
         # the field variables, Adam's moments, the data and the gradient tape are in the
@@ -56,6 +70,12 @@ class ReconstructJob(Job):
         preflight.check_job_memory(ctx, preflight.reconstruct_memory(
             ctx.conf, ctx.configs["reconstruction"].forward,
             ctx.configs["reconstruction"].gradient))
+        if ctx.resume:   # a checkpoint of another run is refused before any graph
+            if ctx.run_dir is None:
+                from ..errors import ResumeError
+
+                raise ResumeError("--resume needs a run directory")
+            checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, _identity(ctx))
 
     def build(self, ctx, mesh):
         return ReconstructionGraph(ctx.conf, ctx.configs["reconstruction"], mesh)
@@ -74,28 +94,37 @@ class ReconstructJob(Job):
                                                   "reconstruction": rg.linear,
                                                   "observed": rg.observed}),
                 "spectra": runner.replicated(lowering, {n: getattr(rg, n) for n in
-                                                        ("k", "r", "transfer", "n_modes")})}
+                                                        ("k", "r", "transfer", "n_modes")}),
+                # the optimiser's whole state: this process's slices, for checkpoints
+                "state": runner.VariableSlices(lowering, rg.checkpoint_variables)}
 
     def execute(self, ctx, sess, rg, ops):
         conf, rconf, timings = ctx.conf, ctx.configs["reconstruction"], ctx.timings
         history = {"loss": [], "chi2": [], "prior": []}
         with ctx.timed("observe_s"):
-            sess.run(ops["observe"])
+            sess.run(ops["observe"])   # the data, made again from the seed on a resume
         log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
                  rconf.likelihood_sigma, timings["observe_s"])
+        first = 0
+        if ctx.resume:
+            with ctx.timed("restore_s"):
+                first = _restore(ctx, sess, ops["state"], history)
+            log.info("restored iteration %d/%d in %.2f s", first, rconf.iterations,
+                     timings["restore_s"])
         t_opt = time.perf_counter()
-        for i in range(rconf.iterations):
+        for i in range(first, rconf.iterations):
             vals = rg.iterate(sess, ops["iteration"])
             for n in history:
                 history[n].append(float(vals[n]))
-            if (i + 1) % rconf.log_every == 0 or i == 0 or i + 1 == rconf.iterations:
+            if (i + 1) % rconf.log_every == 0 or i == first or i + 1 == rconf.iterations:
                 log.info("iteration %d/%d: loss %.6g (chi2/N %.4g, prior/N %.4g), "
                          "%.3f s/iteration", i + 1, rconf.iterations, vals["loss"],
                          vals["chi2"] / conf.n_cells, vals["prior"] / conf.n_cells,
-                         (time.perf_counter() - t_opt) / (i + 1))
-            ctx.after_step(i + 1, iteration=i + 1)
+                         (time.perf_counter() - t_opt) / (i + 1 - first))
+            ctx.after_step(i + 1, iteration=i + 1, total=rconf.iterations)
+            _checkpoint_or_stop(ctx, sess, ops["state"], i + 1, history)
         timings["optimise_s"] = time.perf_counter() - t_opt
-        timings["per_iteration_s"] = timings["optimise_s"] / rconf.iterations
+        timings["per_iteration_s"] = timings["optimise_s"] / max(1, rconf.iterations - first)
         with ctx.timed("fetch_s"):
             fields = {n: [t for _, t, _ in sl] for n, sl in ops["fields"].items()}
             res = sess.run({**fields, **ops["spectra"]})
@@ -150,6 +179,73 @@ class ReconstructJob(Job):
         return "loss %.4g -> %.4g in %d iterations (%.3f s/iteration), " % (
             summary["loss"][0], summary["loss"][-1], ctx.configs["reconstruction"].iterations,
             ctx.timings["per_iteration_s"])
+
+
+def _identity(ctx):
+    """:func:`flowpm_mtf.checkpoint.identity` of a reconstruction (no stages: iterations)."""
+    return checkpoint.identity(ctx.job.name, ctx.configs, (),
+                               sections=ctx.job.state_sections,
+                               total=ctx.configs["reconstruction"].iterations)
+
+
+def _configs_dict(ctx):
+    return {key: cfg.to_dict() for key, cfg in ctx.configs.items()}
+
+
+def _restore(ctx, sess, state, history):
+    """Assign the newest valid checkpoint to the optimiser's variables; returns its iteration.
+
+    Every rank reads its own slices (:func:`flowpm_mtf.checkpoint.load`); the
+    loss history before it goes into ``history``. The checkpoint holds no
+    outputs (the job writes them at the end).
+    """
+    manifest, _, values = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, None,
+                                          ident=_identity(ctx), fields=state.requests())
+    state.restore(sess, values)
+    saved = manifest.get("loop", {}).get("history", {})
+    for n in history:
+        history[n][:] = [float(v) for v in saved.get(n, [])]
+    step = int(manifest["step"])
+    if any(len(v) != step for v in history.values()):
+        from ..errors import ResumeError
+
+        raise ResumeError("%s holds a loss history of %s values for %d iterations; start a new "
+                          "run with --overwrite" % (checkpoint.step_dir(ctx.run_dir.path, step),
+                                                    [len(v) for v in history.values()], step))
+    return step
+
+
+def _checkpoint_or_stop(ctx, sess, state, done, history):
+    """After ``done`` iterations: checkpoint every K iterations or on an agreed stop request.
+
+    Collective (every rank, the same iteration). Not after the last
+    iteration: the run then writes its outputs.
+
+    Raises
+    ------
+    runner.Stopped
+        On every rank, after the checkpoint, when the ranks agreed on a stop
+        request (SIGTERM).
+    """
+    total = ctx.configs["reconstruction"].iterations
+    stop = ctx.stop is not None and done < total and ctx.stop.agreed()   # collective
+    every = ctx.checkpoint_every
+    path = None
+    if done < total and ctx.run_dir is not None and (stop or (every and done % every == 0)):
+        t = time.perf_counter()
+        path = checkpoint.save(ctx.run_dir.path, ctx.comm, done, None, _configs_dict(ctx), {},
+                               grid=ctx.conf.grid, ident=_identity(ctx),
+                               extra={"loop": {"history": {n: list(v)
+                                                           for n, v in history.items()}}},
+                               fields=state.fetch(sess))
+        ctx.timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
+    if stop:
+        if path is None:  # no run directory: nothing to continue from
+            raise runner.Stopped(done, total, unit="iteration")
+        log.warning("stopped by signal after iteration %d/%d; checkpoint in %s; continue "
+                    "with: %s", done, total, path,
+                    checkpoint.resume_command(ctx.run_dir.path, ctx.job.name))
+        raise runner.Stopped(done, total, checkpoint=path, unit="iteration")
 
 
 def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss, depth):

@@ -54,13 +54,15 @@ import resource
 import statistics
 import time
 
+import numpy as np
+
 from .. import allocator, checkpoint, domain, h5dist, io
 from ..errors import CapacityError, ResumeError, StoppedError
 from ..logs import rank0_only
 
 __all__ = ["Hooks", "PlainRunDir", "Outputs", "RunContext", "Stopped", "peak_memory_mb",
            "current_memory_mb", "median_time", "lower", "lowered_group", "local", "replicated",
-           "session", "run"]
+           "VariableSlices", "session", "run"]
 
 log = rank0_only(logging.getLogger(__name__))
 
@@ -347,6 +349,62 @@ def local(lowering, tensors):
 def replicated(lowering, tensors):
     """TF tensors of a dict of fully replicated (reduced) mtf tensors: this process's copy."""
     return {name: h5dist.replicated_value(lowering, t) for name, t in tensors.items()}
+
+
+class VariableSlices:
+    """This process's slices of some Mesh TF variables, for checkpoints (no gather).
+
+    Parameters
+    ----------
+    lowering : mtf.Lowering
+    variables : dict
+        Name -> Mesh TF variable (an ``mtf.get_variable`` output), e.g. lens
+        planes or :attr:`flowpm_mtf.reconstruct.ReconstructionGraph.checkpoint_variables`.
+
+    Attributes
+    ----------
+    names : list of str
+        The variables' names, sorted.
+    slices : dict
+        Name -> list of ``(pnum, tf.Tensor, begin)`` (:func:`local`).
+    """
+
+    def __init__(self, lowering, variables):
+        import mesh_tensorflow as mtf
+        import tensorflow.compat.v1 as tf
+
+        self.names = sorted(variables)
+        self.slices = {n: h5dist.local_slices(lowering, variables[n]) for n in self.names}
+        self._placeholders, assigns = {}, []
+        for n in self.names:
+            laid_out = lowering.variables[variables[n].operation]
+            phs = [tf.placeholder(t.dtype, t.shape) for t in laid_out.laid_out_tensor.tensor_list]
+            self._placeholders[n] = phs
+            assigns.append(laid_out.assign_to_slices(mtf.assign_slice, phs))
+        self._restore = tf.group(assigns)
+
+    def requests(self):
+        """Name -> ``[(pnum, shape, begin)]`` of the slices (for :func:`flowpm_mtf.checkpoint.load`)."""
+        return {n: [(p, tuple(t.shape.as_list()), b) for p, t, b in sl]
+                for n, sl in self.slices.items()}
+
+    def fetch(self, sess):
+        """``pnum -> {name: (ndarray, begin)}``: the current slices (for :func:`flowpm_mtf.checkpoint.save`)."""
+        vals = sess.run({n: [t for _, t, _ in sl] for n, sl in self.slices.items()})
+        out = {}
+        for n, sl in self.slices.items():
+            for (p, _, begin), v in zip(sl, vals[n]):
+                out.setdefault(p, {})[n] = (v, begin)
+        return out
+
+    def restore(self, sess, values):
+        """Assign ``values`` (``pnum -> {name: ndarray}``, from a checkpoint) to the slices."""
+        feed = {}
+        for n, sl in self.slices.items():
+            for ph, (p, _, _) in zip(self._placeholders[n], sl):
+                feed[ph] = np.asarray(values[p][n], ph.dtype.as_numpy_dtype).reshape(
+                    ph.shape.as_list())
+        sess.run(self._restore, feed)
 
 
 @contextlib.contextmanager

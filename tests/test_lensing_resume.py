@@ -1,0 +1,253 @@
+"""`flowpm-mtf lensing` survives interruption: a run stopped by SIGTERM (after periodic
+checkpoints, --checkpoint-every) and resumed with --resume ends bit-identical to the
+uninterrupted run on the same process grid (convergence maps, every lens plane, the P(k) at
+the planes, the C_ell table), on the hvd backend of this world's ranks, on placement grids
+(1-rank pass) and under mpirun with the signal to one rank only; the checkpoint holds the
+planes as per-rank blocks; a resume with other lensing settings or by another job is
+refused with one line (exit 6); and a new run on an OUT holding a checkpoint is told what
+is true for that checkpoint (--resume for its own job's, the other job's command, or
+--overwrite only).
+
+The reference of every comparison is the uninterrupted run with the same options. The
+in-process runs send SIGTERM from rank 0 to itself when it logs the step waited for (the
+ranks agree on the stop at the step boundary).
+"""
+import json
+import os
+import shutil
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+
+from test_reconstruct_resume import _main, _refused, _tmpdir, _tree, _world
+
+from flowpm_mtf import checkpoint, cli
+from flowpm_mtf.errors import OutputDirError
+
+# 16^3 particles in 256 Mpc/h from a = 0.4, 3 regular steps, 6 planes to z_s = 0.5 on 32^2
+# rays: 7 N-body stages (every plane its own stage), ~1 s a run after the graph build.
+ARGS = ["lensing", "--nc", "16", "--box-size", "256", "--a-start", "0.4", "--steps", "3",
+        "--z-source", "0.5", "--n-planes", "6", "--field-npix", "32", "--field-deg", "5",
+        "--dtype", "float64", "--seed", "42", "--no-plot"]
+N_STAGES = 7
+N_PLANES = 6
+CHECKPOINT_EVERY = 2
+STOP_AT = 3   # SIGTERM when rank 0 logs step 3: checkpoints after steps 2 and 3
+CASES = {1: [("hvd", (1, 1), "eulerian"), ("hvd", (1, 1), "lagrangian"),
+             ("placement", (2, 1), "eulerian"), ("placement", (1, 2), "lagrangian")],
+         2: [("hvd", (2, 1), "eulerian"), ("hvd", (1, 2), "lagrangian")],
+         4: [("hvd", (2, 2), "eulerian"), ("hvd", (2, 2), "lagrangian")]}
+KAPPA = ("kappa", "planes", "plane_k", "plane_pk", "theta")
+# Resumed on another grid: the particles are re-sliced by id (positions re-expressed relative
+# to the new block origins) and the planes by their index ranges; the rest differs from the
+# original grid in the order of float64 sums only (~1e-15 relative). A misplaced block or
+# plane would be off at O(1).
+OTHER_GRID_RTOL = 1e-10
+
+
+def _args(case):
+    backend, grid, decomposition = case
+    return ARGS + ["--backend", backend, "--grid", "%dx%d" % grid,
+                   "--decomposition", decomposition]
+
+
+def _outputs(out):
+    with h5py.File(os.path.join(out, "kappa.h5"), "r") as f:
+        res = {k: f[k][...] for k in KAPPA}
+    with open(os.path.join(out, "kappa_power.txt"), "rb") as f:
+        res["table"] = f.read()
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    res["summary"] = {k: summary[k] for k in ("stages", "n_stages", "kappa_rms")}
+    res["resumed"] = summary.get("resumed", False)
+    return res
+
+
+def _assert_identical(resumed, ref):
+    a, b = _outputs(resumed), _outputs(ref)
+    assert a["resumed"] and not b["resumed"]
+    for k in KAPPA:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert a["kappa"].std() > 0 and a["planes"].shape == (N_PLANES, 16, 16)
+    assert a["table"] == b["table"] and a["summary"] == b["summary"]
+    assert not os.path.exists(os.path.join(resumed, "checkpoint"))
+
+
+@pytest.mark.parametrize("case", CASES.get(_world().size, []),
+                         ids=lambda c: "%s-%dx%d-%s" % (c[0], c[1][0], c[1][1], c[2]))
+def test_interrupted_then_resumed_equals_uninterrupted(case):
+    comm = _world()
+    base = _tmpdir("lens_resume")
+    ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
+    assert _main(_args(case) + ["--out", ref])[0] == 0
+    code, sent = _main(_args(case) + ["--out", run, "--checkpoint-every", str(CHECKPOINT_EVERY)],
+                       sigterm_at="step %d/%d " % (STOP_AT, N_STAGES))
+    assert code == 0 and (sent or comm.rank != 0)
+    root = checkpoint.checkpoint_root(run)
+    assert sorted(os.listdir(root)) == ["step_%06d" % CHECKPOINT_EVERY, "step_%06d" % STOP_AT]
+    assert not os.path.exists(os.path.join(run, "manifest.json"))
+    with open(os.path.join(root, "step_%06d" % STOP_AT, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["job"] == "lensing" and manifest["step"] == STOP_AT
+    assert manifest["state_config"]["lensing"]["n_planes"] == N_PLANES
+    assert manifest["fields"] == sorted("plane_%d" % i for i in range(N_PLANES))
+    n_slices = case[1][0] * case[1][1]
+    for info in manifest["files"].values():   # each part: its own (x, y) block of a plane
+        assert info["fields"]["plane_0"]["shape"] == [16 // case[1][0], 16 // case[1][1]]
+    assert len(manifest["files"]) == n_slices
+    # the P(k) of the planes painted so far (at stages <= STOP_AT), and only those
+    painted = [j for j, _ in manifest["loop"]["job"]["plane_pk"]]
+    assert painted and max(painted) <= STOP_AT
+    periodic = os.path.join(base, "periodic")
+    if case[0] == "hvd":
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.copytree(run, periodic)
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(periodic),
+                                       "step_%06d" % STOP_AT))
+        comm.barrier()
+    assert _main(["lensing", "--resume", run, "--no-plot", "--backend", case[0]])[0] == 0
+    _assert_identical(run, ref)
+    if case[0] == "hvd":
+        assert _main(["lensing", "--resume", periodic, "--no-plot"])[0] == 0
+        _assert_identical(periodic, ref)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def stopped():
+    """A lensing run (placement, 1x1) stopped by SIGTERM after step 2."""
+    out = os.path.join(tempfile.mkdtemp(prefix="lens_refuse"), "run")
+    code, sent = _main(ARGS + ["--backend", "placement", "--grid", "1x1", "--out", out],
+                       sigterm_at="step 2/%d " % N_STAGES)
+    assert code == 0 and sent
+    yield out
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+
+
+@pytest.mark.rank_independent   # the CLI prints the error on rank 0 only
+@pytest.mark.parametrize("option, value", [("--n-planes", "5"), ("--field-npix", "16"),
+                                           ("--z-source", "0.6"), ("--steps", "4")])
+def test_resume_with_other_settings_is_refused(stopped, capsys, option, value):
+    before = _tree(stopped)
+    line = _refused(["lensing", "--resume", stopped, "--backend", "placement", option, value],
+                    capsys)
+    assert "contradicts the checkpoint" in line, line
+    assert _tree(stopped) == before
+
+
+@pytest.mark.rank_independent
+def test_checkpoint_with_other_recorded_lensing_settings_is_refused(stopped, capsys, tmp_path):
+    """The hash check before any graph: the state config records another map size."""
+    out = str(tmp_path / "run")
+    shutil.copytree(stopped, out)
+    root = checkpoint.checkpoint_root(out)
+    for step in os.listdir(root):
+        path = os.path.join(root, step, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest["state_config"]["lensing"]["field_npix"] = 64
+        manifest["config_hash"] = checkpoint.config_hash(manifest["state_config"],
+                                                         manifest["stages"])
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    line = _refused(["lensing", "--resume", out, "--backend", "placement"], capsys)
+    assert "config differs: lensing.field_npix 64 (checkpoint) != 32 (this run)" in line, line
+
+
+@pytest.mark.rank_independent
+def test_resume_by_simulate_is_refused(stopped, capsys):
+    """The issue's case: a lensing checkpoint resumed by simulate."""
+    before = _tree(stopped)
+    line = _refused(["simulate", "--resume", stopped, "--backend", "placement"], capsys)
+    assert line.startswith("flowpm-mtf: error: %s" % os.path.join(stopped, "checkpoint",
+                                                                  "step_"))
+    assert "was written by job 'lensing', not 'simulate'" in line
+    assert _tree(stopped) == before
+
+
+@pytest.mark.skipif(_world().size > 1, reason="placement grids: in the 1-rank pass")
+def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
+    """Written on 1x1, resumed on 1x2 (placement): equal to the uninterrupted 1x1 run to
+    float64 round-off."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    assert cli.main(ARGS + ["--backend", "placement", "--grid", "1x1", "--out", ref]) == 0
+    shutil.copytree(stopped, out)
+    assert cli.main(["lensing", "--resume", out, "--backend", "placement", "--grid", "1x2",
+                     "--no-plot"]) == 0
+    a, b = _outputs(out), _outputs(ref)
+    for k in KAPPA:
+        scale = float(np.abs(b[k]).max())
+        assert scale > 0, k
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=OTHER_GRID_RTOL * scale, err_msg=k)
+    assert a["table"] != b"" and a["summary"]["stages"] == b["summary"]["stages"]
+
+
+def _new_run_refused(job, out, capsys):
+    args = ARGS if job == "lensing" else [job, "--nc", "16", "--no-plot"]
+    assert cli.main(args[:1] + ["--out", out, "--backend", "placement", "--grid", "1x1"]
+                    + args[1:]) == OutputDirError.exit_code
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.rank_independent
+def test_new_run_on_a_checkpointed_out_is_told_what_is_true(stopped, capsys, tmp_path):
+    """A new run on OUT holding a checkpoint: lensing may resume its own (and does, with the
+    command it is told); simulate is told lensing's command; an old checkpoint (format 1,
+    e.g. of a lensing run of an older flowpm-mtf, which could not resume) gets --overwrite
+    only."""
+    line = _new_run_refused("lensing", stopped, capsys)
+    assert "pass --resume %s to continue it or --overwrite" % stopped in line, line
+    line = _new_run_refused("simulate", stopped, capsys)
+    assert "'lensing' run: continue it with 'flowpm-mtf lensing --resume %s'" % stopped in line
+    assert "pass --resume" not in line
+    old = str(tmp_path / "old")
+    shutil.copytree(stopped, old)
+    root = checkpoint.checkpoint_root(old)
+    for step in os.listdir(root):
+        path = os.path.join(root, step, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        for k in ("job", "config_hash", "state_config", "stages", "fields"):
+            manifest.pop(k)
+        manifest["format"] = "flowpm_mtf.checkpoint/1"
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    line = _new_run_refused("lensing", old, capsys)
+    assert "older flowpm-mtf and cannot be resumed; pass --overwrite" in line, line
+    assert "--resume" not in line
+    # and the hint given first is true: the lensing run resumes
+    copy = str(tmp_path / "copy")
+    shutil.copytree(stopped, copy)
+    assert cli.main(["lensing", "--resume", copy, "--backend", "placement", "--no-plot"]) == 0
+
+
+@pytest.mark.single_process
+def test_sigterm_to_one_rank_under_mpirun_then_resume():
+    """mpirun -np 2, SIGTERM to rank 1 only: both ranks checkpoint and exit 0 with the resume
+    command; `--resume` ends bit-identical to the uninterrupted 2-rank run."""
+    from test_cli import _mpirun
+    from test_restart import _run_and_sigterm
+
+    base = tempfile.mkdtemp(prefix="lens_mpirun")
+    ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
+    proc = _mpirun(2, *ARGS, "--out", ref, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rc, sent, log = _run_and_sigterm(2, run, rank=1, args=ARGS, after="step 2/")
+    assert sent and rc == 0, log[-3000:]
+    assert "continue with: flowpm-mtf lensing --resume %s" % run in log
+    assert "flowpm-mtf: error" not in log
+    proc = _mpirun(2, "lensing", "--resume", run, "--no-plot", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr
+    _assert_identical(run, ref)
+    shutil.rmtree(base, ignore_errors=True)

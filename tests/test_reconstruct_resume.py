@@ -1,0 +1,297 @@
+"""`flowpm-mtf reconstruct` survives interruption: a run stopped by SIGTERM (after periodic
+checkpoints, --checkpoint-every) and resumed with --resume ends bit-identical to the
+uninterrupted run on the same process grid (every output field, the loss/chi2/prior history),
+with the N-body forward model on both decompositions on the hvd backend of this world's
+ranks, and (1-rank pass) on placement grids; a resume with another configuration, or by
+another job, is refused with one line and exit code 6 before anything is computed.
+
+The reference of every comparison is the uninterrupted run with the same options. The runs
+are in-process (`flowpm_mtf.cli.main`; on 2 and 4 ranks every rank of this pytest runs the
+same command); the SIGTERM is sent by this process to itself (rank 0 only: the ranks agree
+on the stop) when rank 0 logs the iteration it waits for.
+"""
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+
+from flowpm_mtf import checkpoint, cli
+from flowpm_mtf import reconstruct as R
+from flowpm_mtf.errors import ResumeError
+
+# The gradient methods the resumed run is checked with: `--gradient g` is passed only where
+# ReconConfig has that option (see _gradient_args).
+GRADIENTS = ("stored",)
+
+ITERATIONS = 5
+# Periodic checkpoints every CHECKPOINT_EVERY iterations; SIGTERM once rank 0 logged
+# iteration STOP_AT: the run stops there after a checkpoint (and one at CHECKPOINT_EVERY).
+CHECKPOINT_EVERY = 2
+STOP_AT = 3
+# 16^3 cells, float64, 5 Adam iterations; the N-body forward model with 2 steps: ~2 s a run
+# on the hvd backend.
+ARGS = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
+        "--dtype", "float64", "--n-steps", "2", "--a-start", "0.1", "--learning-rate", "0.1",
+        "--noise", "0.1", "--iterations", str(ITERATIONS), "--log-every", "1", "--no-plot"]
+# (backend, grid, decomposition, forward model) per world size: the N-body forward model on
+# both decompositions on every world size; the placement grids (in one process, 1-rank pass
+# only) with the LPT forward model (the N-body one builds for ~6 s a run there).
+CASES = {1: [("hvd", (1, 1), "eulerian", "nbody"), ("hvd", (1, 1), "lagrangian", "nbody"),
+             ("placement", (2, 1), "eulerian", "lpt"), ("placement", (1, 2), "lagrangian", "lpt")],
+         2: [("hvd", (2, 1), "eulerian", "nbody"), ("hvd", (1, 2), "lagrangian", "nbody")],
+         4: [("hvd", (2, 2), "eulerian", "nbody"), ("hvd", (2, 2), "lagrangian", "nbody")]}
+# A resume on another grid re-slices the saved variables exactly; what follows differs from
+# the original grid only in the order of floating-point sums (FFT pencils, reductions): in
+# float64 the trajectories agree to ~1e-15 relative (tests/test_reconstruct.py bounds grid
+# dependence by 1e-10 as well); a wrongly placed slice would be off at O(1).
+OTHER_GRID_RTOL = 1e-10
+HISTORY = ("loss", "chi2", "prior")
+FIELDS = ("truth", "reconstruction", "observed") + HISTORY
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def _gradient_args(gradient):
+    """``--gradient g`` where ReconConfig has a ``gradient`` field (else the one method)."""
+    if "gradient" in {f.name for f in dataclasses.fields(R.ReconConfig)}:
+        return ["--gradient", gradient]
+    return []
+
+
+def _case_args(case, gradient):
+    backend, grid, decomposition, forward = case
+    return ["--backend", backend, "--grid", "%dx%d" % grid, "--decomposition",
+            decomposition, "--forward", forward] + _gradient_args(gradient)
+
+
+def _tmpdir(prefix):
+    """One temporary directory for every rank (made by rank 0)."""
+    comm = _world()
+    return comm.bcast(tempfile.mkdtemp(prefix=prefix) if comm.rank == 0 else None)
+
+
+class _SigtermAt(logging.Handler):
+    """Sends SIGTERM to this process once a log record contains ``text`` (in the run)."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text = text
+        self.sent = False
+
+    def emit(self, record):
+        if not self.sent and self.text in record.getMessage():
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _main(args, sigterm_at=None):
+    """``flowpm-mtf`` in this process; with ``sigterm_at``, SIGTERM at that log text."""
+    handler = _SigtermAt(sigterm_at) if sigterm_at else None
+    logger = logging.getLogger("flowpm_mtf")
+    if handler is not None:
+        logger.addHandler(handler)
+    try:
+        code = cli.main(list(args))
+    finally:
+        if handler is not None:
+            logger.removeHandler(handler)
+    return code, (handler.sent if handler is not None else None)
+
+
+def _outputs(out):
+    """Datasets of reconstruction.h5, the table's bytes and the summary's history."""
+    with h5py.File(os.path.join(out, "reconstruction.h5"), "r") as f:
+        res = {k: f[k][...] for k in FIELDS}
+    with open(os.path.join(out, "reconstruction.txt"), "rb") as f:
+        res["table"] = f.read()
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    res["summary"] = {k: summary[k] for k in HISTORY + ("k", "r", "transfer")}
+    res["resumed"] = summary.get("resumed", False)
+    return res
+
+
+def _assert_identical(resumed, ref):
+    a, b = _outputs(resumed), _outputs(ref)
+    assert a["resumed"] and not b["resumed"]
+    for k in FIELDS:   # bit for bit: the same grid runs the same operations
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert len(a["loss"]) == ITERATIONS + 1
+    assert a["table"] == b["table"]
+    assert a["summary"] == b["summary"]
+    assert not os.path.exists(os.path.join(resumed, "checkpoint"))   # dropped at publish
+
+
+@pytest.mark.parametrize("gradient", GRADIENTS)
+@pytest.mark.parametrize("case", CASES.get(_world().size, []),
+                         ids=lambda c: "%s-%dx%d-%s-%s" % (c[0], c[1][0], c[1][1], c[2], c[3]))
+def test_interrupted_then_resumed_equals_uninterrupted(case, gradient):
+    comm = _world()
+    base = _tmpdir("recon_resume")
+    ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
+    opts = ARGS + _case_args(case, gradient)
+    assert _main(opts + ["--out", ref])[0] == 0
+    code, sent = _main(opts + ["--out", run, "--checkpoint-every", str(CHECKPOINT_EVERY)],
+                       sigterm_at="iteration %d/%d:" % (STOP_AT, ITERATIONS))
+    assert code == 0                               # stopped after its checkpoint: exit 0
+    assert sent or comm.rank != 0                  # rank 0 sent it; the others agreed
+    root = checkpoint.checkpoint_root(run)
+    assert sorted(os.listdir(root)) == ["step_%06d" % CHECKPOINT_EVERY, "step_%06d" % STOP_AT]
+    assert not os.path.exists(os.path.join(run, "manifest.json"))   # nothing published
+    with open(os.path.join(root, "step_%06d" % STOP_AT, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["job"] == "reconstruct" and manifest["step"] == STOP_AT
+    assert sorted(manifest["fields"]) == ["adam_m", "adam_step", "adam_v", "linear"]
+    assert [len(manifest["loop"]["history"][k]) for k in HISTORY] == [STOP_AT] * 3
+    # one part file per slice: every rank wrote its own, no file holds a whole field
+    n_slices = case[1][0] * case[1][1]
+    assert sorted(manifest["files"]) == ["rank%05d.h5" % p for p in range(n_slices)]
+    for info in manifest["files"].values():
+        assert info["fields"]["linear"]["shape"] == [16 // case[1][0], 16 // case[1][1], 16]
+    periodic = os.path.join(base, "periodic")
+    if case[0] == "hvd":   # resume from the periodic checkpoint as well (the newest removed)
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.copytree(run, periodic)
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(periodic),
+                                       "step_%06d" % STOP_AT))
+        comm.barrier()
+    assert _main(["reconstruct", "--resume", run, "--no-plot", "--backend", case[0]])[0] == 0
+    _assert_identical(run, ref)
+    if case[0] == "hvd":
+        assert _main(["reconstruct", "--resume", periodic, "--no-plot"])[0] == 0
+        _assert_identical(periodic, ref)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- refusals
+SMALL = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
+         "--dtype", "float64", "--forward", "lpt", "--iterations", "4", "--no-plot",
+         "--backend", "placement", "--grid", "1x1"]
+
+
+@pytest.fixture(scope="module")
+def stopped():
+    """A small reconstruction (lpt, 1x1, placement) stopped by SIGTERM after iteration 2."""
+    out = os.path.join(tempfile.mkdtemp(prefix="recon_refuse"), "run")
+    code, sent = _main(SMALL + ["--out", out, "--log-every", "1"], sigterm_at="iteration 2/4:")
+    assert code == 0 and sent
+    yield out
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+
+
+def _tree(out):
+    return sorted((os.path.relpath(os.path.join(r, n), out), os.path.getsize(os.path.join(r, n)))
+                  for r, _, names in os.walk(out) for n in names)
+
+
+def _refused(args, capsys):
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert code == ResumeError.exit_code == 6, err[-3000:]
+    assert len(lines) == 1, err[-3000:]
+    assert "graph built" not in err and "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.rank_independent   # the CLI prints the error on rank 0 only
+@pytest.mark.parametrize("option, value", [("--learning-rate", "0.2"), ("--noise", "0.2"),
+                                           ("--forward", "nbody"), ("--iterations", "6"),
+                                           ("--seed", "8"), ("--nc", "32")])
+def test_resume_with_another_setting_is_refused(stopped, capsys, option, value):
+    before = _tree(stopped)
+    line = _refused(["reconstruct", "--resume", stopped, "--backend", "placement",
+                     option, value], capsys)
+    name = option[2:].replace("-", "_")
+    assert "--resume: %s=" % name in line and "contradicts the checkpoint" in line, line
+    assert _tree(stopped) == before
+
+
+@pytest.mark.rank_independent
+def test_checkpoint_with_another_recorded_config_is_refused(stopped, capsys, tmp_path):
+    """The checkpoint's hash check (before any graph): its state config records another
+    learning rate than the configuration the run resumes with."""
+    out = str(tmp_path / "run")
+    shutil.copytree(stopped, out)
+    root = checkpoint.checkpoint_root(out)
+    for step in os.listdir(root):
+        path = os.path.join(root, step, "manifest.json")
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest["state_config"]["reconstruction"]["learning_rate"] = 0.05
+        manifest["config_hash"] = checkpoint.config_hash(manifest["state_config"],
+                                                         manifest["stages"])
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+    before = _tree(out)
+    line = _refused(["reconstruct", "--resume", out, "--backend", "placement"], capsys)
+    assert "config differs: reconstruction.learning_rate 0.05 (checkpoint) != 0.1 (this run)" \
+        in line, line
+    assert _tree(out) == before
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("job", ["simulate", "lensing"])
+def test_resume_by_another_job_is_refused(stopped, capsys, job):
+    before = _tree(stopped)
+    line = _refused([job, "--resume", stopped, "--backend", "placement"], capsys)
+    assert "'reconstruct'" in line and job in line, line
+    assert _tree(stopped) == before
+
+
+@pytest.mark.skipif(_world().size > 1, reason="placement grids: in the 1-rank pass")
+def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
+    """Written on 1x1, resumed on 2x1 (placement): every rank reads the parts overlapping its
+    slices; the result equals the uninterrupted 1x1 run to float64 round-off."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    assert cli.main(SMALL + ["--out", ref]) == 0
+    shutil.copytree(stopped, out)
+    assert cli.main(["reconstruct", "--resume", out, "--backend", "placement", "--grid", "2x1",
+                     "--no-plot"]) == 0
+    a, b = _outputs(out), _outputs(ref)
+    for k in FIELDS:
+        scale = float(np.abs(b[k]).max())
+        assert scale > 0, k
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=OTHER_GRID_RTOL * scale, err_msg=k)
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["config"]["grid"] == [2, 1]
+
+
+@pytest.mark.rank_independent
+def test_checkpoint_every_counts_iterations(capsys):
+    from flowpm_mtf.errors import ConfigError
+
+    assert cli.main(SMALL + ["--checkpoint-every", "0", "--out", tempfile.mkdtemp()]) == \
+        ConfigError.exit_code
+    assert "--checkpoint-every takes a number of iterations >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.single_process
+def test_mismatched_resume_on_two_ranks_is_one_line_exit_6(stopped):
+    """Under mpirun -np 2: every rank exits 6, one line, nothing computed."""
+    from test_cli import _mpirun
+
+    before = _tree(stopped)
+    proc = _mpirun(2, "reconstruct", "--resume", stopped, "--grid", "2x1", "--noise", "0.3",
+                   timeout=300)
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert len(lines) == 1 and "noise=0.3 contradicts the checkpoint's noise=0.1" in lines[0], \
+        proc.stderr[-3000:]
+    assert "graph built" not in proc.stderr and "Traceback" not in proc.stderr
+    assert _tree(stopped) == before
