@@ -104,6 +104,24 @@ def test_sbatch_runs_one_rank_per_gpu_with_srun(fake_env, name):
     assert os.path.isdir(tmp / "out" / "slurm-123")
 
 
+@pytest.mark.parametrize("command", ["lensing", "reconstruct"])
+def test_sbatch_runs_the_other_jobs(fake_env, command):
+    """COMMAND=lensing|reconstruct: the same srun line, checkpoints and resume as simulate."""
+    env, bindir, _, tmp = fake_env
+    args_file = _stub(str(bindir), "srun")
+    env.update(SLURM_SUBMIT_DIR=str(tmp), SLURM_NTASKS="2", SLURM_JOB_ID="9", NC="32",
+               COMMAND=command, CHECKPOINT_EVERY="5", RESUME="1")
+    path = os.path.join(REPO, "slurm", "single_node_multi_gpu.sbatch")
+    proc = subprocess.run(["bash", path], cwd=str(tmp), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = open(args_file).read().split("\n")
+    i = argv.index(command)
+    assert argv[i - 1].endswith("flowpm-mtf")
+    tail = argv[i:]
+    for pair in (["--nc", "32"], ["--resume", "out/slurm-9"], ["--checkpoint-every", "5"]):
+        assert any(tail[j:j + 2] == pair for j in range(len(tail))), (pair, tail)
+
+
 def test_sbatch_bench_mode_needs_a_grid(fake_env):
     env, bindir, _, tmp = fake_env
     _stub(str(bindir), "srun")

@@ -255,6 +255,39 @@ def test_preempted_run_resumes_bit_identical(slurm, request, tmp_path):
             "%s differs from the uninterrupted run's (stopped after step %d)" % (name, steps[-1])
 
 
+def _datasets(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {name: f[name][...] for name in f if isinstance(f[name], h5py.Dataset)}
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S + 120)
+def test_preempted_lensing_resumes_bit_identical(slurm, tmp_path):
+    """COMMAND=lensing through the template: stopped by Slurm's SIGTERM mid-run, submitted
+    again, and its convergence maps equal the uninterrupted run's bit for bit."""
+    env = dict(COMMAND="lensing", STEPS=STEPS)
+    ref = str(tmp_path / "lens-reference")
+    job_id, log = submit(slurm, SINGLE, ref, tmp_path, ntasks=2, **env)
+    finished(slurm, job_id, log)
+    out = str(tmp_path / "lens-preempted")
+    env["CHECKPOINT_EVERY"] = CHECKPOINT_EVERY
+    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
+    _wait_for(r"step 1/\d+\b", log, slurm, job_id)
+    slurm.run(["scancel", "--signal=TERM", str(job_id)])
+    first = finished(slurm, job_id, log)
+    assert glob.glob(os.path.join(out, "checkpoint", "step_*")), first[-3000:]
+    assert not os.path.exists(os.path.join(out, "summary.json")), first[-3000:]
+    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
+    second = finished(slurm, job_id, log)
+    assert "resuming the unfinished run in %s" % out in second, second[-3000:]
+    expected = _datasets(os.path.join(ref, "kappa.h5"))
+    resumed = _datasets(os.path.join(out, "kappa.h5"))
+    assert expected and sorted(resumed) == sorted(expected)
+    for name, value in expected.items():
+        assert resumed[name].dtype == value.dtype and np.array_equal(resumed[name], value), name
+
+
 @two_jobs_timeout
 def test_horovodrun_launcher_for_real(tmp_path):
     """scripts/run_horovodrun.sh, 2 ranks on localhost (horovodrun --mpi: with Gloo alone
