@@ -104,7 +104,8 @@ class CapacityError(FlowpmError):
 
 
 class StoppedError(FlowpmError):
-    """A signal stopped a job that cannot checkpoint; nothing was written (rerun it)."""
+    """A signal stopped a job that had nowhere to checkpoint (a job without checkpoints, or
+    one run through the Python API without a run directory); nothing was written (rerun it)."""
 
     exit_code = 8
 

@@ -34,8 +34,9 @@ first step boundary all ranks agree on:
   raises :class:`Stopped` with its path; the runner then returns a summary with
   ``"stopped": True`` (exit 0; the outputs so far are in the checkpoint, the
   run continues with ``--resume``);
-* any other job is stopped by :meth:`RunContext.after_step` (every rank, the
-  same step): nothing is written, no resume is offered, and the runner raises a
+* a job without checkpoints (``fft-demo``), or any job run without a run
+  directory, is stopped by :meth:`RunContext.after_step` (every rank, the same
+  step): nothing is written, no resume is offered, and the runner raises a
   one-line :class:`flowpm_mtf.errors.StoppedError` saying so (exit 8).
 
 ``ctx.mark(label)``
