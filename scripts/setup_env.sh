@@ -7,7 +7,7 @@
 # Environment:
 #   FLOWPM_MTF_STACK=tf2.12  (default) TensorFlow 2.12.1, numpy 1.24, Python 3.11, in .venv
 #   FLOWPM_MTF_STACK=tf2.21  TensorFlow 2.21.0, numpy 2, Python 3.11 (3.12/3.13: PYTHON=,
-#                        untested), in .venv-tf2.21 (docs/setup.md)
+#                        partly tested), in .venv-tf2.21 (docs/setup.md)
 #   VENV=path            virtualenv location (default: <repo>/.venv, <repo>/.venv-tf2.21)
 #   PYTHON=python3.11    interpreter used to create the venv (default: see above)
 #   HOROVOD_GPU_OPERATIONS=NCCL  (optional) build Horovod for GPUs; see README
@@ -32,9 +32,9 @@ fi
 pick_python() {
   if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
   local v p candidates
-  # tf2.21: the registry has wheels of the whole stack for 3.11-3.13, but set-up has been run
-  # end to end only with 3.11 here (Horovod 0.28.1's build on 3.12/3.13 is untested; conda-forge
-  # skips 3.13): 3.12/3.13 only through PYTHON= until they are (docs/setup.md).
+  # tf2.21: the registry has wheels of the whole stack for 3.11-3.13 and set-up completes with
+  # each here, but the whole suite has run on 3.11 only: 3.12/3.13 through PYTHON= until it
+  # has (docs/setup.md).
   candidates="3.11"
   for v in $candidates; do
     for p in "python$v" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/"python$v"; do
