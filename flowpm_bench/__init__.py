@@ -25,9 +25,13 @@ each helper exists once:
     import neither this package nor ``flowpm_mtf``.
 
 Importing this package (or :mod:`launch`, :mod:`measure`, :mod:`provenance`,
-:mod:`results`) loads neither TensorFlow nor MPI.
+:mod:`results`) loads neither TensorFlow nor MPI. It imports :mod:`flowpm_mtf`, whose
+import hook puts Mesh TF's TensorFlow >= 2.13 shims in place before a script's own
+``import mesh_tensorflow`` (:mod:`hvd_mesh_impl.tf_compat`).
 """
 import os
+
+import flowpm_mtf  # noqa: F401  (the Mesh TF import hook; no TensorFlow)
 
 #: Root of the checkout this package lives in (the scripts run from it).
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

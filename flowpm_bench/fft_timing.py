@@ -122,10 +122,10 @@ def mtf_roundtrip_runner(conf, mesh_impl, devices=("",), session_config=None):
         local FFTs use the native op), ``max_abs_error`` of the round trip on
         this process's slices.
     """
+    from flowpm_mtf import fft  # first: Mesh TF's TF >= 2.13 shims (hvd_mesh_impl.tf_compat)
+
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
-
-    from flowpm_mtf import fft
 
     with tf.Graph().as_default():
         t0 = time.perf_counter()

@@ -261,7 +261,6 @@ def main(argv=None, startup_error=None):
         "TF_CPP_MIN_LOG_LEVEL", TF_QUIET_LEVEL)
     from . import backend as backend_mod
     from . import jobs
-    from .jobs import runner
     from .logs import rank0_only, setup_logging
 
     setup_logging("DEBUG" if verbose else "INFO")
@@ -275,6 +274,11 @@ def main(argv=None, startup_error=None):
         args = build_parser(registry).parse_args(argv)
         if args.backend == "hvd" and world()[1] > 1:
             backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
+        # imported here, after the start-up error and the options: the runner imports
+        # TensorFlow, whose start-up lines on TF 2.21 ignore TF_CPP_MIN_LOG_LEVEL while
+        # oneDNN is on (FLOWPM_MTF_ALLOCATOR=tf or a bad mode: no re-execution)
+        from .jobs import runner
+
         run_job(registry[args.command], args, backend_mod, runner)
         return EXIT_OK   # also a run stopped by SIGTERM after its checkpoint
     except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)

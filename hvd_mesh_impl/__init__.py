@@ -6,11 +6,17 @@
 Importing this package applies :func:`hvd_mesh_impl.mtf_compat.enable_complex_gradients`
 and :func:`hvd_mesh_impl.mtf_compat.enable_lazy_masters` (build Mesh TF graphs after it).
 Horovod itself is imported only when :class:`HvdSimdMeshImpl` (or ``runtime``) is used;
-:func:`ordered_update_op` and :class:`FullSizeError` need no Horovod.
+:func:`ordered_update_op` and :class:`FullSizeError` need no Horovod. The TensorFlow
+shims that Mesh TF 0.1.21 needs on TF >= 2.13 (:mod:`hvd_mesh_impl.tf_compat`) are
+applied first.
 """
-from .mtf_compat import enable_complex_gradients, enable_lazy_masters
-from .slice_init import FullSizeError
-from .training import ordered_update_op
+from . import tf_compat
+
+tf_compat.install()  # before Mesh TF's import: its TF >= 2.13 shims (no-op on TF 2.12)
+
+from .mtf_compat import enable_complex_gradients, enable_lazy_masters  # noqa: E402
+from .slice_init import FullSizeError  # noqa: E402
+from .training import ordered_update_op  # noqa: E402
 
 enable_complex_gradients()
 enable_lazy_masters()

@@ -7,14 +7,14 @@
 #   NP=2 COMMAND=fft-demo bash scripts/run_horovodrun.sh --nc 32
 #
 # Environment: NP (ranks, default 2), HOSTS (horovodrun -H list, default localhost:NP),
-# VENV (default <repo>/.venv), COMMAND (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ),
+# VENV (default: the FLOWPM_MTF_STACK venv, <repo>/.venv), COMMAND (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ),
 # OUT (default out/horovodrun). Extra arguments go to the sub-command.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 # shellcheck disable=SC1091  # functions only: mpirun_options, exec_subcommand
 source scripts/launch_lib.sh
-VENV="${VENV:-$REPO/.venv}"
+VENV="${VENV:-$(stack_venv "$REPO")}"  # FLOWPM_MTF_STACK's venv (docs/setup.md)
 NP="${NP:-2}"
 COMMAND="${COMMAND:-simulate}"
 OUT="${OUT:-out/horovodrun}"

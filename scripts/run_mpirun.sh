@@ -6,7 +6,7 @@
 #   NP=4 COMMAND=bench GRID=2x2 NC=128 bash scripts/run_mpirun.sh   # one benchmark record
 #
 # Environment: NP (ranks, default 2), HOSTFILE (Open MPI hostfile; default: this host),
-# GPUS_PER_NODE (ranks per node with a hostfile), VENV (default <repo>/.venv), COMMAND
+# GPUS_PER_NODE (ranks per node with a hostfile), VENV (default: the FLOWPM_MTF_STACK venv, <repo>/.venv), COMMAND
 # (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
 # arguments go to the sub-command.
 set -euo pipefail
@@ -14,7 +14,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 # shellcheck disable=SC1091  # functions only: mpirun_options, exec_subcommand
 source scripts/launch_lib.sh
-VENV="${VENV:-$REPO/.venv}"
+VENV="${VENV:-$(stack_venv "$REPO")}"  # FLOWPM_MTF_STACK's venv (docs/setup.md)
 NP="${NP:-2}"
 COMMAND="${COMMAND:-simulate}"
 OUT="${OUT:-out/mpirun}"

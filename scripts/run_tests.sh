@@ -6,12 +6,17 @@
 #   bash scripts/run_tests.sh                 # everything
 #   NPS="1 2" bash scripts/run_tests.sh       # only 1 and 2 ranks
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments
+#   FLOWPM_MTF_STACK=tf2.21 bash scripts/run_tests.sh   # on the TensorFlow 2.21 stack
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 1
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
+# shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv
+source scripts/launch_lib.sh
+# the stack's venv (FLOWPM_MTF_STACK, docs/setup.md), unless VENV is set
+VENV="${VENV:-$(stack_venv "$REPO")}" || exit 1
 # shellcheck disable=SC1091
-source .venv/bin/activate
+source "$VENV/bin/activate"
 
 NPS="${NPS:-1 2 4}"
 LOGDIR="${FLOWPM_MTF_TEST_LOGDIR:-$REPO/test-logs}"
@@ -24,8 +29,6 @@ export FLOWPM_MTF_NATIVE=require
 # A collective that one rank never joins shows up in the logs after 60 s.
 export HOROVOD_STALL_CHECK_TIME_SECONDS=60
 
-# shellcheck disable=SC1091  # functions only: mpirun_options
-source scripts/launch_lib.sh
 mapfile -t MPI_OPTS < <(mpirun_options local)
 MPIRUN=(mpirun "${MPI_OPTS[@]}")
 PYTEST_ARGS=(tests -q -p no:randomly --timeout 600 --timeout-method=thread "$@")

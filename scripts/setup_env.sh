@@ -1,24 +1,54 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything this package needs on a fresh Debian machine:
-# OpenMPI (apt), a Python 3.11 virtualenv in .venv, the pinned stack, Horovod
-# built from source with MPI + Gloo and our patch (patches/), and this package in editable mode.
+# OpenMPI (apt), a Python virtualenv, the pinned stack, Horovod built from source with
+# MPI + Gloo and our patches (patches/), and this package in editable mode.
 # A second run with nothing to do takes a few seconds.
 #
 # Environment:
-#   VENV=path            virtualenv location (default: <repo>/.venv)
-#   PYTHON=python3.11    interpreter used to create the venv
+#   FLOWPM_MTF_STACK=tf2.12  (default) TensorFlow 2.12.1, numpy 1.24, Python 3.11, in .venv
+#   FLOWPM_MTF_STACK=tf2.21  TensorFlow 2.21.0, numpy 2, Python 3.11 (3.12/3.13: PYTHON=,
+#                        partly tested), in .venv-tf2.21 (docs/setup.md)
+#   VENV=path            virtualenv location (default: <repo>/.venv, <repo>/.venv-tf2.21)
+#   PYTHON=python3.11    interpreter used to create the venv (default: see above)
 #   HOROVOD_GPU_OPERATIONS=NCCL  (optional) build Horovod for GPUs; see README
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$REPO/.venv}"
-PYTHON="${PYTHON:-python3.11}"
-STAMP="$VENV/.flowpm_mtf_setup_ok"
 log() { echo "[setup_env] $*" >&2; }
+# shellcheck disable=SC1091  # functions only: stack_venv, stack_requirements, ...
+source "$REPO/scripts/launch_lib.sh"
+STACK="$(stack_name)" || exit 1
+VENV="${VENV:-$(stack_venv "$REPO")}"
+REQS="$(stack_requirements "$REPO")"
+STAMP="$VENV/.flowpm_mtf_setup_ok"
+# Horovod patches of this stack, in the order they apply (the last one sets the version).
+HVD_PATCHES=("$REPO/patches/horovod-0.28.1-flowpm.patch")
+if [ "$STACK" = tf2.21 ]; then
+  HVD_PATCHES=("$REPO/patches/horovod-0.28.1-tf2.21.patch" "${HVD_PATCHES[@]}")
+fi
+
+# The interpreter of a new venv: PYTHON, else the newest of the stack's versions that runs
+# (pyenv's shims exist for versions that are not selected: each candidate is run once).
+pick_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  local v p candidates
+  # tf2.21: the registry has wheels of the whole stack for 3.11-3.13 and set-up completes with
+  # each here, but the whole suite has run on 3.11 only: 3.12/3.13 through PYTHON= until it
+  # has (docs/setup.md).
+  candidates="3.11"
+  for v in $candidates; do
+    for p in "python$v" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/"python$v"; do
+      if "$p" -c 'import venv, ensurepip' >/dev/null 2>&1; then echo "$p"; return; fi
+    done
+  done
+  log "no usable Python for the $STACK stack: it needs one of $candidates with venv and" \
+      "ensurepip (Debian: apt-get install python3.11-venv), or PYTHON=/path/to/python"
+  return 1
+}
 
 # Hash of the inputs that determine the environment: a change re-runs the pip steps.
 inputs_hash() {
-  cat "$REPO/scripts/setup_env.sh" "$REPO/requirements.txt" "$REPO/setup.py" \
+  cat "$REPO/scripts/setup_env.sh" "$REQS" "$REPO/setup.py" \
       "$REPO"/patches/*.patch 2>/dev/null | sha256sum | cut -c1-16
 }
 
@@ -62,7 +92,7 @@ build_native() {
 
 # ---------------------------------------------------------------- 2. venv
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(inputs_hash)" ] \
-   && "$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm_mtf, hvd_mesh_impl, flowpm_bench" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm_bench" 2>/dev/null; then
   build_native
   log "environment up to date: $VENV"
   exit 0
@@ -77,13 +107,22 @@ if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ] && [ ! -f "$STAMP" ]; then
       "${free_mb} MB free (set VENV=path elsewhere)"
   exit 1
 fi
-[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="$(pick_python)" || exit 1
+  log "creating $VENV ($STACK stack, $("$PY" -c 'import sys; print("Python %d.%d.%d" % sys.version_info[:3])'))"
+  "$PY" -m venv "$VENV"
+fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade "pip<25" "setuptools<70" wheel
 
 # ---------------------------------------------------------------- 3. pinned stack
-log "installing pinned Python packages"
-"${PIP[@]}" install -q -r "$REPO/requirements.txt"
+log "installing pinned Python packages ($(basename "$REQS"))"
+"${PIP[@]}" install -q -r "$REQS"
+if [ "$STACK" = tf2.21 ]; then
+  # tensorflow-probability 0.25 imports tf_keras; tf-keras 2.21 requires the distribution
+  # "tensorflow", which would install the full TensorFlow over tensorflow-cpu: without deps.
+  "${PIP[@]}" install -q --no-deps "tf-keras==2.21.0"
+fi
 
 # ---------------------------------------------------------------- 4. horovod
 # Horovod 0.28.1 from its PyPI source with our patch (patches/horovod-0.28.1-flowpm.patch:
@@ -91,9 +130,8 @@ log "installing pinned Python packages"
 # stop busy-polling; the version it sets is HOROVOD_VERSION). The wheel is kept in
 # HVD_WHEELS, keyed by what it is built against (the patch, the pinned stack with its
 # TensorFlow, the Python version, the GPU option), so a re-install does not rebuild.
-HVD_PATCH="$REPO/patches/horovod-0.28.1-flowpm.patch"
-HOROVOD_VERSION="$(sed -n "s/^+__version__ = '\(.*\)'$/\1/p" "$HVD_PATCH")"
-HVD_KEY="$(cat "$HVD_PATCH" "$REPO/requirements.txt" \
+HOROVOD_VERSION="$(sed -n "s/^+__version__ = '\(.*\)'$/\1/p" "${HVD_PATCHES[@]}")"
+HVD_KEY="$(cat "${HVD_PATCHES[@]}" "$REQS" \
   <("$VENV/bin/python" -c 'import sys; print(sys.version)') \
   <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
 HVD_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/flowpm-mtf/horovod-$HVD_KEY"
@@ -105,20 +143,32 @@ assert horovod.__version__ == os.environ["HOROVOD_VERSION"]
 PY
 then
   if ! ls "$HVD_WHEELS"/horovod-*.whl >/dev/null 2>&1; then
+    hvd_t0=$SECONDS
     log "building horovod $HOROVOD_VERSION with MPI and Gloo (about 4 minutes on 2 cores; the wheel is kept in $HVD_WHEELS)"
     # Use the system cmake: the cmake 4.x wheel from PyPI breaks the gloo sub-build.
     "${PIP[@]}" uninstall -y -q cmake >/dev/null 2>&1 || true
     src="$(mktemp -d)"
     "${PIP[@]}" download -q --no-deps --no-binary :all: horovod==0.28.1 -d "$src"
     tar -xzf "$src"/horovod-0.28.1.tar.gz -C "$src"
-    (cd "$src/horovod-0.28.1" && git apply "$HVD_PATCH") \
-      || { log "the Horovod patch does not apply to the downloaded source"; exit 1; }
+    for p in "${HVD_PATCHES[@]}"; do
+      (cd "$src/horovod-0.28.1" && git apply "$p") \
+        || { log "$(basename "$p") does not apply to the downloaded source"; exit 1; }
+    done
     mkdir -p "$HVD_WHEELS"
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    # TF 2.21's public XLA headers include HighwayHash and FarmHash by paths relative to
+    # their own repositories, which tf.sysconfig does not report (as conda-forge's
+    # horovod-feedstock build.sh); absent directories (TF 2.12) add nothing.
+    tf_inc="$("$VENV/bin/python" -c 'import os, tensorflow as tf; print(os.path.join(tf.sysconfig.get_include(), "external"))' 2>/dev/null)"
+    hvd_cxxflags="${CXXFLAGS:-}"
+    for d in "$tf_inc/highwayhash" "$tf_inc/farmhash_archive/src"; do
+      [ -d "$d" ] && hvd_cxxflags="$hvd_cxxflags -I$d"
+    done
+    CXXFLAGS="$hvd_cxxflags" HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
     MAKEFLAGS="-j$(nproc)" \
       "${PIP[@]}" wheel -q --no-build-isolation --no-deps "$src/horovod-0.28.1" -w "$HVD_WHEELS"
     rm -rf "$src"
+    log "horovod built in $((SECONDS - hvd_t0)) s"
   fi
   "${PIP[@]}" install -q --no-deps --force-reinstall "$HVD_WHEELS"/horovod-*.whl
 fi
@@ -132,7 +182,8 @@ fi
 check="$("$VENV/bin/horovodrun" --check-build)"
 echo "$check" | grep -q "\[X\] MPI"  || { log "horovod built without MPI";  echo "$check"; exit 1; }
 echo "$check" | grep -q "\[X\] Gloo" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
-"$VENV/bin/python" -c "import horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_mtf, hvd_mesh_impl, flowpm_bench, mpi4py"
+# flowpm_mtf first: on TF >= 2.13 Mesh TF imports only after its shims (hvd_mesh_impl/tf_compat.py)
+"$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_bench, mpi4py"
 build_native
 inputs_hash > "$STAMP"
 log "environment ready: $VENV"

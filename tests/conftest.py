@@ -6,6 +6,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
+# Installs the import hook that lets test modules import mesh_tensorflow first on
+# TensorFlow >= 2.13 (hvd_mesh_impl.tf_compat); imports no TensorFlow itself.
+import flowpm_mtf  # noqa: E402,F401
+
 
 def world():
     """(rank, size) of MPI.COMM_WORLD, without starting Horovod."""

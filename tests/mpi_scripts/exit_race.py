@@ -7,10 +7,11 @@ import os
 import time
 
 import numpy as np
-import mesh_tensorflow as mtf
-import tensorflow.compat.v1 as tf
 
+# hvd_mesh_impl before mesh_tensorflow: Mesh TF's TF >= 2.13 shims (hvd_mesh_impl.tf_compat)
 from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice
+import mesh_tensorflow as mtf  # noqa: E402
+import tensorflow.compat.v1 as tf  # noqa: E402
 
 tf.disable_eager_execution()
 delay = float(os.environ.get("EXIT_RACE_DELAY_S", "1.0"))

@@ -1,0 +1,73 @@
+"""hvd_mesh_impl.tf_compat: Mesh TF 0.1.21 imports on any supported TensorFlow.
+
+Each case runs a fresh interpreter (the shims act at import time). On TF 2.12 the
+shims must change nothing; on TF >= 2.16 the estimator stub and the conversion
+alias must be applied, whichever module imports Mesh TF first.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.rank_independent
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(code):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    for k in list(env):  # a plain interpreter, not an MPI rank of this job
+        if k.startswith(("OMPI_", "PMIX_", "PMI_")):
+            del env[k]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def tf_minor():
+    import tensorflow as tf
+
+    major, minor = tf.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_flowpm_mtf_import_is_light_and_installs_the_hook():
+    out = run("import sys, flowpm_mtf\n"
+              "assert 'tensorflow' not in sys.modules, 'flowpm_mtf imported tensorflow'\n"
+              "assert 'hvd_mesh_impl' not in sys.modules, 'flowpm_mtf ran hvd_mesh_impl/__init__'\n"
+              "tf_compat = sys.modules['hvd_mesh_impl.tf_compat']  # loaded from its file\n"
+              "print(sum(isinstance(f, tf_compat._MeshTFImportHook) for f in sys.meta_path))")
+    assert out == "1"
+
+
+@pytest.mark.parametrize("first", ["flowpm_mtf", "hvd_mesh_impl"])
+def test_mesh_tensorflow_imports_after_our_packages(first):
+    out = run("import %s, sys\n"
+              "import mesh_tensorflow as mtf, tensorflow.compat.v1 as tf\n"
+              "from hvd_mesh_impl import tf_compat\n"
+              "assert not any(isinstance(f, tf_compat._MeshTFImportHook) for f in sys.meta_path)\n"
+              "g = mtf.Graph(); m = mtf.Mesh(g, 'm')\n"
+              "x = mtf.zeros(m, mtf.Shape([mtf.Dimension('a', 2)]))\n"
+              "print(','.join(sorted(tf_compat.installed())) or 'none')" % first)
+    if tf_minor() < (2, 13):
+        assert out == "none"  # nothing to shim: TF 2.12 has both names
+    elif tf_minor() >= (2, 16):
+        assert out == "estimator,register_tensor_conversion_function"
+
+
+def test_install_is_idempotent_and_estimator_names_exist():
+    out = run("import hvd_mesh_impl\n"
+              "from hvd_mesh_impl import tf_compat\n"
+              "import tensorflow.compat.v1 as tf\n"
+              "assert tf_compat.install() == []\n"
+              "est = tf.estimator\n"
+              "for name in ('CheckpointSaverListener', 'SessionRunHook', 'tpu'):\n"
+              "    assert hasattr(est, name), name\n"
+              "from tensorflow.python.framework import ops\n"
+              "assert callable(ops.register_tensor_conversion_function)\n"
+              "print('ok')")
+    assert out == "ok"
