@@ -338,6 +338,28 @@ class AdjointGraph:
             if self.stages.size > 1 else []
         self.reverse_factors = reverse_factors(conf, self.stages)
 
+    def assign_initial_state(self, state, kernels=None):
+        """Assignments of the variables from another initial state (e.g. a truth's ICs).
+
+        Parameters
+        ----------
+        state : lpt.State
+            Positions, momenta and ids at ``stages[0]`` in the variables' slot shape;
+            the PM force is recomputed there (:func:`flowpm_mtf.timeloop.initial_state`).
+        kernels : optional
+            From :func:`flowpm_mtf.kernels.make_kernels` (built here if None).
+
+        Returns
+        -------
+        list of mtf.Operation
+        """
+        if state.positions.shape != self.variables.positions.shape:
+            raise ValueError("assign_initial_state: positions of shape %s, the variables have %s"
+                             % (state.positions.shape, self.variables.positions.shape))
+        kernels = make_kernels(self.conf, state.positions.mesh) if kernels is None else kernels
+        init = timeloop.initial_state(state, self.conf, kernels)
+        return [mtf.assign(v, t) for v, t in zip(self.variables[:4], init[:4])]
+
     @property
     def n_steps(self):
         """Number of steps (stages - 1)."""

@@ -143,7 +143,8 @@ def setup_logging(level="INFO", rank=None, stream=None):
     """Configure the root logger with a rank and elapsed-time prefix.
 
     Idempotent: a second call updates the level (and the rank, if given) of the
-    handler installed by the first one instead of adding another handler, and
+    handler installed by the first one instead of adding another handler, points
+    it at the current ``sys.stderr`` when the first call gave no ``stream``, and
     keeps the original start time.
 
     Parameters
@@ -171,9 +172,20 @@ def setup_logging(level="INFO", rank=None, stream=None):
         handler = logging.StreamHandler(sys.stderr if stream is None else stream)
         handler.set_name(_HANDLER_NAME)
         handler.setFormatter(RankFormatter(detect_rank() if rank is None else rank, time.time()))
+        handler.follows_stderr = stream is None
         root.addHandler(handler)
-    elif rank is not None:
-        handler.formatter.rank = int(rank)
+    else:
+        if rank is not None:
+            handler.formatter.rank = int(rank)
+        if getattr(handler, "follows_stderr", False) and handler.stream is not sys.stderr:
+            # follow the current stderr: the one of the first call may be gone (replaced
+            # and closed, e.g. by a test's capture), and writing there fails per record
+            # (not setStream: it flushes the old stream, which may be closed)
+            handler.acquire()
+            try:
+                handler.stream = sys.stderr
+            finally:
+                handler.release()
     handler.setLevel(level)
     root.setLevel(level)
     return handler

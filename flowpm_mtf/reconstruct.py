@@ -50,7 +50,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import complex_ops, domain, fft, gravity, ics, lpt, model_gradient, nbody, power
+from . import adjoint, complex_ops, domain, fft, gravity, ics, lpt, model_gradient, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
 from .preflight import unfolded_zeros_initializer
@@ -464,13 +464,13 @@ class ReconstructionGraph:
         dtype = conf.tf_dtype
         if truth is not None and truth.shape != shape:
             raise ValueError("truth must have the shape %s, got %s" % (shape, truth.shape))
+        stepped = False   # the data made by the adjoint's stepped forward (below)
+        self.observe_init_ops = []
         if observed is None:
             truth = ics.linear_field(conf, mesh, name="truth") if truth is None else truth
-            data = forward_model(truth, conf, rconf.forward)
-            if rconf.noise > 0:
-                noise = noise_mod.white_noise(mesh, shape, conf.seed + NOISE_SEED_OFFSET, dtype,
-                                              name="observation_noise")
-                data = data + noise * float(rconf.noise)
+            stepped = rconf.uses_adjoint
+            # the unrolled forward model otherwise (its graph is the stored gradient's anyway)
+            data = None if stepped else self._noisy(forward_model(truth, conf, rconf.forward))
         elif isinstance(observed, mtf.Tensor):
             if observed.shape != shape:
                 raise ValueError("observed field must have the shape %s, got %s"
@@ -488,7 +488,8 @@ class ReconstructionGraph:
         zeros = unfolded_zeros_initializer()  # no full-size constant (see preflight)
         self.observed = mtf.get_variable(mesh, "observed", shape, dtype=dtype,
                                          initializer=zeros, trainable=False)
-        self.observe_op = mtf.assign(self.observed, data, name="observe")
+        if data is not None:
+            self.observe_op = mtf.assign(self.observed, data, name="observe")
         self.linear = mtf.get_variable(mesh, "linear", shape, dtype=dtype, initializer=zeros,
                                        trainable=True)
         s = self.linear
@@ -504,6 +505,16 @@ class ReconstructionGraph:
             mg = model_gradient.ModelGradient(conf, mesh, data_term, linear=s,
                                               params=COSMOLOGY_PARAMETERS)
             self.model_gradient = mg
+            if stepped:
+                # the data: the truth's ICs, the same lowered steps as every iteration, the
+                # final density (an unrolled graph of the run would grow with the steps)
+                adj = mg.adjoint
+                self.observe_init_ops = adj.assign_initial_state(
+                    lpt.lpt_init(truth, conf, a=float(adj.stages[0]), forces=False))
+                v = adj.variables
+                self.observe_op = mtf.assign(self.observed, self._noisy(
+                    gravity.density(v.positions, conf, domain.weights(v.ids, conf))),
+                    name="observe")
             kernel = inverse_power_kernel(conf, mesh)
             self.prior = prior_chi2(s, conf, kernel)
             # the prior's dependence on the cosmology, through P(k): sum(K_bar dK/dtheta)
@@ -530,6 +541,27 @@ class ReconstructionGraph:
         self.checkpoint_variables = {"linear": self.linear, "adam_m": self.adam.m,
                                      "adam_v": self.adam.v, "adam_step": self.adam.step}
 
+    def _noisy(self, data):
+        """``data`` plus the observation noise (seed ``conf.seed + NOISE_SEED_OFFSET``)."""
+        conf, rconf = self.conf, self.rconf
+        if rconf.noise <= 0:
+            return data
+        noise = noise_mod.white_noise(data.mesh, fft.real_shape(conf),
+                                      conf.seed + NOISE_SEED_OFFSET, conf.tf_dtype,
+                                      name="observation_noise")
+        return data + noise * float(rconf.noise)
+
+    def observe(self, sess, ops):
+        """Store the data in the ``observed`` variable (run once, first; again on a resume).
+
+        With the adjoint (``--forward nbody``) the truth goes through the same lowered
+        steps as every iteration; otherwise one run of the forward model's graph.
+        """
+        if "observe_init" in ops:
+            sess.run(ops["observe_init"])
+            adjoint.run_forward(sess, self.model_gradient.adjoint, ops["adjoint"])
+        sess.run(ops["observe"])
+
     def lower_iteration(self, lowering):
         """The lowered ops of one iteration and of the loss (call before the first run).
 
@@ -542,7 +574,10 @@ class ReconstructionGraph:
 
         scalars = {n: lowering.tensors[getattr(self, n)].to_laid_out_tensor().tensor_list[0]
                    for n in ("loss", "chi2", "prior")}
-        ops = {"step": ordered_update_op(lowering, self.step_ops), "scalars": scalars}
+        ops = {"step": ordered_update_op(lowering, self.step_ops), "scalars": scalars,
+               "observe": lowering.lowered_operation(self.observe_op)}
+        if self.observe_init_ops:
+            ops["observe_init"] = ordered_update_op(lowering, self.observe_init_ops)
         if self.model_gradient is not None:
             ops["adjoint"] = self.model_gradient.lower(lowering)
             ops["prior_cosmology"] = {

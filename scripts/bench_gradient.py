@@ -83,11 +83,10 @@ def cmd_run(args):
         mesh = mtf.Mesh(graph, "mesh")
         rg = ReconstructionGraph(conf, rconf, mesh)
         lowering = runner.lower(graph, mesh, impl)
-        observe = lowering.lowered_operation(rg.observe_op)
         ops = rg.lower_iteration(lowering)
         rec["graph_build_s"] = time.perf_counter() - t0
         with runner.session(session_config("hvd"), lowering) as sess:
-            sess.run(observe)
+            rg.observe(sess, ops)
             if args.mode == "forward":
                 def once():
                     rg.evaluate(sess, ops)

@@ -5,6 +5,7 @@ in-memory stream."""
 import io
 import logging
 import re
+import sys
 
 import pytest
 
@@ -93,3 +94,17 @@ def test_rank0_only(fresh_root):
 ])
 def test_detect_rank_and_size(env, expected):
     assert (logs.detect_rank(env), logs.detect_size(env)) == expected
+
+
+def test_follows_a_replaced_stderr(fresh_root, monkeypatch):
+    """A handler installed on the default stderr writes to the current one after a later
+    call (the first stderr may be gone: a test's capture, closed)."""
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    logs.setup_logging("INFO", rank=0)
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logs.setup_logging("INFO")
+    logging.getLogger("flowpm_mtf.test3").warning("here")
+    assert second.getvalue().strip().endswith("here")

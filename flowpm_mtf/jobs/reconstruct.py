@@ -87,8 +87,7 @@ class ReconstructJob(Job):
             rconf.iterations)
 
     def lower(self, ctx, rg, lowering):
-        return {"observe": lowering.lowered_operation(rg.observe_op),
-                "iteration": rg.lower_iteration(lowering),
+        return {"iteration": rg.lower_iteration(lowering),
                 # the fields: this process's slices only (no gather)
                 "fields": runner.local(lowering, {"truth": rg.truth,
                                                   "reconstruction": rg.linear,
@@ -102,7 +101,7 @@ class ReconstructJob(Job):
         conf, rconf, timings = ctx.conf, ctx.configs["reconstruction"], ctx.timings
         history = {"loss": [], "chi2": [], "prior": []}
         with ctx.timed("observe_s"):
-            sess.run(ops["observe"])   # the data, made again from the seed on a resume
+            rg.observe(sess, ops["iteration"])   # the data, made again from the seed on a resume
         log.info("truth observed (noise %g, likelihood sigma %g) in %.2f s", rconf.noise,
                  rconf.likelihood_sigma, timings["observe_s"])
         first = 0
