@@ -260,7 +260,7 @@ def test_padded_gradient_field_needs_one_block():
 def test_real_vdot_of_a_tensor_with_itself(dtype):
     """d/du 0.5 <u, u> = u (the same tensor on both sides: Mesh TF's generic slicewise
     gradient counted it twice, giving 2u), and <u, v> still differentiates in both."""
-    conf = SimConfig(nc=8, box_size=8.0, grid=(1, 1))
+    conf = SimConfig(nc=8, box_size=8.0, grid=H.HVD_GRIDS[H.SIZE][0])   # this world's grid
     rng = np.random.RandomState(3)
     u0 = rng.randn(8, 8, 8) + (1j * rng.randn(8, 8, 8) if dtype.is_complex else 0)
     v0 = rng.randn(8, 8, 8)
