@@ -4,7 +4,7 @@ import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, painting
+from flowpm_mtf import fft, layout, painting
 from flowpm_mtf.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
 
 tf.disable_eager_execution()
@@ -14,6 +14,17 @@ def import_field(mesh, conf, field):
     """The numpy field as an mtf tensor ``[x, y, z]`` of dtype ``conf.dtype``."""
     return mtf.import_tf_tensor(mesh, tf.constant(np.asarray(field, conf.np_dtype)),
                                 fft.real_shape(conf))
+
+
+def id_field(ids, conf, seed):
+    """A fixed pseudo-random vector per particle id, ``[bx, by, npart, xyz]``, zero on
+    empty slots: the same for a particle whatever its slot (slot orders differ)."""
+    xyz = mtf.Dimension(layout.XYZ, 3)
+    k = mtf.cast(mtf.range(ids.mesh, xyz, dtype=tf.int32), conf.tf_dtype)
+    i = mtf.cast(ids, conf.tf_dtype)
+    valid = mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
+                     conf.tf_dtype)
+    return mtf.sin(i * 0.618034 + k * 1.3 + float(seed)) * valid
 
 
 def export_state(state, conf, prefix=""):

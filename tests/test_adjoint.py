@@ -9,7 +9,7 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import adjoint, domain, gravity, layout, lpt, nbody, painting
+from flowpm_mtf import adjoint, domain, gravity, lpt, nbody, painting
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()
@@ -62,15 +62,7 @@ def weight_field():
     return np.random.RandomState(11).randn(NC, NC, NC)
 
 
-def id_field(ids, conf, seed):
-    """A fixed pseudo-random vector per particle id, ``[bx, by, npart, xyz]``, zero on
-    empty slots: the same for a particle whatever its slot (slot orders differ)."""
-    xyz = mtf.Dimension(layout.XYZ, 3)
-    k = mtf.cast(mtf.range(ids.mesh, xyz, dtype=tf.int32), conf.tf_dtype)
-    i = mtf.cast(ids, conf.tf_dtype)
-    valid = mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
-                     conf.tf_dtype)
-    return mtf.sin(i * 0.618034 + k * 1.3 + float(seed)) * valid
+id_field = NH.id_field
 
 
 def make_loss(conf, weight_field):

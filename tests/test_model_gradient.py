@@ -53,14 +53,7 @@ def weight_field():
     return np.random.RandomState(13).randn(NC, NC, NC)
 
 
-def id_field(ids, conf, seed):
-    """A fixed vector per particle id, zero on empty slots (as tests/test_adjoint.py)."""
-    xyz = mtf.Dimension(layout.XYZ, 3)
-    k = mtf.cast(mtf.range(ids.mesh, xyz, dtype=tf.int32), conf.tf_dtype)
-    i = mtf.cast(ids, conf.tf_dtype)
-    valid = mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
-                     conf.tf_dtype)
-    return mtf.sin(i * 0.618034 + k * 1.3 + float(seed)) * valid
+id_field = NH.id_field
 
 
 def make_loss(conf, weight_field):
