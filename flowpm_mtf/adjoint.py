@@ -173,9 +173,10 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
         the migration's statistics (eulerian) or None.
     cot : Cotangents
         Total cotangents at stage ``i`` (the force VJP at ``x_i`` included).
-    sums : list of 4 mtf.Tensor
-        Scalars (summed over the valid particles of every block) from which the
-        gradient with respect to the step's factors and the force's
+    sums : mtf.Tensor
+        ``[adjoint_sum(4)]``, replicated: scalars (summed over the valid
+        particles of every block, with **one** allreduce for the four) from
+        which the gradient with respect to the step's factors and the force's
         :math:`\tfrac32\Omega_m` follows (:data:`SUMS`):
         :math:`\sum \bar p_{i+1} \cdot f_{i+1} = \partial L/\partial K1_i`,
         :math:`\sum \bar x_{i+1} \cdot p_h = \partial L/\partial D_i`,
@@ -193,7 +194,7 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     xb, pb = cot
     p_h = p - f * k1
     w_in = domain.weights(ids, conf)
-    sums = [_dot(pb, f, w_in, name + "_sum_k1"), _dot(xb, p_h, w_in, name + "_sum_drift")]
+    partial = [_block_dot(pb, f, w_in), _block_dot(xb, p_h, w_in)]
     dx = -(p_h * drift)
     x = x + dx
     pb_h = pb + xb * drift
@@ -211,7 +212,12 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     if vjp is not None:
         xb = xb + vjp
     w_out = domain.weights(ids, conf)
-    sums += [_dot(pb_h, f, w_out, name + "_sum_k0"), _dot(fb, f, w_out, name + "_sum_force")]
+    partial += [_block_dot(pb_h, f, w_out), _block_dot(fb, f, w_out)]
+    # the blocks' partial sums of the four, stacked: one collective for all of them (on
+    # the process grid a reduction costs its latency, not its 4 numbers)
+    sums = mtf.reduce_sum(mtf.stack(partial, SUM_DIM, axis=0),
+                          output_shape=mtf.Shape([mtf.Dimension(SUM_DIM, len(SUMS))]),
+                          name=name + "_sums")
     return State(x, p, f, ids, stats), Cotangents(xb, pb_h), sums
 
 
@@ -219,12 +225,16 @@ SUMS = ("K1", "drift", "K0", "force")
 """The scalars of :func:`reverse_step` (``sums``), in order."""
 
 
-def _dot(u, v, weight, name):
-    """``sum(weight * u . v)`` over every particle (a replicated scalar)."""
+SUM_DIM = "adjoint_sum"
+"""The dimension of :func:`reverse_step`'s ``sums``."""
+
+
+def _block_dot(u, v, weight):
+    """``sum(weight * u . v)`` over the particles of each block: ``[bx, by]`` (no collective)."""
     prod = u * v
     if weight is not None:
         prod = prod * weight
-    return mtf.reduce_sum(prod, output_shape=mtf.Shape([]), name=name)
+    return mtf.reduce_sum(prod, output_shape=mtf.Shape(u.shape.dims[:2]))
 
 
 def _particle_shape(conf):
@@ -329,11 +339,11 @@ class AdjointGraph:
         self.step_stats = new.stats
         # reverse: one step for all steps
         self.reverse_factors_ph, rfac = _imported_factors(mesh, conf, 4, "adjoint_reverse_factors")
-        back, cot, sums = reverse_step(self.variables, self.cotangents, conf, rfac, kernels)
+        back, cot, self.reverse_sums = reverse_step(self.variables, self.cotangents, conf, rfac,
+                                                    kernels)
         self.reverse_ops = ([mtf.assign(v, t) for v, t in zip(self.variables[:4], back[:4])]
                             + [mtf.assign(v, t) for v, t in zip(self.cotangents, cot)])
         self.reverse_stats = back.stats
-        self.reverse_sums = mtf.stack(sums, "adjoint_sum", axis=0, name="adjoint_sums")
         self.step_factors = list(nbody.all_step_factors(conf, self.stages)) \
             if self.stages.size > 1 else []
         self.reverse_factors = reverse_factors(conf, self.stages)

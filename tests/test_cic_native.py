@@ -107,26 +107,28 @@ def test_native_equals_tensorflow_path(dtype):
     np.testing.assert_allclose(out["read"], out["ref_read"], rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("comps", [2, 3])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_multicomponent_paint_equals_one_component_paints(dtype):
-    """The paint of C = 3 weighted components (the generic kernel: the readout's gradient
-    with respect to the field) equals three one-component paints (the specialised
-    kernel), bit for bit: per cell the same terms in the same order."""
+def test_multicomponent_paint_equals_one_component_paints(dtype, comps):
+    """The paint of C weighted components (C = 3: the kernel specialised for the readout's
+    gradient with respect to the force mesh; C = 2: the generic kernel) equals C
+    one-component paints (the density kernel), bit for bit: per cell the same terms in
+    the same order."""
     pos = positions(4, dtype)
-    w = np.random.RandomState(5).randn(2, 2, N, 3).astype(dtype)
+    w = np.random.RandomState(5).randn(2, 2, N, comps).astype(dtype)
     px, py, nz = CONF.padded_block_shape
     lib = native.load("cic_ops")
     if lib is None:
         pytest.skip("native ops not built")
     with tf.Graph().as_default():
         p = tf.reshape(tf.constant(pos), [NB, N, 3])
-        wt = tf.reshape(tf.constant(w), [NB, N, 3])
+        wt = tf.reshape(tf.constant(w), [NB, N, comps])
         args = dict(halo=CONF.halo_size, px=px, py=py, nz=nz)
-        three = lib.flowpm_cic_paint(p, wt, components=3, **args)
+        many = lib.flowpm_cic_paint(p, wt, components=comps, **args)
         ones = [lib.flowpm_cic_paint(p, wt[..., c:c + 1], components=1, **args)
-                for c in range(3)]
-        got, ref = run([three, tf.concat(ones, axis=-1)])
-    assert np.abs(got).max() > 0
+                for c in range(comps)]
+        got, ref = run([many, tf.concat(ones, axis=-1)])
+    assert got.shape[-1] == comps and np.abs(got).max() > 0
     np.testing.assert_array_equal(got, ref)
 
 

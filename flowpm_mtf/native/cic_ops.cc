@@ -163,7 +163,8 @@ inline void stencil(const T* p, const Geometry& g, Axis<T>* ax, Axis<T>* ay, Axi
 
 // ------------------------------------------------------------------ paint
 // Deposits of the n particles of one block into the padded x rows [r0, r1) of its
-// field fb; KC = C known at compile time (1: density) or 0 for any C, HasW: with
+// field fb; KC = C known at compile time (1: density, 3: the transposed force
+// readout) or 0 for any C, HasW: with
 // per-particle weights wb. The terms and their order are those of the generic
 // loop (corners x, y, z; kern = (wx * wy) * wz, then times the weight).
 template <typename T, int KC, bool HasW>
@@ -254,6 +255,8 @@ class CicPaintOp : public OpKernel {
           paint_slab<T, 1, true>(pb, wb, fb, g, n, r0, r1);
         else if (C == 1)
           paint_slab<T, 1, false>(pb, wb, fb, g, n, r0, r1);
+        else if (C == 3 && wb)  // the readout's gradient w.r.t. the force mesh
+          paint_slab<T, 3, true>(pb, wb, fb, g, n, r0, r1);
         else if (wb)
           paint_slab<T, 0, true>(pb, wb, fb, g, n, r0, r1);
         else
