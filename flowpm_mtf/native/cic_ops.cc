@@ -100,8 +100,11 @@ inline void periodic_axis(T x, i64 n, Axis<T>* a) {
   a->f = x - fl;
   a->w[0] = T(1) - a->f;
   a->w[1] = a->f;
-  i64 c = floor_index(fl) % n;
-  if (c < 0) c += n;
+  i64 c = floor_index(fl);
+  if (c < 0 || c >= n) {  // rare: an integer division only for a particle to wrap
+    c %= n;
+    if (c < 0) c += n;
+  }
   a->i[0] = c;
   a->i[1] = (c + 1 == n) ? 0 : c + 1;
 }
@@ -283,8 +286,9 @@ void read_range(const T* __restrict__ P, const T* __restrict__ F, T* __restrict_
                 const Geometry& g, i64 n, i64 block, i64 begin,
                 i64 end) {
   const i64 C = KC ? KC : g.comps;
+  i64 b = begin / n, next = (b + 1) * n;  // block of particle u, without a division each
   for (i64 u = begin; u < end; ++u) {
-    const i64 b = u / n;
+    if (u == next) ++b, next += n;
     const T* q = P + 3 * u;
     T* v = V + u * C;
     for (i64 c = 0; c < C; ++c) v[c] = T(0);
@@ -345,14 +349,20 @@ class CicReadoutOp : public OpKernel {
 };
 
 // d readout / d positions of particles [begin, end); KC as in read_range.
+//
+// With s_ijk = sum_C dv[C] field[corner ijk, C] and the weights (w0, w1) = (1 - f, f)
+// per axis (d w0 / dx = -1, d w1 / dx = 1):
+//   gx = sum_ij (wy_j [+-]_i) (wz . s_ij),  gy = sum_ij (wx_i [+-]_j) (wz . s_ij),
+//   gz = sum_ij wx_i wy_j (s_ij1 - s_ij0),
+// the z sums shared by gx and gy: 40 multiply-adds per particle instead of 80.
 template <typename T, int KC>
 void grad_pos_range(const T* __restrict__ P, const T* __restrict__ F, const T* __restrict__ D,
                     T* __restrict__ G, const Geometry& g, i64 n, i64 block, i64 begin,
                     i64 end) {
   const i64 C = KC ? KC : g.comps;
-  const T sgn[2] = {T(-1), T(1)};
+  i64 b = begin / n, next = (b + 1) * n;  // as in read_range
   for (i64 u = begin; u < end; ++u) {
-    const i64 b = u / n;
+    if (u == next) ++b, next += n;
     const T* q = P + 3 * u;
     T* gp = G + 3 * u;
     gp[0] = gp[1] = gp[2] = T(0);
@@ -361,26 +371,28 @@ void grad_pos_range(const T* __restrict__ P, const T* __restrict__ F, const T* _
     stencil(q, g, &ax, &ay, &az);
     const T* fb = F + b * block;
     const T* d = D ? D + u * C : nullptr;
-    T gx = 0, gy = 0, gz = 0;
+    T zs[2][2], zd[2][2];  // per (i, j): wz . s_ij and s_ij1 - s_ij0
     for (int i = 0; i < 2; ++i)
       for (int j = 0; j < 2; ++j) {
         const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+        T sk[2];
         for (int k = 0; k < 2; ++k) {
           const T* src = cell + az.i[k] * C;
-          T s = 0;
+          T acc = 0;
           if (d) {
-            for (i64 c = 0; c < C; ++c) s += d[c] * src[c];
+            for (i64 c = 0; c < C; ++c) acc += d[c] * src[c];
           } else {
-            for (i64 c = 0; c < C; ++c) s += src[c];
+            for (i64 c = 0; c < C; ++c) acc += src[c];
           }
-          gx += sgn[i] * ay.w[j] * az.w[k] * s;
-          gy += ax.w[i] * sgn[j] * az.w[k] * s;
-          gz += ax.w[i] * ay.w[j] * sgn[k] * s;
+          sk[k] = acc;
         }
+        zs[i][j] = az.w[0] * sk[0] + az.w[1] * sk[1];
+        zd[i][j] = sk[1] - sk[0];
       }
-    gp[0] = gx;
-    gp[1] = gy;
-    gp[2] = gz;
+    gp[0] = (ay.w[0] * zs[1][0] + ay.w[1] * zs[1][1]) - (ay.w[0] * zs[0][0] + ay.w[1] * zs[0][1]);
+    gp[1] = ax.w[0] * (zs[0][1] - zs[0][0]) + ax.w[1] * (zs[1][1] - zs[1][0]);
+    gp[2] = ax.w[0] * (ay.w[0] * zd[0][0] + ay.w[1] * zd[0][1]) +
+            ax.w[1] * (ay.w[0] * zd[1][0] + ay.w[1] * zd[1][1]);
   }
 }
 
