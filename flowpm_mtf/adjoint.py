@@ -231,7 +231,9 @@ SUM_DIM = "adjoint_sum"
 
 def _block_dot(u, v, weight):
     """``sum(weight * u . v)`` over the particles of each block: ``[bx, by]`` (no collective)."""
-    prod = u * v
+    # u . v per particle first: the weight then multiplies [bx, by, npart], not a
+    # broadcast over xyz (TensorFlow's broadcasting product is 3x slower per element)
+    prod = mtf.reduce_sum(u * v, output_shape=mtf.Shape(u.shape.dims[:-1]))
     if weight is not None:
         prod = prod * weight
     return mtf.reduce_sum(prod, output_shape=mtf.Shape(u.shape.dims[:2]))

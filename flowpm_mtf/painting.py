@@ -203,14 +203,14 @@ def _paint_grad(op, grad):
 
 
 def _readout_grad(op, grad):
-    """Gradient of ``FlowpmCicReadout`` w.r.t. the mesh and the positions (exact)."""
+    """Gradient of ``FlowpmCicReadout`` w.r.t. the mesh and the positions (exact).
+
+    One fused op (``FlowpmCicReadoutGrad``: the paint of ``grad`` and the position
+    gradient with one stencil per particle), equal bit for bit to the paint and
+    ``FlowpmCicReadoutGradPos``."""
     lib = native.load("cic_ops")
     field, pos = op.inputs
-    halo = op.get_attr("halo")
-    _, px, py, nz, comps = field.shape.as_list()
-    d_field = lib.flowpm_cic_paint(pos, grad, halo=halo, px=px, py=py, nz=nz,
-                                   components=comps)
-    d_pos = lib.flowpm_cic_readout_grad_pos(field, pos, grad, halo=halo)
+    d_field, d_pos = lib.flowpm_cic_readout_grad(field, pos, grad, halo=op.get_attr("halo"))
     return d_field, d_pos
 
 

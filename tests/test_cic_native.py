@@ -132,6 +132,45 @@ def test_multicomponent_paint_equals_one_component_paints(dtype, comps):
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.parametrize("comps", [1, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fused_readout_gradient_equals_paint_and_position_gradient(dtype, comps):
+    """``FlowpmCicReadoutGrad`` (the readout's registered gradient) equals the paint of
+    the upstream gradient and ``FlowpmCicReadoutGradPos``, bit for bit, with 1 and 4
+    threads (several slabs: each particle's position gradient from exactly one), and
+    with non-finite particles (zero gradient, nothing painted)."""
+    lib = native.load("cic_ops")
+    if lib is None:
+        pytest.skip("native ops not built")
+    pos = np.concatenate([positions(6, dtype)] * 60, axis=2)  # 18000 per block: slabs
+    pos[0, 1, 7] = [np.nan, 1.0, 1.0]
+    pos[1, 0, 11] = [1.0, np.inf, 1.0]
+    n = pos.shape[2]
+    px, py, nz = CONF.padded_block_shape
+    rng = np.random.RandomState(8)
+    field = rng.randn(NB, px, py, nz, comps).astype(dtype)
+    dv = rng.randn(NB, n, comps).astype(dtype)
+    with tf.Graph().as_default():
+        p = tf.reshape(tf.constant(pos), [NB, n, 3])
+        f, d = tf.constant(field), tf.constant(dv)
+        fused = lib.flowpm_cic_readout_grad(f, p, d, halo=CONF.halo_size)
+        ref = [lib.flowpm_cic_paint(p, d, halo=CONF.halo_size, px=px, py=py, nz=nz,
+                                    components=comps),
+               lib.flowpm_cic_readout_grad_pos(f, p, d, halo=CONF.halo_size)]
+        # the registered gradient of the readout is the fused op
+        read = lib.flowpm_cic_readout(f, p, halo=CONF.halo_size)
+        grads = tf.gradients(read, [f, p], grad_ys=[d])
+        assert {g.op.type for g in grads} == {"FlowpmCicReadoutGrad"}
+        got = {t: run(list(fused), threads=t) for t in (1, 4)}
+        want = run(ref, threads=1)
+    for t in (1, 4):
+        for a, b in zip(got[t], want):
+            np.testing.assert_array_equal(a, b)
+    assert np.abs(want[1]).max() > 0 and np.abs(want[0]).max() > 0
+    # blocks (0, 1) and (1, 0) are blocks 1 and 2 of the flat [B, n, 3]
+    assert np.all(want[1][1, 7] == 0) and np.all(want[1][2, 11] == 0)
+
+
 def test_paint_independent_of_threads():
     pos = positions(3, np.float32)
     pos = np.concatenate([pos] * 40, axis=2)  # enough particles for several slabs

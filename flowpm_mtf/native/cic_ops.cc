@@ -13,6 +13,10 @@
 //       dpos[b, p, a] = sum_C dv[b, p, C] sum_c dK_c/dx_a(pos[b, p]) field[b, c, C]
 //       (dv = 1 when dvalues is empty): the gradient of the readout with respect
 //       to the positions, and (field = upstream gradient, dv = weights) of the paint.
+//   FlowpmCicReadoutGrad(field [B, px, py, nz, C], positions [B, n, 3],
+//                        dvalues [B, n, C], halo) -> (dfield, dpos): both gradients of
+//       the readout in one pass (= FlowpmCicPaint of dvalues and
+//       FlowpmCicReadoutGradPos, bit for bit; the stencil computed once).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -438,6 +442,124 @@ class CicReadoutGradPosOp : public OpKernel {
   i64 halo_;
 };
 
+// ------------------------------------------------------------------ readout gradient, fused
+// Both gradients of FlowpmCicReadout in one pass over the particles: the field's
+// (the paint of the dvalues, exactly paint_slab<T, KC, true>'s terms in its order)
+// and the positions' (exactly grad_pos_range's), sharing each particle's stencil.
+// Parallel over slabs of the padded x rows as the paint; a particle's position
+// gradient is computed by the slab that holds its first x row ax.i[0].
+template <typename T, int KC>
+void readout_grad_slab(const T* __restrict__ pb, const T* __restrict__ db,
+                       const T* __restrict__ fb, T* __restrict__ dfb, T* __restrict__ gpb,
+                       const Geometry& g, i64 n, i64 r0, i64 r1) {
+  const i64 C = KC ? KC : g.comps;
+  const i64 zrow = g.nz * C;
+  for (i64 p = 0; p < n; ++p) {
+    const T* q = pb + 3 * p;
+    T* gp = gpb + 3 * p;
+    if (!finite3(q)) {
+      if (r0 == 0) gp[0] = gp[1] = gp[2] = T(0);
+      continue;
+    }
+    Axis<T> ax, ay, az;
+    clipped_axis(q[0], g.halo, g.px, &ax);
+    const bool in0 = ax.i[0] >= r0 && ax.i[0] < r1, in1 = ax.i[1] >= r0 && ax.i[1] < r1;
+    if (!in0 && !in1) continue;
+    clipped_axis(q[1], g.halo, g.py, &ay);
+    periodic_axis(q[2], g.nz, &az);
+    const T* d = db + p * C;
+    const i64 z0 = az.i[0] * C, z1 = az.i[1] * C;
+    for (int i = 0; i < 2; ++i) {
+      if (!(i ? in1 : in0)) continue;
+      for (int j = 0; j < 2; ++j) {
+        const T wxy = ax.w[i] * ay.w[j];
+        T* cell = dfb + (ax.i[i] * g.py + ay.i[j]) * zrow;
+        const T k0 = wxy * az.w[0], k1 = wxy * az.w[1];
+        for (i64 c = 0; c < C; ++c) cell[z0 + c] += k0 * d[c];
+        for (i64 c = 0; c < C; ++c) cell[z1 + c] += k1 * d[c];
+      }
+    }
+    if (!in0) continue;  // the position gradient: the owner of ax.i[0] only
+    T zs[2][2], zd[2][2];
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * zrow;
+        T sk[2];
+        for (int k = 0; k < 2; ++k) {
+          const T* src = cell + az.i[k] * C;
+          T acc = 0;
+          for (i64 c = 0; c < C; ++c) acc += d[c] * src[c];
+          sk[k] = acc;
+        }
+        zs[i][j] = az.w[0] * sk[0] + az.w[1] * sk[1];
+        zd[i][j] = sk[1] - sk[0];
+      }
+    gp[0] = (ay.w[0] * zs[1][0] + ay.w[1] * zs[1][1]) - (ay.w[0] * zs[0][0] + ay.w[1] * zs[0][1]);
+    gp[1] = ax.w[0] * (zs[0][1] - zs[0][0]) + ax.w[1] * (zs[1][1] - zs[1][0]);
+    gp[2] = ax.w[0] * (ay.w[0] * zd[0][0] + ay.w[1] * zd[0][1]) +
+            ax.w[1] * (ay.w[0] * zd[1][0] + ay.w[1] * zd[1][1]);
+  }
+}
+
+template <typename T>
+class CicReadoutGradOp : public OpKernel {
+ public:
+  explicit CicReadoutGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    const Tensor& dv = ctx->input(2);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
+    OP_REQUIRES(ctx, dv.NumElements() > 0 || nb * n == 0,
+                InvalidArgument("CIC readout gradient: dvalues must not be empty"));
+    OP_REQUIRES_OK(ctx, check_per_particle(dv, pos, C, "dvalues"));
+    const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    Tensor* dfield = nullptr;
+    Tensor* dpos = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, field.shape(), &dfield));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, pos.shape(), &dpos));
+    const T* P = pos.flat<T>().data();
+    const T* F = field.flat<T>().data();
+    const T* D = dv.NumElements() ? dv.flat<T>().data() : nullptr;
+    T* DF = dfield->flat<T>().data();
+    T* G = dpos->flat<T>().data();
+    const i64 row = g.py * g.nz * C;
+    std::memset(DF, 0, sizeof(T) * nb * g.px * row);
+    if (nb * n == 0) return;
+    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g.px});
+    if (n * nb < (1 << 14)) slabs = 1;
+    auto work = [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / slabs, s = u % slabs;
+        const i64 r0 = g.px * s / slabs, r1 = g.px * (s + 1) / slabs;
+        const i64 off = b * g.px * row;
+        if (C == 3)
+          readout_grad_slab<T, 3>(P + b * n * 3, D + b * n * C, F + off, DF + off,
+                                  G + b * n * 3, g, n, r0, r1);
+        else
+          readout_grad_slab<T, 0>(P + b * n * 3, D + b * n * C, F + off, DF + off,
+                                  G + b * n * 3, g, n, r0, r1);
+      }
+    };
+    if (slabs * nb == 1) {
+      work(0, 1);
+    } else {
+      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
+    }
+  }
+
+ private:
+  i64 halo_;
+};
+
 // ------------------------------------------------------------------ escape count
 template <typename T>
 class CicEscapedOp : public OpKernel {
@@ -621,6 +743,20 @@ REGISTER_OP("FlowpmCicReadoutGradPos")
     .Attr("halo: int >= 0")
     .SetShapeFn(grad_pos_shape);
 
+REGISTER_OP("FlowpmCicReadoutGrad")
+    .Input("field: T")
+    .Input("positions: T")
+    .Input("dvalues: T")
+    .Output("dfield: T")
+    .Output("dpositions: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(1));
+      return ::tensorflow::OkStatus();
+    });
+
 REGISTER_OP("FlowpmCicEscaped")
     .Input("positions: T")
     .Output("count: int32")
@@ -633,5 +769,6 @@ REGISTER_OP("FlowpmCicEscaped")
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaint", CicPaintOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadout", CicReadoutOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGradPos", CicReadoutGradPosOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGrad", CicReadoutGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicEscaped", CicEscapedOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
