@@ -60,9 +60,11 @@ values). The native ops have exact gradients registered below
 (:func:`_paint_grad`, :func:`_readout_grad`): the paint's gradient is a readout
 (w.r.t. weights) and the derivative-kernel readout ``FlowpmCicReadoutGradPos``
 (w.r.t. positions); the readout's gradient is a paint of the upstream gradient
-(w.r.t. the mesh) and the same derivative readout (w.r.t. positions). Second
-derivatives of the native ops are not defined (``tf.gradients`` raises
-``LookupError`` for ``FlowpmCicReadoutGradPos``). The halo exchange is linear
+(w.r.t. the mesh) and the same derivative readout (w.r.t. positions), both in one
+pass (``FlowpmCicReadoutGrad``: one stencil per particle; in the adjoint's
+reverse step this is the transpose of the force readout). Second derivatives of
+the native ops are not defined (``tf.gradients`` raises ``LookupError`` for
+``FlowpmCicReadoutGradPos`` and ``FlowpmCicReadoutGrad``). The halo exchange is linear
 with an exact adjoint.
 The slicewise gradients recompute the local forward function on fresh copies
 of the input slices (:func:`_isolated_grad`): Mesh TF's default
