@@ -114,8 +114,8 @@ class UnrolledConfig:
     eta_init: float = 1.0
     init_scale: float = 0.5
     init_seed: int = 0
-    train_steps: int = 60
-    learning_rate: float = 2e-3
+    train_steps: int = 100
+    learning_rate: float = 5e-3
     perturbation: float = 0.05
     data_seed: int = 1
     beta1: float = 0.9
