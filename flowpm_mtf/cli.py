@@ -13,6 +13,10 @@ reconstruct
 lensing
     Lightcone N-body with density planes and Born convergence maps
     (:mod:`flowpm_mtf.jobs.lensing`).
+imaging
+    3D MRI reconstruction with the image split over the ranks: zero-filled, total
+    variation and a trained unrolled network on a Shepp-Logan phantom
+    (:mod:`flowpm_mtf.jobs.imaging`).
 fft-demo
     Distributed 3D FFT round trip on the process grid, checked against
     ``numpy.fft`` (:mod:`flowpm_mtf.jobs.fft_demo`).
@@ -151,8 +155,8 @@ def make_configs(job, args):
     return configs
 
 
-#: Jobs without an N-body (no numerics or memory-model check).
-NO_NBODY_JOBS = ("fft-demo",)
+#: Jobs without an N-body (no numerics or memory-model check of a ``SimConfig``).
+NO_NBODY_JOBS = ("fft-demo", "imaging")
 
 
 def safety_hooks(job, args, run_dir):

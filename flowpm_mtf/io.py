@@ -601,6 +601,75 @@ def write_reconstruction_table(path, conf, rconf, k, r, tk, modes, rank=None):
                        rank=rank)
 
 
+def write_imaging(path, comm, configs, parts, loss):
+    """Write ``imaging.h5`` of ``flowpm-mtf imaging`` (collective: every rank its blocks).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    comm : object
+        mpi4py-like communicator.
+    configs : dict
+        Section key -> config (``to_dict``), written as JSON attributes.
+    parts : dict
+        ``pnum -> {"truth", "zero_filled", "tv", "unrolled": h5dist.Block}`` held by
+        this process (the methods run): magnitude images ``[NX, NY, NZ]``
+        [phantom intensity], virtual datasets over the per-rank blocks in
+        ``imaging.parts/`` (:mod:`flowpm_mtf.h5dist`).
+    loss : sequence of float
+        The training loss per step (written by rank 0; may be empty).
+
+    Returns
+    -------
+    str
+        ``path``, on every rank.
+    """
+    from . import h5dist
+
+    units = {"truth": "phantom intensity (the ground truth)",
+             "zero_filled": "phantom intensity, |A^H y|",
+             "tv": "phantom intensity, |x| of TV-ADMM",
+             "unrolled": "phantom intensity, |x| of the trained unrolled network"}
+    dattrs = {n: {"units": u} for n, u in units.items()}
+    dattrs["train_loss"] = {"description": "mean |x - truth|^2 per training step, before it"}
+    return h5dist.write_distributed(
+        path, comm, parts, dataset_attrs=dattrs,
+        small={"train_loss": np.asarray(loss, np.float64)},
+        attrs={**{k: json.dumps(c.to_dict()) for k, c in configs.items()},
+               "versions": json.dumps(versions())})
+
+
+def write_markdown_table(path, header, rows, title=None, rank=None):
+    """Write a Markdown table (rank 0 only), atomically.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+    header : sequence of str
+        Column names.
+    rows : sequence of sequence
+        Cells (already formatted, or anything ``str`` accepts).
+    title : str, optional
+        Text written above the table.
+    rank : int, optional
+
+    Returns
+    -------
+    str or None
+        The path written, on rank 0; ``None`` elsewhere.
+    """
+    lines = ([title, ""] if title else []) + [
+        "| " + " | ".join(map(str, header)) + " |",
+        "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    return _write_on_rank0(path, rank, write)
+
+
 # ============================================================================= distributed
 # Snapshots written by every rank (its own slices) as one logical file; see
 # flowpm_mtf.h5dist for the layout (per-rank part files + HDF5 virtual datasets).

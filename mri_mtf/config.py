@@ -80,11 +80,12 @@ class ImagingConfig:
     """
 
     nc: Tuple[int, int, int] = (32, 32, 32)
-    grid: Tuple[int, int] = (1, 1)
+    grid: Tuple[int, int] = dataclasses.field(default=(1, 1),
+                                              metadata={"flags": ("--mesh-shape",)})
     acceleration: float = 4.0
     centre_fraction: float = 0.25
     density_power: float = 2.0
-    noise_sigma: float = 0.01
+    noise_sigma: float = dataclasses.field(default=0.01, metadata={"flags": ("--noise",)})
     seed: int = 0
     dtype: str = "float32"
 

@@ -20,17 +20,46 @@ import logging
 
 import mesh_tensorflow as mtf
 import numpy as np
+import tensorflow.compat.v1 as tf
 
 from flowpm_mtf import complex_ops
 from flowpm_mtf.fft import FFT3DOperation
+from flowpm_mtf.fft_local import complex_dtype, real_dtype
 from flowpm_mtf.layout import K_DIMS, REAL_DIMS
 
 from .sampling import mask_shape
 
-__all__ = ["fft_ortho", "ifft_ortho", "forward", "adjoint", "zero_filled", "magnitude",
-           "image_shape", "kspace_shape"]
+__all__ = ["CHAN", "to_channels", "to_complex", "fft_ortho", "ifft_ortho", "forward",
+           "adjoint", "zero_filled", "magnitude", "image_shape", "kspace_shape"]
 
 log = logging.getLogger(__name__)
+
+
+CHAN = mtf.Dimension("chan", 2)
+"""The real and imaginary parts of an image as channels (:func:`to_channels`)."""
+
+
+def to_channels(z, name="to_channels"):
+    """Complex ``[x, y, z]`` -> real ``[x, y, z, chan]`` (real, imaginary part).
+
+    The gradient is TensorFlow's (``dRe + i dIm``, the convention of
+    :mod:`flowpm_mtf.complex_ops`), per slice.
+    """
+    shape = mtf.Shape(z.shape.dims + [CHAN])
+    return mtf.slicewise(lambda t: tf.stack([tf.math.real(t), tf.math.imag(t)], axis=-1),
+                         [z], output_shape=shape, output_dtype=real_dtype(z.dtype),
+                         splittable_dims=z.shape.dims, name=name)
+
+
+def to_complex(x2, name="to_complex"):
+    """Real ``[x, y, z, chan]`` -> complex ``[x, y, z]`` (the inverse of :func:`to_channels`)."""
+    dims = [d for d in x2.shape.dims if d != CHAN]
+    if len(dims) + 1 != len(x2.shape.dims) or x2.shape.dims[-1] != CHAN:
+        raise ValueError("to_complex expects [x, y, z, chan], got %s" % x2.shape.to_string)
+    cdtype = complex_dtype(x2.dtype)
+    return mtf.slicewise(lambda t: tf.complex(t[..., 0], t[..., 1]), [x2],
+                         output_shape=mtf.Shape(dims), output_dtype=cdtype,
+                         splittable_dims=dims, name=name)
 
 
 def image_shape(conf):

@@ -45,7 +45,8 @@ import tensorflow.compat.v1 as tf
 from flowpm_mtf.layout import REAL_DIMS
 
 __all__ = ["SHEPP_LOGAN_3D", "rotation_matrix", "voxel_centres", "phantom_numpy",
-           "boundary_margin", "phantom", "perturbed_table"]
+           "boundary_margin", "phantom", "perturbed_table", "table_rows", "phantom_fed",
+           "TABLE_ROW_WIDTH"]
 
 log = logging.getLogger(__name__)
 
@@ -280,3 +281,82 @@ def perturbed_table(seed, scale=0.05, table=None):
     t[inner, 4:7] += scale * rng.standard_normal((k, 3))
     t[inner, 7:10] += 100.0 * scale * rng.standard_normal((k, 3))
     return t
+
+
+TABLE_ROW_WIDTH = 16
+"""Columns of :func:`table_rows`: ``A, x0, y0, z0, a, b, c`` and the 9 entries of ``R``."""
+
+
+def table_rows(table=None):
+    """An ellipsoid table as the rows :func:`phantom_fed` reads (numpy, float64).
+
+    Parameters
+    ----------
+    table : array_like, shape (n, 10), optional
+        Ellipsoids (default :data:`SHEPP_LOGAN_3D`).
+
+    Returns
+    -------
+    ndarray, shape (n, 16)
+        Per ellipsoid: intensity ``A``, centre ``x0, y0, z0``, semi-axes ``a, b, c``
+        [half field of view], and the rotation matrix ``R`` row by row
+        (:func:`rotation_matrix`).
+    """
+    table = _check_table(table)
+    rows = np.zeros((len(table), TABLE_ROW_WIDTH), np.float64)
+    for i, (A, a, b, c, x0, y0, z0, phi, theta, psi) in enumerate(table):
+        rows[i, :7] = (A, x0, y0, z0, a, b, c)
+        rows[i, 7:] = rotation_matrix(phi, theta, psi).ravel()
+    return rows
+
+
+def phantom_fed(mesh, conf, rows, name="phantom_fed"):
+    """The phantom of a table given as a TF tensor (e.g. a placeholder fed per step).
+
+    The same volume as :func:`phantom` for the table of :func:`table_rows`, but the
+    table is a value of the TF graph, so one lowered graph serves every training
+    phantom (:func:`perturbed_table`). Each rank evaluates the ellipsoids on its own
+    slice (the voxel indices from ``mtf.range``), in float64 with the operations of
+    :func:`phantom_numpy` (a zero rotation coefficient adds an exact zero).
+
+    Parameters
+    ----------
+    mesh : mtf.Mesh
+    conf : ImagingConfig
+    rows : tf.Tensor, float64, shape (n, 16)
+        :func:`table_rows` of the table (n static).
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        Real ``[x, y, z]``, dtype ``conf.dtype`` [phantom intensity].
+    """
+    shape = rows.shape.as_list()
+    if len(shape) != 2 or shape[1] != TABLE_ROW_WIDTH or shape[0] is None:
+        raise ValueError("phantom_fed: rows must have the static shape (n, %d), got %s"
+                         % (TABLE_ROW_WIDTH, shape))
+    n_ell = shape[0]
+    idx = [mtf.range(mesh, mtf.Dimension(d, n), tf.float64, name=name + "_index_" + d)
+           for d, n in zip(REAL_DIMS, conf.nc)]
+    nc = conf.nc
+    out_dtype = conf.tf_dtype
+
+    def fn(ix, iy, iz):
+        c = [-1.0 + (2.0 * t + 1.0) / float(n) for t, n in zip((ix, iy, iz), nc)]
+        coords = [c[0][:, None, None], c[1][None, :, None], c[2][None, None, :]]
+        out = tf.zeros(tf.shape(coords[0] + coords[1] + coords[2]), tf.float64)
+        for e in range(n_ell):
+            r = rows[e]
+            d = [coords[ax] - r[1 + ax] for ax in range(3)]
+            q = None
+            for j in range(3):
+                u = d[0] * r[7 + 3 * j] + d[1] * r[8 + 3 * j] + d[2] * r[9 + 3 * j]
+                t = tf.square(u / r[4 + j])
+                q = t if q is None else q + t
+            out = out + r[0] * tf.cast(q <= 1.0, tf.float64)
+        return tf.cast(out, out_dtype)
+
+    shape3 = mtf.Shape([mtf.Dimension(d, n) for d, n in zip(REAL_DIMS, conf.nc)])
+    return mtf.slicewise(fn, idx, output_shape=shape3, output_dtype=out_dtype,
+                         splittable_dims=shape3.dims, name=name)

@@ -1,11 +1,13 @@
 """No rank's TF graph holds the full volume in the MRI pipeline (issue 29).
 
 The whole imaging graph (phantom, mask, noise, measurement, zero-filled and TV-ADMM
-reconstructions, the model-parallel convolution with its gradients, PSNR and SSIM) is
+reconstructions, the stepped TV's iteration, the model-parallel convolution with its
+gradients, the unrolled network's Adam step on a fed phantom, PSNR and SSIM) is
 lowered with HvdSimdMeshImpl on the grids of the world size (2 or 4 ranks), and every
 rank checks every TF tensor its outputs depend on: at most the rank's block padded by the
 widest halo (3 planes, SSIM's window), ``(nx/P + 6)(ny/Q + 6) nz`` voxels. Axes of <= 4
-elements (channels, unit block axes) do not count as voxels; the mask plane ``ny nz`` is
+elements (channels, unit block axes; the network here has 4 hidden channels) do not
+count as voxels; the mask plane ``ny nz`` is
 2D and smaller. With 32^3 a full-size volume is 1.2x (2 ranks) or 2.1x (4 ranks) the
 bound, so a gathered or full-size tensor fails.
 """
@@ -28,7 +30,8 @@ def _voxels(shape):
 
 
 def build(mesh, conf):
-    from mri_mtf import conv, metrics, operators, phantom, recon, sampling
+    """The mtf tensors and the mtf update operations of the imaging graphs."""
+    from mri_mtf import conv, metrics, operators, phantom, recon, sampling, unrolled
     from flowpm_mtf import complex_ops
 
     truth = phantom.phantom(mesh, conf)
@@ -42,7 +45,12 @@ def build(mesh, conf):
     w = mtf.ones(mesh, conv.filter_shape((3, 3, 3), c, mtf.Dimension("cout", 2)), tv.dtype)
     y = conv.conv3d(img, w, conf)
     gx, gw = mtf.gradients([mtf.reduce_sum(mtf.square(y))], [img, w])
-    return [metrics.psnr(zf, truth), metrics.ssim(tv, truth), gx, gw]
+    stepped = recon.SteppedTV(kdata, mask, conf, recon.TVConfig(iterations=2))
+    uconf = unrolled.UnrolledConfig(blocks=1, channels=SHORT)
+    train = unrolled.UnrolledTraining(mesh, conf, uconf, mask,
+                                      unrolled.make_weights(mesh, conf, uconf))
+    return ([metrics.psnr(zf, truth), metrics.ssim(tv, truth), gx, gw, train.loss],
+            stepped.step_ops + stepped.init_ops + train.step_ops)
 
 
 def violations(grid, gather=False):
@@ -61,12 +69,13 @@ def violations(grid, gather=False):
     with tf.Graph().as_default():
         graph = mtf.Graph()
         mesh = mtf.Mesh(graph, "mesh")
-        outs = build(mesh, conf)
+        outs, updates = build(mesh, conf)
         if gather:
             full = mtf.rename_dimension(mtf.rename_dimension(outs[2], "x", "xa"), "y", "ya")
             outs.append(mtf.reduce_sum(full))
         lowering = mtf.Lowering(graph, {mesh: impl})
         roots = [lowering.tensors[t].to_laid_out_tensor().tensor_list[0].op for t in outs]
+        roots += [lowering.lowered_operation(op) for op in updates]
         for op in ancestors(roots):
             for t in op.outputs:
                 if t.shape.is_fully_defined() and _voxels(t.shape.as_list()) > bound:

@@ -94,7 +94,7 @@ def test_each_subcommand_has_its_own_default_out(tmp_path):
 
     outs = {name: job.default_out for name, job in jobs.all_jobs().items()}
     assert outs == {"simulate": "out/sim", "lensing": "out/lensing", "reconstruct": "out/recon",
-                    "fft-demo": "out/fft-demo"}
+                    "imaging": "out/imaging", "fft-demo": "out/fft-demo"}
     proc = flowpm("fft-demo", "--help")
     assert proc.returncode == 0 and "out/fft-demo" in proc.stdout
 

@@ -1,0 +1,404 @@
+"""The imaging job: a 3D MRI reconstruction with the image split over the ranks (issue 29).
+
+``flowpm-mtf imaging`` (the methods: :mod:`mri_mtf`). Makes the Shepp-Logan phantom
+(``--nc``), measures it (variable-density mask of acceleration ``--acceleration``,
+complex noise ``--noise``; :mod:`mri_mtf.sampling`) and reconstructs it with each
+``--method`` (comma-separated, or ``all``):
+
+zero-filled
+    ``|A^H y|`` (:func:`mri_mtf.recon.zero_filled`).
+tv
+    Total variation by ADMM (:class:`mri_mtf.recon.SteppedTV`): one lowered iteration
+    run ``--tv-iterations`` times, the state in Mesh TF variables.
+unrolled
+    The unrolled network (:mod:`mri_mtf.unrolled`) trained for ``--train-steps`` Adam
+    steps on perturbed phantoms, then applied to the measurement.
+
+Outputs (run directory):
+
+imaging.h5
+    ``truth`` and one magnitude volume per method ``[NX, NY, NZ]``, written by every
+    rank (its blocks; :func:`flowpm_mtf.io.write_imaging`), ``train_loss``.
+metrics.md
+    PSNR [dB] and SSIM per method.
+summary.json
+    Configs, ``psnr_db`` and ``ssim`` per method, the training loss, timings [s], peak
+    memory per rank [MB].
+imaging.png
+    The three orthogonal mid-slices of the truth and of each reconstruction (only
+    those planes are gathered).
+
+checkpoint/
+    With ``--checkpoint-every K`` (training steps) or on SIGTERM: every rank's
+    slices of the weights and Adam's state, the step count and the loss history;
+    ``--resume OUT`` recomputes the data, zero-filled and TV, and continues the
+    training, ending bit-identical to an uninterrupted run on the same grid.
+
+Bad input (a grid that does not divide the volume, an impossible R, an unknown
+method, a volume smaller than the SSIM window) is one ``flowpm-mtf: error:`` line on
+every rank before anything is built.
+"""
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from .. import checkpoint, h5dist, io
+from ..logs import rank0_only
+from . import register, runner
+from .base import ConfigSection, Job
+
+__all__ = ["METHODS", "ImagingOptions", "ImagingJob", "imaging_plot"]
+
+log = rank0_only(logging.getLogger(__name__))
+
+METHODS = ("zero-filled", "tv", "unrolled")
+"""The reconstruction methods, in the order they run."""
+
+_KEYS = {"zero-filled": "zero_filled", "tv": "tv", "unrolled": "unrolled"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagingOptions:
+    """What the imaging job runs.
+
+    Parameters
+    ----------
+    method : str
+        Comma-separated reconstruction methods among zero-filled, tv, unrolled, or
+        all.
+    """
+
+    method: str = "all"
+
+    def __post_init__(self):
+        if not isinstance(self.method, str):
+            raise ValueError("method must be a string, got %r" % (self.method,))
+        names = [m.strip() for m in self.method.split(",") if m.strip()]
+        bad = [m for m in names if m not in METHODS + ("all",)]
+        if bad or not names:
+            raise ValueError("unknown method %r: choose from %s, or all (comma-separated)"
+                             % (",".join(bad) if bad else self.method, ", ".join(METHODS)))
+
+    @property
+    def methods(self):
+        """The methods to run, in :data:`METHODS` order."""
+        names = {m.strip() for m in self.method.split(",")}
+        return METHODS if "all" in names else tuple(m for m in METHODS if m in names)
+
+    def to_dict(self):
+        """A JSON-able dict."""
+        return dataclasses.asdict(self)
+
+
+def _sections():
+    from mri_mtf.config import ImagingConfig
+    from mri_mtf.recon import TVConfig
+    from mri_mtf.unrolled import UnrolledConfig
+
+    return (ConfigSection("config", ImagingConfig),
+            ConfigSection("imaging", ImagingOptions),
+            ConfigSection("tv", TVConfig),
+            ConfigSection("unrolled", UnrolledConfig))
+
+
+class _Graph:
+    """The job's Mesh TF graph (see :meth:`ImagingJob.build`)."""
+
+    def __init__(self, ctx, mesh):
+        import mesh_tensorflow as mtf
+
+        from mri_mtf import metrics, operators, phantom, recon, sampling, unrolled
+        from .. import complex_ops
+        from ..preflight import unfolded_zeros_initializer
+
+        conf = ctx.conf
+        self.methods = ctx.configs["imaging"].methods
+        uconf = ctx.configs["unrolled"]
+        self.truth = phantom.phantom(mesh, conf)
+        mask = sampling.mask(mesh, conf)
+        measured = operators.forward(self.truth, mask, conf) + complex_ops.apply_kernel(
+            sampling.complex_noise(mesh, conf), mask, name="noise_mask")
+        # the data in a variable (real, imaginary parts): TV's steps read it
+        kvar = mtf.get_variable(mesh, "kdata", mtf.Shape(operators.kspace_shape(conf).dims
+                                                         + [operators.CHAN]),
+                                dtype=conf.tf_dtype, initializer=unfolded_zeros_initializer(),
+                                trainable=False)
+        self.observe_op = mtf.assign(kvar, operators.to_channels(measured), name="observe")
+        kdata = operators.to_complex(kvar, name="kdata_read")
+        self.images = {"truth": self.truth}
+        self.tv = self.training = None
+        if "zero-filled" in self.methods:
+            self.images["zero_filled"] = recon.zero_filled(kdata, mask, conf)
+        if "tv" in self.methods:
+            self.tv = recon.SteppedTV(kdata, mask, conf, ctx.configs["tv"])
+            self.images["tv"] = operators.magnitude(self.tv.x, name="tv_magnitude")
+        if "unrolled" in self.methods:
+            weights = unrolled.make_weights(mesh, conf, uconf)
+            if uconf.train_steps:
+                self.training = unrolled.UnrolledTraining(mesh, conf, uconf, mask, weights)
+            out = unrolled.network(kdata, mask, weights, conf, uconf, name="net")
+            self.images["unrolled"] = unrolled.channel_magnitude(out, name="net_magnitude")
+        self.metrics = {}
+        for m in self.methods:
+            img = self.images[_KEYS[m]]
+            self.metrics[m] = {"psnr_db": metrics.psnr(img, self.truth, name="psnr_" + _KEYS[m]),
+                               "ssim": metrics.ssim(img, self.truth, name="ssim_" + _KEYS[m])}
+
+
+@register
+class ImagingJob(Job):
+    """3D MRI reconstruction (zero-filled, TV, unrolled network) with the image split."""
+
+    name = "imaging"
+    help = "3D MRI reconstruction with the image split over the ranks (zero-filled, TV, network)"
+    sections = _sections()
+    default_out = "out/imaging"
+    checkpoints = True   # the training's weights, Adam's state, the step count, the losses
+    loop_unit = "training step"
+    #: The training's state depends on the network and training settings (and the
+    #: volume, mask and noise of "config"), not on the logging interval.
+    state_sections = {"unrolled": ("log_every",)}
+
+    def preflight(self, ctx):
+        from mri_mtf import metrics
+
+        conf, uconf = ctx.conf, ctx.configs["unrolled"]
+        if min(conf.nc) < metrics.SSIM_WINDOW:
+            raise ValueError("nc=%s is too small: SSIM needs at least %d voxels per axis"
+                             % (conf.nc, metrics.SSIM_WINDOW))
+        if "unrolled" in ctx.configs["imaging"].methods and uconf.kernel_size // 2 > min(conf.nc):
+            raise ValueError("kernel_size %d is wider than the volume nc=%s"
+                             % (uconf.kernel_size, conf.nc))
+        if ctx.resume:
+            if ctx.run_dir is None:
+                from ..errors import ResumeError
+
+                raise ResumeError("--resume needs a run directory")
+            checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, _identity(ctx))
+
+    def build(self, ctx, mesh):
+        return _Graph(ctx, mesh)
+
+    def describe(self, ctx, g):
+        conf = ctx.conf
+        return "volume %s, grid %s, R=%g, methods %s" % (
+            "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)), conf.acceleration,
+            ",".join(g.methods))
+
+    def lower(self, ctx, g, lowering):
+        ops = {"observe": lowering.lowered_operation(g.observe_op),
+               "metrics": {m: runner.replicated(lowering, v) for m, v in g.metrics.items()},
+               "images": runner.local(lowering, g.images)}
+        if g.tv is not None:
+            ops["tv_init"] = runner.lowered_group(lowering, g.tv.init_ops)
+            ops["tv_step"] = runner.lowered_group(lowering, g.tv.step_ops)
+        if g.training is not None:
+            ops["train"] = g.training.lower(lowering)
+            ops["state"] = runner.VariableSlices(lowering, g.training.checkpoint_variables)
+        return ops
+
+    def execute(self, ctx, sess, g, ops):
+        conf, timings = ctx.conf, ctx.timings
+        res = {"metrics": {}, "loss": []}
+        with ctx.timed("observe_s"):
+            sess.run(ops["observe"])
+        if "zero-filled" in g.methods:
+            with ctx.timed("zero_filled_s"):
+                res["metrics"]["zero-filled"] = sess.run(ops["metrics"]["zero-filled"])
+            _log_metrics("zero-filled", res["metrics"]["zero-filled"])
+        if g.tv is not None:
+            n = ctx.configs["tv"].iterations
+            t = time.perf_counter()
+            sess.run(ops["tv_init"])
+            for _ in range(n):
+                sess.run(ops["tv_step"])
+            timings["tv_s"] = time.perf_counter() - t
+            timings["tv_per_iteration_s"] = timings["tv_s"] / n
+            res["metrics"]["tv"] = sess.run(ops["metrics"]["tv"])
+            _log_metrics("tv", res["metrics"]["tv"], "%d ADMM iterations, %.3f s/iteration"
+                         % (n, timings["tv_per_iteration_s"]))
+        if "unrolled" in g.methods:
+            if g.training is not None:
+                self._train(ctx, sess, g, ops, res["loss"])
+            with ctx.timed("unrolled_eval_s"):
+                res["metrics"]["unrolled"] = sess.run(ops["metrics"]["unrolled"])
+            _log_metrics("unrolled", res["metrics"]["unrolled"])
+        with ctx.timed("fetch_s"):
+            sl = ops["images"]
+            vals = sess.run({n: [t for _, t, _ in s] for n, s in sl.items()})
+        res["parts"], res["planes"] = {}, {}
+        for name, s in sl.items():
+            for (p, _, begin), value in zip(s, vals[name]):
+                res["parts"].setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
+            res["planes"][name] = _mid_planes(ctx.comm, conf.nc, [(b, v) for (_, _, b), v in
+                                                                   zip(s, vals[name])])
+        return res
+
+    def _train(self, ctx, sess, g, ops, history):
+        uconf = ctx.configs["unrolled"]
+        first = 0
+        if ctx.resume:
+            with ctx.timed("restore_s"):
+                first = _restore(ctx, sess, ops["state"], history)
+            log.info("restored training step %d/%d in %.2f s", first, uconf.train_steps,
+                     ctx.timings["restore_s"])
+        t0 = time.perf_counter()
+        for i in range(first, uconf.train_steps):
+            history.append(g.training.step(sess, ops["train"], i))
+            if (i + 1) % uconf.log_every == 0 or i == first or i + 1 == uconf.train_steps:
+                log.info("training step %d/%d: loss %.6g, %.3f s/step", i + 1,
+                         uconf.train_steps, history[-1],
+                         (time.perf_counter() - t0) / (i + 1 - first))
+            ctx.after_step(i + 1, iteration=i + 1, total=uconf.train_steps)
+            _checkpoint_or_stop(ctx, sess, ops["state"], i + 1, history)
+        ctx.timings["train_s"] = time.perf_counter() - t0
+        ctx.timings["train_per_step_s"] = ctx.timings["train_s"] / max(
+            1, uconf.train_steps - first)
+
+    def finish(self, ctx, res):
+        m = {k: {n: float(v) for n, v in d.items()} for k, d in res["metrics"].items()}
+        res["metrics"] = m
+        return {"methods": list(m), "psnr_db": {k: v["psnr_db"] for k, v in m.items()},
+                "ssim": {k: v["ssim"] for k, v in m.items()}, "train_loss": list(res["loss"])}
+
+    def write_all(self, ctx, res):
+        io.write_imaging(ctx.file("imaging.h5"), ctx.comm, ctx.configs, res["parts"],
+                         res["loss"])
+
+    def write(self, ctx, out, res, summary):
+        conf = ctx.conf
+        rows = [(k, "%.2f" % v["psnr_db"], "%.4f" % v["ssim"]) for k, v in res["metrics"].items()]
+        title = ("flowpm-mtf imaging: volume %s, grid %s, R = %g, noise sigma %g"
+                 % ("x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)),
+                    conf.acceleration, conf.noise_sigma))
+        io.write_markdown_table(out.path("metrics.md"), ("method", "PSNR [dB]", "SSIM"), rows,
+                                title=title, rank=0)
+
+    def plot(self, ctx, out, res, summary):
+        imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"])
+
+    def report(self, ctx, summary):
+        return "PSNR %s, " % ", ".join("%s %.2f dB" % (k, v)
+                                       for k, v in summary["psnr_db"].items())
+
+
+def _log_metrics(method, values, extra=""):
+    log.info("%s: PSNR %.2f dB, SSIM %.4f%s", method, float(values["psnr_db"]),
+             float(values["ssim"]), (" (%s)" % extra) if extra else "")
+
+
+def _mid_planes(comm, nc, blocks):
+    """The three orthogonal mid-planes of a split volume, on every rank.
+
+    Parameters
+    ----------
+    blocks : list of (begin, ndarray)
+        This process's blocks of the ``[NX, NY, NZ]`` volume.
+
+    Returns
+    -------
+    dict
+        ``"x"``: ``[NY, NZ]`` at ``x = NX // 2``; ``"y"``: ``[NX, NZ]``; ``"z"``:
+        ``[NX, NY]``. Only these 2D planes travel (:func:`flowpm_mtf.h5dist.gather_slab`).
+    """
+    out = {}
+    for axis, name in enumerate("xyz"):
+        mid = nc[axis] // 2
+        keep = [a for a in range(3) if a != axis]
+        mine = []
+        for begin, v in blocks:
+            if begin[axis] <= mid < begin[axis] + v.shape[axis]:
+                plane = np.take(v, mid - begin[axis], axis=axis)
+                mine.append((plane, (begin[keep[0]], begin[keep[1]])))
+        out[name] = h5dist.gather_slab(comm, mine, (nc[keep[0]], nc[keep[1]]))
+    return out
+
+
+def _identity(ctx):
+    """:func:`flowpm_mtf.checkpoint.identity` of the training (no stages: steps)."""
+    return checkpoint.identity(ctx.job.name, ctx.configs, (), sections=ctx.job.state_sections,
+                               total=ctx.configs["unrolled"].train_steps)
+
+
+def _restore(ctx, sess, state, history):
+    """Assign the newest valid checkpoint to the training's variables; returns its step."""
+    manifest, _, values = checkpoint.load(ctx.run_dir.path, ctx.comm, ctx.conf, None,
+                                          ident=_identity(ctx), fields=state.requests())
+    state.restore(sess, values)
+    history[:] = [float(v) for v in manifest.get("loop", {}).get("loss", [])]
+    step = int(manifest["step"])
+    if len(history) != step:
+        from ..errors import ResumeError
+
+        raise ResumeError("%s holds %d training losses for %d steps; start a new run with "
+                          "--overwrite" % (checkpoint.step_dir(ctx.run_dir.path, step),
+                                           len(history), step))
+    return step
+
+
+def _checkpoint_or_stop(ctx, sess, state, done, history):
+    """After ``done`` training steps: checkpoint every K steps or on an agreed stop request.
+
+    Collective (every rank, the same step); not after the last step.
+
+    Raises
+    ------
+    runner.Stopped
+        On every rank, after the checkpoint, when the ranks agreed on a stop request.
+    """
+    total = ctx.configs["unrolled"].train_steps
+    stop = ctx.stop is not None and done < total and ctx.stop.agreed()   # collective
+    every = ctx.checkpoint_every
+    path = None
+    if done < total and ctx.run_dir is not None and (stop or (every and done % every == 0)):
+        t = time.perf_counter()
+        path = checkpoint.save(ctx.run_dir.path, ctx.comm, done, None,
+                               {k: c.to_dict() for k, c in ctx.configs.items()}, {},
+                               grid=ctx.conf.grid, ident=_identity(ctx),
+                               extra={"loop": {"loss": list(history)}},
+                               fields=state.fetch(sess))
+        ctx.timings.setdefault("checkpoint_s", []).append(time.perf_counter() - t)
+    if stop:
+        if path is None:
+            raise runner.Stopped(done, total, unit="training step")
+        log.warning("stopped by signal after training step %d/%d; checkpoint in %s; continue "
+                    "with: %s", done, total, path,
+                    checkpoint.resume_command(ctx.run_dir.path, ctx.job.name))
+        raise runner.Stopped(done, total, checkpoint=path, unit="training step")
+
+
+def imaging_plot(path, conf, planes, metrics):
+    """The three orthogonal mid-slices of the truth and of each reconstruction.
+
+    ``planes``: name -> ``{"x": [NY, NZ], "y": [NX, NZ], "z": [NX, NY]}``
+    (:func:`_mid_planes`); ``metrics``: method -> ``{"psnr_db", "ssim"}``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["truth"] + [_KEYS[m] for m in METHODS if m in metrics]
+    titles = {"truth": "truth"}
+    for m in metrics:
+        titles[_KEYS[m]] = "%s\nPSNR %.2f dB, SSIM %.3f" % (m, metrics[m]["psnr_db"],
+                                                            metrics[m]["ssim"])
+    vmax = max(float(planes["truth"][a].max()) for a in "xyz")
+    fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 9.5), squeeze=False)
+    labels = {"x": ("y", "z"), "y": ("x", "z"), "z": ("x", "y")}
+    for j, name in enumerate(names):
+        for i, a in enumerate("xyz"):
+            ax = axes[i, j]
+            ax.imshow(planes[name][a].T, origin="lower", cmap="gray", vmin=0.0, vmax=vmax)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(titles[name], fontsize=9)
+            if j == 0:
+                ax.set_ylabel("%s = %d (%s-%s plane)" % (a, conf.nc["xyz".index(a)] // 2,
+                                                         *labels[a]))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
