@@ -39,7 +39,7 @@ mpirun_options() {
 }
 
 # exec_subcommand VENV COMMAND OUT LAUNCHER... -- ARGS...: replace the shell by COMMAND
-# (simulate | fft-demo | lensing | reconstruct: flowpm-mtf; bench: one scripts/bench_compare.py record) under
+# (simulate | fft-demo | lensing | reconstruct | imaging: flowpm-mtf; bench: one scripts/bench_compare.py record) under
 # LAUNCHER (an mpirun or horovodrun command line), with --nc "$NC" and --grid "$GRID"
 # when set and ARGS at the end. Exit 2 on an unknown COMMAND or bench without NC/GRID.
 exec_subcommand() {
@@ -52,7 +52,7 @@ exec_subcommand() {
   if [ -n "${NC:-}" ]; then nc_args=(--nc "$NC"); fi
   if [ -n "${GRID:-}" ]; then grid_args=(--grid "$GRID"); fi
   case "$command" in
-    simulate|fft-demo|lensing|reconstruct)
+    simulate|fft-demo|lensing|reconstruct|imaging)
       exec "${launcher[@]}" "$venv/bin/flowpm-mtf" "$command" "${nc_args[@]}" "${grid_args[@]}" \
         --out "$out" "$@" ;;
     bench)
@@ -62,6 +62,6 @@ exec_subcommand() {
       mkdir -p "$out"
       exec "${launcher[@]}" "$venv/bin/python" scripts/bench_compare.py --backend hvd --size "$NC" \
         --grid "$GRID" --record "$out/bench_hvd_${NC}_${GRID}.json" "$@" ;;
-    *) echo "unknown COMMAND=$command (simulate, fft-demo, lensing, reconstruct or bench)" >&2; exit 2 ;;
+    *) echo "unknown COMMAND=$command (simulate, fft-demo, lensing, reconstruct, imaging or bench)" >&2; exit 2 ;;
   esac
 }

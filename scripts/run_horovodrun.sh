@@ -7,7 +7,7 @@
 #   NP=2 COMMAND=fft-demo bash scripts/run_horovodrun.sh --nc 32
 #
 # Environment: NP (ranks, default 2), HOSTS (horovodrun -H list, default localhost:NP),
-# VENV (default: the FLOWPM_MTF_STACK venv, <repo>/.venv), COMMAND (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ),
+# VENV (default: the FLOWPM_MTF_STACK venv, <repo>/.venv), COMMAND (simulate | fft-demo | lensing | reconstruct | imaging | bench), NC, GRID (PxQ),
 # OUT (default out/horovodrun). Extra arguments go to the sub-command.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -7,7 +7,7 @@
 #
 # Environment: NP (ranks, default 2), HOSTFILE (Open MPI hostfile; default: this host),
 # GPUS_PER_NODE (ranks per node with a hostfile), VENV (default: the FLOWPM_MTF_STACK venv, <repo>/.venv), COMMAND
-# (simulate | fft-demo | lensing | reconstruct | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
+# (simulate | fft-demo | lensing | reconstruct | imaging | bench), NC, GRID (PxQ), OUT (default out/mpirun). Extra
 # arguments go to the sub-command.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

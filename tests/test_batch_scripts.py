@@ -221,7 +221,8 @@ def test_setup_env_refuses_a_full_disk_before_pip(fake_env):
     assert not venv.exists()
 
 
-@pytest.mark.parametrize("command", ["simulate", "fft-demo", "lensing", "reconstruct"])
+@pytest.mark.parametrize("command", ["simulate", "fft-demo", "lensing", "reconstruct",
+                                     "imaging"])
 def test_launchers_run_every_job(command):
     """run_mpirun.sh / run_horovodrun.sh dispatch through launch_lib.sh's exec_subcommand:
     every job of flowpm-mtf is launched (under a stand-in launcher, echo), with NC, GRID,
@@ -241,4 +242,4 @@ def test_launchers_refuse_an_unknown_command():
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == ("unknown COMMAND=simulat (simulate, fft-demo, lensing, "
-                                  "reconstruct or bench)")
+                                  "reconstruct, imaging or bench)")
