@@ -399,7 +399,7 @@ def _checkpoint_or_stop(ctx, sess, sim, ops, j, state=None):
 
 
 def snapshot_parts(conf, state, rho_slices, rho_vals, a):
-    """Snapshot parts (``h5dist``) of this process's slices, in float64.
+    """Snapshot parts (``h5dist``) of this process's slices, in the run's dtype.
 
     Parameters
     ----------
@@ -429,11 +429,27 @@ def snapshot_parts(conf, state, rho_slices, rho_vals, a):
     return parts
 
 
-def write_snapshot(ctx, name, parts):
-    """Write one distributed snapshot ``name`` (collective; every rank its parts)."""
+def write_snapshot(ctx, name, parts, compression=None):
+    """Write one distributed snapshot ``name`` (collective; every rank its parts).
+
+    Its bytes and seconds go to ``ctx`` (:meth:`runner.RunContext.record_write`:
+    the ``output_write`` of summary.json).
+
+    Parameters
+    ----------
+    ctx : runner.RunContext
+    name : str
+    parts : dict
+        From :func:`snapshot_parts`.
+    compression : {None, "gzip", "lzf"}
+        Of the part files (default none).
+    """
     path = ctx.file(name)
     if path is not None:
-        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf)
+        stats = {}
+        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf,
+                                      compression=compression, stats=stats)
+        ctx.record_write(name, stats)
 
 
 def density_slab(conf, rho_slices, rho_vals, comm):
@@ -502,10 +518,13 @@ class SnapshotWriter:
         From :func:`lower_simulation`.
     scale_factors : sequence of float
         Scale factors of the snapshots (each a stage of ``sim``).
+    compression : {None, "gzip", "lzf"}
+        Of the snapshots' part files (default none).
     """
 
-    def __init__(self, ctx, sess, sim, ops, scale_factors):
+    def __init__(self, ctx, sess, sim, ops, scale_factors, compression=None):
         self.ctx, self.sess, self.sim, self.ops = ctx, sess, sim, ops
+        self.compression = compression
         idx = timeloop.stage_indices(scale_factors, sim.stages)
         self.at = dict(zip(idx, (float(a) for a in scale_factors)))
         self.written = []
@@ -516,7 +535,8 @@ class SnapshotWriter:
         st = fetch_state(self.sess, self.ops)
         rho = self.sess.run([t for _, t, _ in self.ops["rho"]])
         name = snapshot_name(self.at[j])
-        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a))
+        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a),
+                       self.compression)
         self.written.append(name)
 
 
