@@ -650,7 +650,8 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
         Mask of the particles to keep (fixed-capacity buffers).
     dtype : dtype, optional
         Of the positions and velocities written (default ``conf.dtype``: a
-        float32 run writes float32, a float64 run float64).
+        float32 run writes float32, computed in float32 from its float32 state,
+        within an ulp of the float64 conversion; a float64 run float64).
 
     Returns
     -------
@@ -670,24 +671,31 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
     p = np.asarray(momenta).reshape(-1, 3)
     ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids).reshape(-1)
     keep = None if valid is None else np.asarray(valid, bool).reshape(-1)
-    box = np.asarray(conf.box_size, np.float64)
-    box_out = box.astype(dtype)
+    box = np.asarray(conf.box_size, np.float64).astype(dtype)
+    single = dtype == np.float32
+    cell_out, shift_out = cell.astype(dtype), (origin * cell).astype(dtype)
+    vel_factor = cell * (100.0 / a)
 
-    def position(rows):  # block-local cells -> Mpc/h in [0, box), computed in float64
-        out = rows.astype(np.float64)
-        out += origin
-        out *= cell
-        np.mod(out, box, out=out)
-        if dtype == out.dtype:
-            return out
-        out = out.astype(dtype)
-        # a value just below the box can round up to it: it is the periodic image of 0
-        return np.subtract(out, box_out, out=out, where=out >= box_out)
+    def position(rows):  # block-local cells -> Mpc/h in [0, box)
+        if single and rows.dtype == np.float32:   # in the run's precision (< 1 ulp more)
+            out = np.multiply(rows, cell_out)
+            out += shift_out
+        else:
+            out = rows.astype(np.float64)
+            out += origin
+            out *= cell
+            out = out.astype(dtype, copy=False)
+        outside = (out < 0) | (out >= box)
+        if outside.any():   # particles across the periodic edge (rare: only those pieces)
+            np.mod(out, box, out=out, where=outside)
+            # a value just below the box can round up to it: it is the periodic image of 0
+            np.subtract(out, box, out=out, where=out >= box)
+        return out
 
     def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
-        out = rows.astype(np.float64)
-        out *= cell * (100.0 / a)
-        return out.astype(dtype, copy=False)
+        if single and rows.dtype == np.float32:
+            return np.multiply(rows, vel_factor.astype(dtype))
+        return (rows.astype(np.float64) * vel_factor).astype(dtype, copy=False)
 
     return {"position": h5dist.Rows(x, position, dtype, keep=keep),
             "velocity": h5dist.Rows(p, velocity, dtype, keep=keep),

@@ -267,7 +267,7 @@ def test_distributed_snapshot_reads_like_a_serial_one():
         rows = np.nonzero(snap["id"] == i * 24)[0]
         np.testing.assert_allclose(snap["position"][rows[0]],
                                    (pos_all[bx][0] + [2 * bx, 0, 0]) * conf.cell_size % 60.0,
-                                   rtol=1e-7)   # float64 rounded once to float32
+                                   rtol=2.5e-7)   # float32 arithmetic (an ulp)
     np.testing.assert_array_equal(snap["density"][:, 0, 0], [0, 0, 1, 1, 2, 2])
     shutil.rmtree(d)
 
