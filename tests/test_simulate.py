@@ -56,6 +56,8 @@ def test_outputs_well_formed(runs):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert len(summary["timings"]["steps_s"]) == 2
+    # CPU time per step (all threads of the process), comparable on a loaded machine
+    assert len(summary["timings"]["steps_cpu_s"]) == 2 and summary["timings"]["ics_cpu_s"] > 0
     assert len(summary["peak_memory_mb_per_rank"]) == 2
     # the snapshot's part files of both ranks (float64 run: 8 + 8 bytes per coordinate, 8 per id)
     write = summary["output_write"]

@@ -288,8 +288,10 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     Parameters
     ----------
     ctx : runner.RunContext
-        ``ctx.timings`` gets ``ics_s`` (or ``restore_s``), ``steps_s`` (per
-        step, including the observers at the stage reached) and ``nbody_s``;
+        ``ctx.timings`` gets ``ics_s`` and ``ics_cpu_s`` (or ``restore_s``),
+        ``steps_s`` (per step, including the observers at the stage reached),
+        ``steps_cpu_s`` (the same in this process's CPU time, all threads:
+        comparable on a loaded machine) and ``nbody_s``;
         ``ctx.checkpoint_every``, ``ctx.resume`` and ``ctx.stop`` drive
         checkpoints, restart and SIGTERM.
     sess : tf.Session
@@ -319,7 +321,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         request before the last step.
     """
     conf, timings = ctx.conf, ctx.timings
-    t = time.perf_counter()
+    t, t_cpu = time.perf_counter(), time.process_time()
     first = 0
     if ctx.resume:
         first = _restore(ctx, sess, sim, ops, loop_state)
@@ -329,11 +331,12 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     else:
         sim.migration.append(("ics", sess.run([ops["init"], ops["stats"]["init"]])[1]))
         timings["ics_s"] = time.perf_counter() - t
+        timings["ics_cpu_s"] = time.process_time() - t_cpu
         log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],
                  timings["ics_s"])
     ctx.mark("ics")
-    steps = []
-    clock = [None]
+    steps, cpu = [], []
+    clock = [None, None]
 
     def step(state, i, a0, a1):
         sim.migration.append(("step %d" % (i + 1), sess.run(
@@ -341,19 +344,21 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         return state
 
     def timed(j, a, state):
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         if j > first:
             steps.append(now - clock[0])
+            cpu.append(now_cpu - clock[1])
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
             ctx.after_step(j, a=a, total=sim.n_steps)
             _checkpoint_or_stop(ctx, sess, sim, ops, j, loop_state)
-        clock[0] = time.perf_counter()
+        clock[0], clock[1] = time.perf_counter(), time.process_time()
 
     if first > 0:  # the observers ran at the restored stage before the checkpoint
         observers = [_after(first, obs) for obs in observers]
     timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
     timings["steps_s"] = steps
+    timings["steps_cpu_s"] = cpu
     timings["nbody_s"] = float(sum(steps))
     return first
 
