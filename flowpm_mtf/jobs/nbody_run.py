@@ -153,14 +153,37 @@ def lower_simulation(sim, lowering):
             "restore": (restore_ph, tf.group(restore))}
 
 
-def fetch_state(sess, ops):
+def fetch_state(sess, ops, forces=True, extra=None):
     """This process's state slices: ``pnum -> (block, positions, momenta, forces, ids)``.
 
     Every slot of the fixed-capacity buffers (id -1: an empty slot).
+
+    Parameters
+    ----------
+    sess : tf.Session
+    ops : dict
+        From :func:`lower_simulation`.
+    forces : bool
+        Also fetch the forces (a checkpoint needs them, a snapshot does not:
+        ``None`` in their place then).
+    extra : object, optional
+        More fetches run in the same ``session.run`` (e.g. the density and
+        its P(k): one paint of the state for all of them).
+
+    Returns
+    -------
+    dict, or (dict, object) with ``extra``
+        The state slices (and the values of ``extra``).
     """
-    vals = sess.run([[t for _, t, _ in s] for s in ops["state"]])
-    return {p: (ops["blocks"][p],) + tuple(vals[v][i] for v in range(4))
-            for i, (p, _, _) in enumerate(ops["state"][0])}
+    which = [0, 1, 2, 3] if forces else [0, 1, 3]
+    fetches = [[t for _, t, _ in ops["state"][v]] for v in which]
+    vals, more = (sess.run([fetches, extra]) if extra is not None
+                  else (sess.run(fetches), None))
+    vals = dict(zip(which, vals))
+    state = {p: (ops["blocks"][p],) + tuple(vals[v][i] if v in vals else None
+                                            for v in range(4))
+             for i, (p, _, _) in enumerate(ops["state"][0])}
+    return state if extra is None else (state, more)
 
 
 def _checkpoint_parts(conf, state):
@@ -537,8 +560,8 @@ class SnapshotWriter:
     def __call__(self, j, a, state):
         if j not in self.at:
             return
-        st = fetch_state(self.sess, self.ops)
-        rho = self.sess.run([t for _, t, _ in self.ops["rho"]])
+        st, rho = fetch_state(self.sess, self.ops, forces=False,
+                              extra=[t for _, t, _ in self.ops["rho"]])
         name = snapshot_name(self.at[j])
         write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a),
                        self.compression)

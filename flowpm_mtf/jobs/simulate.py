@@ -141,10 +141,13 @@ class SimulateJob(Job):
             observers.append(nbody_run.PowerWriter(ctx, sess, ops["fetch"],
                                                    range(1, len(sim.stages))))
         nbody_run.run_stages(ctx, sess, sim, ops, observers)
-        with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only
-            res = sess.run(ops["fetch"])
-            res["state"] = nbody_run.fetch_state(sess, ops)
-            res["rho"] = sess.run([t for _, t, _ in ops["rho"]])
+        res = {}
+        with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only,
+            # in one session call (the density is painted once for itself and its P(k));
+            # the forces are not part of a snapshot
+            res["state"], (fetched, res["rho"]) = nbody_run.fetch_state(
+                sess, ops, forces=False, extra=(ops["fetch"], [t for _, t, _ in ops["rho"]]))
+            res.update(fetched)
         res["ops"], res["sim"] = ops, sim
         return res
 
