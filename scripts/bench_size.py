@@ -25,7 +25,8 @@ Columns (from the job's ``summary.json`` unless said):
 * **write GB/s**: ``output_write`` (the snapshot's part files of all ranks, fsync and
   hashing included) and its size [GB];
 * **peak [GB]**: the largest peak RSS of a rank;
-* **job / bare**: job step / bare step (median after the first, wall; CPU in the JSON);
+* **job / bare**: job step / bare step (median after the first, wall; in parentheses the
+  same in rank 0's CPU time, which a loaded machine disturbs less);
 * **load**: the 1-minute load average when the run started (timings are noise above ~0.5
   per core).
 
@@ -231,8 +232,9 @@ def render(data, quick):
 # ----------------------------------------------------------------------------- bare step
 def cmd_bare(args):
     """The bare step under mpirun: ICs, then the step as one ``tf.group`` along the
-    trajectory; rank 0 writes ``step_s``/``step_cpu_s`` (median after the first, slowest
-    rank's wall, CPU summed over ranks) and ``steps_s``."""
+    trajectory; rank 0 writes ``step_s``/``step_cpu_s`` (median after the first: the
+    slowest rank's wall time, rank 0's CPU time as the job's ``steps_cpu_s``) and
+    ``steps_s``."""
     from flowpm_mtf import allocator, launch_env
 
     launch_env.apply()
@@ -266,7 +268,7 @@ def cmd_bare(args):
             comm.Barrier()
             t, c = time.perf_counter(), time.process_time()
             sess.run(step, {sim.factors: factors})
-            cpu.append(sum(comm.allgather(time.process_time() - c)))
+            cpu.append(time.process_time() - c)   # this rank's, as the job's steps_cpu_s
             wall.append(max(comm.allgather(time.perf_counter() - t)))
     if comm.Get_rank() == 0:
         write_json(args.json, {"steps_s": wall, "steps_cpu_s": cpu,
