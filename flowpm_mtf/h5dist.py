@@ -26,6 +26,18 @@ next to the ``.h5`` file when copying a run, and do not set
 floats, -1 for integers), never as silently plausible data; :func:`check_sources`
 verifies that every source exists.
 
+Writing at disk speed
+---------------------
+Without compression (the default) a part file's datasets are contiguous: HDF5
+writes the metadata and allocates the data, then :func:`_fill_raw` writes the
+rows straight from the numpy pieces (``pwrite``), fsyncs the file and computes
+its SHA-256 on the way (in file order; hashing runs in a second thread). Rank
+0 records the hashes of every rank's files (:func:`known_sha256`), and the run
+directory's manifest and the checkpoints take them from there instead of
+reading the files again (a file changed since, by inode, size and mtime, is
+hashed anew). ``compression="gzip"`` or ``"lzf"``: chunked datasets written by
+h5py, then hashed.
+
 Cost at scale: one file per rank (fine up to ~10^4 ranks; beyond that group
 ranks per file) and a virtual file whose mapping has one entry per rank and
 dataset.
