@@ -91,7 +91,7 @@ import signal
 import numpy as np
 
 from .errors import ResumeError
-from .h5dist import HDF5_OVERHEAD_BYTES, _agree, collective, reserve_space
+from .h5dist import HDF5_OVERHEAD_BYTES, _agree, collective, known_sha256, reserve_space
 from .io import fsync_path, sha256_file
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
@@ -541,7 +541,8 @@ def _capture_outputs(src, dest, previous):
             _link_or_copy(path, target)
             key = _file_key(target)
             old = previous.get(rel)
-            sha = old["sha256"] if old is not None and old.get("key") == key else sha256_file(target)
+            sha = (old["sha256"] if old is not None and old.get("key") == key
+                   else known_sha256(path) or sha256_file(target))
             files[rel] = {"size": key[2], "sha256": sha, "key": key}
     return files
 

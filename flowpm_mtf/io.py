@@ -699,8 +699,8 @@ def lagrangian_ids(conf, block):
     return ((i * ny + j) * nz + k).reshape(-1)
 
 
-def particle_part(conf, block, positions, momenta, a, ids=None, valid=None):
-    """Snapshot rows (Mpc/h, km/s, id) of one block's particles, in float64.
+def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtype=None):
+    """Snapshot rows (Mpc/h, km/s, id) of one block's particles, in the run's dtype.
 
     Parameters
     ----------
@@ -717,45 +717,62 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None):
         order).
     valid : array_like of bool, optional
         Mask of the particles to keep (fixed-capacity buffers).
+    dtype : dtype, optional
+        Of the positions and velocities written (default ``conf.dtype``: a
+        float32 run writes float32, computed in float32 from its float32 state,
+        within an ulp of the float64 conversion; a float64 run float64).
 
     Returns
     -------
     dict
         ``position`` [n, 3] in [0, box) [Mpc/h], ``velocity`` [n, 3] peculiar
-        [km/s] (``v = H0 p / a``), ``id`` [n] int64.
+        [km/s] (``v = H0 p / a``), ``id`` [n] int64, as :class:`h5dist.Rows`
+        converted piece by piece while they are written (no converted or
+        masked copy of this rank's whole share).
     """
     from . import h5dist
 
+    dtype = np.dtype(conf.dtype if dtype is None else dtype)
     cell = np.asarray(conf.cell_size, np.float64)
     origin = np.array([block[0] * conf.block_shape[0], block[1] * conf.block_shape[1], 0],
                       np.float64)
     x = np.asarray(positions).reshape(-1, 3)
     p = np.asarray(momenta).reshape(-1, 3)
-    ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids, np.int64).reshape(-1)
-    if valid is not None:
-        keep = np.asarray(valid, bool).reshape(-1)
-        x, p, ids = x[keep], p[keep], ids[keep]
-    box = np.asarray(conf.box_size, np.float64)
+    ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids).reshape(-1)
+    keep = None if valid is None else np.asarray(valid, bool).reshape(-1)
+    box = np.asarray(conf.box_size, np.float64).astype(dtype)
+    single = dtype == np.float32
+    cell_out, shift_out = cell.astype(dtype), (origin * cell).astype(dtype)
+    vel_factor = cell * (100.0 / a)
 
     def position(rows):  # block-local cells -> Mpc/h in [0, box)
-        out = rows.astype(np.float64)
-        out += origin
-        out *= cell
-        return np.mod(out, box, out=out)
-
-    def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
-        out = rows.astype(np.float64)
-        out *= cell * (100.0 / a)
+        if single and rows.dtype == np.float32:   # in the run's precision (< 1 ulp more)
+            out = np.multiply(rows, cell_out)
+            out += shift_out
+        else:
+            out = rows.astype(np.float64)
+            out += origin
+            out *= cell
+            out = out.astype(dtype, copy=False)
+        outside = (out < 0) | (out >= box)
+        if outside.any():   # particles across the periodic edge (rare: only those pieces)
+            np.mod(out, box, out=out, where=outside)
+            # a value just below the box can round up to it: it is the periodic image of 0
+            np.subtract(out, box, out=out, where=out >= box)
         return out
 
-    # Converted to float64 piece by piece while the part file is written: no float64
-    # copy of this rank's whole share exists at the peak of a run.
-    return {"position": h5dist.Rows(x, position, np.float64),
-            "velocity": h5dist.Rows(p, velocity, np.float64),
-            "id": h5dist.Rows(ids)}
+    def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
+        if single and rows.dtype == np.float32:
+            return np.multiply(rows, vel_factor.astype(dtype))
+        return (rows.astype(np.float64) * vel_factor).astype(dtype, copy=False)
+
+    return {"position": h5dist.Rows(x, position, dtype, keep=keep),
+            "velocity": h5dist.Rows(p, velocity, dtype, keep=keep),
+            "id": h5dist.Rows(ids, None, np.int64, keep=keep)}
 
 
-def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
+def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None, compression=None,
+                               stats=None):
     """Write a snapshot from every rank's slices (collective over ``comm``).
 
     The result opens with plain h5py exactly as a :func:`write_snapshot` file
@@ -773,6 +790,11 @@ def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
         Stored as JSON in the ``config`` attribute.
     units : dict, optional
         Overrides of :data:`DEFAULT_UNITS`.
+    compression : {None, "gzip", "lzf"}
+        Of the part files (:func:`flowpm_mtf.h5dist.write_distributed`; default none).
+    stats : dict, optional
+        Filled with the bytes, files and seconds of the write
+        (:func:`flowpm_mtf.h5dist.write_distributed`).
 
     Returns
     -------
@@ -793,4 +815,5 @@ def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None):
         names.update(items)
     return h5dist.write_distributed(path, comm, parts, attrs=file_attrs,
                                     dataset_attrs={n: {"units": all_units[n]} for n in names
-                                                   if n in all_units})
+                                                   if n in all_units},
+                                    compression=compression, stats=stats)

@@ -153,6 +153,43 @@ def stack_xyz(components, name):
     return mtf.stack(components, cfg.XYZ, axis=components[0].shape.ndims, name=name)
 
 
+def interleave_xyz(components, name):
+    """:func:`stack_xyz` of 3 real tensors in one pass (the native ``FlowpmInterleave``).
+
+    The same values as :func:`stack_xyz`; ``tf.stack`` along the short last
+    axis copies one element at a time (the 2LPT displacement's stack took 9 %
+    of the ICs at 128^3), ``FlowpmInterleave`` writes rows. Without the native
+    op (GPU, ``FLOWPM_MTF_NATIVE=0``) ``tf.stack``. Gradient: each component
+    of ``dy`` back to its input (the op's registered gradient).
+
+    Parameters
+    ----------
+    components : sequence of 3 mtf.Tensor
+        Real, the same shape.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[..., xyz]``.
+    """
+    if len(components) != 3:
+        raise ValueError("interleave_xyz: 3 components, got %d" % len(components))
+    shape = components[0].shape
+    xyz = mtf.Dimension(cfg.XYZ, 3)
+
+    def fwd(*ts):
+        lib = native.ops_for("cic_ops", ts[0], dtypes=None)
+        if lib is None:
+            return tf.stack(ts, axis=-1)
+        return lib.flowpm_interleave([t[..., None] for t in ts], picks=[0, 0, 1, 0, 2, 0],
+                                     wrap=0)
+
+    return mtf.slicewise(fwd, list(components), output_shape=mtf.Shape(shape.dims + [xyz]),
+                         output_dtype=components[0].dtype, splittable_dims=shape.dims,
+                         name=name)
+
+
 def unstack_xyz(t):
     """Split a tensor along its ``xyz`` dimension into a list of 3 tensors."""
     return mtf.unstack(t, t.shape.get_dim_by_name(cfg.XYZ))

@@ -51,7 +51,7 @@ from . import domain, sizing
 from . import complex_ops, fft, ics
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
-                      make_kernels, neg_gradient_potential, stack_xyz)
+                      interleave_xyz, make_kernels, neg_gradient_potential)
 from .painting import displace_lattice
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
@@ -226,7 +226,7 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     zx, = inverse_after(pot, [hess[2, 0]], conf, [source], name="lpt_fields_zx")
     source = source - zx * zx
     gx, gy = inverse_after(pot, [grad[0], grad[1]], conf, [source], name="lpt_fields_x_y")
-    psi1 = field_to_particles(stack_xyz([gx, gy, gz], "lpt_psi1"), conf)
+    psi1 = field_to_particles(interleave_xyz([gx, gy, gz], "lpt_psi1"), conf)
     source = after(source, [gx, gy], name="lpt2_source_after")    # pot is free by then
     return [psi1, displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 

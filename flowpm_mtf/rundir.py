@@ -95,7 +95,7 @@ import time
 
 from .backend import SerialComm
 from .errors import FlowpmError, OutputDirError, ResumeError, error_from_name
-from .h5dist import disk_full_error, is_disk_full
+from .h5dist import disk_full_error, is_disk_full, known_sha256
 from .io import fsync_path, sha256_file
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
@@ -699,8 +699,9 @@ class RunDir:
                 if rel in (MANIFEST, LOCK) or _TMP_RE.search(name):
                     continue
                 fsync_path(path)  # on disk before the manifest that vouches for it
+                # part files were hashed while written (h5dist.known_sha256)
                 files.append({"path": rel, "size": os.path.getsize(path),
-                              "sha256": sha256_file(path)})
+                              "sha256": known_sha256(path) or sha256_file(path)})
         previous = read_manifest(self.out)
         keep = bool(keep_checkpoints) and has_checkpoint(self.out)
         manifest = {"format": MANIFEST_FORMAT, "job": self.job, "config": to_jsonable(config),

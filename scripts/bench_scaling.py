@@ -280,6 +280,13 @@ def breakdown(rec):
 
 
 # ----------------------------------------------------------------------------- model
+def slots_of(rec):
+    """Particle slots per rank of a record: ``slots_local``, else (records written before
+    it was stored: the lagrangian decomposition, one slot per particle) ``capacity`` or
+    the particles per rank."""
+    return rec.get("slots_local", rec.get("capacity", rec["n_local"]))
+
+
 def fit_model(records):
     """Non-negative least-squares fit peak_rank [MB] = M0 + (a slots + b cells) / 2^20.
 
@@ -294,7 +301,7 @@ def fit_model(records):
     rows = [r for r in records.values() if r["ok"] and r["kind"] != "floor"]
     if len(rows) < 3:
         return None
-    A = np.array([[1.0, r["slots_local"] / MB, r["padded_cells_local"] / MB] for r in rows])
+    A = np.array([[1.0, slots_of(r) / MB, r["padded_cells_local"] / MB] for r in rows])
     y = np.array([max(r["peak_mb_per_rank"]) for r in rows])
     coef, _ = nnls(A, y)
     pred = A @ coef
@@ -302,7 +309,7 @@ def fit_model(records):
             "bytes_per_padded_cell": float(coef[2]),
             "max_rel_residual": float(np.max(np.abs(pred - y) / y)),
             "fitted_on": sorted(r["name"] for r in rows),
-            "rows": [{"name": r["name"], "ranks": r["ranks"], "slots_local": r["slots_local"],
+            "rows": [{"name": r["name"], "ranks": r["ranks"], "slots_local": slots_of(r),
                       "padded_cells_local": r["padded_cells_local"], "peak_mb": float(v)}
                      for r, v in zip(rows, y)],
             "formula": "peak per rank [MB] = M0_mb + (bytes_per_slot * slots + "
@@ -456,9 +463,9 @@ def render(data, quick):
         r = ok[name]
         lines.append("| %s | %s, %s, %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %s |"
                      % (name, r.get("decomposition", "?"), r.get("halo_size", "?"),
-                        r.get("slots_local", "?"), b["runtime"], b["graph_state"], b["ics"],
+                        slots_of(r), b["runtime"], b["graph_state"], b["ics"],
                         b["steps"], b["output"], b["peak"],
-                        STATE_BYTES_PER_SLOT * r.get("slots_local", r["n_local"]) / MB,
+                        STATE_BYTES_PER_SLOT * slots_of(r) / MB,
                         "%.0f" % r["preflight_mb"] if "preflight_mb" in r else "-"))
     model = data.get("model")
     if model:

@@ -115,3 +115,17 @@ def test_other_allocator_records_get_their_own_tables_and_stay_out_of_the_fit():
     assert "| weak-4@lean |" in md                      # breakdown rows keep the key
     assert bs.split_key("weak-4@lean") == ("weak-4", "lean")
     assert bs.record_key("weak-4", bs.default_allocator()) == "weak-4"
+
+
+def test_records_before_slots_local_still_render():
+    """Records written before ``slots_local`` was stored (the lagrangian decomposition, one
+    slot per particle: results/raw/bench_scaling_quick.json) fit and render with their
+    particles per rank as the slots (``--quick render`` raised KeyError 'slots_local')."""
+    records = {n: _record(n) for n in bs.CONFIGS}
+    for r in records.values():
+        del r["slots_local"], r["capacity"]
+    model = bs.fit_model(records)
+    assert [row["slots_local"] for row in model["rows"]] == [
+        r["n_local"] for r in records.values() if r["kind"] != "floor"]
+    md = bs.render({"records": records, "model": model}, quick=True)
+    assert "| eulerian, 2, %d |" % records["weak-4"]["n_local"] in md

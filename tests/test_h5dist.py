@@ -155,6 +155,71 @@ def test_rows_with_a_transform_are_written_piece_by_piece(monkeypatch):
     comm.barrier()
 
 
+def _file_sha256(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_part_files_are_hashed_while_written(compression, monkeypatch):
+    """Every part file's SHA-256 is computed while it is written (contiguous data written
+    past HDF5, hashed in file order with the metadata between them; or hashed after a
+    compressed write) and recorded on rank 0, which then knows the hash of every rank's file
+    (h5dist.known_sha256) as long as the file is unchanged; masked rows (keep) are written
+    piece by piece; stats count the bytes of all part files."""
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    monkeypatch.setattr(h5dist, "PIECE_ROWS", 5)
+    n = 17 + 3 * comm.rank
+    src = np.arange(3 * n, dtype=np.float32).reshape(n, 3) + 100 * comm.rank
+    keep = np.arange(n) % 3 != 1
+    ids = np.arange(n, dtype=np.int32) + 1000 * comm.rank
+    nx = 2 * comm.size
+    field = np.arange(nx * 3 * 4, dtype=np.float32).reshape(nx, 3, 4)
+    parts = {comm.rank: {"x": h5dist.Rows(src, lambda r: r * 2.0, np.float32, keep=keep),
+                         "id": h5dist.Rows(ids, None, np.int64, keep=keep),
+                         "none": h5dist.Rows(np.zeros((0, 3))),
+                         "field": h5dist.Block(field[2 * comm.rank:2 * comm.rank + 2],
+                                               (2 * comm.rank, 0, 0), field.shape)}}
+    path = os.path.join(d, "h.h5")
+    stats = {}
+    h5dist.write_distributed(path, comm, parts, attrs={"note": "x"},
+                             dataset_attrs={"x": {"units": "m"}}, compression=compression,
+                             stats=stats)
+    comm.barrier()
+    files = [h5dist.part_path(path, p) for p in range(comm.size)]
+    assert stats["files"] == comm.size and stats["seconds"] > 0
+    assert stats["bytes"] == sum(os.path.getsize(f) for f in files)
+    want_x = np.concatenate(comm.allgather(src[keep] * 2.0))
+    want_id = np.concatenate(comm.allgather(ids[keep].astype(np.int64)))
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["x"][...], want_x)
+        np.testing.assert_array_equal(f["id"][...], want_id)
+        np.testing.assert_array_equal(f["field"][...], field)
+        assert f["x"].dtype == np.float32 and f["id"].dtype == np.int64
+        assert f["none"].shape == (0, 3) and f["x"].attrs["units"] == "m"
+    with h5py.File(files[comm.rank], "r") as f:
+        assert f["x"].compression == compression
+    comm.barrier()
+    if comm.rank == 0:
+        for f in files:
+            assert h5dist.known_sha256(f) == _file_sha256(f)
+        os.utime(files[-1], ns=(1, 1))          # changed since: hashed again by the caller
+        assert h5dist.known_sha256(files[-1]) is None
+        assert h5dist.known_sha256(path) is None  # the virtual file was not recorded
+        shutil.rmtree(d)
+    comm.barrier()
+
+
+@pytest.mark.rank_independent
+def test_unknown_compression_is_refused():
+    with pytest.raises(ValueError, match="compression"):
+        h5dist.write_distributed("/nonexistent/x.h5", SerialComm(),
+                                 {0: {"a": h5dist.Rows(np.zeros(3))}}, compression="zstd")
+
+
 def test_failure_on_one_rank_raises_on_every_rank():
     comm = world_comm()
     d = shared_tmpdir(comm)
@@ -195,13 +260,14 @@ def test_distributed_snapshot_reads_like_a_serial_one():
     snap = io.read_snapshot(os.path.join(d, "snapshot.h5"))
     assert sorted(snap["id"]) == list(range(6 * 6 * 4))
     assert snap["config"]["nc"] == [6, 6, 4] and snap["units"]["position"] == "Mpc/h"
-    assert snap["position"].dtype == np.float64
+    assert snap["position"].dtype == np.float32   # the run's dtype (conf.dtype)
     # particle with id i started at lattice cell i (row-major): check one per block
     for bx in range(3):
         i = 2 * bx
         rows = np.nonzero(snap["id"] == i * 24)[0]
         np.testing.assert_allclose(snap["position"][rows[0]],
-                                   (pos_all[bx][0] + [2 * bx, 0, 0]) * conf.cell_size % 60.0)
+                                   (pos_all[bx][0] + [2 * bx, 0, 0]) * conf.cell_size % 60.0,
+                                   rtol=2.5e-7)   # float32 arithmetic (an ulp)
     np.testing.assert_array_equal(snap["density"][:, 0, 0], [0, 0, 1, 1, 2, 2])
     shutil.rmtree(d)
 

@@ -175,3 +175,31 @@ def test_hdf5_space_is_reserved_before_hdf5_writes(workdir, monkeypatch):
         io.write_hdf5(path, [("x", np.zeros(10), {})], rank=0)
     assert err.value.errno == errno.EDQUOT
     assert os.listdir(workdir) == []  # neither the file, its temporary nor the scratch file
+
+
+@pytest.mark.rank_independent
+def test_particle_part_writes_the_runs_dtype():
+    """A float32 run's snapshot rows are float32 (to float32 round-off of the exact unit change), in
+    [0, box) also where the rounding reaches the box edge (the periodic image 0); a float64
+    run's are float64; ids stay int64 and only the valid slots are written."""
+    from flowpm_mtf.config import SimConfig
+
+    conf = SimConfig(nc=(8, 8, 8), box_size=100.0, grid=(1, 1), dtype="float32")
+    rng = np.random.RandomState(1)
+    x = rng.uniform(0, 8, (50, 3)).astype(np.float32)
+    x[0] = -1e-9                      # just below 0 cells: wraps to just below the box
+    mom = rng.normal(size=(50, 3)).astype(np.float32)
+    ids = np.arange(50, dtype=np.int32)
+    valid = ids % 4 != 3
+    part = io.particle_part(conf, (0, 0), x, mom, 0.5, ids=ids, valid=valid)
+    pos, vel, pid = part["position"].data, part["velocity"].data, part["id"].data
+    assert pos.dtype == np.float32 and vel.dtype == np.float32 and pid.dtype == np.int64
+    np.testing.assert_array_equal(pid, ids[valid])
+    assert np.all(pos >= 0) and np.all(pos < 100.0) and np.all(pos[0] == 0)
+    ref = np.mod(x[valid].astype(np.float64) * 12.5, 100.0)
+    np.testing.assert_allclose(pos[1:], ref[1:], rtol=2.5e-7, atol=1e-5)   # float32 arithmetic
+    np.testing.assert_allclose(vel, mom[valid].astype(np.float64) * 2500.0, rtol=2.5e-7)
+    part64 = io.particle_part(conf.replace(dtype="float64"), (0, 0), x.astype(np.float64), mom,
+                              0.5, ids=ids, valid=valid)
+    assert part64["position"].data.dtype == np.float64
+    np.testing.assert_allclose(part64["position"].data[1:], ref[1:], rtol=1e-6)

@@ -56,7 +56,14 @@ def test_outputs_well_formed(runs):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert len(summary["timings"]["steps_s"]) == 2
+    # CPU time per step (all threads of the process), comparable on a loaded machine
+    assert len(summary["timings"]["steps_cpu_s"]) == 2 and summary["timings"]["ics_cpu_s"] > 0
     assert len(summary["peak_memory_mb_per_rank"]) == 2
+    # the snapshot's part files of both ranks (float64 run: 8 + 8 bytes per coordinate, 8 per id)
+    write = summary["output_write"]
+    assert write["bytes"] > 16**3 * (24 + 24 + 8) and write["seconds"] > 0
+    assert write["files"][0]["file"] == "snapshot.h5" and write["gb_per_s"] > 0
+    assert snap["position"].dtype == np.float64   # --dtype float64
     # progress is logged once (rank 0), per step
     assert log.count("step 1/2") == 1 and log.count("step 2/2") == 1
 

@@ -153,14 +153,37 @@ def lower_simulation(sim, lowering):
             "restore": (restore_ph, tf.group(restore))}
 
 
-def fetch_state(sess, ops):
+def fetch_state(sess, ops, forces=True, extra=None):
     """This process's state slices: ``pnum -> (block, positions, momenta, forces, ids)``.
 
     Every slot of the fixed-capacity buffers (id -1: an empty slot).
+
+    Parameters
+    ----------
+    sess : tf.Session
+    ops : dict
+        From :func:`lower_simulation`.
+    forces : bool
+        Also fetch the forces (a checkpoint needs them, a snapshot does not:
+        ``None`` in their place then).
+    extra : object, optional
+        More fetches run in the same ``session.run`` (e.g. the density and
+        its P(k): one paint of the state for all of them).
+
+    Returns
+    -------
+    dict, or (dict, object) with ``extra``
+        The state slices (and the values of ``extra``).
     """
-    vals = sess.run([[t for _, t, _ in s] for s in ops["state"]])
-    return {p: (ops["blocks"][p],) + tuple(vals[v][i] for v in range(4))
-            for i, (p, _, _) in enumerate(ops["state"][0])}
+    which = [0, 1, 2, 3] if forces else [0, 1, 3]
+    fetches = [[t for _, t, _ in ops["state"][v]] for v in which]
+    vals, more = (sess.run([fetches, extra]) if extra is not None
+                  else (sess.run(fetches), None))
+    vals = dict(zip(which, vals))
+    state = {p: (ops["blocks"][p],) + tuple(vals[v][i] if v in vals else None
+                                            for v in range(4))
+             for i, (p, _, _) in enumerate(ops["state"][0])}
+    return state if extra is None else (state, more)
 
 
 def _checkpoint_parts(conf, state):
@@ -288,8 +311,10 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     Parameters
     ----------
     ctx : runner.RunContext
-        ``ctx.timings`` gets ``ics_s`` (or ``restore_s``), ``steps_s`` (per
-        step, including the observers at the stage reached) and ``nbody_s``;
+        ``ctx.timings`` gets ``ics_s`` and ``ics_cpu_s`` (or ``restore_s``),
+        ``steps_s`` (per step, including the observers at the stage reached),
+        ``steps_cpu_s`` (the same in this process's CPU time, all threads:
+        comparable on a loaded machine) and ``nbody_s``;
         ``ctx.checkpoint_every``, ``ctx.resume`` and ``ctx.stop`` drive
         checkpoints, restart and SIGTERM.
     sess : tf.Session
@@ -319,7 +344,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         request before the last step.
     """
     conf, timings = ctx.conf, ctx.timings
-    t = time.perf_counter()
+    t, t_cpu = time.perf_counter(), time.process_time()
     first = 0
     if ctx.resume:
         first = _restore(ctx, sess, sim, ops, loop_state)
@@ -329,11 +354,12 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     else:
         sim.migration.append(("ics", sess.run([ops["init"], ops["stats"]["init"]])[1]))
         timings["ics_s"] = time.perf_counter() - t
+        timings["ics_cpu_s"] = time.process_time() - t_cpu
         log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],
                  timings["ics_s"])
     ctx.mark("ics")
-    steps = []
-    clock = [None]
+    steps, cpu = [], []
+    clock = [None, None]
 
     def step(state, i, a0, a1):
         sim.migration.append(("step %d" % (i + 1), sess.run(
@@ -341,19 +367,21 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         return state
 
     def timed(j, a, state):
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         if j > first:
             steps.append(now - clock[0])
+            cpu.append(now_cpu - clock[1])
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
             ctx.after_step(j, a=a, total=sim.n_steps)
             _checkpoint_or_stop(ctx, sess, sim, ops, j, loop_state)
-        clock[0] = time.perf_counter()
+        clock[0], clock[1] = time.perf_counter(), time.process_time()
 
     if first > 0:  # the observers ran at the restored stage before the checkpoint
         observers = [_after(first, obs) for obs in observers]
     timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
     timings["steps_s"] = steps
+    timings["steps_cpu_s"] = cpu
     timings["nbody_s"] = float(sum(steps))
     return first
 
@@ -399,7 +427,7 @@ def _checkpoint_or_stop(ctx, sess, sim, ops, j, state=None):
 
 
 def snapshot_parts(conf, state, rho_slices, rho_vals, a):
-    """Snapshot parts (``h5dist``) of this process's slices, in float64.
+    """Snapshot parts (``h5dist``) of this process's slices, in the run's dtype.
 
     Parameters
     ----------
@@ -429,11 +457,27 @@ def snapshot_parts(conf, state, rho_slices, rho_vals, a):
     return parts
 
 
-def write_snapshot(ctx, name, parts):
-    """Write one distributed snapshot ``name`` (collective; every rank its parts)."""
+def write_snapshot(ctx, name, parts, compression=None):
+    """Write one distributed snapshot ``name`` (collective; every rank its parts).
+
+    Its bytes and seconds go to ``ctx`` (:meth:`runner.RunContext.record_write`:
+    the ``output_write`` of summary.json).
+
+    Parameters
+    ----------
+    ctx : runner.RunContext
+    name : str
+    parts : dict
+        From :func:`snapshot_parts`.
+    compression : {None, "gzip", "lzf"}
+        Of the part files (default none).
+    """
     path = ctx.file(name)
     if path is not None:
-        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf)
+        stats = {}
+        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf,
+                                      compression=compression, stats=stats)
+        ctx.record_write(name, stats)
 
 
 def density_slab(conf, rho_slices, rho_vals, comm):
@@ -502,10 +546,13 @@ class SnapshotWriter:
         From :func:`lower_simulation`.
     scale_factors : sequence of float
         Scale factors of the snapshots (each a stage of ``sim``).
+    compression : {None, "gzip", "lzf"}
+        Of the snapshots' part files (default none).
     """
 
-    def __init__(self, ctx, sess, sim, ops, scale_factors):
+    def __init__(self, ctx, sess, sim, ops, scale_factors, compression=None):
         self.ctx, self.sess, self.sim, self.ops = ctx, sess, sim, ops
+        self.compression = compression
         idx = timeloop.stage_indices(scale_factors, sim.stages)
         self.at = dict(zip(idx, (float(a) for a in scale_factors)))
         self.written = []
@@ -513,10 +560,11 @@ class SnapshotWriter:
     def __call__(self, j, a, state):
         if j not in self.at:
             return
-        st = fetch_state(self.sess, self.ops)
-        rho = self.sess.run([t for _, t, _ in self.ops["rho"]])
+        st, rho = fetch_state(self.sess, self.ops, forces=False,
+                              extra=[t for _, t, _ in self.ops["rho"]])
         name = snapshot_name(self.at[j])
-        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a))
+        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a),
+                       self.compression)
         self.written.append(name)
 
 

@@ -259,6 +259,15 @@ class RunContext:
         self.hooks = hooks
         self.t0 = time.perf_counter()
         self.force = False
+        self.writes = []
+
+    def record_write(self, name, stats):
+        """Record a collective write of ``stats["bytes"]`` (all ranks) in ``stats["seconds"]``.
+
+        The ``output_write`` of the summary (:func:`output_write`).
+        """
+        self.writes.append({"file": name, "bytes": int(stats.get("bytes", 0)),
+                            "seconds": float(stats.get("seconds", 0.0))})
 
     def elapsed(self):
         """Seconds since the start of the run."""
@@ -435,6 +444,33 @@ def session(session_config=None, lowering=None, target=""):
         yield sess
 
 
+def output_write(writes, comm):
+    """The ``output_write`` of summary.json: bytes, seconds, GB/s of the distributed files.
+
+    Parameters
+    ----------
+    writes : list of dict
+        :attr:`RunContext.writes` (the same files on every rank).
+    comm : object
+        mpi4py-like communicator (collective: the slowest rank's seconds count).
+
+    Returns
+    -------
+    dict
+        ``bytes`` (all part files of all ranks), ``seconds`` [s] (the slowest
+        rank's wall time of the writes, fsync and hashing included),
+        ``gb_per_s`` (1e9 bytes per second) and ``files`` (per file the same).
+    """
+    slowest = np.max(np.asarray(comm.allgather([w["seconds"] for w in writes]), np.float64),
+                     axis=0)
+    files = [{"file": w["file"], "bytes": w["bytes"], "seconds": float(s),
+              "gb_per_s": w["bytes"] / 1e9 / max(float(s), 1e-9)}
+             for w, s in zip(writes, slowest)]
+    nbytes, seconds = sum(f["bytes"] for f in files), float(slowest.sum())
+    return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+            "files": files}
+
+
 def _not_resumable(job, stopped):
     """The one-line error of a job stopped by a signal without a checkpoint."""
     why = ("%s cannot resume yet (it writes no checkpoint)" % job.name
@@ -558,6 +594,8 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
                    memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
     if resume:
         summary["resumed"] = True
+    if ctx.writes:
+        summary["output_write"] = output_write(ctx.writes, ctx.comm)
     summary.update(extra)
     if "n_particles" in summary:
         summary["bytes_per_particle_peak"] = (max(mem_all) * 2**20 * len(mem_all)

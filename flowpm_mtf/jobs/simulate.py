@@ -22,7 +22,7 @@ power_a<a>.txt
     The same after every step, with ``--power-steps``.
 summary.json
     Config, timings per phase and per step [s], peak memory per rank [MB],
-    versions.
+    versions, ``output_write`` (bytes, seconds, GB/s of the snapshots).
 overview.png
     A density slab (projected per rank; only the 2D slab is gathered) and the
     measured P(k) (binned per rank, bins all-reduced) against the
@@ -65,10 +65,15 @@ class SimulateOptions:
         of the time loop (the final state is always ``snapshot.h5``).
     power_steps : bool
         Measure P(k) after every step and write ``power_a<a>.txt``.
+    compression : {"none", "gzip", "lzf"}
+        Compression of the snapshots' part files (default none: written at
+        disk speed; gzip is several times slower to write, lzf less so).
     """
 
     snapshots: Tuple[float, ...] = ()
     power_steps: bool = False
+    compression: str = dataclasses.field(default="none",
+                                         metadata={"choices": ("none", "gzip", "lzf")})
 
     def __post_init__(self):
         snaps = self.snapshots
@@ -79,10 +84,18 @@ class SimulateOptions:
                                  % (self.snapshots,))
         object.__setattr__(self, "snapshots", tuple(sorted(float(a) for a in snaps)))
         object.__setattr__(self, "power_steps", bool(self.power_steps))
+        if self.compression not in ("none", "gzip", "lzf"):
+            raise ValueError("compression must be none, gzip or lzf, got %r" % (self.compression,))
+
+    @property
+    def h5_compression(self):
+        """The h5py filter of :attr:`compression` (None for none)."""
+        return None if self.compression == "none" else self.compression
 
     def to_dict(self):
         """A JSON-able dict."""
-        return {"snapshots": list(self.snapshots), "power_steps": self.power_steps}
+        return {"snapshots": list(self.snapshots), "power_steps": self.power_steps,
+                "compression": self.compression}
 
 
 @register
@@ -122,15 +135,19 @@ class SimulateJob(Job):
         observers = []
         extra = [a for a in opts.snapshots if abs(a - conf.a_end) > timeloop.STAGE_RTOL * a]
         if extra:
-            observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra))
+            observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra,
+                                                        opts.h5_compression))
         if opts.power_steps:   # written as the loop goes: a checkpoint holds the earlier ones
             observers.append(nbody_run.PowerWriter(ctx, sess, ops["fetch"],
                                                    range(1, len(sim.stages))))
         nbody_run.run_stages(ctx, sess, sim, ops, observers)
-        with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only
-            res = sess.run(ops["fetch"])
-            res["state"] = nbody_run.fetch_state(sess, ops)
-            res["rho"] = sess.run([t for _, t, _ in ops["rho"]])
+        res = {}
+        with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only,
+            # in one session call (the density is painted once for itself and its P(k));
+            # the forces are not part of a snapshot
+            res["state"], (fetched, res["rho"]) = nbody_run.fetch_state(
+                sess, ops, forces=False, extra=(ops["fetch"], [t for _, t, _ in ops["rho"]]))
+            res.update(fetched)
         res["ops"], res["sim"] = ops, sim
         return res
 
@@ -145,7 +162,8 @@ class SimulateJob(Job):
                 "migration": nbody_run.migration_summary(conf, res["sim"].migration)}
 
     def write_all(self, ctx, res):
-        nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"])
+        nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"],
+                                 ctx.configs["simulate"].h5_compression)
 
     def write(self, ctx, out, res, summary):
         keep = res["keep"]
