@@ -536,18 +536,49 @@ def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, 
         small={"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk})
 
 
-def write_kappa_power(path, ell, measured, limber, n_modes, geom, rank=None):
-    """Write ``kappa_power.txt``: ell, per source the measured C_ell and the Limber
-    prediction [sr], then the number of modes per bin (rank 0 only)."""
-    cols, names = [ell], ["ell"]
-    for s, z in enumerate(geom.z_source):
-        cols += [measured[s], limber[s]]
-        names += ["C_ell(z_s=%g)" % z, "C_ell_limber(z_s=%g)" % z]
+def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, labels=None):
+    """Write ``kappa_power.txt`` (rank 0 only).
+
+    Columns: ell, then per source the measured C_ell, the expected C_ell from the run's
+    own P(k) through the run's windows (``C_ell_limber``), the Limber C_ell of the
+    deconvolved P(k) without windows (``C_ell_limber_cont``), every further model in
+    ``pred`` (e.g. ``C_ell_halofit``), and ``resolved`` (1 in the ell range the run
+    resolves, :func:`flowpm_mtf.lensing_theory.resolved_range`), then the number of
+    modes per bin. The header gives the resolved range of each source.
+
+    Parameters
+    ----------
+    ell, n_modes : ndarray
+        Bins.
+    measured : ndarray
+        ``[n_source, n_bins]`` [sr].
+    pred : dict
+        :func:`flowpm_mtf.lensing_theory.run_prediction` output; optional extra keys
+        ``"extra": {name: [n_source, n_bins]}`` [sr].
+    geom : lensing.LightconeGeometry
+    labels : list of str, optional
+        Source names (default ``z_s=<z>``).
+    """
+    labels = labels or ["z_s=%g" % z for z in geom.z_source]
+    cols, names, ranges = [ell], ["ell"], []
+    extra = pred.get("extra", {})
+    for s, lab in enumerate(labels):
+        cols += [measured[s], pred["expected"][s], pred["continuous"][s]]
+        names += ["C_ell(%s)" % lab, "C_ell_limber(%s)" % lab, "C_ell_limber_cont(%s)" % lab]
+        for name, v in extra.items():
+            cols.append(v[s])
+            names.append("%s(%s)" % (name, lab))
+        cols.append(pred["resolved"][s].astype(np.float64))
+        names.append("resolved(%s)" % lab)
+        ranges.append("%s: %.0f-%.0f" % ((lab,) + tuple(pred["ell_range"][s])))
     cols.append(n_modes)
     names.append("modes")
-    header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels) and the "
-              "Limber prediction from the simulation's P(k) at the %d plane redshifts\n%s"
-              % (geom.field_deg, geom.npix, geom.n_planes, "  ".join(names)))
+    header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels, %d planes); "
+              "C_ell_limber: the expected measurement from the run's own P(k) through the "
+              "plane painting, interpolation, ray sampling and taper windows; "
+              "C_ell_limber_cont: Limber from the deconvolved P(k), no window; resolved: the "
+              "windows keep >= half of C_ell (ell range %s)\n%s"
+              % (geom.field_deg, geom.npix, geom.n_planes, ", ".join(ranges), "  ".join(names)))
     return write_table(path, cols, header, fmt="%.10g", rank=rank)
 
 

@@ -57,7 +57,11 @@ def test_outputs_well_formed(run):
     geom = json.loads(attrs["geometry"])
     assert len(geom["r"]) == 6 and abs(geom["r_edges"][-1] - 1318.6) < 1.0   # chi(z=0.5)
     cl = np.loadtxt(os.path.join(out, "kappa_power.txt"))
-    assert cl.shape[1] == 4 and np.all(np.diff(cl[:, 0]) > 0) and np.all(cl[:, 1] > 0)
+    # ell, C_ell, expected, continuous Limber, resolved, modes
+    assert cl.shape[1] == 6 and np.all(np.diff(cl[:, 0]) > 0) and np.all(cl[:, 1] > 0)
+    assert set(np.unique(cl[:, 4])) <= {0.0, 1.0} and cl[0, 4] == 1.0
+    assert np.all(cl[:, 2] <= cl[:, 3] * 1.5)          # the windows only suppress (and alias)
+    assert "ell range z_s=0.5: " in open(os.path.join(out, "kappa_power.txt")).readline()
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     n_steps = len(summary["timings"]["steps_s"])
@@ -67,10 +71,10 @@ def test_outputs_well_formed(run):
 
 
 def test_kappa_power_matches_limber(run):
-    """Measured flat-sky C_ell vs the Limber sum over the planes of the run's own P(k)
-    at each plane's scale factor (through the bilinear-interpolation window)."""
+    """Measured flat-sky C_ell vs the expected one from the run's own P(k) at each plane's
+    scale factor, through the run's windows (flowpm_mtf.lensing_theory)."""
     out, _ = run
-    ell, measured, limber, modes = np.loadtxt(os.path.join(out, "kappa_power.txt")).T
+    ell, measured, limber, _, _, modes = np.loadtxt(os.path.join(out, "kappa_power.txt")).T
     sel = (ell >= ELL_RANGE[0]) & (ell <= ELL_RANGE[1])
     assert sel.sum() >= 8 and np.all(limber[sel] > 0)
     ratio = measured[sel] / limber[sel]

@@ -40,7 +40,7 @@ import logging
 import mesh_tensorflow as mtf
 import numpy as np
 
-from .. import h5dist, io, lensing, preflight
+from .. import h5dist, io, lensing, lensing_theory, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
@@ -185,12 +185,17 @@ class LensingJob(Job):
         ell, n_modes = cls[0][0], cls[0][2]
         ok = n_modes > 0
         measured = np.stack([c[1] for c in cls])[:, ok]
-        limber = np.stack([lensing.limber_cl(ell[ok], conf, geom, list(zip(plane_k, plane_p)), s)
-                           for s in range(geom.n_source)])
-        res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p, ell=ell[ok],
-                   n_modes=n_modes[ok], measured=measured, limber=limber)
+        with ctx.timed("theory_s"):
+            pred = lensing_theory.run_prediction(conf, geom, plane_k, plane_p,
+                                                 list(range(geom.n_source)))
+        for key in ("expected", "continuous", "window", "resolved"):
+            pred[key] = [v[ok] for v in pred[key]]
+        res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p,
+                   ell=ell[ok], n_modes=n_modes[ok], measured=measured, pred=pred,
+                   limber=np.stack(pred["expected"]))
         return {"n_stages": int(len(res["stages"])), "stages": list(res["stages"]),
-                "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
+                "kappa_rms": kappa.std(axis=(1, 2)).tolist(),
+                "resolved_ell": [list(r) for r in pred["ell_range"]]}
 
     def write_all(self, ctx, res):
         io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
@@ -200,7 +205,7 @@ class LensingJob(Job):
     def write(self, ctx, out, res, summary):
         geom = ctx.geom
         io.write_kappa_power(out.path("kappa_power.txt"), res["ell"], res["measured"],
-                             res["limber"], res["n_modes"], geom, rank=0)
+                             res["pred"], res["n_modes"], geom, rank=0)
 
     def plot(self, ctx, out, res, summary):
         kappa_plot(out.path("kappa.png"), res["kappa"][0], ctx.geom, res["ell"],
@@ -216,7 +221,7 @@ def plane_names(n_planes):
 
 
 def kappa_plot(path, kappa, geom, ell, measured, limber):
-    """The first source's map and ell(ell+1) C_ell / 2 pi, measured and Limber."""
+    """The first source's map and ell(ell+1) C_ell / 2 pi, measured and expected."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,7 +238,7 @@ def kappa_plot(path, kappa, geom, ell, measured, limber):
     for s, z in enumerate(geom.z_source):
         line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, z_s=%g" % z)
         ax1.loglog(ell, norm * limber[s], "--", color=line.get_color(),
-                   label="Limber from sim P(k), z_s=%g" % z)
+                   label="expected from sim P(k) (windows), z_s=%g" % z)
     ax1.set_xlabel("ell")
     ax1.set_ylabel("ell (ell+1) C_ell / 2 pi")
     ax1.legend(fontsize=8)
