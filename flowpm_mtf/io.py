@@ -490,17 +490,21 @@ def read_power(path):
 
 
 # ----------------------------------------------------------------------------- lensing
-def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom):
+def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom,
+                gamma=None):
     """Write ``kappa.h5`` (collective over ``comm``: every rank writes its plane blocks).
 
     Datasets: ``kappa`` [n_source, npix, npix] (``kappa[s, i, j]`` at
-    ``theta[i], theta[j]``), ``theta`` [npix] [rad], ``planes`` [n_planes, NX,
+    ``theta[i], theta[j]``), ``gamma1``, ``gamma2`` (same shape, the
+    Kaiser-Squires shear, if ``gamma`` is given), ``theta`` [npix] [rad],
+    ``planes`` [n_planes, NX,
     NY] (1 + delta; a virtual dataset over the per-rank blocks in
     ``kappa.parts/``, see :mod:`flowpm_mtf.h5dist`: no rank gathers a plane),
     ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk`` [n_planes, nbins]
     [(Mpc/h)^3]. Attributes: ``format`` (:data:`KAPPA_FORMAT`), ``config``
     (SimConfig JSON), ``lensing`` (LensingConfig JSON), ``geometry`` (JSON),
-    ``z_source``, ``field_deg``, ``plane_r`` [Mpc/h], ``versions``.
+    ``z_source``, ``sources`` (JSON list of the map labels: delta-function sources,
+    then n(z) bins), ``field_deg``, ``plane_r`` [Mpc/h], ``versions``.
 
     Parameters
     ----------
@@ -515,6 +519,8 @@ def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, 
     conf : SimConfig
     lconf : lensing.LensingConfig
     geom : lensing.LightconeGeometry
+    gamma : (ndarray, ndarray), optional
+        Shear maps ``gamma1``, ``gamma2`` (shape of ``kappa``), small, replicated.
 
     Returns
     -------
@@ -526,14 +532,19 @@ def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, 
     attrs = {"format": KAPPA_FORMAT, "config": conf.to_json(),
              "lensing": json.dumps(lconf.to_dict(), sort_keys=True),
              "geometry": json.dumps(geom.to_dict(), sort_keys=True),
-             "z_source": geom.z_source, "field_deg": geom.field_deg, "plane_r": geom.r,
+             "z_source": geom.z_source, "sources": json.dumps(list(geom.labels)),
+             "field_deg": geom.field_deg, "plane_r": geom.r,
              "versions": json.dumps(versions(), sort_keys=True)}
     units = {"kappa": "dimensionless", "theta": "rad", "planes": "1 + delta (shell average)",
              "plane_k": "h/Mpc", "plane_pk": "(Mpc/h)^3"}
+    small = {"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk}
+    if gamma is not None:
+        small.update(gamma1=gamma[0], gamma2=gamma[1])
+        units.update(gamma1="dimensionless", gamma2="dimensionless")
     return h5dist.write_distributed(
         path, comm, {p: {"planes": b} for p, b in plane_parts.items()}, attrs=attrs,
         dataset_attrs={k: {"units": v} for k, v in units.items()},
-        small={"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk})
+        small=small)
 
 
 def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, labels=None):
@@ -557,9 +568,9 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
         ``"extra": {name: [n_source, n_bins]}`` [sr].
     geom : lensing.LightconeGeometry
     labels : list of str, optional
-        Source names (default ``z_s=<z>``).
+        Map names (default ``geom.labels``: ``z_s=<z>``, ``bin<b>:<zlo>-<zhi>``).
     """
-    labels = labels or ["z_s=%g" % z for z in geom.z_source]
+    labels = labels or list(geom.labels)
     cols, names, ranges = [ell], ["ell"], []
     extra = pred.get("extra", {})
     for s, lab in enumerate(labels):
@@ -570,7 +581,8 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
             names.append("%s(%s)" % (name, lab))
         cols.append(pred["resolved"][s].astype(np.float64))
         names.append("resolved(%s)" % lab)
-        ranges.append("%s: %.0f-%.0f" % ((lab,) + tuple(pred["ell_range"][s])))
+        lo, hi = pred["ell_range"][s]
+        ranges.append("%s: %s" % (lab, "none" if np.isnan(lo) else "%.0f-%.0f" % (lo, hi)))
     cols.append(n_modes)
     names.append("modes")
     header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels, %d planes); "

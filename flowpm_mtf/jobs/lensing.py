@@ -81,6 +81,7 @@ class LensingGraph(SimulationGraph):
                 mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i,
                                                                  weight=self.weights)))
         self.kappa = lensing.born_convergence(self.planes, conf, geom)
+        self.gamma1, self.gamma2 = lensing.shear_maps(self.kappa)
 
 
 @register
@@ -106,7 +107,7 @@ class LensingJob(Job):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
         lconf = ctx.configs["lensing"]
-        n_source = len(np.atleast_1d(lconf.z_source))
+        n_source = lconf.n_maps
         preflight.check_job_memory(
             ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
             tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
@@ -120,8 +121,8 @@ class LensingJob(Job):
 
     def describe(self, ctx, g):
         conf, geom = ctx.conf, ctx.geom
-        return "%d steps to a=%.4f, %d planes to z=%g, mesh %s, grid %s" % (
-            g.n_steps, g.stages[-1], geom.n_planes, geom.z_source.max(),
+        return "%d steps to a=%.4f, %d planes to %.0f Mpc/h (%s), mesh %s, grid %s" % (
+            g.n_steps, g.stages[-1], geom.n_planes, geom.r_edges[-1], ", ".join(geom.labels),
             "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, g, lowering):
@@ -130,6 +131,8 @@ class LensingJob(Job):
         # kappa is small and replicated; the planes: this process's blocks only
         ops["plane_slices"] = [h5dist.local_slices(lowering, p) for p in g.planes]
         ops["maps"] = {"kappa": h5dist.replicated_value(lowering, g.kappa),
+                       "gamma1": h5dist.replicated_value(lowering, g.gamma1),
+                       "gamma2": h5dist.replicated_value(lowering, g.gamma2),
                        "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
         ops["plane_vars"] = runner.VariableSlices(
             lowering, dict(zip(plane_names(len(g.planes)), g.planes)))
@@ -200,7 +203,8 @@ class LensingJob(Job):
     def write_all(self, ctx, res):
         io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
                        res["plane_k"], res["plane_p"], ctx.conf, ctx.configs["lensing"],
-                       ctx.geom)
+                       ctx.geom, gamma=(np.asarray(res["gamma1"], np.float64),
+                                        np.asarray(res["gamma2"], np.float64)))
 
     def write(self, ctx, out, res, summary):
         geom = ctx.geom
@@ -233,12 +237,12 @@ def kappa_plot(path, kappa, geom, ell, measured, limber):
     fig.colorbar(im, ax=ax0, label="kappa")
     ax0.set_xlabel("theta_x [deg]")
     ax0.set_ylabel("theta_y [deg]")
-    ax0.set_title("Born convergence, z_s = %g" % geom.z_source[0])
+    ax0.set_title("Born convergence, %s" % geom.labels[0])
     norm = ell * (ell + 1) / (2 * np.pi)
-    for s, z in enumerate(geom.z_source):
-        line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, z_s=%g" % z)
+    for s, lab in enumerate(geom.labels):
+        line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, %s" % lab)
         ax1.loglog(ell, norm * limber[s], "--", color=line.get_color(),
-                   label="expected from sim P(k) (windows), z_s=%g" % z)
+                   label="expected from sim P(k) (windows), %s" % lab)
     ax1.set_xlabel("ell")
     ax1.set_ylabel("ell (ell+1) C_ell / 2 pi")
     ax1.legend(fontsize=8)
