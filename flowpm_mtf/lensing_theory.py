@@ -39,6 +39,7 @@ import logging
 
 import numpy as np
 
+from . import halofit as halofit_mod
 from . import lensing
 
 __all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "continuous_cl",
@@ -455,7 +456,7 @@ def resolved_range(ell, window):
 
 
 def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
-                   taper=lensing.DEFAULT_TAPER):
+                   taper=lensing.DEFAULT_TAPER, halofit=True):
     """Everything a lensing run reports beside its measured C_ell, per source.
 
     Parameters
@@ -469,6 +470,10 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         Per source: its index or its ``[n_planes]`` Born weights.
     edges, taper :
         Bins and taper of the measurement.
+    halofit : bool
+        Also the predictions from the halofit P(k) at each plane
+        (:mod:`flowpm_mtf.halofit` on our linear power, Takahashi et al. 2012):
+        through the run's windows and without them.
 
     Returns
     -------
@@ -476,10 +481,15 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         ``ell`` and ``n_modes`` of the bins; per source (lists): ``expected``
         (:func:`expected_cl`, [sr]), ``continuous`` (the Limber sum of the
         deconvolved P, no window, [sr]), ``window`` (:func:`window_factor`),
-        ``resolved`` (bool per bin) and ``ell_range`` (:func:`resolved_range`).
+        ``resolved`` (bool per bin) and ``ell_range`` (:func:`resolved_range`);
+        with ``halofit``, ``extra = {"C_ell_halofit": [...], "C_ell_halofit_cont":
+        [...]}`` per source [sr].
     """
     pfuns = [true_power(plane_k[i], plane_p[i], conf) for i in range(geom.n_planes)]
+    hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a] \
+        if halofit else None
     out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": []}
+    extra = {"C_ell_halofit": [], "C_ell_halofit_cont": []}
     for src in sources:
         w = _source_weights(conf, geom, src)
         ell, cl, modes = expected_cl(conf, geom, pfuns, w, edges, taper)
@@ -493,5 +503,12 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         out["window"].append(win)
         out["resolved"].append((ell >= rng[0]) & (ell <= rng[1]))
         out["ell_range"].append(rng)
+        if halofit:
+            extra["C_ell_halofit"].append(expected_cl(conf, geom, hfuns, w, edges, taper)[1])
+            extra["C_ell_halofit_cont"].append(continuous_cl(
+                ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf, geom, hfuns, w,
+                windows=False).mean(-1))
     out["ell"], out["n_modes"] = ell, modes
+    if halofit:
+        out["extra"] = extra
     return out

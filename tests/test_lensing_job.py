@@ -76,11 +76,23 @@ def test_outputs_well_formed(run):
     geom = json.loads(attrs["geometry"])
     assert len(geom["r"]) == 6 and abs(geom["r_edges"][-1] - 1318.6) < 1.0   # chi(z=0.5)
     cl = np.loadtxt(os.path.join(out, "kappa_power.txt"))
-    # ell, per map: C_ell, expected, continuous Limber, resolved; modes
-    assert cl.shape[1] == 2 + 4 * N_MAPS and np.all(np.diff(cl[:, 0]) > 0) and np.all(cl[:, 1] > 0)
-    assert set(np.unique(cl[:, 4])) <= {0.0, 1.0} and cl[0, 4] == 1.0
-    assert np.all(cl[:, 2] <= cl[:, 3] * 1.5)          # the windows only suppress (and alias)
-    assert "ell range z_s=0.5: " in open(os.path.join(out, "kappa_power.txt")).readline()
+    # ell, per map: C_ell, expected, continuous Limber, halofit (windows), halofit
+    # (continuous), resolved; modes
+    with open(os.path.join(out, "kappa_power.txt")) as f:
+        header = f.readline()
+        names = f.readline()[1:].split()
+    col = {n: i for i, n in enumerate(names)}
+    assert cl.shape[1] == 2 + 6 * N_MAPS == len(names) and np.all(np.diff(cl[:, 0]) > 0)
+    assert np.all(cl[:, 1] > 0)
+    res = cl[:, col["resolved(z_s=0.5)"]]
+    assert set(np.unique(res)) <= {0.0, 1.0} and res[0] == 1.0
+    exp, cont = cl[:, col["C_ell_limber(z_s=0.5)"]], cl[:, col["C_ell_limber_cont(z_s=0.5)"]]
+    assert np.all(exp <= cont * 1.5)                    # the windows only suppress (and alias)
+    # halofit has more small-scale power than a 32^3 PM run: above it where resolved
+    hf = cl[:, col["C_ell_halofit_cont(z_s=0.5)"]]
+    assert np.all(hf[res > 0] > 0.8 * cont[res > 0]) and np.all(hf > 0)
+    assert np.all(cl[:, col["C_ell_halofit(bin1:0.3-0.5)"]] > 0)
+    assert "ell range z_s=0.5: " in header
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     n_steps = len(summary["timings"]["steps_s"])

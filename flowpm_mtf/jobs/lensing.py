@@ -193,6 +193,7 @@ class LensingJob(Job):
                                                  list(range(geom.n_source)))
         for key in ("expected", "continuous", "window", "resolved"):
             pred[key] = [v[ok] for v in pred[key]]
+        pred["extra"] = {n: [v[ok] for v in vals] for n, vals in pred.get("extra", {}).items()}
         res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p,
                    ell=ell[ok], n_modes=n_modes[ok], measured=measured, pred=pred,
                    limber=np.stack(pred["expected"]))
