@@ -34,7 +34,7 @@ import tempfile
 
 import numpy as np
 
-from flowpm_bench import RESULTS
+from flowpm_bench import RESULTS, provenance
 from flowpm_bench.launch import clean_env, mpirun_command
 from flowpm_bench.results import json_path, read_json, write_result
 
@@ -135,10 +135,12 @@ def render(data, out):
              "Each configuration: N seeds of `flowpm-mtf lensing`; the ratio of the mean "
              "measured C_ell to the mean `C_ell_limber` (the expectation from each run's own "
              "P(k) through its windows, `flowpm_mtf/lensing_theory.py`), with the error of "
-             "the mean over the seeds. Target: every band within %d %% of 1." % (100 * TARGET),
+             "the mean over the seeds. Target: every band within %d %% of 1. Load: the load "
+             "average when the runs started and ended (one rank per run, nice'd)."
+             % (100 * TARGET),
              "", "| configuration | seeds | " + " | ".join(
-                 "ell %d-%d" % b for b in bands) + " | resolved ell | load |",
-             "|---|---|" + "---|" * len(bands) + "---|---|"]
+                 "ell %d-%d" % b for b in bands) + " | resolved ell | load | runs at commit |",
+             "|---|---|" + "---|" * len(bands) + "---|---|---|"]
     for label, rec in sorted(data.items()):
         e = rec["ensemble"]
         cells = []
@@ -146,10 +148,10 @@ def render(data, out):
             b = [x for x in e["bands"] if x["lo"] == lo and x["hi"] == hi]
             cells.append("%.3f +- %.3f" % (b[0]["ratio"], b[0]["error"]) if b else "-")
         rng = e["resolved"]
-        lines.append("| %s (`%s`) | %d | %s | %s | %s |" % (
+        lines.append("| %s (`%s`) | %d | %s | %s | %s | %s |" % (
             label, " ".join(rec["options"]) or "defaults", e["n"], " | ".join(cells),
             "%.0f-%.0f" % tuple(rng) if rng[0] is not None else "none",
-            "%.1f-%.1f" % tuple(rec["load"])))
+            "%.1f-%.1f" % tuple(rec["load"]), rec.get("commit", "unknown")))
     lines += ["", "Per bin (first configuration):", "", "| ell | ratio | error |", "|---|---|---|"]
     first = data[sorted(data)[0]]["ensemble"]
     for l, r, err in zip(first["ell"], first["ratio"], first["error"]):
@@ -210,6 +212,7 @@ def main(argv=None):
         load1 = os.getloadavg()[0]
         bands = [tuple(float(v) for v in b.split("-")) for b in args.bands.split(",")]
         data[args.label] = {"options": extra, "seeds": list(seeds), "ranks": args.ranks,
+                            "commit": provenance.commit_label(),
                             "load": [load0, load1], "bands": bands,
                             "ensemble": ensemble([read_power(q) for q in paths], bands)}
         if args.work is None:

@@ -24,11 +24,12 @@ NPIX = 64
 # modes) to 1400 (above, C_ell has fallen by 1e5 and the prediction rests on the
 # interpolation images near the mesh Nyquist frequency).
 ELL_RANGE = (150.0, 1400.0)
-# Tolerance on the geometric mean of measured / Limber over that range. Per bin the ratio
+# Tolerance on the geometric mean of measured / expected over that range. Per bin the ratio
 # scatters by ~30 % (40-370 modes per bin, and the six shells share particles of one
-# 256 Mpc/h box, so the planes' random shifts leave random cross terms); observed here
-# 1.18 (per bin 0.73-1.9) and, on the default 64^3 run with 4 plane seeds, 0.95-1.2.
-# A factor 2 in the amplitude (e.g. a missing 1/2 or a wrong Delta r) moves it by 100 %.
+# 256 Mpc/h box, so the planes' random shifts leave random cross terms); observed 0.89 with
+# the windowed expectation of flowpm_mtf.lensing_theory (per bin 0.64-1.15; the bare Limber
+# sum gave 1.18). The ensemble test of the expectation is tests/test_bench_lensing.py. A
+# factor 2 in the amplitude (e.g. a missing 1/2 or a wrong Delta r) moves it by 100 %.
 LIMBER_TOL = 0.4
 
 
