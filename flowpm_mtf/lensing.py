@@ -54,6 +54,12 @@ contraction over ``x`` and ``y`` ends in one all-reduce over ``row`` and ``col``
 (summed lazily over planes); gradients are Mesh TF's einsum gradients (exact;
 no tensorflow_addons). Memory per rank: :math:`O(n_{\rm pix}(n_x/P + n_y/Q))`.
 
+Sources with a redshift distribution: a tomographic bin of an n(z) (Smail or a
+table, :class:`LensingConfig`) replaces :math:`(1 - r_i/r_s)_+` by its mean over
+the bin's n(z), :math:`g_b(r_i)` (:func:`nz_efficiency`); the Born sum is
+otherwise the same einsum (``geom.efficiency``, one row per map). Shear maps
+come from the convergence maps by Kaiser-Squires (:func:`shear_maps`).
+
 Decorrelating the replicas: shells deeper than the box share particles (a shell
 of 192 Mpc/h in a 256 Mpc/h box overlaps its neighbour's z range modulo the box
 by 2/3), and the same box modes then add up coherently in the map (we measured
