@@ -490,17 +490,21 @@ def read_power(path):
 
 
 # ----------------------------------------------------------------------------- lensing
-def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom):
+def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, geom,
+                gamma=None):
     """Write ``kappa.h5`` (collective over ``comm``: every rank writes its plane blocks).
 
     Datasets: ``kappa`` [n_source, npix, npix] (``kappa[s, i, j]`` at
-    ``theta[i], theta[j]``), ``theta`` [npix] [rad], ``planes`` [n_planes, NX,
+    ``theta[i], theta[j]``), ``gamma1``, ``gamma2`` (same shape, the
+    Kaiser-Squires shear, if ``gamma`` is given), ``theta`` [npix] [rad],
+    ``planes`` [n_planes, NX,
     NY] (1 + delta; a virtual dataset over the per-rank blocks in
     ``kappa.parts/``, see :mod:`flowpm_mtf.h5dist`: no rank gathers a plane),
     ``plane_k`` [n_planes, nbins] [h/Mpc], ``plane_pk`` [n_planes, nbins]
     [(Mpc/h)^3]. Attributes: ``format`` (:data:`KAPPA_FORMAT`), ``config``
     (SimConfig JSON), ``lensing`` (LensingConfig JSON), ``geometry`` (JSON),
-    ``z_source``, ``field_deg``, ``plane_r`` [Mpc/h], ``versions``.
+    ``z_source``, ``sources`` (JSON list of the map labels: delta-function sources,
+    then n(z) bins), ``field_deg``, ``plane_r`` [Mpc/h], ``versions``.
 
     Parameters
     ----------
@@ -515,6 +519,8 @@ def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, 
     conf : SimConfig
     lconf : lensing.LensingConfig
     geom : lensing.LightconeGeometry
+    gamma : (ndarray, ndarray), optional
+        Shear maps ``gamma1``, ``gamma2`` (shape of ``kappa``), small, replicated.
 
     Returns
     -------
@@ -526,28 +532,66 @@ def write_kappa(path, comm, kappa, plane_parts, plane_k, plane_pk, conf, lconf, 
     attrs = {"format": KAPPA_FORMAT, "config": conf.to_json(),
              "lensing": json.dumps(lconf.to_dict(), sort_keys=True),
              "geometry": json.dumps(geom.to_dict(), sort_keys=True),
-             "z_source": geom.z_source, "field_deg": geom.field_deg, "plane_r": geom.r,
+             "z_source": geom.z_source, "sources": json.dumps(list(geom.labels)),
+             "field_deg": geom.field_deg, "plane_r": geom.r,
              "versions": json.dumps(versions(), sort_keys=True)}
     units = {"kappa": "dimensionless", "theta": "rad", "planes": "1 + delta (shell average)",
              "plane_k": "h/Mpc", "plane_pk": "(Mpc/h)^3"}
+    small = {"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk}
+    if gamma is not None:
+        small.update(gamma1=gamma[0], gamma2=gamma[1])
+        units.update(gamma1="dimensionless", gamma2="dimensionless")
     return h5dist.write_distributed(
         path, comm, {p: {"planes": b} for p, b in plane_parts.items()}, attrs=attrs,
         dataset_attrs={k: {"units": v} for k, v in units.items()},
-        small={"kappa": kappa, "theta": geom.theta, "plane_k": plane_k, "plane_pk": plane_pk})
+        small=small)
 
 
-def write_kappa_power(path, ell, measured, limber, n_modes, geom, rank=None):
-    """Write ``kappa_power.txt``: ell, per source the measured C_ell and the Limber
-    prediction [sr], then the number of modes per bin (rank 0 only)."""
-    cols, names = [ell], ["ell"]
-    for s, z in enumerate(geom.z_source):
-        cols += [measured[s], limber[s]]
-        names += ["C_ell(z_s=%g)" % z, "C_ell_limber(z_s=%g)" % z]
+def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, labels=None):
+    """Write ``kappa_power.txt`` (rank 0 only).
+
+    Columns: ell, then per source the measured C_ell, the expected C_ell from the run's
+    own P(k) through the run's windows (``C_ell_limber``), the Limber C_ell of the
+    deconvolved P(k) without windows (``C_ell_limber_cont``), every further model in
+    ``pred`` (e.g. ``C_ell_halofit``), and ``resolved`` (1 in the ell range the run
+    resolves, :func:`flowpm_mtf.lensing_theory.resolved_range`), then the number of
+    modes per bin. The header gives the resolved range of each source.
+
+    Parameters
+    ----------
+    ell, n_modes : ndarray
+        Bins.
+    measured : ndarray
+        ``[n_source, n_bins]`` [sr].
+    pred : dict
+        :func:`flowpm_mtf.lensing_theory.run_prediction` output; optional extra keys
+        ``"extra": {name: [n_source, n_bins]}`` [sr].
+    geom : lensing.LightconeGeometry
+    labels : list of str, optional
+        Map names (default ``geom.labels``: ``z_s=<z>``, ``bin<b>:<zlo>-<zhi>``).
+    """
+    labels = labels or list(geom.labels)
+    cols, names, ranges = [ell], ["ell"], []
+    extra = pred.get("extra", {})
+    for s, lab in enumerate(labels):
+        cols += [measured[s], pred["expected"][s], pred["continuous"][s]]
+        names += ["C_ell(%s)" % lab, "C_ell_limber(%s)" % lab, "C_ell_limber_cont(%s)" % lab]
+        for name, v in extra.items():
+            cols.append(v[s])
+            names.append("%s(%s)" % (name, lab))
+        cols.append(pred["resolved"][s].astype(np.float64))
+        names.append("resolved(%s)" % lab)
+        lo, hi = pred["ell_range"][s]
+        ranges.append("%s: %s" % (lab, "none" if np.isnan(lo) else "%.0f-%.0f" % (lo, hi)))
     cols.append(n_modes)
     names.append("modes")
-    header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels) and the "
-              "Limber prediction from the simulation's P(k) at the %d plane redshifts\n%s"
-              % (geom.field_deg, geom.npix, geom.n_planes, "  ".join(names)))
+    header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels, %d planes); "
+              "C_ell_limber: the expected measurement from the run's own P(k) through the "
+              "plane painting, interpolation, ray sampling and taper windows; "
+              "C_ell_limber_cont: Limber from the deconvolved P(k), no window; "
+              "C_ell_halofit(_cont): the same from halofit (Takahashi 2012) P(k); resolved: the "
+              "windows keep >= half of C_ell (ell range %s)\n%s"
+              % (geom.field_deg, geom.npix, geom.n_planes, ", ".join(ranges), "  ".join(names)))
     return write_table(path, cols, header, fmt="%.10g", rank=rank)
 
 

@@ -14,20 +14,22 @@ from test_cli import _mpirun
 pytestmark = pytest.mark.single_process
 
 # 32^3 in 256 Mpc/h, 2LPT at a = 0.4, lightcone to z_s = 0.5 in 6 shells of 220 Mpc/h,
-# 8 deg field on 64^2 rays: 7 N-body steps (~45 s of CPU per rank on an idle machine).
+# 8 deg field on 64^2 rays, plus two n(z) bins: 7 N-body steps (~45 s of CPU per rank on an idle machine).
 ARGS = ["lensing", "--nc", "32", "--box-size", "256", "--a-start", "0.4", "--steps", "3",
         "--z-source", "0.5", "--n-planes", "6", "--field-deg", "8", "--field-npix", "64",
-        "--halo", "4", "--seed", "42"]
+        "--halo", "4", "--seed", "42", "--nz-smail", "2,1.5,0.25", "--nz-bins", "0.1,0.3,0.5"]
+N_MAPS = 3          # z_s = 0.5 and two tomographic bins of a Smail n(z)
 NPIX = 64
 # Limber test range: from 2 fundamentals of the 8 deg field (the lowest bin has ~20
 # modes) to 1400 (above, C_ell has fallen by 1e5 and the prediction rests on the
 # interpolation images near the mesh Nyquist frequency).
 ELL_RANGE = (150.0, 1400.0)
-# Tolerance on the geometric mean of measured / Limber over that range. Per bin the ratio
+# Tolerance on the geometric mean of measured / expected over that range. Per bin the ratio
 # scatters by ~30 % (40-370 modes per bin, and the six shells share particles of one
-# 256 Mpc/h box, so the planes' random shifts leave random cross terms); observed here
-# 1.18 (per bin 0.73-1.9) and, on the default 64^3 run with 4 plane seeds, 0.95-1.2.
-# A factor 2 in the amplitude (e.g. a missing 1/2 or a wrong Delta r) moves it by 100 %.
+# 256 Mpc/h box, so the planes' random shifts leave random cross terms); observed 0.89 with
+# the windowed expectation of flowpm_mtf.lensing_theory (per bin 0.64-1.15; the bare Limber
+# sum gave 1.18). The ensemble test of the expectation is tests/test_bench_lensing.py. A
+# factor 2 in the amplitude (e.g. a missing 1/2 or a wrong Delta r) moves it by 100 %.
 LIMBER_TOL = 0.4
 
 
@@ -43,12 +45,30 @@ def test_outputs_well_formed(run):
     out, log = run
     with h5py.File(os.path.join(out, "kappa.h5"), "r") as f:
         kappa = f["kappa"][...]
+        gamma1, gamma2 = f["gamma1"][...], f["gamma2"][...]
         planes = f["planes"][...]
         theta = f["theta"][...]
         attrs = dict(f.attrs)
         assert f["plane_pk"].shape[0] == 6 and f["plane_k"].shape == f["plane_pk"].shape
-    assert kappa.shape == (1, NPIX, NPIX) and np.all(np.isfinite(kappa))
-    assert 1e-4 < kappa.std() < 0.05                       # weak lensing at z_s = 0.5
+    assert kappa.shape == (N_MAPS, NPIX, NPIX) and np.all(np.isfinite(kappa))
+    assert 1e-4 < kappa[0].std() < 0.05                    # weak lensing at z_s = 0.5
+    # the low bin lenses less than the high one, which lenses less than z_s = 0.5
+    assert 0 < kappa[1].std() < kappa[2].std() < kappa[0].std()
+    # Kaiser-Squires shear beside kappa: exactly KS of the written kappa (float32 FFTs:
+    # 1e-5 of the map's scale), and of the same power as kappa away from the edges (equal
+    # for a periodic map; this one is not, and the wrap-around jump adds shear: 1.32 seen)
+    from flowpm_mtf.lensing import kaiser_squires_kernels
+    assert gamma1.shape == gamma2.shape == kappa.shape
+    m1, m2 = kaiser_squires_kernels(NPIX)
+    kh = np.fft.fft2(kappa.astype(np.float64))
+    scale = np.abs(kappa).max()
+    assert np.abs(gamma1 - np.fft.ifft2(kh * m1).real).max() < 1e-5 * scale
+    assert np.abs(gamma2 - np.fft.ifft2(kh * m2).real).max() < 1e-5 * scale
+    inner = (slice(None), slice(16, 48), slice(16, 48))
+    dk = kappa - kappa.mean(axis=(1, 2), keepdims=True)
+    ratio = (gamma1[inner]**2 + gamma2[inner]**2).mean() / (dk[inner]**2).mean()
+    assert 0.6 < ratio < 1.6, ratio
+    assert json.loads(attrs["sources"]) == ["z_s=0.5", "bin0:0.1-0.3", "bin1:0.3-0.5"]
     assert planes.shape == (6, 32, 32)
     np.testing.assert_allclose(planes.mean(axis=(1, 2)), 1.0, atol=0.2)   # 1 + delta
     assert abs(np.ptp(theta) - np.deg2rad(8.0) * (NPIX - 1) / NPIX) < 1e-12
@@ -57,7 +77,23 @@ def test_outputs_well_formed(run):
     geom = json.loads(attrs["geometry"])
     assert len(geom["r"]) == 6 and abs(geom["r_edges"][-1] - 1318.6) < 1.0   # chi(z=0.5)
     cl = np.loadtxt(os.path.join(out, "kappa_power.txt"))
-    assert cl.shape[1] == 4 and np.all(np.diff(cl[:, 0]) > 0) and np.all(cl[:, 1] > 0)
+    # ell, per map: C_ell, expected, continuous Limber, halofit (windows), halofit
+    # (continuous), resolved; modes
+    with open(os.path.join(out, "kappa_power.txt")) as f:
+        header = f.readline()
+        names = f.readline()[1:].split()
+    col = {n: i for i, n in enumerate(names)}
+    assert cl.shape[1] == 2 + 6 * N_MAPS == len(names) and np.all(np.diff(cl[:, 0]) > 0)
+    assert np.all(cl[:, 1] > 0)
+    res = cl[:, col["resolved(z_s=0.5)"]]
+    assert set(np.unique(res)) <= {0.0, 1.0} and res[0] == 1.0
+    exp, cont = cl[:, col["C_ell_limber(z_s=0.5)"]], cl[:, col["C_ell_limber_cont(z_s=0.5)"]]
+    assert np.all(exp <= cont * 1.5)                    # the windows only suppress (and alias)
+    # halofit has more small-scale power than a 32^3 PM run: above it where resolved
+    hf = cl[:, col["C_ell_halofit_cont(z_s=0.5)"]]
+    assert np.all(hf[res > 0] > 0.8 * cont[res > 0]) and np.all(hf > 0)
+    assert np.all(cl[:, col["C_ell_halofit(bin1:0.3-0.5)"]] > 0)
+    assert "ell range z_s=0.5: " in header
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     n_steps = len(summary["timings"]["steps_s"])
@@ -67,10 +103,11 @@ def test_outputs_well_formed(run):
 
 
 def test_kappa_power_matches_limber(run):
-    """Measured flat-sky C_ell vs the Limber sum over the planes of the run's own P(k)
-    at each plane's scale factor (through the bilinear-interpolation window)."""
+    """Measured flat-sky C_ell vs the expected one from the run's own P(k) at each plane's
+    scale factor, through the run's windows (flowpm_mtf.lensing_theory)."""
     out, _ = run
-    ell, measured, limber, modes = np.loadtxt(os.path.join(out, "kappa_power.txt")).T
+    table = np.loadtxt(os.path.join(out, "kappa_power.txt"))
+    ell, measured, limber = table[:, 0], table[:, 1], table[:, 2]
     sel = (ell >= ELL_RANGE[0]) & (ell <= ELL_RANGE[1])
     assert sel.sum() >= 8 and np.all(limber[sel] > 0)
     ratio = measured[sel] / limber[sel]
@@ -87,3 +124,13 @@ def test_source_beyond_lightcone_fails_on_every_rank():
     # aborts the job, so the other rank may be killed before it prints
     assert proc.stderr.count("z_source=2 is beyond the simulated lightcone") >= 1, \
         proc.stderr[-3000:]
+
+
+def test_empty_nz_bin_fails_on_every_rank():
+    proc = _mpirun(2, "lensing", "--nc", "16", "--box-size", "128", "--halo", "2",
+                   "--a-start", "0.5", "--z-source", "0.3", "--n-planes", "8",
+                   "--nz-smail", "2,4,0.01", "--nz-bins", "0,0.1,0.2",
+                   "--out", tempfile.mkdtemp(), timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("bin 1 (z 0.1-0.2) holds no sources") >= 1, proc.stderr[-3000:]
+    assert "step 1/" not in proc.stderr                     # before any compute

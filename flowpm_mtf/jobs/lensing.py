@@ -40,7 +40,7 @@ import logging
 import mesh_tensorflow as mtf
 import numpy as np
 
-from .. import h5dist, io, lensing, preflight
+from .. import h5dist, io, lensing, lensing_theory, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
@@ -81,6 +81,7 @@ class LensingGraph(SimulationGraph):
                 mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i,
                                                                  weight=self.weights)))
         self.kappa = lensing.born_convergence(self.planes, conf, geom)
+        self.gamma1, self.gamma2 = lensing.shear_maps(self.kappa)
 
 
 @register
@@ -106,7 +107,7 @@ class LensingJob(Job):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
         lconf = ctx.configs["lensing"]
-        n_source = len(np.atleast_1d(lconf.z_source))
+        n_source = lconf.n_maps
         preflight.check_job_memory(
             ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
             tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
@@ -120,8 +121,8 @@ class LensingJob(Job):
 
     def describe(self, ctx, g):
         conf, geom = ctx.conf, ctx.geom
-        return "%d steps to a=%.4f, %d planes to z=%g, mesh %s, grid %s" % (
-            g.n_steps, g.stages[-1], geom.n_planes, geom.z_source.max(),
+        return "%d steps to a=%.4f, %d planes to %.0f Mpc/h (%s), mesh %s, grid %s" % (
+            g.n_steps, g.stages[-1], geom.n_planes, geom.r_edges[-1], ", ".join(geom.labels),
             "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, g, lowering):
@@ -130,6 +131,8 @@ class LensingJob(Job):
         # kappa is small and replicated; the planes: this process's blocks only
         ops["plane_slices"] = [h5dist.local_slices(lowering, p) for p in g.planes]
         ops["maps"] = {"kappa": h5dist.replicated_value(lowering, g.kappa),
+                       "gamma1": h5dist.replicated_value(lowering, g.gamma1),
+                       "gamma2": h5dist.replicated_value(lowering, g.gamma2),
                        "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
         ops["plane_vars"] = runner.VariableSlices(
             lowering, dict(zip(plane_names(len(g.planes)), g.planes)))
@@ -185,22 +188,29 @@ class LensingJob(Job):
         ell, n_modes = cls[0][0], cls[0][2]
         ok = n_modes > 0
         measured = np.stack([c[1] for c in cls])[:, ok]
-        limber = np.stack([lensing.limber_cl(ell[ok], conf, geom, list(zip(plane_k, plane_p)), s)
-                           for s in range(geom.n_source)])
-        res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p, ell=ell[ok],
-                   n_modes=n_modes[ok], measured=measured, limber=limber)
+        with ctx.timed("theory_s"):
+            pred = lensing_theory.run_prediction(conf, geom, plane_k, plane_p,
+                                                 list(range(geom.n_source)))
+        for key in ("expected", "continuous", "window", "resolved"):
+            pred[key] = [v[ok] for v in pred[key]]
+        pred["extra"] = {n: [v[ok] for v in vals] for n, vals in pred.get("extra", {}).items()}
+        res.update(kappa=kappa, plane_parts=plane_parts, plane_k=plane_k, plane_p=plane_p,
+                   ell=ell[ok], n_modes=n_modes[ok], measured=measured, pred=pred,
+                   limber=np.stack(pred["expected"]))
         return {"n_stages": int(len(res["stages"])), "stages": list(res["stages"]),
-                "kappa_rms": kappa.std(axis=(1, 2)).tolist()}
+                "kappa_rms": kappa.std(axis=(1, 2)).tolist(),
+                "resolved_ell": [list(r) for r in pred["ell_range"]]}
 
     def write_all(self, ctx, res):
         io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
                        res["plane_k"], res["plane_p"], ctx.conf, ctx.configs["lensing"],
-                       ctx.geom)
+                       ctx.geom, gamma=(np.asarray(res["gamma1"], np.float64),
+                                        np.asarray(res["gamma2"], np.float64)))
 
     def write(self, ctx, out, res, summary):
         geom = ctx.geom
         io.write_kappa_power(out.path("kappa_power.txt"), res["ell"], res["measured"],
-                             res["limber"], res["n_modes"], geom, rank=0)
+                             res["pred"], res["n_modes"], geom, rank=0)
 
     def plot(self, ctx, out, res, summary):
         kappa_plot(out.path("kappa.png"), res["kappa"][0], ctx.geom, res["ell"],
@@ -216,7 +226,7 @@ def plane_names(n_planes):
 
 
 def kappa_plot(path, kappa, geom, ell, measured, limber):
-    """The first source's map and ell(ell+1) C_ell / 2 pi, measured and Limber."""
+    """The first source's map and ell(ell+1) C_ell / 2 pi, measured and expected."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,12 +238,12 @@ def kappa_plot(path, kappa, geom, ell, measured, limber):
     fig.colorbar(im, ax=ax0, label="kappa")
     ax0.set_xlabel("theta_x [deg]")
     ax0.set_ylabel("theta_y [deg]")
-    ax0.set_title("Born convergence, z_s = %g" % geom.z_source[0])
+    ax0.set_title("Born convergence, %s" % geom.labels[0])
     norm = ell * (ell + 1) / (2 * np.pi)
-    for s, z in enumerate(geom.z_source):
-        line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, z_s=%g" % z)
+    for s, lab in enumerate(geom.labels):
+        line, = ax1.loglog(ell, norm * measured[s], "o-", ms=3, label="measured, %s" % lab)
         ax1.loglog(ell, norm * limber[s], "--", color=line.get_color(),
-                   label="Limber from sim P(k), z_s=%g" % z)
+                   label="expected from sim P(k) (windows), %s" % lab)
     ax1.set_xlabel("ell")
     ax1.set_ylabel("ell (ell+1) C_ell / 2 pi")
     ax1.legend(fontsize=8)

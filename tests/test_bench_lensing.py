@@ -1,0 +1,64 @@
+"""scripts/bench_lensing.py: the ensemble statistics on synthetic tables (exact), and a
+tiny ensemble of `flowpm-mtf lensing` runs whose band-averaged C_ell / C_ell_limber is 1
+within the tolerance its noise allows."""
+import os
+
+import numpy as np
+import pytest
+
+from flowpm_bench.scripts import load_script
+
+pytestmark = pytest.mark.single_process
+B = load_script("bench_lensing")
+
+# 16^3 in 128 Mpc/h, 2LPT at a = 0.4, z_s = 0.3 in 8 shells, 8 deg on 32^2 rays: ~6 s of
+# CPU per seed. Bands of ~100-200 modes each.
+TINY = ["--nc", "16", "--box-size", "128", "--a-start", "0.4", "--steps", "2",
+        "--z-source", "0.3", "--n-planes", "8", "--field-deg", "8", "--field-npix", "32",
+        "--halo", "3"]
+TINY_BANDS = "60-300,300-650"
+N_SEEDS = 4
+# Band ratio vs 1: 4 errors of the mean (the seeds' own scatter) plus 5 % for the model's
+# residuals at this coarse mesh (the default run's bands are within 5 %, docs/lensing.md).
+# The error itself must be small enough for the test to mean something: a wrong window
+# or a missing image moves the ratio by > 30 % at these ell (old model: 0.6-1.5).
+N_SIGMA, MODEL_TOL, MAX_ERROR = 4.0, 0.05, 0.12
+
+
+def _table(ell, cl, lim, modes):
+    return {"ell": ell, "C_ell": cl, "C_ell_limber": lim, "C_ell_limber_cont": lim,
+            "resolved": (ell < 300).astype(float), "modes": modes}
+
+
+def test_ensemble_statistics_exact():
+    ell = np.array([100.0, 250, 500, 900])
+    modes = np.array([10.0, 30, 50, 70])
+    rng = np.random.RandomState(0)
+    cls = [rng.uniform(0.5, 1.5, 4) for _ in range(5)]
+    lims = [rng.uniform(0.9, 1.1, 4) for _ in range(5)]
+    e = B.ensemble([_table(ell, c, l, modes) for c, l in zip(cls, lims)],
+                   bands=((200, 600), (600, 1000)))
+    per = np.array(cls) / np.mean(lims, 0)
+    np.testing.assert_allclose(e["ratio"], per.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(e["error"], per.std(0, ddof=1) / np.sqrt(5), rtol=1e-12)
+    band = per[:, 1:3] @ (modes[1:3] / modes[1:3].sum())
+    assert e["bands"][0]["lo"] == 200 and abs(e["bands"][0]["ratio"] - band.mean()) < 1e-12
+    assert abs(e["bands"][0]["error"] - band.std(ddof=1) / np.sqrt(5)) < 1e-12
+    assert e["resolved"] == [100.0, 250.0] and e["n"] == 5
+    with pytest.raises(ValueError, match="need >= 2 runs"):
+        B.ensemble([_table(ell, cls[0], lims[0], modes)])
+
+
+def test_tiny_ensemble(tmp_path):
+    data = B.main(["run", "--seeds", str(N_SEEDS), "--label", "tiny", "--nice", "0",
+                   "--out", str(tmp_path), "--work", str(tmp_path / "runs"),
+                   "--bands", TINY_BANDS, "--"] + TINY)
+    assert os.path.exists(tmp_path / "bench_lensing.md")
+    assert os.path.exists(tmp_path / "bench_lensing.png")
+    rec = data["tiny"]
+    assert rec["seeds"] == list(range(1, N_SEEDS + 1)) and len(rec["ensemble"]["bands"]) == 2
+    for b in rec["ensemble"]["bands"]:
+        assert b["error"] < MAX_ERROR, b
+        assert abs(b["ratio"] - 1) < N_SIGMA * b["error"] + MODEL_TOL, b
+    text = open(tmp_path / "bench_lensing.md").read()
+    assert "ell 60-300" in text and "tiny" in text
