@@ -352,13 +352,43 @@ class CicReadoutOp : public OpKernel {
   i64 halo_;
 };
 
-// d readout / d positions of particles [begin, end); KC as in read_range.
-//
-// With s_ijk = sum_C dv[C] field[corner ijk, C] and the weights (w0, w1) = (1 - f, f)
-// per axis (d w0 / dx = -1, d w1 / dx = 1):
+// The position gradient of one particle (stencil ax, ay, az) from its block's field fb:
+// gp[a] = sum_C d[C] sum_c dK_c/dx_a field[c, C] (d = nullptr: unit dvalues); KC as in
+// read_range. With s_ijk = sum_C d[C] field[corner ijk, C] and the weights (w0, w1) =
+// (1 - f, f) per axis (d w0 / dx = -1, d w1 / dx = 1):
 //   gx = sum_ij (wy_j [+-]_i) (wz . s_ij),  gy = sum_ij (wx_i [+-]_j) (wz . s_ij),
 //   gz = sum_ij wx_i wy_j (s_ij1 - s_ij0),
 // the z sums shared by gx and gy: 40 multiply-adds per particle instead of 80.
+template <typename T, int KC>
+inline void position_gradient(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
+                              const T* __restrict__ fb, const T* __restrict__ d,
+                              const Geometry& g, T* __restrict__ gp) {
+  const i64 C = KC ? KC : g.comps;
+  T zs[2][2], zd[2][2];  // per (i, j): wz . s_ij and s_ij1 - s_ij0
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+      T sk[2];
+      for (int k = 0; k < 2; ++k) {
+        const T* src = cell + az.i[k] * C;
+        T acc = 0;
+        if (d) {
+          for (i64 c = 0; c < C; ++c) acc += d[c] * src[c];
+        } else {
+          for (i64 c = 0; c < C; ++c) acc += src[c];
+        }
+        sk[k] = acc;
+      }
+      zs[i][j] = az.w[0] * sk[0] + az.w[1] * sk[1];
+      zd[i][j] = sk[1] - sk[0];
+    }
+  gp[0] = (ay.w[0] * zs[1][0] + ay.w[1] * zs[1][1]) - (ay.w[0] * zs[0][0] + ay.w[1] * zs[0][1]);
+  gp[1] = ax.w[0] * (zs[0][1] - zs[0][0]) + ax.w[1] * (zs[1][1] - zs[1][0]);
+  gp[2] = ax.w[0] * (ay.w[0] * zd[0][0] + ay.w[1] * zd[0][1]) +
+          ax.w[1] * (ay.w[0] * zd[1][0] + ay.w[1] * zd[1][1]);
+}
+
+// d readout / d positions of particles [begin, end) (position_gradient).
 template <typename T, int KC>
 void grad_pos_range(const T* __restrict__ P, const T* __restrict__ F, const T* __restrict__ D,
                     T* __restrict__ G, const Geometry& g, i64 n, i64 block, i64 begin,
@@ -373,30 +403,7 @@ void grad_pos_range(const T* __restrict__ P, const T* __restrict__ F, const T* _
     if (!finite3(q)) continue;
     Axis<T> ax, ay, az;
     stencil(q, g, &ax, &ay, &az);
-    const T* fb = F + b * block;
-    const T* d = D ? D + u * C : nullptr;
-    T zs[2][2], zd[2][2];  // per (i, j): wz . s_ij and s_ij1 - s_ij0
-    for (int i = 0; i < 2; ++i)
-      for (int j = 0; j < 2; ++j) {
-        const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
-        T sk[2];
-        for (int k = 0; k < 2; ++k) {
-          const T* src = cell + az.i[k] * C;
-          T acc = 0;
-          if (d) {
-            for (i64 c = 0; c < C; ++c) acc += d[c] * src[c];
-          } else {
-            for (i64 c = 0; c < C; ++c) acc += src[c];
-          }
-          sk[k] = acc;
-        }
-        zs[i][j] = az.w[0] * sk[0] + az.w[1] * sk[1];
-        zd[i][j] = sk[1] - sk[0];
-      }
-    gp[0] = (ay.w[0] * zs[1][0] + ay.w[1] * zs[1][1]) - (ay.w[0] * zs[0][0] + ay.w[1] * zs[0][1]);
-    gp[1] = ax.w[0] * (zs[0][1] - zs[0][0]) + ax.w[1] * (zs[1][1] - zs[1][0]);
-    gp[2] = ax.w[0] * (ay.w[0] * zd[0][0] + ay.w[1] * zd[0][1]) +
-            ax.w[1] * (ay.w[0] * zd[1][0] + ay.w[1] * zd[1][1]);
+    position_gradient<T, KC>(ax, ay, az, F + b * block, D ? D + u * C : nullptr, g, gp);
   }
 }
 
@@ -480,24 +487,7 @@ void readout_grad_slab(const T* __restrict__ pb, const T* __restrict__ db,
       }
     }
     if (!in0) continue;  // the position gradient: the owner of ax.i[0] only
-    T zs[2][2], zd[2][2];
-    for (int i = 0; i < 2; ++i)
-      for (int j = 0; j < 2; ++j) {
-        const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * zrow;
-        T sk[2];
-        for (int k = 0; k < 2; ++k) {
-          const T* src = cell + az.i[k] * C;
-          T acc = 0;
-          for (i64 c = 0; c < C; ++c) acc += d[c] * src[c];
-          sk[k] = acc;
-        }
-        zs[i][j] = az.w[0] * sk[0] + az.w[1] * sk[1];
-        zd[i][j] = sk[1] - sk[0];
-      }
-    gp[0] = (ay.w[0] * zs[1][0] + ay.w[1] * zs[1][1]) - (ay.w[0] * zs[0][0] + ay.w[1] * zs[0][1]);
-    gp[1] = ax.w[0] * (zs[0][1] - zs[0][0]) + ax.w[1] * (zs[1][1] - zs[1][0]);
-    gp[2] = ax.w[0] * (ay.w[0] * zd[0][0] + ay.w[1] * zd[0][1]) +
-            ax.w[1] * (ay.w[0] * zd[1][0] + ay.w[1] * zd[1][1]);
+    position_gradient<T, KC>(ax, ay, az, fb, d, g, gp);
   }
 }
 
