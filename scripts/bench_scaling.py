@@ -284,7 +284,10 @@ def slots_of(rec):
     """Particle slots per rank of a record: ``slots_local``, else (records written before
     it was stored: the lagrangian decomposition, one slot per particle) ``capacity`` or
     the particles per rank."""
-    return rec.get("slots_local", rec.get("capacity", rec["n_local"]))
+    for key in ("slots_local", "capacity", "n_local"):   # in order; not all records have all
+        if key in rec:
+            return rec[key]
+    raise KeyError("record %r has none of slots_local, capacity, n_local" % rec.get("name"))
 
 
 def fit_model(records):
