@@ -174,11 +174,30 @@ inline void stencil(const T* p, const Geometry& g, Axis<T>* ax, Axis<T>* ay, Axi
 // readout) or 0 for any C, HasW: with
 // per-particle weights wb. The terms and their order are those of the generic
 // loop (corners x, y, z; kern = (wx * wy) * wz, then times the weight).
+// One particle's deposits into the x rows of its stencil that the slab holds
+// (in0, in1: rows ax.i[0], ax.i[1]); w: its C weights (HasW) or unit weights.
+template <typename T, int KC, bool HasW>
+inline void deposit(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az, bool in0,
+                    bool in1, const T* __restrict__ w, T* __restrict__ fb, const Geometry& g) {
+  const i64 C = KC ? KC : g.comps;
+  const i64 zrow = g.nz * C;
+  const i64 z0 = az.i[0] * C, z1 = az.i[1] * C;
+  for (int i = 0; i < 2; ++i) {
+    if (!(i ? in1 : in0)) continue;
+    for (int j = 0; j < 2; ++j) {
+      const T wxy = ax.w[i] * ay.w[j];
+      T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * zrow;
+      const T k0 = wxy * az.w[0], k1 = wxy * az.w[1];
+      for (i64 c = 0; c < C; ++c) cell[z0 + c] += HasW ? k0 * w[c] : k0;
+      for (i64 c = 0; c < C; ++c) cell[z1 + c] += HasW ? k1 * w[c] : k1;
+    }
+  }
+}
+
 template <typename T, int KC, bool HasW>
 void paint_slab(const T* __restrict__ pb, const T* __restrict__ wb, T* __restrict__ fb,
                 const Geometry& g, i64 n, i64 r0, i64 r1) {
   const i64 C = KC ? KC : g.comps;
-  const i64 zrow = g.nz * C;
   for (i64 p = 0; p < n; ++p) {
     const T* q = pb + 3 * p;
     if (!finite3(q)) continue;
@@ -188,29 +207,7 @@ void paint_slab(const T* __restrict__ pb, const T* __restrict__ wb, T* __restric
     if (!in0 && !in1) continue;
     clipped_axis(q[1], g.halo, g.py, &ay);
     periodic_axis(q[2], g.nz, &az);
-    const i64 z0 = az.i[0] * C, z1 = az.i[1] * C;
-    for (int i = 0; i < 2; ++i) {
-      if (!(i ? in1 : in0)) continue;
-      for (int j = 0; j < 2; ++j) {
-        const T wxy = ax.w[i] * ay.w[j];
-        T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * zrow;
-        const T k0 = wxy * az.w[0], k1 = wxy * az.w[1];
-        for (i64 c = 0; c < C; ++c) {
-          if (HasW) {
-            cell[z0 + c] += k0 * wb[p * C + c];
-          } else {
-            cell[z0 + c] += k0;
-          }
-        }
-        for (i64 c = 0; c < C; ++c) {
-          if (HasW) {
-            cell[z1 + c] += k1 * wb[p * C + c];
-          } else {
-            cell[z1 + c] += k1;
-          }
-        }
-      }
-    }
+    deposit<T, KC, HasW>(ax, ay, az, in0, in1, HasW ? wb + p * C : nullptr, fb, g);
   }
 }
 
@@ -460,7 +457,6 @@ void readout_grad_slab(const T* __restrict__ pb, const T* __restrict__ db,
                        const T* __restrict__ fb, T* __restrict__ dfb, T* __restrict__ gpb,
                        const Geometry& g, i64 n, i64 r0, i64 r1) {
   const i64 C = KC ? KC : g.comps;
-  const i64 zrow = g.nz * C;
   for (i64 p = 0; p < n; ++p) {
     const T* q = pb + 3 * p;
     T* gp = gpb + 3 * p;
@@ -475,17 +471,7 @@ void readout_grad_slab(const T* __restrict__ pb, const T* __restrict__ db,
     clipped_axis(q[1], g.halo, g.py, &ay);
     periodic_axis(q[2], g.nz, &az);
     const T* d = db + p * C;
-    const i64 z0 = az.i[0] * C, z1 = az.i[1] * C;
-    for (int i = 0; i < 2; ++i) {
-      if (!(i ? in1 : in0)) continue;
-      for (int j = 0; j < 2; ++j) {
-        const T wxy = ax.w[i] * ay.w[j];
-        T* cell = dfb + (ax.i[i] * g.py + ay.i[j]) * zrow;
-        const T k0 = wxy * az.w[0], k1 = wxy * az.w[1];
-        for (i64 c = 0; c < C; ++c) cell[z0 + c] += k0 * d[c];
-        for (i64 c = 0; c < C; ++c) cell[z1 + c] += k1 * d[c];
-      }
-    }
+    deposit<T, KC, true>(ax, ay, az, in0, in1, d, dfb, g);
     if (!in0) continue;  // the position gradient: the owner of ax.i[0] only
     position_gradient<T, KC>(ax, ay, az, fb, d, g, gp);
   }
