@@ -22,7 +22,7 @@ linear power and compare with CAMB's own halofit (``tests/data/``). numpy, float
 import numpy as np
 
 from . import cosmology as cm
-from .linear_power import linear_matter_power_function
+from .linear_power import linear_matter_power_function, trapezoid
 
 __all__ = ["nonlinear_scale", "halofit_power", "halofit_power_function"]
 
@@ -36,9 +36,9 @@ def _sigma2_derivs(delta2, lnr):
     k = np.exp(_LNK)
     x2 = (k * np.exp(lnr))**2
     g = np.exp(-x2)
-    s0 = np.trapz(delta2 * g, _LNK)
-    s1 = np.trapz(delta2 * g * (-2 * x2), _LNK)                 # d sigma^2 / d ln R
-    s2 = np.trapz(delta2 * g * (-4 * x2 + 4 * x2**2), _LNK)     # d^2 sigma^2 / d ln R^2
+    s0 = trapezoid(delta2 * g, _LNK)
+    s1 = trapezoid(delta2 * g * (-2 * x2), _LNK)                 # d sigma^2 / d ln R
+    s2 = trapezoid(delta2 * g * (-4 * x2 + 4 * x2**2), _LNK)     # d^2 sigma^2 / d ln R^2
     d1 = s1 / s0
     return np.log(s0), d1, s2 / s0 - d1**2
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import cosmology as cm
 
-__all__ = ["TCMB", "transfer_eisenstein_hu", "sigma_r", "linear_matter_power",
+__all__ = ["TCMB", "trapezoid", "transfer_eisenstein_hu", "sigma_r", "linear_matter_power",
            "linear_matter_power_function", "PowerTable", "linear_power_table", "load_power_table"]
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,13 @@ TCMB = 2.726
 # ln k grid of the sigma(R) integral: [k] = h/Mpc. Below 1e-5 and above 1e4 the
 # integrand k^3 P(k) W^2(kR) is below 1e-12 of its peak for R >= 1 Mpc/h.
 _SIGMA_LNK = (np.log(1e-5), np.log(1e4), 16385)
+
+
+trapezoid = getattr(np, "trapezoid", None) or np.trapz
+"""numpy's trapezoidal rule on both stacks: ``np.trapezoid`` (numpy 2 renamed ``trapz``, and
+2.4 removed the old name), ``np.trapz`` on numpy 1.24 (the TF 2.12 stack), which has no
+``trapezoid``. The one place the package takes it from (:mod:`~flowpm_mtf.sizing`,
+:mod:`~flowpm_mtf.preflight`, :mod:`~flowpm_mtf.halofit`)."""
 
 
 def transfer_eisenstein_hu(cosmo, k, kind="eisenhu_osc"):

@@ -35,10 +35,9 @@ from fractions import Fraction
 import numpy as np
 
 from .errors import ConfigError, MemoryBudgetError
+from .linear_power import trapezoid
 from .logs import rank0_only
 
-# numpy 2 renamed trapz to trapezoid (trapz is gone in 2.4); numpy 1.24 has only trapz
-_trapezoid = getattr(np, "trapezoid", None) or np.trapz
 
 __all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
            "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "MAX_TENSOR_ELEMENTS", "MAX_RANKS", "Term",
@@ -668,7 +667,7 @@ def displacement_rms_cells(conf):
     cell = float(np.mean(conf.cell_size))
     k = np.logspace(np.log10(2 * np.pi / L), np.log10(np.pi / cell), 512)
     pk = linear_power.linear_matter_power(conf.cosmology, k)
-    return float(np.sqrt(_trapezoid(pk, k) / (2 * np.pi**2) / 3.0)) / cell
+    return float(np.sqrt(trapezoid(pk, k) / (2 * np.pi**2) / 3.0)) / cell
 
 
 def _numerics_failure(conf, stages=None):

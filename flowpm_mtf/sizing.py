@@ -28,9 +28,8 @@ import numpy as np
 from . import config as cfg
 from . import cosmology as cm
 from . import linear_power
+from .linear_power import trapezoid
 
-# numpy 2 renamed trapz to trapezoid (trapz is gone in 2.4); numpy 1.24 has only trapz
-_trapezoid = getattr(np, "trapezoid", None) or np.trapz
 
 __all__ = ["CAPACITY_MARGIN", "CAPACITY_SIGMAS", "capacity", "send_capacity",
            "lpt_displacement_cells", "migration_rounds"]
@@ -49,7 +48,7 @@ def _sigma_psi(conf):
     kmax = np.pi / min(conf.cell_size) * np.sqrt(3.0)
     k = np.logspace(np.log10(kmin), np.log10(kmax), 512)
     pk = linear_power.linear_matter_power(conf.cosmology, k)
-    return float(np.sqrt(_trapezoid(pk, k) / (6 * np.pi**2)))
+    return float(np.sqrt(trapezoid(pk, k) / (6 * np.pi**2)))
 
 
 @functools.lru_cache(maxsize=64)
