@@ -117,7 +117,10 @@ def numpy_dispatched_features():
     ``NPY_DISABLE_CPU_FEATURES`` makes every numpy import warn: the list is
     numpy's own (imports numpy; no MPI, Horovod or TensorFlow).
     """
-    from numpy.core import _multiarray_umath as umath
+    try:   # numpy >= 2 (numpy.core is a deprecated alias there)
+        from numpy._core import _multiarray_umath as umath
+    except ImportError:   # numpy 1.x
+        from numpy.core import _multiarray_umath as umath
 
     return " ".join(f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f))
 

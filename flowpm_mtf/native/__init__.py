@@ -1,6 +1,6 @@
 """Native TensorFlow custom ops for the CPU (C++ sources in this folder).
 
-Each ``<name>.cc`` here is compiled into ``lib<name>.so`` by
+Each ``<name>.cc`` here is compiled into ``lib<name>.tf<TF version>.so`` by
 ``python -m flowpm_mtf.native.build`` (run by ``scripts/setup_env.sh``); a stamp
 file beside the library records the source hash and the TensorFlow version it
 was built for, so a library built for other sources or another TensorFlow is
@@ -46,8 +46,14 @@ def source_path(name):
 
 
 def library_path(name):
-    """Path of the built library ``lib<name>.so``."""
-    return os.path.join(HERE, "lib%s.so" % name)
+    """Path of the built library for this TensorFlow: ``lib<name>.tf<version>.so``.
+
+    A library is built against one TensorFlow (its headers and
+    ``libtensorflow_framework``); the version in the name lets the two stacks'
+    virtualenvs (``FLOWPM_MTF_STACK``, docs/setup.md) share one checkout without
+    rebuilding each other's libraries.
+    """
+    return os.path.join(HERE, "lib%s.tf%s.so" % (name, tf_version()))
 
 
 # Distributions that provide the ``tensorflow`` module.
@@ -118,7 +124,7 @@ def expected_stamp(name):
 
 
 def load(name):
-    """Load the op library ``lib<name>.so``, or ``None`` if not usable.
+    """Load the op library ``lib<name>.tf<TF version>.so``, or ``None`` if not usable.
 
     Parameters
     ----------
@@ -191,7 +197,7 @@ FLOATS = ("float32", "float64")  # the dtypes the floating-point ops are registe
 
 
 def ops_for(name, *tensors, dtypes=FLOATS):
-    """The op module ``lib<name>.so`` if its ops serve these tensors, else None.
+    """The op module of ``<name>`` if its ops serve these tensors, else None.
 
     The one choice between a native op and the TensorFlow path: the native op when
     its library is usable, every tensor has a served dtype, and every tensor's op

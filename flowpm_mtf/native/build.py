@@ -1,6 +1,6 @@
 """Build the native ops: ``python -m flowpm_mtf.native.build [name ...]``.
 
-Compiles every ``*.cc`` of this folder (or the named ones) into ``lib<name>.so``
+Compiles every ``*.cc`` of this folder (or the named ones) into ``lib<name>.tf<TF version>.so``
 with TensorFlow's compile and link flags; a source includes this folder's headers
 (``#include "tf_op.h"``) by their name. Extra libraries are declared in the
 source by a line ``// LINK: -lfftw3f -lfftw3``, extra compiler flags by a line
@@ -38,7 +38,7 @@ def declared_flags(source, key="LINK"):
 
 
 def build(name, force=False):
-    """Compile ``<name>.cc`` into ``lib<name>.so`` unless it is up to date.
+    """Compile ``<name>.cc`` into :func:`~flowpm_mtf.native.library_path` unless it is up to date.
 
     Returns
     -------
