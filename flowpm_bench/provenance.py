@@ -74,6 +74,65 @@ def memory_gb():
         return None
 
 
+DEFAULT_STACK = "tf2.21"
+"""The stack ``scripts/setup_env.sh`` installs when ``FLOWPM_MTF_STACK`` is unset."""
+
+PREVIOUS_STACK = "tf2.12"
+"""The stack every record without a ``stack`` field was measured on (before 2026-11-25)."""
+
+
+def tensorflow_version():
+    """The installed TensorFlow's version, read from its metadata (TF is not imported).
+
+    Returns
+    -------
+    str or None
+        e.g. ``"2.21.0"``; None when neither ``tensorflow-cpu`` nor ``tensorflow`` is
+        installed in this interpreter's environment.
+    """
+    from importlib import metadata
+    for dist in ("tensorflow-cpu", "tensorflow"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def stack():
+    """The software stack of this interpreter, as ``FLOWPM_MTF_STACK`` names it.
+
+    The benchmarks launch their sub-runs with ``sys.executable``, so a benchmark run
+    with ``.venv-tf2.12/bin/python`` measures the TF 2.12 stack and one run with
+    ``.venv/bin/python`` the default one; the records carry this label and the
+    tables put the stacks side by side.
+
+    Returns
+    -------
+    str
+        ``"tf<major>.<minor>"`` of the installed TensorFlow (``"tf2.21"``,
+        ``"tf2.12"``), ``"unknown"`` without TensorFlow.
+    """
+    version = tensorflow_version()
+    if not version:
+        return "unknown"
+    return "tf" + ".".join(version.split(".")[:2])
+
+
+def stack_of(record):
+    """The stack a benchmark record was measured on (:data:`PREVIOUS_STACK` if unrecorded).
+
+    Parameters
+    ----------
+    record : dict
+
+    Returns
+    -------
+    str
+    """
+    return record.get("stack") or PREVIOUS_STACK
+
+
 def machine():
     """The machine, without its host name.
 
@@ -81,10 +140,12 @@ def machine():
     -------
     dict
         ``cpus`` (cores), ``memory_gb``, ``platform`` (OS and kernel), ``python``,
-        ``loadavg`` (1, 5 and 15-minute load averages, :func:`os.getloadavg`).
+        ``tensorflow`` (version), ``loadavg`` (1, 5 and 15-minute load averages,
+        :func:`os.getloadavg`).
     """
     return {"cpus": os.cpu_count(), "memory_gb": memory_gb(), "platform": platform.platform(),
-            "python": platform.python_version(), "loadavg": list(os.getloadavg())}
+            "python": platform.python_version(), "tensorflow": tensorflow_version(),
+            "loadavg": list(os.getloadavg())}
 
 
 def table_note(script=None, rendered_from=None):

@@ -399,8 +399,39 @@ def _key(rec):
                                rec.get("nc"), rec.get("ranks"))
 
 
+def code_label(code, stack):
+    """The ``code`` column of our records: ``code``, with the stack when it is not the default.
+
+    Parameters
+    ----------
+    code : str
+        ``"current"`` or ``"baseline REV"``.
+    stack : str
+        :func:`flowpm_bench.provenance.stack` of the interpreter that ran it.
+
+    Returns
+    -------
+    str
+        e.g. ``"current"`` (TF 2.21, the default stack), ``"current tf2.12"``.
+    """
+    return code if stack == provenance.DEFAULT_STACK else "%s %s" % (code, stack)
+
+
+def normalise(result):
+    """Our records written before records carried their stack were TF 2.12's: label them so
+    (``code`` and key), as :func:`code_label` labels new ones."""
+    records = {}
+    for rec in result["records"].values():
+        if rec.get("peer") == "ours" and "stack" not in rec:
+            rec["stack"] = provenance.PREVIOUS_STACK
+            rec["code"] = code_label(rec.get("code", "current"), rec["stack"])
+        records[_key(rec)] = rec
+    result["records"] = records
+    return result
+
+
 def load_results(path):
-    return read_json(path, {"records": {}})
+    return normalise(read_json(path, {"records": {}}))
 
 
 def cmd_all(args):
@@ -408,9 +439,11 @@ def cmd_all(args):
     result = load_results(path)
     tmp = tempfile.mkdtemp(prefix="bench_peers")
     me = os.path.abspath(__file__)
-    codes = [("current", REPO)]
+    stack = provenance.stack()   # of sys.executable, which runs every sub-run
+    codes = [(code_label("current", stack), REPO)]
     if args.baseline:
-        codes.append(("baseline " + args.baseline, baseline_code(args.baseline)))
+        codes.append((code_label("baseline " + args.baseline, stack),
+                      baseline_code(args.baseline)))
     jobs = []  # (record fields, command, pythonpath)
     for nc in args.sizes:
         if "jaxpm" in args.peers:
@@ -440,6 +473,7 @@ def cmd_all(args):
         out = os.path.join(tmp, "rec%d.json" % i)
         rec = _launch(make(out), out, args.timeout, pythonpath or None)
         rec = dict(fields, **rec)
+        rec["stack"] = stack
         rec["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
         rec["load_avg_1min"] = os.getloadavg()[0]
         result["records"][_key(rec)] = rec
@@ -562,7 +596,7 @@ def fft_pairs_markdown(result):
 
 def cmd_render(args):
     path = json_path(args.out, "bench_peers")
-    render(read_raw(path), args.out, rendered_from=path)
+    render(normalise(read_raw(path)), args.out, rendered_from=path)
 
 
 def machine_info():
@@ -606,7 +640,9 @@ def markdown(result):
                  "warm; `2LPT`: white noise + 2LPT alone (the issue's \"2LPT ICs\"; warm, "
                  "median of 3), without the first force, which is the integrator's; `FFT rt`: distributed r2c + c2r round trip; ns/particle: step time "
                  "per particle; `load`: the machine's 1-minute load average when the record was "
-                 "written.", "",
+                 "written. `code`: `current` is this commit on the default stack (TensorFlow "
+                 "2.21), `current tf2.12` the same on the previous stack (`FLOWPM_MTF_STACK="
+                 "tf2.12`); records without a stack name were measured on TF 2.12.", "",
                  "CPU columns: process CPU time (all threads, summed over ranks; MPI waits "
                  "busy-poll), robust on a loaded machine where wall times are not.", "",
                  "| mesh | code | ranks | step | step / JaxPM force | step / JaxPM step | "

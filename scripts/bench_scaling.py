@@ -138,7 +138,7 @@ def paths(quick):
 
 
 def load(path):
-    return read_json(path, {"records": {}})
+    return normalise(read_json(path, {"records": {}}))
 
 
 def save(path, data):
@@ -154,19 +154,52 @@ def default_allocator():
     return allocator.environment(None, env)[0]
 
 
-def record_key(name, mode):
-    """``name`` for the default allocator, ``name@mode`` for another."""
-    return name if not mode or mode == default_allocator() else "%s@%s" % (name, mode)
+def record_key(name, mode, stack=provenance.DEFAULT_STACK):
+    """``name`` for the default allocator on the default stack, else ``name@suffix`` with the
+    allocator mode and/or the stack (``floor-1@lean``, ``floor-1@tf2.12``,
+    ``floor-1@lean+tf2.12``)."""
+    parts = [mode] if mode and mode != default_allocator() else []
+    if stack != provenance.DEFAULT_STACK:
+        parts.append(stack)
+    return "%s@%s" % (name, "+".join(parts)) if parts else name
 
 
 def split_key(key):
-    """(configuration name, allocator suffix or None) of a record key."""
+    """(configuration name, suffix or None) of a record key."""
     name, _, mode = key.partition("@")
     return name, (mode or None)
 
 
+def normalise(data):
+    """Records written before they carried their stack were TF 2.12's: re-key them."""
+    records = {}
+    for key, rec in data["records"].items():
+        if "stack" not in rec:
+            rec["stack"] = provenance.PREVIOUS_STACK
+            name, mode = split_key(key)
+            key = record_key(name, mode or default_allocator(), rec["stack"])
+        records[key] = rec
+    data["records"] = records
+    return data
+
+
+def group_title(suffix):
+    """The heading of the records of one key suffix (None: the default's)."""
+    parts = suffix.split("+")
+    stacks = [p for p in parts if p.startswith("tf")]
+    modes = [p for p in parts if not p.startswith("tf")]
+    what = []
+    if stacks:
+        what.append("stack `FLOWPM_MTF_STACK=%s`" % stacks[0])
+    if modes:
+        what.append("host allocator `FLOWPM_MTF_ALLOCATOR=%s`" % modes[0])
+    title = ", ".join(what)
+    return "\n### %s%s (records `NAME@%s`)" % (title[:1].upper(), title[1:], suffix)
+
+
 def allocator_groups(records):
-    """Records by allocator suffix (None: the default's), keyed by configuration name."""
+    """Records by key suffix (None: the default allocator's on the default stack), keyed by
+    configuration name."""
     groups = {}
     for key, rec in records.items():
         name, mode = split_key(key)
@@ -174,13 +207,40 @@ def allocator_groups(records):
     return groups
 
 
+def stacks_side_by_side(groups):
+    """Markdown lines: every configuration measured on both stacks (default allocator)."""
+    new, old = groups.get(None, {}), groups.get(provenance.PREVIOUS_STACK, {})
+    names = [n for n in CONFIGS if new.get(n, {}).get("ok") and old.get(n, {}).get("ok")]
+    if not names:
+        return []
+    lines = ["\n### The two stacks side by side (default allocator)\n",
+             "Peak per rank [MB] (the largest rank), the ICs and the N-body steps [s] (wall, "
+             "the job's timings), TF 2.12 (`FLOWPM_MTF_STACK=tf2.12`) and TF 2.21 (default); "
+             "ratio = TF 2.21 / TF 2.12. Commits and loads: the records above.\n",
+             "| run | peak 2.12 | peak 2.21 | ratio | ICs 2.12 | ICs 2.21 | ratio | steps 2.12 "
+             "| steps 2.21 | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in names:
+        a, b = old[n], new[n]
+        pa, pb = max(a["peak_mb_per_rank"]), max(b["peak_mb_per_rank"])
+        ia, ib = a["timings"].get("ics_s"), b["timings"].get("ics_s")
+        sa, sb = a["timings"].get("nbody_s"), b["timings"].get("nbody_s")
+        ratio = lambda x, y: "%.2f" % (y / x) if x and y else "-"  # noqa: E731
+        lines.append("| %s | %.0f | %.0f | %s | %s | %s | %s | %s | %s | %s |" % (
+            n, pa, pb, ratio(pa, pb), _fmt_s(ia), _fmt_s(ib), ratio(ia, ib), _fmt_s(sa),
+            _fmt_s(sb), ratio(sa, sb)))
+    return lines
+
+
+def _fmt_s(v):
+    return "-" if v is None else "%.3g" % v
+
+
 # ----------------------------------------------------------------------------- run
 def simulate_command(c, out, steps):
-    py = os.path.join(REPO, ".venv", "bin", "python")
-    if not os.path.exists(py):
-        py = sys.executable
+    # the interpreter running this script: its venv is the stack measured (the records say
+    # which, provenance.stack)
     cmd = mpirun_command(c["ranks"])
-    cmd += [py, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
+    cmd += [sys.executable, "-m", "flowpm_mtf.cli", "simulate", "--nc", ",".join(map(str, c["nc"])),
             "--steps", str(steps), "--grid",
             "x".join(map(str, c["grid"])), "--out", out, "--no-plot", "--dtype", "float32",
             "--force"]  # measure what runs, not what the preflight estimate expects
@@ -237,6 +297,7 @@ def run_one(name, c, args):
            "commit": provenance.git("rev-parse", "--short", "HEAD"),
            "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True),
            "date": started, "machine": mach, "note": args.note, "quick": args.quick,
+           "stack": provenance.stack(),
            "command": " ".join(cmd)}
     rec.update(planned(c))
     summary_path = os.path.join(out, "run", "summary.json")
@@ -450,9 +511,9 @@ def render(data, quick):
     for mode in [None] + sorted(m for m in groups if m is not None):
         group = groups.get(mode, {})
         if mode is not None:
-            lines.append("\n### Host allocator `FLOWPM_MTF_ALLOCATOR=%s` (records `NAME@%s`)"
-                         % (mode, mode))
+            lines.append(group_title(mode))
         _section(lines, group, floors_of(group) or default_floors)
+    lines += stacks_side_by_side(groups)
     lines.append("\n#### Breakdown per rank [MB] (rank with the highest peak)\n")
     lines.append("| run | decomposition, halo, slots/rank | runtime | graph + state | ICs | "
                  "steps | output | peak | state slots (%d B/slot) | preflight estimate |"
@@ -555,7 +616,7 @@ def main(argv=None):
     sub.add_parser("render", help="JSON -> Markdown (+ docs/scaling.md)")
     args = ap.parse_args(argv)
     json_path, _ = paths(args.quick)
-    data = read_raw(json_path) if args.cmd == "render" else load(json_path)
+    data = normalise(read_raw(json_path)) if args.cmd == "render" else load(json_path)
     if args.cmd == "list":
         for name in CONFIGS:
             _, c = config_for(name, argparse.Namespace(quick=args.quick, nc=None, ranks=None))
@@ -570,7 +631,8 @@ def main(argv=None):
             todo = [args.name] if args.name else list(CONFIGS) + ["largest"]
         else:
             todo = [n for n in CONFIGS
-                    if not data["records"].get(record_key(n, args.allocator), {}).get("ok")]
+                    if not data["records"].get(record_key(n, args.allocator,
+                                                          provenance.stack()), {}).get("ok")]
             args.nc = args.ranks = None
         for name in todo:
             name, c = config_for(name, args)
@@ -578,7 +640,7 @@ def main(argv=None):
                 name, c["ranks"], "x".join(map(str, c["nc"]))), flush=True)
             rec = run_one(name, c, args)
             data = load(json_path)  # merge with what other invocations wrote meanwhile
-            data["records"][record_key(name, args.allocator)] = rec
+            data["records"][record_key(name, args.allocator, rec["stack"])] = rec
             write_outputs(data, args.quick)
             print("  %s" % ("peak per rank %s MB" % _fmt_range(rec["peak_mb_per_rank"])
                             if rec["ok"] else "FAILED: " + rec["error"]), flush=True)

@@ -77,8 +77,9 @@ def paths(quick):
 
 
 def _python():
-    py = os.path.join(REPO, ".venv", "bin", "python")
-    return py if os.path.exists(py) else sys.executable
+    """The interpreter running this script: its venv is the stack measured (records say
+    which: ``stack``)."""
+    return sys.executable
 
 
 def simulate_command(c, out, steps):
@@ -120,7 +121,7 @@ def run_one(name, c, args):
            "commit": provenance.git("rev-parse", "--short", "HEAD"),
            "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True),
            "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
-           "machine": provenance.machine(), "note": args.note}
+           "machine": provenance.machine(), "note": args.note, "stack": provenance.stack()}
     cmd = simulate_command(c, os.path.join(out, "run"), args.steps)
     rec["command"] = " ".join(cmd)
     try:
@@ -185,6 +186,23 @@ def row(rec):
     return out
 
 
+def record_key(name, stack):
+    """``name`` on the default stack, ``name@stack`` on another."""
+    return name if stack == provenance.DEFAULT_STACK else "%s@%s" % (name, stack)
+
+
+def normalise(data):
+    """Records written before they carried their stack were TF 2.12's: re-key them."""
+    data["records"] = {record_key(rec["name"], provenance.stack_of(rec)): dict(
+        rec, stack=provenance.stack_of(rec)) for rec in data["records"].values()}
+    return data
+
+
+def _stack_note(rec):
+    stack = provenance.stack_of(rec)
+    return "" if stack == provenance.DEFAULT_STACK else " " + stack
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -198,12 +216,15 @@ def render(data, quick):
              "first; `ICs in steps`: the job's ICs (first run) / step; `write`: the "
              "snapshot's part files (all ranks, fsync and hashing included); `job / bare`: "
              "the job's step / the bare lowered step along the same trajectory (wall; CPU in "
-             "parentheses); `load`: 1-minute load average at the start (2 cores)."
+             "parentheses); `load`: 1-minute load average at the start (2 cores); `commit`: "
+             "with the stack when it is not the default (TF 2.21); records without one were "
+             "measured on TF 2.12."
              % (SCRIPT, "bench_size_quick" if quick else "bench_size"), "",
              "| mesh | ranks | grid | step [s] | ns/particle | ICs in steps | write [GB/s] "
              "(GB) | peak [GB] | job / bare | load | commit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    recs = sorted(data["records"].values(), key=lambda r: (r["ranks"], r["nc"]))
+    recs = sorted(data["records"].values(),
+                  key=lambda r: (r["ranks"], r["nc"], provenance.stack_of(r)))
     for rec in recs:
         r = row(rec)
         head = "| %d^3 | %d | %s |" % (rec["nc"], rec["ranks"], "x".join(map(str, rec["grid"])))
@@ -218,8 +239,9 @@ def render(data, quick):
             _fmt(r["step_s"], ".3g"), _fmt(r["ns_per_particle"], ".0f"),
             _fmt(r["ics_in_steps"], ".2f"), _fmt(r["write_gb_per_s"], ".2f"),
             _fmt(r["write_gb"], ".3g"), _fmt(r["peak_gb"], ".2f"), ratio, r["load"],
-            rec["commit"] + ("+" if rec.get("dirty") else "")))
-    one = {rec["nc"]: row(rec) for rec in recs if rec["ranks"] == 1 and row(rec)}
+            rec["commit"] + ("+" if rec.get("dirty") else "") + _stack_note(rec)))
+    default = [rec for rec in recs if provenance.stack_of(rec) == provenance.DEFAULT_STACK]
+    one = {rec["nc"]: row(rec) for rec in (default or recs) if rec["ranks"] == 1 and row(rec)}
     if one:
         base = one[min(one)]
         lines += ["", "ns/particle relative to %d^3 on 1 rank (target <= 1.25 at 512^3): %s"
@@ -280,12 +302,12 @@ def cmd_bare(args):
 # ----------------------------------------------------------------------------- commands
 def cmd_run(args, names):
     raw, table = paths(args.quick)
-    data = read_json(raw, {"records": {}})
+    data = normalise(read_json(raw, {"records": {}}))
     for name in names:
         c = config_for(name, args.quick)
         print("%s: %d^3 on %d ranks ..." % (name, c["nc"], c["ranks"]), flush=True)
         rec = run_one(name, c, args)
-        data["records"][name] = rec
+        data["records"][record_key(name, rec["stack"])] = rec
         write_json(raw, data, sort_keys=True)
         r = row(rec)
         print("  %s" % ("failed: %s" % rec.get("error") if r is None else
@@ -316,18 +338,23 @@ def main(argv=None):
         return cmd_bare(args)
     raw, table = paths(args.quick)
     if args.cmd == "list":
-        done = read_json(raw, {"records": {}})["records"]
+        done = normalise(read_json(raw, {"records": {}}))["records"]
+        done = {k: v for k, v in done.items()
+                if k == record_key(v["name"], provenance.stack())}   # this stack's
+        done = {v["name"]: v for v in done.values()}
         for name in CONFIGS:
             c = config_for(name, args.quick)
             print("%-8s %4d^3 %d ranks  %s" % (name, c["nc"], c["ranks"],
                                                "measured" if name in done else "-"))
         return 0
     if args.cmd == "render":
-        write_table(table, render(read_raw(raw), args.quick), script=SCRIPT, rendered_from=raw)
+        write_table(table, render(normalise(read_raw(raw)), args.quick), script=SCRIPT,
+                    rendered_from=raw)
         return 0
     if args.cmd == "missing":
-        done = read_json(raw, {"records": {}})["records"]
-        names = [n for n in CONFIGS if not done.get(n, {}).get("ok")]
+        done = normalise(read_json(raw, {"records": {}}))["records"]
+        names = [n for n in CONFIGS
+                 if not done.get(record_key(n, provenance.stack()), {}).get("ok")]
     else:
         names = args.names or list(CONFIGS)
     return cmd_run(args, names)

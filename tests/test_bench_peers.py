@@ -156,6 +156,23 @@ def test_markdown_derives_the_ratios():
     assert cells[6] == "250" and cells[7] == "2700"                      # the largest rank
 
 
+def test_records_carry_their_stack_in_the_code_column():
+    """Our records without a stack were TF 2.12's: normalise labels them "current tf2.12"
+    (key and code), next to the default stack's "current" of the same case."""
+    old = {"peer": "ours", "code": "current", "nc": 64, "ranks": 1}
+    base = {"peer": "ours", "code": "baseline abc", "nc": 64, "ranks": 1}
+    new = {"peer": "ours", "code": bp.code_label("current", "tf2.21"), "nc": 64, "ranks": 1,
+           "stack": "tf2.21"}
+    jax = {"peer": "jaxpm", "nc": 64, "ranks": 1}
+    res = bp.normalise({"records": {bp._key(r): dict(r) for r in (old, base, jax)}})
+    res["records"][bp._key(new)] = new
+    codes = sorted(r.get("code", "-") for r in res["records"].values())
+    assert codes == ["-", "baseline abc tf2.12", "current", "current tf2.12"]
+    assert set(res["records"]) == {bp._key(r) for r in res["records"].values()}
+    assert bp.code_label("baseline x", "tf2.12") == "baseline x tf2.12"
+    assert "stack" not in res["records"][bp._key(jax)]   # not ours: no stack of ours
+
+
 @pytest.mark.single_process
 def test_baseline_tree_gets_its_native_ops_built(tmp_path, monkeypatch):
     """A --baseline tree is extracted with ``git archive`` (no built libraries): without

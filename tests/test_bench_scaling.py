@@ -117,6 +117,34 @@ def test_other_allocator_records_get_their_own_tables_and_stay_out_of_the_fit():
     assert bs.record_key("weak-4", bs.default_allocator()) == "weak-4"
 
 
+def test_stacks_get_their_own_tables_and_a_side_by_side_table():
+    """Records without a stack were TF 2.12's: normalise re-keys them NAME@tf2.12 (and
+    NAME@lean+tf2.12); the default stack's records keep the bare names, alone enter the
+    fit, and the side-by-side table divides the new stack's numbers by the old one's."""
+    old = {n: dict(_record(n), timings={"ics_s": 2.0, "nbody_s": 4.0}) for n in bs.CONFIGS}
+    old["weak-1@lean"] = dict(_record("weak-1"), peak_mb_per_rank=[1.0e4])
+    data = bs.normalise({"records": old})
+    assert set(data["records"]) == {n + "@tf2.12" for n in bs.CONFIGS} | {"weak-1@lean+tf2.12"}
+    assert all(r["stack"] == "tf2.12" for r in data["records"].values())
+    new = {n: dict(_record(n), stack="tf2.21", timings={"ics_s": 1.0, "nbody_s": 6.0})
+           for n in ("weak-1", "strong-2")}
+    new["weak-1"]["peak_mb_per_rank"] = [2 * new["weak-1"]["peak_mb_per_rank"][0]]
+    data["records"].update(bs.normalise({"records": new})["records"])
+    assert bs.record_key("weak-1", bs.default_allocator(), "tf2.21") == "weak-1"
+    assert bs.record_key("weak-1", "lean", "tf2.12") == "weak-1@lean+tf2.12"
+    groups = bs.allocator_groups(data["records"])
+    assert set(groups[None]) == {"weak-1", "strong-2"}
+    md = bs.render(data, quick=False)
+    assert "### Stack `FLOWPM_MTF_STACK=tf2.12` (records `NAME@tf2.12`)" in md
+    assert ("### Stack `FLOWPM_MTF_STACK=tf2.12`, host allocator `FLOWPM_MTF_ALLOCATOR=lean` "
+            "(records `NAME@lean+tf2.12`)") in md
+    side = md.split("### The two stacks side by side")[1].split("####")[0]
+    peak = old["weak-1"]["peak_mb_per_rank"][0]
+    assert ("| weak-1 | %.0f | %.0f | 2.00 | 2 | 1 | 0.50 | 4 | 6 | 1.50 |" % (peak, 2 * peak)
+            in side)
+    assert "| strong-2 |" in side and "| weak-4 |" not in side
+
+
 def test_records_before_slots_local_still_render():
     """Records written before ``slots_local`` was stored (the lagrangian decomposition, one
     slot per particle: results/raw/bench_scaling_quick.json) fit and render with their

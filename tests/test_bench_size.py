@@ -24,7 +24,7 @@ def _record(name, step=0.2, bare_step=0.19, ok=True):
     c = bsz.config_for(name, quick=False)
     rec = {"name": name, "nc": c["nc"], "ranks": c["ranks"], "grid": list(c["grid"]),
            "steps": 4, "n_particles": c["nc"] ** 3, "ok": ok, "commit": "abc", "dirty": False,
-           "machine": {"loadavg": [0.3, 0.2, 0.1]}}
+           "machine": {"loadavg": [0.3, 0.2, 0.1]}, "stack": "tf2.21"}
     if ok:
         rec.update(bsz.job_fields(_summary(step=step)))
         rec["bare"] = {"step_s": bare_step, "step_cpu_s": 2 * bare_step}
@@ -62,3 +62,18 @@ def test_columns_and_markdown():
     assert "| 256^3 | 2 | 2x1 | **failed**: Killed" in md
     assert "128^3 1.00, 512^3 1.20" in md
     assert md.index("512^3 | 1 |") < md.index("256^3 | 2 |")   # 1 rank first
+
+
+def test_stacks_are_keyed_and_labelled():
+    """A record without a stack was TF 2.12's: keyed NAME@tf2.12 and labelled so in the
+    commit column; the default stack's keeps its name, and the ns/particle ratio line
+    uses the default stack's records only."""
+    old = _record("1r-128", step=0.4)
+    del old["stack"]
+    data = bsz.normalise({"records": {"1r-128": old, "1r-512": _record("1r-512", step=12.8)}})
+    assert set(data["records"]) == {"1r-128@tf2.12", "1r-512"}
+    assert bsz.record_key("1r-128", "tf2.21") == "1r-128"
+    data["records"]["1r-128"] = _record("1r-128", step=0.2)
+    md = bsz.render(data, quick=False)
+    assert "| 0.3 | abc tf2.12 |" in md and "| 0.3 | abc |" in md
+    assert "128^3 1.00, 512^3 1.00" in md
