@@ -14,7 +14,7 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     license="MIT",
-    python_requires=">=3.9,<3.14",  # 3.11 with TF 2.12; 3.11-3.13 with TF 2.21 (docs/setup.md)
+    python_requires=">=3.11,<3.14",  # TF 2.21: 3.11-3.13; the tf2.12 stack: 3.11 (docs/setup.md)
     # flowpm_bench: the shared library of scripts/ (benchmarks, launchers), run from a checkout
     packages=find_packages(include=["hvd_mesh_impl", "hvd_mesh_impl.*", "flowpm_mtf",
                                     "flowpm_mtf.*", "mri_mtf", "mri_mtf.*", "flowpm_bench",

@@ -3,28 +3,28 @@
 # keep mpirun_options and flowpm_bench.launch.mpirun_command in step). Sourced by
 # scripts/run_*.sh; defines functions only.
 
-# stack_name: the software stack chosen by FLOWPM_MTF_STACK (tf2.12, the default, or
-# tf2.21; docs/setup.md); exit 2 on another value.
+# stack_name: the software stack chosen by FLOWPM_MTF_STACK (tf2.21, the default, or
+# tf2.12, the previous one; docs/setup.md); exit 2 on another value.
 stack_name() {
-  case "${FLOWPM_MTF_STACK:-tf2.12}" in
-    tf2.12|tf2.21) echo "${FLOWPM_MTF_STACK:-tf2.12}" ;;
-    *) echo "FLOWPM_MTF_STACK must be tf2.12 or tf2.21, got '${FLOWPM_MTF_STACK}'" >&2; return 2 ;;
+  case "${FLOWPM_MTF_STACK:-tf2.21}" in
+    tf2.21|tf2.12) echo "${FLOWPM_MTF_STACK:-tf2.21}" ;;
+    *) echo "FLOWPM_MTF_STACK must be tf2.21 or tf2.12, got '${FLOWPM_MTF_STACK}'" >&2; return 2 ;;
   esac
 }
 
 # stack_venv REPO: the stack's default virtualenv (VENV, when set, wins in the callers):
-# REPO/.venv for tf2.12, REPO/.venv-tf2.21 for tf2.21, so both can live in one checkout.
+# REPO/.venv for tf2.21, REPO/.venv-tf2.12 for tf2.12, so both can live in one checkout.
 stack_venv() {
   local stack
   stack="$(stack_name)" || return 2
-  if [ "$stack" = tf2.12 ]; then echo "$1/.venv"; else echo "$1/.venv-$stack"; fi
+  if [ "$stack" = tf2.21 ]; then echo "$1/.venv"; else echo "$1/.venv-$stack"; fi
 }
 
 # stack_requirements REPO: the stack's pinned requirements file.
 stack_requirements() {
   local stack
   stack="$(stack_name)" || return 2
-  if [ "$stack" = tf2.12 ]; then echo "$1/requirements.txt"; else echo "$1/requirements-$stack.txt"; fi
+  if [ "$stack" = tf2.21 ]; then echo "$1/requirements.txt"; else echo "$1/requirements-$stack.txt"; fi
 }
 
 # mpirun_options [local|hosts]: the mpirun options of every launch, one per line:

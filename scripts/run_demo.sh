@@ -2,7 +2,7 @@
 # The main job: set-up (idempotent), then the demo on NP ranks (default 2).
 #   bash scripts/run_demo.sh                    # defaults
 #   NP=4 bash scripts/run_demo.sh --nc 128      # extra arguments go to the sub-command
-#   FLOWPM_MTF_STACK=tf2.21 bash scripts/run_demo.sh   # on the TensorFlow 2.21 stack
+#   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_demo.sh   # on the previous stack, TensorFlow 2.12
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"

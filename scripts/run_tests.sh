@@ -6,7 +6,7 @@
 #   bash scripts/run_tests.sh                 # everything
 #   NPS="1 2" bash scripts/run_tests.sh       # only 1 and 2 ranks
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments
-#   FLOWPM_MTF_STACK=tf2.21 bash scripts/run_tests.sh   # on the TensorFlow 2.21 stack
+#   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_tests.sh   # on the previous stack, TensorFlow 2.12
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 1

@@ -5,11 +5,12 @@
 # A second run with nothing to do takes a few seconds.
 #
 # Environment:
-#   FLOWPM_MTF_STACK=tf2.12  (default) TensorFlow 2.12.1, numpy 1.24, Python 3.11, in .venv
-#   FLOWPM_MTF_STACK=tf2.21  TensorFlow 2.21.0, numpy 2, Python 3.11 (3.12/3.13: PYTHON=,
-#                        partly tested), in .venv-tf2.21 (docs/setup.md)
-#   VENV=path            virtualenv location (default: <repo>/.venv, <repo>/.venv-tf2.21)
-#   PYTHON=python3.11    interpreter used to create the venv (default: see above)
+#   FLOWPM_MTF_STACK=tf2.21  (default) TensorFlow 2.21.0, numpy 2, the newest of Python 3.13,
+#                        3.12, 3.11 found, in .venv (docs/setup.md)
+#   FLOWPM_MTF_STACK=tf2.12  the previous stack: TensorFlow 2.12.1, numpy 1.24, Python 3.11,
+#                        in .venv-tf2.12
+#   VENV=path            virtualenv location (default: <repo>/.venv, <repo>/.venv-tf2.12)
+#   PYTHON=python3.X     interpreter used to create the venv (default: see above)
 #   HOROVOD_GPU_OPERATIONS=NCCL  (optional) build Horovod for GPUs; see README
 set -euo pipefail
 
@@ -28,21 +29,20 @@ if [ "$STACK" = tf2.21 ]; then
 fi
 
 # The interpreter of a new venv: PYTHON, else the newest of the stack's versions that runs
-# (pyenv's shims exist for versions that are not selected: each candidate is run once).
+# with venv and ensurepip (pyenv's shims exist for versions that are not selected, and
+# Debian's python3.X may lack venv: each candidate is run once). tf2.21: the registry has
+# wheels of the whole stack for 3.11-3.13 and the suite passes on each (docs/setup.md).
 pick_python() {
   if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
   local v p candidates
-  # tf2.21: the registry has wheels of the whole stack for 3.11-3.13 and set-up completes with
-  # each here, but the whole suite has run on 3.11 only: 3.12/3.13 through PYTHON= until it
-  # has (docs/setup.md).
-  candidates="3.11"
+  if [ "$STACK" = tf2.21 ]; then candidates="3.13 3.12 3.11"; else candidates="3.11"; fi
   for v in $candidates; do
     for p in "python$v" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$v".*/bin/"python$v"; do
       if "$p" -c 'import venv, ensurepip' >/dev/null 2>&1; then echo "$p"; return; fi
     done
   done
-  log "no usable Python for the $STACK stack: it needs one of $candidates with venv and" \
-      "ensurepip (Debian: apt-get install python3.11-venv), or PYTHON=/path/to/python"
+  log "no usable Python for the $STACK stack: it needs one of ${candidates// /, } with venv" \
+      "and ensurepip (Debian: apt-get install python3-venv), or PYTHON=/path/to/python"
   return 1
 }
 
@@ -135,7 +135,11 @@ HVD_KEY="$(cat "${HVD_PATCHES[@]}" "$REQS" \
   <("$VENV/bin/python" -c 'import sys; print(sys.version)') \
   <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
 HVD_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/flowpm-mtf/horovod-$HVD_KEY"
-if ! HOROVOD_VERSION="$HOROVOD_VERSION" "$VENV/bin/python" - <<'PY' 2>/dev/null
+# The key of the wheel installed in this venv: a venv switched to another stack (another
+# TensorFlow, whose ABI Horovod's ops are built against) gets the wheel of its new key.
+HVD_INSTALLED="$VENV/.flowpm_mtf_horovod_key"
+if [ "$(cat "$HVD_INSTALLED" 2>/dev/null)" != "$HVD_KEY" ] \
+   || ! HOROVOD_VERSION="$HOROVOD_VERSION" "$VENV/bin/python" - <<'PY' 2>/dev/null
 import os
 import horovod, horovod.tensorflow as hvd
 assert hvd.mpi_built() and hvd.gloo_built()
@@ -171,6 +175,7 @@ then
     log "horovod built in $((SECONDS - hvd_t0)) s"
   fi
   "${PIP[@]}" install -q --no-deps --force-reinstall "$HVD_WHEELS"/horovod-*.whl
+  echo "$HVD_KEY" > "$HVD_INSTALLED"
 fi
 
 # ---------------------------------------------------------------- 5. this package
