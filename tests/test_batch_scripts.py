@@ -221,6 +221,53 @@ def test_setup_env_refuses_a_full_disk_before_pip(fake_env):
     assert not venv.exists()
 
 
+def test_setup_env_picks_the_newest_python_that_runs(fake_env):
+    """TF 2.21 (the default stack): set-up creates its venv with the newest of Python 3.13,
+    3.12, 3.11 that runs with venv and ensurepip. Stand-ins: python3.13 cannot import them
+    (as Debian's without python3-venv), python3.12 can and reports 3.12.9, then fails to
+    create the venv (so nothing is installed); the log line names the one picked."""
+    env, bindir, _, tmp = fake_env
+    for name, body in (("python3.13", "exit 1\n"),
+                       ("python3.12", 'case "$*" in *"import sys"*) echo "Python 3.12.9";;\n'
+                                      '  *"-m venv"*) echo "stand-in: no venv" >&2; exit 3;;\n'
+                                      'esac\nexit 0\n')):
+        path = bindir / name
+        path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(0o755)
+    venv = tmp / "new-venv"
+    env.update(VENV=str(venv), PYENV_ROOT=str(tmp / "no-pyenv"))
+    env.pop("PYTHON", None)
+    env.pop("FLOWPM_MTF_STACK", None)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup_env.sh")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stderr
+    assert "creating %s (tf2.21 stack, Python 3.12.9)" % venv in proc.stderr, proc.stderr
+    assert not venv.exists()
+
+
+def test_stack_names_venvs_and_requirements():
+    """FLOWPM_MTF_STACK: tf2.21 by default (.venv, requirements.txt), tf2.12 the previous
+    one (.venv-tf2.12, requirements-tf2.12.txt, which exists); another value: one line,
+    exit 2."""
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if k != "FLOWPM_MTF_STACK"}
+        if value is not None:
+            env["FLOWPM_MTF_STACK"] = value
+        return subprocess.run(["bash", "-c", "source scripts/launch_lib.sh; stack_name && "
+                               "stack_venv /r && stack_requirements /r"], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert run(None).stdout.split() == ["tf2.21", "/r/.venv", "/r/requirements.txt"]
+    assert run("tf2.12").stdout.split() == ["tf2.12", "/r/.venv-tf2.12",
+                                            "/r/requirements-tf2.12.txt"]
+    for f in ("requirements.txt", "requirements-tf2.12.txt"):
+        assert os.path.exists(os.path.join(REPO, f))
+    with open(os.path.join(REPO, "requirements.txt")) as f:
+        assert "tensorflow-cpu==2.21.0\n" in f.read()
+    bad = run("tf2.13")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip() == "FLOWPM_MTF_STACK must be tf2.21 or tf2.12, got 'tf2.13'"
+
+
 @pytest.mark.parametrize("command", ["simulate", "fft-demo", "lensing", "reconstruct",
                                      "imaging"])
 def test_launchers_run_every_job(command):
