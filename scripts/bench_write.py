@@ -4,7 +4,7 @@ Writes a float32 snapshot of ``nc^3`` particles (position, velocity float32, id 
 32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.io.write_snapshot_distributed`
 from every rank's share, alternating the two modes of :mod:`flowpm_mtf.h5dist`'s part-file
 writer (``O_DIRECT`` from aligned staging buffers, or the same buffers through the page
-cache), ``--repeat`` times each, and prints the write's GB/s (all part files of all ranks,
+cache), ``--repeat`` times each after one untimed round, and prints the write's GB/s (all part files of all ranks,
 fsync and hashing included; the slowest rank's wall time) and CPU seconds of rank 0::
 
     python scripts/bench_write.py --nc 256 --repeat 3 --dir /path/on/the/disk
@@ -54,7 +54,7 @@ def measure(nc, repeat, directory, comm):
 
     conf, parts = snapshot_parts(nc, comm)
     out = {"direct": [], "buffered": []}
-    for i in range(repeat):
+    for i in range(repeat + 1):          # the first round warms up (imports, threads): untimed
         for mode in ("direct", "buffered"):
             h5dist.DIRECT_IO = mode == "direct"
             d = tempfile.mkdtemp(prefix="bench_write", dir=directory) if comm.rank == 0 else None
@@ -69,6 +69,8 @@ def measure(nc, repeat, directory, comm):
             comm.barrier()
             if comm.rank == 0:
                 shutil.rmtree(d)
+            if i == 0:
+                continue
             out[mode].append({"gb_per_s": stats["bytes"] / 1e9 / seconds, "seconds": seconds,
                               "cpu_s": cpu, "bytes": stats["bytes"], "mode": stats.get("mode", "?")})
     h5dist.DIRECT_IO = True
