@@ -12,7 +12,9 @@ Layout (``OUT/checkpoint/``)
     OUT/checkpoint/step_000004/outputs/...       the run's outputs written before it
 
 A checkpoint is written into ``.tmp-step_NNNNNN/`` (every rank its part
-files; rank 0 then links the outputs the run has staged so far into
+files, by the snapshots' writer: space reserved first, data written with
+``O_DIRECT`` where the file system allows it, hashed while written and
+fsynced, see :mod:`flowpm_mtf.h5dist`; rank 0 then links the outputs the run has staged so far into
 ``outputs/`` and writes ``manifest.json`` with the step index, scale factor,
 config, process grid, the job's identity (:func:`identity`) and the size and
 SHA-256 of every part and output file, fsyncs and renames the directory to
@@ -91,7 +93,7 @@ import signal
 import numpy as np
 
 from .errors import ResumeError
-from .h5dist import HDF5_OVERHEAD_BYTES, _agree, collective, known_sha256, reserve_space
+from .h5dist import _agree, _write_h5, collective, known_sha256
 from .io import fsync_path, sha256_file
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
@@ -405,8 +407,6 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
     str
         The checkpoint directory, on every rank.
     """
-    import h5py
-
     fields = fields or {}
 
     final = step_dir(out_dir, step)
@@ -428,25 +428,24 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
                     for name, (v, begin) in fields.get(pnum, {}).items()}
             name = _part_name(pnum)
             path = os.path.join(tmp, name)
-            # a full disk fails here, cleanly, not inside HDF5's close (see h5dist.reserve_space)
-            reserve_space(path, HDF5_OVERHEAD_BYTES + sum(v.nbytes for v, _ in mine.values()) +
-                          (sum(np.asarray(arrays[k]).nbytes for k in ("id",) + STATE_NAMES)
-                           if arrays is not None else 0))
-            with h5py.File(path, "w") as f:
-                if arrays is not None:
-                    for key in ("id",) + STATE_NAMES:
-                        f.create_dataset(key, data=np.asarray(arrays[key]))
-                    f.attrs["block"] = np.asarray(arrays["block"], np.int64)
-                    f.attrs["origin"] = np.asarray(arrays["origin"], np.float64)
-                for fname, (value, begin) in sorted(mine.items()):
-                    dset = f.create_dataset(FIELDS_GROUP + "/" + fname, data=value)
-                    dset.attrs["begin"] = np.asarray(begin, np.int64)
-                f.attrs["pnum"] = int(pnum)
-                f.attrs["step"] = int(step)
-            with open(path, "rb+") as fh:
-                os.fsync(fh.fileno())
-            files[name] = {"pnum": int(pnum), "size": os.path.getsize(path),
-                           "sha256": sha256_file(path)}
+            # One writer for all part files (h5dist._write_h5): the space is reserved first
+            # (a full disk fails cleanly, not inside HDF5's close), the data are written with
+            # O_DIRECT past HDF5 and hashed while written (no second read of the file).
+            datasets, dattrs = {}, {}
+            if arrays is not None:
+                for key in ("id",) + STATE_NAMES:
+                    datasets[key] = np.asarray(arrays[key])
+            for fname, (value, begin) in sorted(mine.items()):
+                datasets[FIELDS_GROUP + "/" + fname] = value
+                dattrs[FIELDS_GROUP + "/" + fname] = {"begin": np.asarray(begin, np.int64)}
+            fattrs = {}
+            if arrays is not None:
+                fattrs["block"] = np.asarray(arrays["block"], np.int64)
+                fattrs["origin"] = np.asarray(arrays["origin"], np.float64)
+            fattrs.update(pnum=int(pnum), step=int(step))
+            written = _write_h5(path, datasets, fattrs, dattrs)
+            files[name] = {"pnum": int(pnum), "size": int(written["size"]),
+                           "sha256": written["sha256"]}
             if arrays is not None:
                 files[name].update({
                     "block": [int(b) for b in arrays["block"]],

@@ -30,8 +30,11 @@ Writing at disk speed
 ---------------------
 Without compression (the default) a part file's datasets are contiguous: HDF5
 writes the metadata and allocates the data, then :func:`_fill_raw` writes the
-rows straight from the numpy pieces (``pwrite``), fsyncs the file and computes
-its SHA-256 on the way (in file order; hashing runs in a second thread). Rank
+whole file once more in file order from page-aligned staging buffers with
+``O_DIRECT`` (the metadata read back, the rows copied in from the numpy pieces),
+hashing it on the way (SHA-256 in a second thread, writes in two more), and
+fsyncs it; buffered where the file system refuses ``O_DIRECT``
+(:data:`DIRECT_IO`). Rank
 0 records the hashes of every rank's files (:func:`known_sha256`), and the run
 directory's manifest and the checkpoints take them from there instead of
 reading the files again (a file changed since, by inode, size and mtime, is
@@ -319,56 +322,183 @@ def _hash_range(fd, h, start, stop, chunk=1 << 22):
         pos += len(block)
 
 
+#: Bytes of one staging buffer of the direct-I/O writer (:func:`_fill_raw`): a multiple
+#: of :data:`DIRECT_ALIGN`; :data:`DIRECT_BUFFERS` of them are in flight at a time.
+DIRECT_CHUNK = 1 << 23
+#: Staging buffers of :func:`_fill_raw` (one being filled, the others hashed and written).
+DIRECT_BUFFERS = 4
+#: Threads writing the staging buffers (two writes in flight keep the device busy).
+DIRECT_WRITERS = 2
+#: Alignment of direct I/O: file offsets, lengths and buffer addresses [bytes].
+DIRECT_ALIGN = 4096
+#: Whether :func:`_fill_raw` tries ``O_DIRECT`` (the environment variable
+#: ``FLOWPM_MTF_DIRECT_IO=0`` turns it off).
+DIRECT_IO = os.environ.get("FLOWPM_MTF_DIRECT_IO", "1") != "0"
+#: The ``O_DIRECT`` errors that mean "not on this file system": write buffered instead.
+_NO_DIRECT_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def _open_direct(path):
+    """A write-only ``O_DIRECT`` descriptor of ``path``, or None where the file system refuses it."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not (DIRECT_IO and flag):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | flag)
+    except OSError as exc:
+        if exc.errno in _NO_DIRECT_ERRNOS:
+            return None
+        raise
+
+
+class _Writer:
+    """Writes aligned chunks with ``O_DIRECT`` (``fd_direct``), else buffered (``fd``).
+
+    The first refusal of a direct write (EINVAL: e.g. a file system that opens
+    with ``O_DIRECT`` but cannot do it) switches to buffered writes for the rest
+    of the file; :attr:`mode` says which was used (``"direct"``, ``"buffered"``).
+    """
+
+    def __init__(self, fd, fd_direct):
+        self.fd, self.fd_direct = fd, fd_direct
+        self.mode = "direct" if fd_direct is not None else "buffered"
+
+    def write(self, buf, offset):
+        """Write all of ``buf`` at ``offset`` (direct if ``buf`` is aligned and direct works)."""
+        if self.mode == "direct" and len(buf) % DIRECT_ALIGN == 0:
+            try:
+                _pwrite_all(self.fd_direct, buf, offset)
+                return
+            except OSError as exc:
+                if exc.errno not in _NO_DIRECT_ERRNOS:
+                    raise
+                log.info("O_DIRECT refused (%s): writing buffered", exc)
+                self.mode = "buffered"
+        _pwrite_all(self.fd, buf, offset)
+
+
+def _aligned_buffer(nbytes):
+    """A ``uint8`` array of ``nbytes`` whose address is a multiple of :data:`DIRECT_ALIGN`."""
+    block = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    skip = (-block.ctypes.data) % DIRECT_ALIGN
+    return block[skip:skip + nbytes]
+
+
+def _file_stream(fd, raw, size, chunk):
+    """The bytes of the file in order: HDF5's own bytes read back between the datasets.
+
+    Yields buffers: the gaps (metadata, small datasets; kilobytes) read from
+    ``fd`` in pieces of at most ``chunk`` bytes, and every dataset's rows as
+    converted by :meth:`Rows.pieces`, checked against the dataset's size.
+    """
+    pos = 0
+    for offset, nbytes, rows in sorted(raw, key=lambda r: r[0]):
+        while pos < offset:
+            block = os.pread(fd, min(chunk, offset - pos), pos)
+            if not block:
+                raise OSError(errno.EIO, "short read at %d (expected data up to %d)"
+                              % (pos, offset))
+            yield block
+            pos += len(block)
+        at = offset
+        for _, piece in rows.pieces():
+            if piece.size == 0:          # every row of a piece masked out
+                continue
+            buf = memoryview(np.ascontiguousarray(piece)).cast("B")
+            if at + len(buf) > offset + nbytes:
+                raise ValueError("dataset at %d: more data than its %d bytes" % (offset, nbytes))
+            yield buf
+            at += len(buf)
+        if at != offset + nbytes:
+            raise ValueError("dataset at %d: %d of its %d bytes written"
+                             % (offset, at - offset, nbytes))
+        pos = at
+    while pos < size:
+        block = os.pread(fd, min(chunk, size - pos), pos)
+        if not block:
+            break
+        yield block
+        pos += len(block)
+
+
 def _fill_raw(path, raw):
     """Write the data of the contiguous datasets ``raw`` into the closed HDF5 file ``path``.
 
     HDF5 has written the file's metadata and allocated every dataset at its
-    offset; the data go straight from the numpy pieces to the file
-    (``pwrite``), in file order, and the SHA-256 of the whole file is computed
-    on the way (the metadata between the datasets are read back: kilobytes),
-    hashing in a second thread while the next piece is converted and written.
-    The file is fsynced.
+    offset. The whole file is then written once more, in order, from
+    page-aligned staging buffers (:data:`DIRECT_CHUNK` bytes each):
+    HDF5's own bytes between the datasets are read back (kilobytes) and the
+    datasets' rows copied in piece by piece (:meth:`Rows.pieces`). A full
+    buffer is hashed (SHA-256, one thread, in file order) and written with
+    ``O_DIRECT`` (:data:`DIRECT_WRITERS` threads; no page cache: the disk's
+    speed, not the kernel's copy, is the limit) while the next one is filled;
+    the last partial block goes through the page cache. Where the file
+    system refuses ``O_DIRECT`` the same buffers are written buffered. The
+    file is fsynced.
 
     Returns
     -------
-    (str, list of int)
-        The hex SHA-256 of the file and its key (:func:`known_sha256`).
+    (str, list of int, str)
+        The hex SHA-256 of the file, its key (:func:`known_sha256`) and the
+        write mode (``"direct"`` or ``"buffered"``).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDWR)
+    fd_direct = None
     try:
-        with ThreadPoolExecutor(1) as hasher:   # hashlib releases the GIL on large buffers
-            pending = []
-            pos = 0
-            for offset, nbytes, rows in sorted(raw, key=lambda r: r[0]):
-                pending.append(hasher.submit(_hash_range, fd, h, pos, offset))
-                at = offset
-                for _, piece in rows.pieces():
-                    if piece.size == 0:          # every row of a piece masked out
-                        continue
-                    buf = memoryview(np.ascontiguousarray(piece)).cast("B")
-                    if at + len(buf) > offset + nbytes:
-                        raise ValueError("dataset at %d: more data than its %d bytes"
-                                         % (offset, nbytes))
-                    pending.append(hasher.submit(h.update, buf))
-                    _pwrite_all(fd, buf, at)
-                    at += len(buf)
-                    while len(pending) > 2:      # at most two pieces in flight
-                        pending.pop(0).result()
-                if at != offset + nbytes:
-                    raise ValueError("dataset at %d: %d of its %d bytes written"
-                                     % (offset, at - offset, nbytes))
-                pos = at
-            pending.append(hasher.submit(_hash_range, fd, h, pos, None))
-            for f in pending:
-                f.result()
+        size = os.fstat(fd).st_size
+        fd_direct = _open_direct(path)
+        writer = _Writer(fd, fd_direct)
+        chunk = max(DIRECT_ALIGN, DIRECT_CHUNK // DIRECT_ALIGN * DIRECT_ALIGN)
+        stages = [_aligned_buffer(chunk) for _ in range(max(2, DIRECT_BUFFERS))]
+        views = [memoryview(b) for b in stages]
+        busy = [[] for _ in stages]
+        with ThreadPoolExecutor(1) as hasher, \
+                ThreadPoolExecutor(max(1, DIRECT_WRITERS)) as writers:
+
+            def flush(i, n, at):
+                """Hash and write the first ``n`` bytes of buffer ``i`` at file offset ``at``."""
+                whole = n - n % DIRECT_ALIGN
+                busy[i] = [hasher.submit(h.update, views[i][:n])]
+                if whole:
+                    busy[i].append(writers.submit(writer.write, views[i][:whole], at))
+                if whole < n:
+                    busy[i].append(writers.submit(writer.write, views[i][whole:n],
+                                                  at + whole))
+
+            def take(i):
+                for f in busy[i]:
+                    f.result()
+                busy[i] = []
+
+            i, fill, at = 0, 0, 0
+            for buf in _file_stream(fd, raw, size, chunk):
+                src = np.frombuffer(buf, np.uint8)
+                while src.size:
+                    n = min(src.size, chunk - fill)
+                    stages[i][fill:fill + n] = src[:n]
+                    src, fill = src[n:], fill + n
+                    if fill == chunk:
+                        flush(i, chunk, at)
+                        at += chunk
+                        i, fill = (i + 1) % len(stages), 0
+                        take(i)
+            if fill:
+                flush(i, fill, at)
+                at += fill
+            for j in range(len(stages)):
+                take(j)
+        if at != size:
+            raise OSError(errno.EIO, "%s: wrote %d of its %d bytes" % (path, at, size))
         os.fsync(fd)
         key = _file_key(os.fstat(fd))
     finally:
+        if fd_direct is not None:
+            os.close(fd_direct)
         os.close(fd)
-    return h.hexdigest(), key
+    return h.hexdigest(), key, writer.mode
 
 
 def _raw_ok(shape, dtype, compression):
@@ -425,13 +555,13 @@ def _write_h5(path, datasets, attrs, dataset_attrs, compression=None):
             for k, v in (attrs or {}).items():
                 f.attrs[k] = v
         if raw or compression is None:
-            sha, key = _fill_raw(tmp, raw)
+            sha, key, mode = _fill_raw(tmp, raw)
         else:
-            sha, key = _hash_file(tmp), None
+            sha, key, mode = _hash_file(tmp), None, "hdf5"
         os.replace(tmp, path)
         if key is None:
             key = _file_key(os.stat(path))
-        return {"size": key[1], "sha256": sha, "key": key}
+        return {"size": key[1], "sha256": sha, "key": key, "mode": mode}
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -677,7 +807,11 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
         written contiguously at disk speed, see :func:`_write_h5`).
     stats : dict, optional
         Filled with ``bytes`` (the part files of all ranks), ``files`` (their
-        number) and ``seconds`` (this rank's wall time of the call) [s].
+        number), ``seconds`` (this rank's wall time of the call) [s] and
+        ``mode``: how the part files' data were written, ``"direct"``
+        (``O_DIRECT``), ``"buffered"`` (the file system refused it),
+        ``"hdf5"`` (compressed: by h5py), or these joined by ``+`` if the
+        files differ.
 
     Every part file is fsynced and hashed (SHA-256) while it is written; rank
     0 records the hashes (:func:`known_sha256`), so a run directory's manifest
@@ -729,17 +863,18 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
                           lambda meta: _write_virtual(path, meta, attrs, dataset_attrs, small),
                           "writing %s" % path)
     nbytes = sum(m["written"]["size"] for m in all_meta.values())
+    mode = "+".join(sorted({m["written"]["mode"] for m in all_meta.values()})) or "none"
     if comm.rank == 0:
         for m in all_meta.values():
             w = m["written"]
             record_sha256(os.path.join(base, m["file"]), w["key"], w["sha256"])
     seconds = time.perf_counter() - t0
     if stats is not None:
-        stats.update(bytes=nbytes, files=len(all_meta), seconds=seconds)
+        stats.update(bytes=nbytes, files=len(all_meta), seconds=seconds, mode=mode)
     if comm.rank == 0:
-        log.info("wrote %s (%d parts in %s, %.3g GB in %.2f s: %.2f GB/s)", path, len(all_meta),
-                 os.path.basename(os.path.dirname(part_path(path, 0))), nbytes / 1e9,
-                 seconds, nbytes / 1e9 / max(seconds, 1e-9))
+        log.info("wrote %s (%d parts in %s, %.3g GB in %.2f s: %.2f GB/s, %s)", path,
+                 len(all_meta), os.path.basename(os.path.dirname(part_path(path, 0))),
+                 nbytes / 1e9, seconds, nbytes / 1e9 / max(seconds, 1e-9), mode)
     return path
 
 

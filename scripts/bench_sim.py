@@ -206,7 +206,7 @@ def cmd_run(args):
     from hvd_mesh_impl import export_local_slice
     from flowpm_mtf.backend import default_grid, make_mesh_impl, session_config
     from flowpm_mtf.jobs import runner
-    from flowpm_mtf.jobs.nbody_run import SimulationGraph
+    from flowpm_mtf.jobs.nbody_run import SimulationGraph, run_init
 
     tf.disable_eager_execution()
     comm = MPI.COMM_WORLD
@@ -235,6 +235,7 @@ def cmd_run(args):
         position = painting.to_global(sim.variables.positions, conf)   # global [cells]
         lowering = runner.lower(graph, mesh, impl)
         init_op = runner.lowered_group(lowering, sim.init_ops)
+        init_force = runner.lowered_group(lowering, sim.init_force_ops)
         step_op = runner.lowered_group(lowering, sim.step_ops)
         local = {k: export_local_slice(lowering, v)
                  for k, v in zip(("positions", "momenta", "forces", "ids"), sim.variables[:4])}
@@ -247,7 +248,7 @@ def cmd_run(args):
         with runner.session(session_config("hvd"), lowering) as sess:
             comm.Barrier()
             t = time.perf_counter()
-            sess.run(init_op)
+            run_init(sess, init_op, init_force)
             rec["ics_s"] = time.perf_counter() - t
             steps, mig = [], []
             for i, factors in enumerate(sim.step_factors):

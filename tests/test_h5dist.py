@@ -213,6 +213,96 @@ def test_part_files_are_hashed_while_written(compression, monkeypatch):
     comm.barrier()
 
 
+def _write_modes(comm, d, name, monkeypatch):
+    """Write the same parts (several staging buffers and a partial last block); return
+    ``(bytes of this rank's part file, its recorded SHA-256 or None, stats)``."""
+    monkeypatch.setattr(h5dist, "DIRECT_CHUNK", 3 * h5dist.DIRECT_ALIGN)
+    monkeypatch.setattr(h5dist, "DIRECT_BUFFERS", 2)
+    monkeypatch.setattr(h5dist, "PIECE_ROWS", 1000)
+    n = 4000 + 777 * comm.rank        # 48 kB + a tail: 4+ buffers, not a multiple of 4096
+    rng = np.random.default_rng(comm.rank)
+    src = rng.standard_normal((n, 3)).astype(np.float32)
+    keep = rng.random(n) > 0.1
+    parts = {comm.rank: {"x": h5dist.Rows(src, lambda r: r * 3.0, np.float32, keep=keep),
+                         "id": h5dist.Rows(np.arange(n), None, np.int64, keep=keep)}}
+    path = os.path.join(d, name + ".h5")
+    stats = {}
+    h5dist.write_distributed(path, comm, parts, attrs={"note": "same"}, stats=stats)
+    part = h5dist.part_path(path, comm.rank)
+    with open(part, "rb") as f:
+        data = f.read()
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(
+            f["x"][...], np.concatenate(comm.allgather(src[keep] * np.float32(3.0))))
+    known = comm.bcast([h5dist.known_sha256(h5dist.part_path(path, p))
+                        for p in range(comm.size)] if comm.rank == 0 else None, root=0)
+    return data, known[comm.rank], stats
+
+
+def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
+    """The part files written with O_DIRECT from aligned staging buffers, buffered (the
+    file system refuses O_DIRECT at open, or only at the first write), are the same bytes
+    (HDF5 puts its metadata at the same offsets: only the data are written past it), with
+    the right SHA-256 recorded; stats and the log say which mode wrote them."""
+    import errno
+    import fcntl
+    import hashlib
+
+    comm = world_comm()
+    d = shared_tmpdir(comm)
+    probe = os.path.join(d, "probe-%d" % comm.rank)
+    open(probe, "wb").close()
+    fd = h5dist._open_direct(probe)
+    direct_ok = fd is not None
+    if fd is not None:
+        try:
+            os.pwrite(fd, memoryview(h5dist._aligned_buffer(h5dist.DIRECT_ALIGN)), 0)
+        except OSError:
+            direct_ok = False
+        os.close(fd)
+    os.remove(probe)
+    files = {}
+    files["direct"] = _write_modes(comm, d, "direct", monkeypatch)
+
+    refused = []
+    real = h5dist._pwrite_all
+
+    def no_direct_writes(fd, buf, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(h5dist, "_pwrite_all", no_direct_writes)
+    files["refused_at_write"] = _write_modes(comm, d, "write", monkeypatch)
+    monkeypatch.setattr(h5dist, "_pwrite_all", real)
+    monkeypatch.setattr(h5dist, "DIRECT_IO", False)
+    files["buffered"] = _write_modes(comm, d, "buffered", monkeypatch)
+
+    data, sha, stats = files["direct"]
+    problems = []      # gathered, so that a failure on one rank does not hang the others
+    if stats["mode"] != ("direct" if direct_ok else "buffered"):
+        problems.append("direct write mode %s (O_DIRECT works: %s)" % (stats["mode"], direct_ok))
+    if not (len(data) % h5dist.DIRECT_ALIGN and len(data) > 4 * 3 * h5dist.DIRECT_ALIGN):
+        problems.append("part file of %d bytes: not several buffers and a tail" % len(data))
+    if files["refused_at_write"][2]["mode"] != "buffered" or files["buffered"][2]["mode"] != \
+            "buffered":
+        problems.append("fallback modes %s" % [files[k][2]["mode"] for k in files])
+    # the first refusal switches the mode (writes in flight then may be refused too)
+    if not (1 <= len(refused) <= h5dist.DIRECT_WRITERS if direct_ok else not refused):
+        problems.append("%d direct writes refused" % len(refused))
+    for mode, (other, other_sha, _) in files.items():
+        if other != data:
+            problems.append("%s: other bytes than the direct write" % mode)
+        if other_sha != hashlib.sha256(other).hexdigest():
+            problems.append("%s: recorded SHA-256 %s is wrong" % (mode, other_sha))
+    problems = comm.allgather(problems)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(d)
+    assert problems == [[]] * comm.size
+
+
 @pytest.mark.rank_independent
 def test_unknown_compression_is_refused():
     with pytest.raises(ValueError, match="compression"):

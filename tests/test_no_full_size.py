@@ -97,7 +97,8 @@ def violations(conf, bound):
         mesh = mtf.Mesh(graph, "mesh")
         sim = SimulationGraph(conf, mesh)
         lowering = mtf.Lowering(graph, {mesh: impl})
-        roots = [lowering.lowered_operation(op) for op in sim.init_ops + sim.step_ops]
+        roots = [lowering.lowered_operation(op)
+                 for op in sim.init_ops + sim.init_force_ops + sim.step_ops]
         for op in ancestors(roots):
             for t in op.outputs:
                 if not t.shape.is_fully_defined():

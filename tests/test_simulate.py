@@ -63,6 +63,7 @@ def test_outputs_well_formed(runs):
     write = summary["output_write"]
     assert write["bytes"] > 16**3 * (24 + 24 + 8) and write["seconds"] > 0
     assert write["files"][0]["file"] == "snapshot.h5" and write["gb_per_s"] > 0
+    assert write["mode"] in ("direct", "buffered")    # O_DIRECT unless the file system refuses
     assert snap["position"].dtype == np.float64   # --dtype float64
     # progress is logged once (rank 0), per step
     assert log.count("step 1/2") == 1 and log.count("step 2/2") == 1

@@ -40,7 +40,7 @@ from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
 from . import runner
 
-__all__ = ["SimulationGraph", "lower_simulation", "run_stages", "check_resume", "run_identity",
+__all__ = ["SimulationGraph", "lower_simulation", "run_init", "run_stages", "check_resume", "run_identity",
            "LoopState",
            "fetch_state", "snapshot_parts", "write_snapshot", "migration_summary",
            "SnapshotWriter", "PowerAtStages", "PowerWriter", "power_name"]
@@ -71,8 +71,13 @@ class SimulationGraph:
     lpt_state : lpt.State
         The 2LPT state at the first stage, before the first PM force (its
         ``forces`` is None): what ``init_ops`` assigns, less that force.
-    init_ops, step_ops : list of mtf.Operation
-        The IC assignments, and the assignments of one KDK step whose factors
+    init_ops, init_force_ops, step_ops : list of mtf.Operation
+        The IC assignments in two session runs, one after the other
+        (:func:`run_init`): ``init_ops`` the 2LPT positions, momenta and ids,
+        ``init_force_ops`` the first PM force computed from those variables (so
+        the variables' initial buffers and the LPT state are released before
+        the force's fields exist: the ICs' peak memory); and the assignments
+        of one KDK step whose factors
         are fed through the placeholder ``factors``: ``step_factors[i]`` for
         step ``i`` (``stages[i] -> stages[i + 1]``).
     rho, k, pk, modes : mtf.Tensor
@@ -87,7 +92,7 @@ class SimulationGraph:
         kernels = nbody.make_kernels(conf, mesh)
         self.lpt_state = lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
                                       kernels=kernels)
-        init = timeloop.initial_state(self.lpt_state, conf, kernels)
+        init = self.lpt_state
         shape = init.positions.shape
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
@@ -95,7 +100,15 @@ class SimulationGraph:
             for name in ("positions", "momenta", "forces")],
             ids=mtf.get_variable(mesh, "ids", init.ids.shape, dtype=init.ids.dtype,
                                  trainable=False, initializer=unfolded_zeros_initializer()))
-        self.init_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], init[:4])]
+        v = self.variables
+        # Two runs: the LPT state first (each assignment takes over its value's buffer and
+        # frees the variable's old one), then the first PM force from the variables
+        # (timeloop.initial_state): the force's density, spectra and fields never coexist
+        # with a second copy of the positions, momenta and ids.
+        self.init_ops = [mtf.assign(v.positions, init.positions),
+                         mtf.assign(v.momenta, init.momenta), mtf.assign(v.ids, init.ids)]
+        first = timeloop.initial_state(v._replace(forces=None), conf, kernels)
+        self.init_force_ops = [mtf.assign(v.forces, first.forces)]
         self.init_stats = init.stats     # migration statistics of the ICs (or None)
         # One step for all steps: the time-integration factors are fed per run
         # (lowering ten copies of the step tripled the graph-build time, and TF
@@ -146,11 +159,33 @@ def lower_simulation(sim, lowering):
     stats = {k: h5dist.replicated_value(lowering, t) if t is not None else tf.no_op()
              for k, t in (("init", sim.init_stats), ("step", sim.step_stats))}
     return {"init": runner.lowered_group(lowering, sim.init_ops),
+            "init_force": runner.lowered_group(lowering, sim.init_force_ops),
             "step": runner.lowered_group(lowering, sim.step_ops), "stats": stats,
             "state": state, "blocks": {p: (b[0], b[1]) for p, _, b in state[0]},
             "rho": h5dist.local_slices(lowering, sim.rho),
             "fetch": runner.replicated(lowering, {n: getattr(sim, n) for n in POWER_FIELDS}),
             "restore": (restore_ph, tf.group(restore))}
+
+
+def run_init(sess, init, init_force, fetch=None):
+    """Run the ICs of a :class:`SimulationGraph`: its two lowered init groups in order.
+
+    Parameters
+    ----------
+    sess : tf.Session
+    init, init_force : tf.Operation
+        The lowered ``init_ops`` and ``init_force_ops``.
+    fetch : tf.Tensor or op, optional
+        Fetched with ``init`` (e.g. the ICs' migration statistics).
+
+    Returns
+    -------
+    object
+        The value of ``fetch`` (None without).
+    """
+    out = sess.run([init, fetch])[1] if fetch is not None else sess.run(init)
+    sess.run(init_force)
+    return out if fetch is not None else None
 
 
 def fetch_state(sess, ops, forces=True, extra=None):
@@ -352,7 +387,8 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         log.info("restored step %d/%d (a=%.4f) in %.2f s", first, sim.n_steps,
                  sim.stages[first], timings["restore_s"])
     else:
-        sim.migration.append(("ics", sess.run([ops["init"], ops["stats"]["init"]])[1]))
+        sim.migration.append(("ics", run_init(sess, ops["init"], ops["init_force"],
+                                              ops["stats"]["init"])))
         timings["ics_s"] = time.perf_counter() - t
         timings["ics_cpu_s"] = time.process_time() - t_cpu
         log.info("initial conditions (%dLPT at a=%g) in %.2f s", conf.lpt_order, sim.stages[0],

@@ -267,7 +267,8 @@ class RunContext:
         The ``output_write`` of the summary (:func:`output_write`).
         """
         self.writes.append({"file": name, "bytes": int(stats.get("bytes", 0)),
-                            "seconds": float(stats.get("seconds", 0.0))})
+                            "seconds": float(stats.get("seconds", 0.0)),
+                            "mode": str(stats.get("mode", "unknown"))})
 
     def elapsed(self):
         """Seconds since the start of the run."""
@@ -459,16 +460,21 @@ def output_write(writes, comm):
     dict
         ``bytes`` (all part files of all ranks), ``seconds`` [s] (the slowest
         rank's wall time of the writes, fsync and hashing included),
-        ``gb_per_s`` (1e9 bytes per second) and ``files`` (per file the same).
+        ``gb_per_s`` (1e9 bytes per second), ``mode`` (how the data were
+        written: ``"direct"``, ``"buffered"``, ``"hdf5"``, see
+        :func:`flowpm_mtf.h5dist.write_distributed`; ``+``-joined if the files
+        differ) and ``files`` (per file the same).
     """
     slowest = np.max(np.asarray(comm.allgather([w["seconds"] for w in writes]), np.float64),
                      axis=0)
     files = [{"file": w["file"], "bytes": w["bytes"], "seconds": float(s),
-              "gb_per_s": w["bytes"] / 1e9 / max(float(s), 1e-9)}
+              "gb_per_s": w["bytes"] / 1e9 / max(float(s), 1e-9),
+              "mode": w.get("mode", "unknown")}
              for w, s in zip(writes, slowest)]
     nbytes, seconds = sum(f["bytes"] for f in files), float(slowest.sum())
+    modes = sorted({m for f in files for m in f["mode"].split("+")})
     return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
-            "files": files}
+            "mode": "+".join(modes) or "none", "files": files}
 
 
 def _not_resumable(job, stopped):
