@@ -97,7 +97,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import domain, layout, nbody, sizing, timeloop
+from . import domain, layout, nbody, reverse_kdk, sizing, timeloop
 from .gravity import pm_forces
 from .kernels import make_kernels
 from .logs import rank0_only
@@ -148,7 +148,7 @@ def reverse_factors(conf, stages):
     return rows
 
 
-def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
+def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native_op=True):
     r"""One reverse kick-drift-kick step with the cotangent propagation (graph of one step).
 
     Parameters
@@ -165,6 +165,9 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     kernels : optional
         From :func:`flowpm_mtf.kernels.make_kernels`.
     name : str
+    native_op : bool
+        Fuse the particle arithmetic into the native ops of
+        :mod:`flowpm_mtf.reverse_kdk` where they serve (False: Mesh TF expressions).
 
     Returns
     -------
@@ -192,12 +195,11 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
     k0, drift, k1, k1_prev = factors
     x, p, f, ids = state.positions, state.momenta, state.forces, state.ids
     xb, pb = cot
-    p_h = p - f * k1
-    w_in = domain.weights(ids, conf)
-    partial = [_block_dot(pb, f, w_in), _block_dot(xb, p_h, w_in)]
-    dx = -(p_h * drift)
-    x = x + dx
-    pb_h = pb + xb * drift
+    # the slots' weights (empty slots: 0) come from the ids in the fused ops
+    wids = ids if conf.decomposition == "eulerian" else None
+    x, dx, p_h, pb_h, dots_in = reverse_kdk.reverse_drift(x, p, f, xb, pb, wids, k1, drift,
+                                                          native_op=native_op,
+                                                          name=name + "_drift")
     stats = None
     if conf.decomposition == "eulerian":
         if ids is None:
@@ -205,17 +207,19 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse"):
         x, (p_h, xb, pb_h), ids, stats = domain.migrate(conf, x, [p_h, xb, pb_h], ids,
                                                         displacement=dx,
                                                         name=name + "_migrate")
+        wids = ids
     f = pm_forces(x, conf, kernels, domain.weights(ids, conf), escape_checked=stats is not None)
-    p = p_h - f * k0
-    fb = pb_h * (k0 + k1_prev)
-    vjp = mtf.gradients([f], [x], grad_ys=[fb])[0]
-    if vjp is not None:
-        xb = xb + vjp
-    w_out = domain.weights(ids, conf)
-    partial += [_block_dot(pb_h, f, w_out), _block_dot(fb, f, w_out)]
-    # the blocks' partial sums of the four, stacked: one collective for all of them (on
-    # the process grid a reduction costs its latency, not its 4 numbers)
-    sums = mtf.reduce_sum(mtf.stack(partial, SUM_DIM, axis=0),
+    # the force's cotangent is fb = (K0_i + K1_{i-1}) pb_h; the VJP is linear in it, so
+    # it is taken for pb_h and scaled in the kick (no separate product over the particles)
+    c = k0 + k1_prev
+    vjp = mtf.gradients([f], [x], grad_ys=[pb_h])[0]
+    if vjp is None:
+        vjp = mtf.zeros(x.mesh, x.shape, x.dtype)
+    p, xb, dots_out = reverse_kdk.reverse_kick(p_h, f, pb_h, vjp, xb, wids, k0, c,
+                                               native_op=native_op, name=name + "_kick")
+    # the blocks' partial sums of the four, in one tensor: one collective for all of them
+    # (on the process grid a reduction costs its latency, not its 4 numbers)
+    sums = mtf.reduce_sum(mtf.concat([dots_in, dots_out], SUM_DIM),
                           output_shape=mtf.Shape([mtf.Dimension(SUM_DIM, len(SUMS))]),
                           name=name + "_sums")
     return State(x, p, f, ids, stats), Cotangents(xb, pb_h), sums
@@ -225,18 +229,8 @@ SUMS = ("K1", "drift", "K0", "force")
 """The scalars of :func:`reverse_step` (``sums``), in order."""
 
 
-SUM_DIM = "adjoint_sum"
+SUM_DIM = reverse_kdk.DOT_DIM
 """The dimension of :func:`reverse_step`'s ``sums``."""
-
-
-def _block_dot(u, v, weight):
-    """``sum(weight * u . v)`` over the particles of each block: ``[bx, by]`` (no collective)."""
-    # u . v per particle first: the weight then multiplies [bx, by, npart], not a
-    # broadcast over xyz (TensorFlow's broadcasting product is 3x slower per element)
-    prod = mtf.reduce_sum(u * v, output_shape=mtf.Shape(u.shape.dims[:-1]))
-    if weight is not None:
-        prod = prod * weight
-    return mtf.reduce_sum(prod, output_shape=mtf.Shape(u.shape.dims[:2]))
 
 
 def _particle_shape(conf):
