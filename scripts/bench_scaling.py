@@ -286,7 +286,7 @@ def run_one(name, c, args):
     if args.allocator:
         env["FLOWPM_MTF_ALLOCATOR"] = args.allocator
     env.pop("FLOWPM_MTF_ALLOCATOR_ACTIVE", None)
-    started = datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     mach = provenance.machine()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     n = int(np.prod(c["nc"]))

@@ -120,7 +120,8 @@ def run_one(name, c, args):
            "steps": args.steps, "n_particles": n, "quick": args.quick,
            "commit": provenance.git("rev-parse", "--short", "HEAD"),
            "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True),
-           "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+               "%Y-%m-%d %H:%M UTC"),
            "machine": provenance.machine(), "note": args.note, "stack": provenance.stack()}
     cmd = simulate_command(c, os.path.join(out, "run"), args.steps)
     rec["command"] = " ".join(cmd)

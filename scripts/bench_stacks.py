@@ -65,7 +65,8 @@ def launch(venv, np_, extra, timeout):
     cmd = job_command(venv, np_, os.path.join(out, "sim"), extra)
     rec = {"venv": os.path.relpath(os.path.abspath(venv), REPO), "np": np_,
            "args": list(extra), "command": " ".join(cmd), "load": os.getloadavg()[0],
-           "date": datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M:%S UTC"),
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+               "%Y-%m-%d %H:%M:%S UTC"),
            "commit": provenance.git("rev-parse", "--short", "HEAD"),
            "dirty": provenance.code_dirty("flowpm_mtf", "hvd_mesh_impl", untracked=True)}
     t = time.perf_counter()
