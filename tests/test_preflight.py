@@ -520,12 +520,19 @@ def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
                                 conf.replace(decomposition="eulerian", halo_size=None)) is None
 
 
-# fft-demo on 1 rank, float64: measured peak RSS [MB] (summary.json, peak_memory_mb_per_rank)
-FFT_DEMO_PEAKS_MB = {64: 590.0, 192: 1228.0, 256: 2230.0}
+# fft-demo on 1 rank, float64: measured peak RSS [MB] (summary.json, peak_memory_mb_per_rank),
+# on the default stack, TF 2.21 / Python 3.13, 2026-11-25 (TF 2.12: 590, 1228, 2230 MB)
+FFT_DEMO_PEAKS_MB = {64: 702.0, 192: 1338.0, 256: 2336.0}
 
 
 @pytest.mark.parametrize("nc", sorted(FFT_DEMO_PEAKS_MB))
 def test_fft_demo_estimate_matches_measured_peaks(nc):
+    from flowpm_bench import provenance
+
+    if provenance.stack() != provenance.DEFAULT_STACK:
+        pytest.skip("the memory model and these peaks are the default stack's (TF 2.21); on %s "
+                    "the runtime is ~200 MB smaller and the estimate errs on the safe side"
+                    % provenance.stack())
     conf = SimConfig(nc=nc, dtype="float64")
     est = preflight.estimate_peak_memory(conf, masters=False, particles=False,
                                          extra=preflight.fft_demo_memory(conf))
