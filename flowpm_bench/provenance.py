@@ -133,6 +133,22 @@ def stack_of(record):
     return record.get("stack") or PREVIOUS_STACK
 
 
+def with_stack(text, stack):
+    """``text`` labelled with ``stack`` when it is not the default one (``"current tf2.12"``).
+
+    Parameters
+    ----------
+    text : str
+    stack : str
+        A :func:`stack` label.
+
+    Returns
+    -------
+    str
+    """
+    return text if stack == DEFAULT_STACK else "%s %s" % (text, stack)
+
+
 def machine():
     """The machine, without its host name.
 

@@ -419,7 +419,7 @@ def code_label(code, stack):
     str
         e.g. ``"current"`` (TF 2.21, the default stack), ``"current tf2.12"``.
     """
-    return code if stack == provenance.DEFAULT_STACK else "%s %s" % (code, stack)
+    return provenance.with_stack(code, stack)
 
 
 def normalise(result):

@@ -199,11 +199,6 @@ def normalise(data):
     return data
 
 
-def _stack_note(rec):
-    stack = provenance.stack_of(rec)
-    return "" if stack == provenance.DEFAULT_STACK else " " + stack
-
-
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -240,7 +235,8 @@ def render(data, quick):
             _fmt(r["step_s"], ".3g"), _fmt(r["ns_per_particle"], ".0f"),
             _fmt(r["ics_in_steps"], ".2f"), _fmt(r["write_gb_per_s"], ".2f"),
             _fmt(r["write_gb"], ".3g"), _fmt(r["peak_gb"], ".2f"), ratio, r["load"],
-            rec["commit"] + ("+" if rec.get("dirty") else "") + _stack_note(rec)))
+            provenance.with_stack(rec["commit"] + ("+" if rec.get("dirty") else ""),
+                                  provenance.stack_of(rec))))
     default = [rec for rec in recs if provenance.stack_of(rec) == provenance.DEFAULT_STACK]
     one = {rec["nc"]: row(rec) for rec in (default or recs) if rec["ranks"] == 1 and row(rec)}
     if one:
