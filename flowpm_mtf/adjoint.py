@@ -42,8 +42,10 @@ carried :math:`\bar x_{i+1}, \bar p_{i+1}`)::
     pb_i    = pb_h                              (p_h = p_i + K0_i f_i)
     xb_i    = xb_{i+1} + J_F(x_i)^T [(K0_i + K1_{i-1}) pb_h]
 
-with :math:`J_F(x_i)^T` computed by ``mtf.gradients`` of :math:`F(x_i)` in the
-same graph that re-creates :math:`x_i`. The cotangent of the final force,
+with :math:`F(x_i)` and :math:`J_F(x_i)^T` computed together in the graph that
+re-creates :math:`x_i` (:func:`flowpm_mtf.gravity.pm_forces_vjp`: one readout
+of the force field for the force and its VJP; ``mtf.gradients`` of
+:func:`~flowpm_mtf.gravity.pm_forces` with ``native_op=False``). The cotangent of the final force,
 :math:`K1_{N-1} \bar p_N`, is folded into :math:`\bar x_N` first by the same
 lowered reverse step fed with the factors ``(0, 0, 0, K1_{N-1})`` (no kick, no
 drift: the state is unchanged and only the VJP at :math:`x_N` is added). So a
@@ -98,7 +100,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import domain, layout, nbody, reverse_kdk, sizing, timeloop
-from .gravity import pm_forces
+from .gravity import pm_forces, pm_forces_vjp
 from .kernels import make_kernels
 from .logs import rank0_only
 from .lpt import State
@@ -167,7 +169,10 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native
     name : str
     native_op : bool
         Fuse the particle arithmetic into the native ops of
-        :mod:`flowpm_mtf.reverse_kdk` where they serve (False: Mesh TF expressions).
+        :mod:`flowpm_mtf.reverse_kdk` where they serve, and take the force with
+        its VJP in one readout (:func:`flowpm_mtf.gravity.pm_forces_vjp`);
+        False: Mesh TF expressions and ``mtf.gradients`` of the force (the
+        reference).
 
     Returns
     -------
@@ -208,13 +213,18 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native
                                                         displacement=dx,
                                                         name=name + "_migrate")
         wids = ids
-    f = pm_forces(x, conf, kernels, domain.weights(ids, conf), escape_checked=stats is not None)
     # the force's cotangent is fb = (K0_i + K1_{i-1}) pb_h; the VJP is linear in it, so
     # it is taken for pb_h and scaled in the kick (no separate product over the particles)
     c = k0 + k1_prev
-    vjp = mtf.gradients([f], [x], grad_ys=[pb_h])[0]
-    if vjp is None:
-        vjp = mtf.zeros(x.mesh, x.shape, x.dtype)
+    weight, checked = domain.weights(ids, conf), stats is not None
+    if native_op:  # the force and its VJP with one readout (gravity.pm_forces_vjp)
+        f, vjp = pm_forces_vjp(x, pb_h, conf, kernels, weight, escape_checked=checked,
+                               name=name + "_force_vjp")
+    else:          # the reference: mtf.gradients of the force
+        f = pm_forces(x, conf, kernels, weight, escape_checked=checked)
+        vjp = mtf.gradients([f], [x], grad_ys=[pb_h])[0]
+        if vjp is None:
+            vjp = mtf.zeros(x.mesh, x.shape, x.dtype)
     p, xb, dots_out = reverse_kdk.reverse_kick(p_h, f, pb_h, vjp, xb, wids, k0, c,
                                                native_op=native_op, name=name + "_kick")
     # the blocks' partial sums of the four, in one tensor: one collective for all of them

@@ -360,6 +360,13 @@ def xyz_from_packed(first, last, name="xyz_from_packed", padded_conf=None):
         return tf.reshape(out, out_shape.to_integer_list) if wrap else out
 
     def bwd(g):
+        lib = native.ops_for("cic_ops", g)
+        if lib is not None:  # one pass: margins added back, columns to (re, im) pairs
+            if wrap:
+                g = tf.reshape(g, [sx + 2 * wrap, sy + 2 * wrap, nz, 3])
+            ga, gb = lib.flowpm_interleave_grad(g, picks=[0, 0, 0, 1, 1, 0], wrap=wrap,
+                                                widths=[2, 2], N=2)
+            return tuple(tf.bitcast(t, first.dtype)[..., None] for t in (ga, gb))
         if wrap:  # the adjoint of the periodic padding: margins added back
             g = _unwrap(tf.reshape(g, [sx + 2 * wrap, sy + 2 * wrap, nz, 3]), wrap, (sx, sy))
         zero = tf.zeros_like(g[..., 2])
@@ -396,9 +403,15 @@ def _unwrap(t, wrap, sizes):
 
 def _interleave_grad(op, dy):
     """Gradient of ``FlowpmInterleave``: each picked column of ``dy`` back to its input
-    (after the adjoint of the periodic padding, with ``wrap``)."""
+    (after the adjoint of the periodic padding, with ``wrap``): the native
+    ``FlowpmInterleaveGrad`` in one pass, or TensorFlow ops."""
     picks = op.get_attr("picks")
     wrap = op.get_attr("wrap")
+    lib = native.ops_for("cic_ops", dy)
+    if lib is not None:  # one pass (FlowpmInterleaveGrad)
+        widths = [x.shape.as_list()[-1] for x in op.inputs]
+        return list(lib.flowpm_interleave_grad(dy, picks=picks, wrap=wrap, widths=widths,
+                                               N=len(widths)))
     if wrap:
         dy = _unwrap(dy, wrap, op.inputs[0].shape.as_list()[:2])
     pairs = [(picks[2 * j], picks[2 * j + 1]) for j in range(len(picks) // 2)]

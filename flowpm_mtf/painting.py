@@ -561,6 +561,109 @@ def _readout_filled(mesh, positions, conf, name):
                          name=name)
 
 
+def readout_vjp(mesh, positions, cotangents, conf, scale, weight=None, name="readout_vjp"):
+    r"""A scaled readout and its VJP in one pass: the PM force and the first half of its VJP.
+
+    With :math:`R` the CIC readout of ``mesh`` (padded blocks whose margins are
+    filled, as :func:`readout_padded`) at ``positions``, :math:`w` the slot
+    weights and :math:`s` the scale, returns
+
+    * ``values`` :math:`v = (R\,s)\,w`;
+    * ``dmesh``, the paint of :math:`d = (\bar v\,w)\,s` on the padded blocks
+      (margins included, not reduced): :math:`J_{\rm mesh}^T \bar v`;
+    * ``dpositions`` :math:`\sum_c d_c\, \partial R_c/\partial x`: the
+      positions' part of :math:`J^T \bar v` through the readout only (the
+      mesh's own dependence on the positions is the caller's).
+
+    The products are those of ``readout_padded(...) * scale * weight`` and of its
+    ``mtf.gradients`` (one native op ``FlowpmCicReadoutVjp``, the stencil computed
+    once per particle; equal bit for bit). Without the native op (GPU,
+    ``FLOWPM_MTF_NATIVE=0``) the same as Mesh TF ops and ``mtf.gradients``.
+    Not differentiable itself (it is a gradient).
+
+    Parameters
+    ----------
+    mesh : mtf.Tensor
+        Padded blocks ``[bx, by, px, py, z, <components>]``, margins filled.
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, npart, xyz]`` [cells]; their stencils
+        must fit the padded blocks (checked by the caller, e.g. the migration or
+        :func:`escaped_count`).
+    cotangents : mtf.Tensor
+        :math:`\bar v`, ``[bx, by, npart, <components>]``.
+    conf : SimConfig
+    scale : float
+        :math:`s` (e.g. the force's :math:`\tfrac32\Omega_m`).
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (default 1).
+    name : str
+
+    Returns
+    -------
+    values, dmesh, dpositions : mtf.Tensor
+        Shapes of ``cotangents``, ``mesh`` and ``positions``.
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    extra = mesh.shape.dims[5:]
+    _check_components(extra, positions, name)
+    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
+    if cotangents.shape != out_shape:
+        raise ValueError("%s: cotangents must have the shape %s, got %s"
+                         % (name, out_shape, cotangents.shape))
+    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
+        raise ValueError("%s: weight must have the shape %s, got %s"
+                         % (name, positions.shape.dims[:-1], weight.shape))
+    n_comp = int(np.prod([d.size for d in extra]))
+    lib = native.load("cic_ops")
+    if lib is None or positions.dtype not in (tf.float32, tf.float64):
+        return _readout_vjp_mtf(mesh, positions, cotangents, conf, scale, weight, name)
+    inputs = [mesh, positions, cotangents] + ([weight] if weight is not None else [])
+
+    def fn(m, pos, ct, w=None):
+        local = _local_particles(pos)
+        if _native_ops(m, local) is None:  # placed where the native op does not run
+            return _readout_vjp_local_tf(m, pos, ct, w, conf, scale, n_comp)
+        nbx, nby, n, _ = local.shape.as_list()
+        px, py, nz = conf.padded_block_shape
+        vals, dm, dpos = lib.flowpm_cic_readout_vjp(
+            tf.reshape(m, [nbx * nby, px, py, nz, n_comp]), tf.reshape(local, [nbx * nby, n, 3]),
+            tf.reshape(ct, [nbx * nby, n, n_comp]),
+            _empty(pos.dtype) if w is None else tf.reshape(w, [nbx * nby, n]),
+            tf.constant(scale, pos.dtype), halo=conf.halo_size)
+        return (tf.reshape(vals, ct.shape), tf.reshape(dm, m.shape), tf.reshape(dpos, pos.shape))
+
+    return mtf.slicewise(fn, inputs, output_shape=[out_shape, mesh.shape, positions.shape],
+                         output_dtype=[mesh.dtype] * 3, splittable_dims=positions.shape.dims[:2],
+                         name=name)
+
+
+def _readout_vjp_mtf(mesh, positions, cotangents, conf, scale, weight, name):
+    """:func:`readout_vjp` as Mesh TF ops and ``mtf.gradients`` (no native op)."""
+    graph = positions.graph
+    start = len(graph.operations)
+    values = readout_padded(mesh, positions, conf, name=name, escape_checked=True) * scale
+    if weight is not None:
+        values = values * weight
+    dmesh, dpos = mtf.gradients([values], [mesh, positions], grad_ys=[cotangents],
+                                operations=graph.operations[start:])
+    return values, dmesh, dpos
+
+
+def _readout_vjp_local_tf(m, pos, ct, w, conf, scale, n_comp):
+    """:func:`readout_vjp` on one process's slices as TensorFlow ops (no native op here)."""
+    mi, pi = tf.identity(m), tf.identity(_local_particles(pos))
+    idx, kernel = _stencil(pi, conf)
+    rows = tf.gather(tf.reshape(mi, [-1, n_comp]), idx)
+    vals = tf.reshape(tf.reduce_sum(rows * kernel[..., None], axis=-2), ct.shape) * scale
+    if w is not None:
+        vals = vals * tf.reshape(w, w.shape.as_list() + [1] * (len(ct.shape) - len(w.shape)))
+    dm, dp = tf.gradients(vals, [mi, pi], grad_ys=ct,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return vals, dm, tf.reshape(dp, pos.shape)
+
+
 def paint_field(positions, conf, weight=None, name="paint_field", escape_checked=False):
     """CIC-paint particles and return the real-space field ``[x, y, z]``.
 

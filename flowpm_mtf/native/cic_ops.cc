@@ -17,6 +17,14 @@
 //                        dvalues [B, n, C], halo) -> (dfield, dpos): both gradients of
 //       the readout in one pass (= FlowpmCicPaint of dvalues and
 //       FlowpmCicReadoutGradPos, bit for bit; the stencil computed once).
+//   FlowpmCicReadoutVjp(field [B, px, py, nz, C], positions [B, n, 3],
+//                       cotangents [B, n, C], weights [B, n] or [0], scale [])
+//       -> (values, dfield, dpos): the readout scaled, values = (R(field) * scale) * w,
+//       and both gradients of it for the cotangents, d = (cot * w) * scale:
+//       dfield = FlowpmCicPaint of d, dpos = FlowpmCicReadoutGradPos(field, d), in
+//       one pass (the PM force and its VJP in the adjoint's reverse step: the
+//       values equal FlowpmCicReadout times scale times w, the gradients
+//       FlowpmCicReadoutGrad of d, bit for bit; w = 1 when weights is empty).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -26,6 +34,10 @@
 //       tf.stack / tf.concat copy one element at a time along a short last axis;
 //       with wrap = h, directly the padded block with periodic margins of a
 //       one-block mesh).
+//   FlowpmInterleaveGrad(dy [a + 2 wrap, b + 2 wrap, ..., K], picks, wrap, widths)
+//       -> N x [a, b, ..., widths[i]]: the gradient of FlowpmInterleave (each
+//       column of dy added to the column it was picked from, margins added back
+//       into the cells they copy; unpicked columns 0), in one pass.
 //
 // The particle ops of flowpm_mtf.domain's migration (FlowpmParticleStats,
 // FlowpmSelectRows, FlowpmMaskRows, FlowpmWrap) are in particle_ops.cc; the
@@ -536,6 +548,141 @@ class CicReadoutGradOp : public OpKernel {
   i64 halo_;
 };
 
+// ------------------------------------------------------------------ scaled readout and its VJP
+// Most components FlowpmCicReadoutVjp handles (the cotangents' products live on the stack).
+constexpr i64 kMaxVjpComps = 8;
+
+// The readout of one particle from its block's field fb, exactly read_range's sum.
+template <typename T, int KC>
+inline void read_one(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
+                     const T* __restrict__ fb, const Geometry& g, T* __restrict__ v) {
+  const i64 C = KC ? KC : g.comps;
+  for (i64 c = 0; c < C; ++c) v[c] = T(0);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j) {
+      const T wxy = ax.w[i] * ay.w[j];
+      const T* cell = fb + (ax.i[i] * g.py + ay.i[j]) * g.nz * C;
+      for (int k = 0; k < 2; ++k) {
+        const T kern = wxy * az.w[k];
+        const T* src = cell + az.i[k] * C;
+        for (i64 c = 0; c < C; ++c) v[c] += kern * src[c];
+      }
+    }
+}
+
+// One slab of FlowpmCicReadoutVjp (as readout_grad_slab: the paint of d into the
+// slab's rows; the values and the position gradient by the owner of ax.i[0]).
+template <typename T, int KC>
+void readout_vjp_slab(const T* __restrict__ pb, const T* __restrict__ cb,
+                      const T* __restrict__ wb, T s, const T* __restrict__ fb,
+                      T* __restrict__ dfb, T* __restrict__ gpb, T* __restrict__ vb,
+                      const Geometry& g, i64 n, i64 r0, i64 r1) {
+  const i64 C = KC ? KC : g.comps;
+  T d[kMaxVjpComps];
+  for (i64 p = 0; p < n; ++p) {
+    const T* q = pb + 3 * p;
+    T* gp = gpb + 3 * p;
+    T* v = vb + p * C;
+    if (!finite3(q)) {
+      if (r0 == 0) {
+        gp[0] = gp[1] = gp[2] = T(0);
+        for (i64 c = 0; c < C; ++c) v[c] = T(0);
+      }
+      continue;
+    }
+    Axis<T> ax, ay, az;
+    clipped_axis(q[0], g.halo, g.px, &ax);
+    const bool in0 = ax.i[0] >= r0 && ax.i[0] < r1, in1 = ax.i[1] >= r0 && ax.i[1] < r1;
+    if (!in0 && !in1) continue;
+    clipped_axis(q[1], g.halo, g.py, &ay);
+    periodic_axis(q[2], g.nz, &az);
+    const T* ct = cb + p * C;
+    // the order of the Mesh TF graph: (cot * w) * scale, and (R * scale) * w
+    for (i64 c = 0; c < C; ++c) d[c] = wb ? (ct[c] * wb[p]) * s : ct[c] * s;
+    deposit<T, KC, true>(ax, ay, az, in0, in1, d, dfb, g);
+    if (!in0) continue;
+    position_gradient<T, KC>(ax, ay, az, fb, d, g, gp);
+    read_one<T, KC>(ax, ay, az, fb, g, v);
+    for (i64 c = 0; c < C; ++c) v[c] = wb ? (v[c] * s) * wb[p] : v[c] * s;
+  }
+}
+
+template <typename T>
+class CicReadoutVjpOp : public OpKernel {
+ public:
+  explicit CicReadoutVjpOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    const Tensor& cot = ctx->input(2);
+    const Tensor& w = ctx->input(3);
+    const Tensor& scale = ctx->input(4);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
+    OP_REQUIRES(ctx, C <= kMaxVjpComps,
+                InvalidArgument("CIC readout VJP: at most ", kMaxVjpComps, " components, got ", C));
+    OP_REQUIRES(ctx, cot.NumElements() > 0 || nb * n == 0,
+                InvalidArgument("CIC readout VJP: cotangents must not be empty"));
+    OP_REQUIRES_OK(ctx, check_per_particle(cot, pos, C, "cotangents"));
+    OP_REQUIRES(ctx, w.NumElements() == 0 ||
+                (w.dims() == 2 && w.dim_size(0) == nb && w.dim_size(1) == n),
+                InvalidArgument("CIC readout VJP: weights must be [", nb, ", ", n,
+                                "] or empty, got ", w.shape().DebugString()));
+    OP_REQUIRES(ctx, scale.NumElements() == 1,
+                InvalidArgument("CIC readout VJP: scale must be a scalar, got ",
+                                scale.shape().DebugString()));
+    const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    Tensor* values = nullptr;
+    Tensor* dfield = nullptr;
+    Tensor* dpos = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, field.shape(), &dfield));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, pos.shape(), &dpos));
+    const T* P = pos.flat<T>().data();
+    const T* F = field.flat<T>().data();
+    const T* D = cot.NumElements() ? cot.flat<T>().data() : nullptr;
+    const T* W = w.NumElements() ? w.flat<T>().data() : nullptr;
+    const T s = scale.flat<T>()(0);
+    T* V = values->flat<T>().data();
+    T* DF = dfield->flat<T>().data();
+    T* G = dpos->flat<T>().data();
+    const i64 row = g.py * g.nz * C;
+    std::memset(DF, 0, sizeof(T) * nb * g.px * row);
+    if (nb * n == 0) return;
+    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g.px});
+    if (n * nb < (1 << 14)) slabs = 1;
+    auto work = [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / slabs, sl = u % slabs;
+        const i64 r0 = g.px * sl / slabs, r1 = g.px * (sl + 1) / slabs;
+        const i64 off = b * g.px * row;
+        const T* wb = W ? W + b * n : nullptr;
+        if (C == 3)
+          readout_vjp_slab<T, 3>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
+                                 G + b * n * 3, V + b * n * C, g, n, r0, r1);
+        else
+          readout_vjp_slab<T, 0>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
+                                 G + b * n * 3, V + b * n * C, g, n, r0, r1);
+      }
+    };
+    if (slabs * nb == 1) {
+      work(0, 1);
+    } else {
+      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
+    }
+  }
+
+ private:
+  i64 halo_;
+};
+
 // ------------------------------------------------------------------ escape count
 template <typename T>
 class CicEscapedOp : public OpKernel {
@@ -659,6 +806,96 @@ class InterleaveOp : public OpKernel {
   int wrap_;
 };
 
+// The gradient of FlowpmInterleave: out_i[s, t, r, c] = sum over the picks (i, c) = k
+// and over the padded rows (s', t') that copy (s, t) of dy[s', t', r, k] (every
+// image of the periodic margins, t' outer, s' inner, ascending).
+template <typename T>
+class InterleaveGradOp : public OpKernel {
+ public:
+  explicit InterleaveGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("picks", &picks_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("wrap", &wrap_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("widths", &widths_));
+    OP_REQUIRES(ctx, !picks_.empty() && picks_.size() % 2 == 0,
+                InvalidArgument("FlowpmInterleaveGrad: picks must hold (input, column) pairs"));
+    OP_REQUIRES(ctx, wrap_ >= 0, InvalidArgument("FlowpmInterleaveGrad: wrap must be >= 0"));
+    for (size_t k = 0; k < picks_.size(); k += 2)
+      OP_REQUIRES(ctx, picks_[k] >= 0 && picks_[k] < static_cast<int>(widths_.size()) &&
+                  picks_[k + 1] >= 0 && picks_[k + 1] < widths_[picks_[k]],
+                  InvalidArgument("FlowpmInterleaveGrad: pick (", picks_[k], ", ",
+                                  picks_[k + 1], ") out of range"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dy = ctx->input(0);
+    const i64 K = picks_.size() / 2;
+    const int lead = wrap_ > 0 ? 2 : 0;
+    OP_REQUIRES(ctx, dy.dims() >= 1 + lead && dy.dim_size(dy.dims() - 1) == K,
+                InvalidArgument("FlowpmInterleaveGrad: dy must be [..., ", K, "] of rank >= ",
+                                1 + lead, ", got ", dy.shape().DebugString()));
+    i64 pa = 1, pb = 1, a = 1, b = 1;
+    if (lead) {
+      pa = dy.dim_size(0);
+      pb = dy.dim_size(1);
+      a = pa - 2 * wrap_;
+      b = pb - 2 * wrap_;
+      OP_REQUIRES(ctx, a > 0 && b > 0,
+                  InvalidArgument("FlowpmInterleaveGrad: dy smaller than its margins"));
+    }
+    const i64 inner = dy.NumElements() / std::max<i64>(1, pa * pb * K);
+    const int n_out = widths_.size();
+    std::vector<T*> out(n_out);
+    for (int i = 0; i < n_out; ++i) {
+      TensorShape os = dy.shape();
+      os.set_dim(os.dims() - 1, widths_[i]);
+      if (lead) {
+        os.set_dim(0, a);
+        os.set_dim(1, b);
+      }
+      Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, os, &t));
+      out[i] = t->flat<T>().data();
+    }
+    const T* Y = dy.flat<T>().data();
+    auto images = [&](i64 s, i64 n, i64 p, i64* idx) {
+      int m = 0;
+      for (i64 q = (s + wrap_) % n; q < p; q += n) idx[m++] = q;  // s + wrap - k n >= 0
+      return m;
+    };
+    auto work = [&](int64_t begin, int64_t end) {
+      std::vector<i64> ia(pa + 1), ib(pb + 1);
+      for (i64 st = begin; st < end; ++st) {
+        const i64 s = st / b, t = st % b;
+        int ma = 1, mb = 1;
+        ia[0] = s;
+        ib[0] = t;
+        if (lead) {
+          ma = images(s, a, pa, ia.data());
+          mb = images(t, b, pb, ib.data());
+        }
+        for (int i = 0; i < n_out; ++i)
+          std::fill(out[i] + st * inner * widths_[i], out[i] + (st + 1) * inner * widths_[i], T(0));
+        for (int jb = 0; jb < mb; ++jb)
+          for (int ja = 0; ja < ma; ++ja) {
+            const T* src = Y + (ia[ja] * pb + ib[jb]) * inner * K;
+            for (i64 k = 0; k < K; ++k) {
+              const int i = picks_[2 * k], c = picks_[2 * k + 1];
+              const i64 w = widths_[i];
+              T* o = out[i] + st * inner * w + c;
+              for (i64 r = 0; r < inner; ++r) o[r * w] += src[r * K + k];
+            }
+          }
+      }
+    };
+    shard(ctx, a * b, 2 * K * inner, work);
+  }
+
+ private:
+  std::vector<int> picks_;
+  std::vector<int> widths_;
+  int wrap_;
+};
+
 }  // namespace
 
 
@@ -733,6 +970,59 @@ REGISTER_OP("FlowpmCicReadoutGrad")
       return ::tensorflow::OkStatus();
     });
 
+REGISTER_OP("FlowpmInterleaveGrad")
+    .Input("dy: T")
+    .Output("outputs: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("picks: list(int)")
+    .Attr("wrap: int = 0")
+    .Attr("widths: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int> widths;
+      int wrap;
+      TF_RETURN_IF_ERROR(c->GetAttr("widths", &widths));
+      TF_RETURN_IF_ERROR(c->GetAttr("wrap", &wrap));
+      ShapeHandle s0 = c->input(0);
+      for (size_t i = 0; i < widths.size(); ++i) {
+        if (!c->RankKnown(s0)) {
+          c->set_output(i, c->UnknownShape());
+          continue;
+        }
+        ShapeHandle out;
+        TF_RETURN_IF_ERROR(c->ReplaceDim(s0, -1, c->MakeDim(static_cast<int64_t>(widths[i])),
+                                         &out));
+        for (int d = 0; d < 2 && wrap > 0 && d + 1 < c->Rank(s0); ++d) {
+          DimensionHandle inner;
+          TF_RETURN_IF_ERROR(c->Subtract(c->Dim(s0, d), 2 * wrap, &inner));
+          TF_RETURN_IF_ERROR(c->ReplaceDim(out, d, inner, &out));
+        }
+        c->set_output(i, out);
+      }
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_OP("FlowpmCicReadoutVjp")
+    .Input("field: T")
+    .Input("positions: T")
+    .Input("cotangents: T")
+    .Input("weights: T")
+    .Input("scale: T")
+    .Output("values: T")
+    .Output("dfield: T")
+    .Output("dpositions: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle field, pos;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &field));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &pos));
+      c->set_output(0, c->MakeShape({c->Dim(pos, 0), c->Dim(pos, 1), c->Dim(field, 4)}));
+      c->set_output(1, c->input(0));
+      c->set_output(2, c->input(1));
+      return ::tensorflow::OkStatus();
+    });
+
 REGISTER_OP("FlowpmCicEscaped")
     .Input("positions: T")
     .Output("count: int32")
@@ -748,3 +1038,5 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGradPos", CicReadoutGradPosOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGrad", CicReadoutGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicEscaped", CicEscapedOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleaveGrad", InterleaveGradOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutVjp", CicReadoutVjpOp);

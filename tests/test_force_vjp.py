@@ -1,0 +1,185 @@
+"""The PM force with its VJP in one readout (``gravity.pm_forces_vjp``,
+``painting.readout_vjp``, native ``FlowpmCicReadoutVjp``) and the native gradient of
+``FlowpmInterleave``: against ``pm_forces`` and its ``mtf.gradients`` (the force bit for
+bit, the VJP to rounding) on every grid of the world size, both decompositions, float32
+and float64; the VJP by a dot-product test against central differences of the force; the
+interleave gradient against numpy and by a dot-product test."""
+import mesh_tensorflow as mtf
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import fpm_harness as H
+import nbody_harness as NH
+from flowpm_mtf import domain, gravity, lpt, native, painting
+from flowpm_mtf.config import SimConfig
+
+tf.disable_eager_execution()
+
+NC = 16
+BOX = 64.0
+# The VJP's two position terms (through the readout, through the paint) are summed in
+# the other order than mtf.gradients sums them, and the readout's term is one fused
+# pass: float64 rounding of sums of O(10) terms of size ~1 (measured <= 1e-15 relative
+# to the largest component); float32 the same in its epsilon. A wrong scale or weight
+# is O(1), a missing term O(0.1).
+VJP_RTOL = {"float64": 1e-12, "float32": 2e-6}
+FD_EPS = 1e-6        # [cells]; CIC is piecewise linear: truncation ~0, rounding ~1e-10
+FD_RTOL = 1e-7
+
+
+def conf_for(grid, decomposition, dtype="float64"):
+    # 2LPT at a = 0.3: displacements up to ~2 cells; halo 4 covers them (lagrangian)
+    return SimConfig(nc=NC, box_size=BOX, grid=grid, halo_size=4, lpt_order=2, a_start=0.3,
+                     dtype=dtype, decomposition=decomposition)
+
+
+@pytest.fixture(scope="module")
+def linear():
+    return NH.linear_field_numpy(conf_for((1, 1), "eulerian"))
+
+
+def state(mesh, conf, linear):
+    s0 = lpt.lpt_init(NH.import_field(mesh, conf, linear), conf, a=conf.a_start, forces=False)
+    return s0, domain.weights(s0.ids, conf)
+
+
+CASES = H.cases(single=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
+    kind, grid = case
+    conf = conf_for(grid, decomposition, dtype)
+
+    def build(mesh):
+        s0, w = state(mesh, conf, linear)
+        ct = NH.id_field(s0.ids, conf, 7)
+        f1, v1 = gravity.pm_forces_vjp(s0.positions, ct, conf, weight=w)
+        f0 = gravity.pm_forces(s0.positions, conf, weight=w)
+        v0 = mtf.gradients([f0], [s0.positions], grad_ys=[ct])[0]
+        return {"f1": f1, "v1": v1, "f0": f0, "v0": v0, "ids": s0.ids}
+
+    out = H.run(kind, conf, build)
+    np.testing.assert_array_equal(out["f1"], out["f0"])
+    err = H.rel_err(out["v1"], out["v0"])
+    print("force VJP vs mtf.gradients %s %s %s: %.3g" % (H.case_id(case), decomposition,
+                                                          dtype, err))
+    assert err <= VJP_RTOL[dtype], err
+    assert np.max(np.abs(out["v0"])) > 0.1            # the check is not vacuous
+    empty = out["ids"] < 0
+    assert not np.any(out["v1"][empty]) and not np.any(out["f1"][empty])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"], ids=H.case_id)
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+def test_force_vjp_dot_product(case, decomposition, linear):
+    """<J v, u> by central differences of pm_forces against <v, J^T u> (float64)."""
+    kind, grid = case
+    conf = conf_for(grid, decomposition)
+
+    def build(mesh):
+        s0, w = state(mesh, conf, linear)
+        eps_ph = tf.placeholder(tf.float64, [], name="eps")
+        eps = mtf.import_tf_tensor(mesh, eps_ph, mtf.Shape([]))
+        v = NH.id_field(s0.ids, conf, 3)
+        u = NH.id_field(s0.ids, conf, 4)
+        moved = gravity.pm_forces(s0.positions + v * eps, conf, weight=w)
+        _, vjp = gravity.pm_forces_vjp(s0.positions, u, conf, weight=w)
+        return {"phi": mtf.reduce_sum(moved * u), "vjt": mtf.reduce_sum(vjp * v)}, \
+            {"eps": eps_ph}
+
+    outs = H.run(kind, conf, build, feeds=[{"eps": FD_EPS}, {"eps": -FD_EPS}])
+    jv_u = (outs[0]["phi"] - outs[1]["phi"]) / (2 * FD_EPS)
+    v_jtu = outs[0]["vjt"]
+    print("force VJP dot product %s %s: <Jv,u> %.15g <v,J^T u> %.15g"
+          % (H.case_id(case), decomposition, jv_u, v_jtu))
+    assert abs(jv_u - v_jtu) <= FD_RTOL * abs(v_jtu), (jv_u, v_jtu)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"][:1], ids=H.case_id)
+def test_readout_vjp_native_equals_mtf(case):
+    """painting.readout_vjp with the native op against its Mesh TF path, bit for bit
+    (random field, positions inside the padded blocks, empty slots)."""
+    kind, grid = case
+    conf = SimConfig(nc=8, box_size=8.0, grid=grid, halo_size=2, dtype="float64")
+    rng = np.random.RandomState(4)
+    gx, gy = conf.grid
+    sx, sy, nz = conf.block_shape
+    px, py, _ = conf.padded_block_shape
+    n = 200
+    field = rng.randn(gx, gy, px, py, nz, 3)
+    pos = np.stack([rng.uniform(-1.5, sx + 0.9, (gx, gy, n)), rng.uniform(-1.5, sy + 0.9, (gx, gy, n)),
+                    rng.uniform(-2.0, nz + 2.0, (gx, gy, n))], -1)
+    ct = rng.randn(gx, gy, n, 3)
+    w = (rng.rand(gx, gy, n) > 0.3).astype(np.float64)
+
+    def build(mesh):
+        from flowpm_mtf import layout
+
+        shape = mtf.Shape(layout.padded_shape(conf).dims + [mtf.Dimension(layout.XYZ, 3)])
+        bx, by, _ = layout.particle_dims(conf)
+        pshape = mtf.Shape([bx, by, mtf.Dimension("npart", n), mtf.Dimension(layout.XYZ, 3)])
+        m = mtf.import_tf_tensor(mesh, tf.constant(field), shape)
+        x = mtf.import_tf_tensor(mesh, tf.constant(pos), pshape)
+        c = mtf.import_tf_tensor(mesh, tf.constant(ct), pshape)
+        wt = mtf.import_tf_tensor(mesh, tf.constant(w), mtf.Shape(pshape.dims[:3]))
+        a = painting.readout_vjp(m, x, c, conf, 0.45, wt)
+        b = painting._readout_vjp_mtf(m, x, c, conf, 0.45, wt, "reference")
+        return {"%s%d" % (t, i): v for t, o in (("n", a), ("t", b)) for i, v in enumerate(o)}
+
+    out = H.run(kind, conf, build)
+    for i in range(3):
+        np.testing.assert_array_equal(out["n%d" % i], out["t%d" % i], err_msg=str(i))
+    assert np.max(np.abs(out["n2"])) > 0.1
+
+
+def _interleave_numpy(inputs, picks, wrap):
+    a, b = inputs[0].shape[:2]
+    cols = [inputs[i][..., c] for i, c in picks]
+    out = np.stack(cols, -1)
+    if wrap:
+        out = out[np.arange(-wrap, a + wrap) % a][:, np.arange(-wrap, b + wrap) % b]
+    return out
+
+
+def _interleave_grad_numpy(dy, shapes, picks, wrap):
+    grads = [np.zeros(s) for s in shapes]
+    a, b = shapes[0][:2]
+    ia = np.arange(-wrap, a + wrap) % a if wrap else np.arange(a)
+    ib = np.arange(-wrap, b + wrap) % b if wrap else np.arange(b)
+    for k, (i, c) in enumerate(picks):
+        for p, s in enumerate(ia):
+            for q, t in enumerate(ib):
+                grads[i][s, t, ..., c] += dy[p, q, ..., k]
+    return grads
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("wrap,shape", [(0, (4, 5, 3)), (2, (6, 5, 3)), (4, (3, 2, 2))])
+def test_interleave_gradient(wrap, shape):
+    """FlowpmInterleaveGrad against numpy (margins wider than the axis included) and by
+    <interleave(x), dy> == sum_i <x_i, grad_i(dy)>, float64."""
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(wrap)
+    shapes = [shape + (2,), shape + (1,)]
+    picks = [(0, 0), (1, 0), (0, 1), (1, 0)]       # input 1's column picked twice
+    xs = [rng.randn(*s) for s in shapes]
+    flat = [v for p in picks for v in p]
+    fwd = _interleave_numpy(xs, picks, wrap)
+    dy = rng.randn(*fwd.shape)
+    with tf.Graph().as_default():
+        ins = [tf.constant(v) for v in xs]
+        y = lib.flowpm_interleave(ins, picks=flat, wrap=wrap)
+        g = tf.gradients(y, ins, grad_ys=tf.constant(dy))
+        with tf.Session() as sess:
+            y_v, g_v = sess.run([y, g])
+    np.testing.assert_array_equal(y_v, fwd)
+    ref = _interleave_grad_numpy(dy, shapes, picks, wrap)
+    for a, b in zip(g_v, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)
+    lhs = np.sum(fwd * dy)
+    rhs = sum(np.sum(x * gi) for x, gi in zip(xs, g_v))
+    assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
