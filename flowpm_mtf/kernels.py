@@ -277,7 +277,12 @@ def _real_components(z, lo, size, dim_name, name):
             g = g[..., None]
         s = g.shape.as_list()
         if (lo, size) != (0, width):
-            g = tf.pad(g, [[0, 0]] * (len(s) - 1) + [[lo, width - lo - size]])
+            lib = native.ops_for("cic_ops", g)
+            if lib is not None:  # one pass (tf.pad along the short last axis: ~8 ms at 128^3)
+                g, = lib.flowpm_interleave_grad(g, picks=[v for j in range(size) for v in (0, lo + j)],
+                                                wrap=0, widths=[width], N=1)
+            else:
+                g = tf.pad(g, [[0, 0]] * (len(s) - 1) + [[lo, width - lo - size]])
         return tf.bitcast(tf.reshape(g, s[:-1] + [npair, 2]), z.dtype)
 
     def grad(op, dy):

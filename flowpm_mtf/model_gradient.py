@@ -74,7 +74,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import adjoint, complex_ops, domain, fft, ics, layout, lpt, nbody, sizing, timeloop
+from . import adjoint, complex_ops, domain, fft, ics, layout, lpt, native, nbody, sizing, timeloop
 from . import config as cfg
 from .kernels import make_kernels
 from .logs import rank0_only
@@ -110,17 +110,33 @@ def _home_fn(conf):
         cy = tf.cast(cy, ids.dtype)[None, :, None]
         hx = tf.math.floormod(gx - cx * sx + nx // 2, nx) - nx // 2   # minimum image
         hy = tf.math.floormod(gy - cy * sy + ny // 2, ny) - ny // 2
-        home = tf.cast(tf.stack([hx, hy, gz], axis=-1), dtype)
-        return home * tf.cast(valid[..., None], dtype)
+        zero = tf.zeros_like(hx)
+        comps = [tf.cast(tf.where_v2(valid, h, zero), dtype)[..., None] for h in (hx, hy, gz)]
+        lib = native.ops_for("cic_ops", comps[0])
+        if lib is not None:  # one pass (tf.stack along the short last axis copies elementwise)
+            return lib.flowpm_interleave(comps, picks=[0, 0, 1, 0, 2, 0], wrap=0)
+        return tf.concat(comps, axis=-1)
     return fn
 
 
 def _scatter_fn(conf, n_lattice):
-    """Local fn: (home positions, fields..., ids) -> fields in lattice slot order."""
+    """Local fn: (home positions, ids, fields...) -> fields in lattice slot order.
+
+    Native ``FlowpmLatticeScatter`` on the CPU (one pass), else
+    ``tf.math.unsorted_segment_sum`` (the same sums).
+    """
     sx, sy, nz = conf.block_shape
 
     def fn(x, ids, *fields):
         b1, b2, cap = x.shape[0], x.shape[1], x.shape[2]
+        lib = native.ops_for("particle_ops", x, *fields)
+        if lib is not None:  # one pass (FlowpmLatticeScatter), the same sums
+            outs = lib.flowpm_lattice_scatter(
+                tf.reshape(x, [b1 * b2, cap, 3]), tf.reshape(ids, [b1 * b2, cap]),
+                [tf.reshape(f, [b1 * b2, cap, 3]) for f in fields], sy=sy, nz=nz,
+                lattice=n_lattice)
+            outs = [tf.reshape(o, [b1, b2, n_lattice, 3]) for o in outs]
+            return tuple(outs) if len(outs) > 1 else outs[0]
         r = tf.cast(tf.round(x), tf.int32)
         slot = (r[..., 0] * sy + r[..., 1]) * nz + r[..., 2]
         block = tf.range(b1)[:, None, None] * b2 + tf.range(b2)[None, :, None]

@@ -206,3 +206,42 @@ def test_bad_input():
             model_gradient.ModelGradient(conf, mesh, lambda s: None, linear=f)
     with pytest.raises(ValueError, match="unknown cosmological parameter 'Omega_m'"):
         model_gradient.background_derivatives(conf, [0.1, 1.0], ["Omega_m"])
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("dtype,id_dtype", [(np.float32, np.int32), (np.float64, np.int64)])
+def test_lattice_scatter_native_equals_segment_sum(dtype, id_dtype):
+    """FlowpmLatticeScatter (lattice_cotangents' return to lattice order) against
+    tf.math.unsorted_segment_sum of the same rows, bit for bit: two blocks, shuffled
+    slots, empty slots (id -1) carrying garbage; a site outside the block is an error."""
+    from flowpm_mtf import native
+
+    lib = native.load("particle_ops")
+    rng = np.random.RandomState(3)
+    sy, nz, nlat, cap, nb = 3, 4, 2 * 3 * 4, 30, 2
+    home = np.zeros((nb, cap, 3), dtype)
+    ids = np.full((nb, cap), -1, id_dtype)
+    for b in range(nb):
+        rows = rng.permutation(cap)[:nlat]            # every site once, in shuffled slots
+        sites = rng.permutation(nlat)
+        home[b, rows] = np.stack([sites // (sy * nz), sites // nz % sy, sites % nz], -1)
+        home[b, rows] += rng.uniform(-0.45, 0.45, (nlat, 3))   # rounded to the site
+        ids[b, rows] = sites + 1000 * b
+    empty = ids < 0
+    home[empty] = rng.uniform(-50, 50, (empty.sum(), 3))  # ignored: not a site
+    fields = [rng.randn(nb, cap, 3).astype(dtype) for _ in range(2)]
+    slot = np.rint(home).astype(np.int64)
+    seg = np.where(empty, -1, (slot[..., 0] * sy + slot[..., 1]) * nz + slot[..., 2]
+                   + nlat * np.arange(nb)[:, None])
+    with tf.Graph().as_default(), tf.Session() as sess:
+        got = sess.run(lib.flowpm_lattice_scatter(home, ids, fields, sy=sy, nz=nz, lattice=nlat))
+        want = sess.run([tf.reshape(tf.math.unsorted_segment_sum(f.reshape(-1, 3), seg.reshape(-1),
+                                                                 nb * nlat), [nb, nlat, 3])
+                         for f in fields])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        assert np.all(np.abs(got[0]) > 0)                 # every site received its row
+        bad = home.copy()
+        bad[0, np.argmax(ids[0] >= 0), 2] = nz            # one valid particle off its block
+        with pytest.raises(tf.errors.InvalidArgumentError, match="no lattice site"):
+            sess.run(lib.flowpm_lattice_scatter(bad, ids, fields[:1], sy=sy, nz=nz, lattice=nlat))

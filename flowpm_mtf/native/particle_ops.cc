@@ -13,6 +13,13 @@
 //       (the migration's merge; gradient: the same op).
 //   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
 //       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
+//   FlowpmLatticeScatter(home [B, n, 3], ids [B, n], fields N x [B, n, C], sy, nz,
+//       lattice) -> N x [B, lattice, C]: row i of each field added into row
+//       (round(h0) sy + round(h1)) nz + round(h2) of its block's output (h = home[i],
+//       its lattice site in block-local cells; rows with id < 0 skipped; zeros
+//       elsewhere): flowpm_mtf.model_gradient.lattice_cotangents' return to the
+//       lattice order, tf.math.unsorted_segment_sum of the same rows in one pass
+//       (that op took ~30 ms per field at 128^3); a site out of range is an error.
 //
 // The checks of the positions and the escape test (the padded block the CIC
 // stencil must fit) are those of cic_ops.cc: cic_block.h.
@@ -20,6 +27,7 @@
 // Threading: TensorFlow's intra-op pool; every op is parallel over particles,
 // rows or blocks and its result does not depend on the thread count.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -256,7 +264,130 @@ class WrapOp : public OpKernel {
   T size_[3], below_[3];
 };
 
+// ------------------------------------------------------------------ lattice scatter
+// x rounded half to even (tf.round), |x| < 2^30, without a libm call.
+template <typename T>
+inline i64 round_half_even(T x) {
+  i64 t = static_cast<i64>(x);  // toward zero
+  const T d = x - static_cast<T>(t);
+  if (d > T(0.5) || (d == T(0.5) && (t & 1))) ++t;
+  else if (d < T(-0.5) || (d == T(-0.5) && (t & 1))) --t;
+  return t;
+}
+
+// FlowpmLatticeScatter: see the header. Parallel over blocks and fields; within one the rows
+// are added in slot order, as unsorted_segment_sum adds them (bit for bit: a site
+// gets one row, 0 + row).
+template <typename T, typename Tid>
+class LatticeScatterOp : public OpKernel {
+ public:
+  explicit LatticeScatterOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sy", &sy_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nz", &nz_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice", &lattice_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& home = ctx->input(0);
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES(ctx, home.dims() == 3 && home.dim_size(2) == 3,
+                InvalidArgument("FlowpmLatticeScatter: home must be [B, n, 3], got ",
+                                home.shape().DebugString()));
+    const i64 nb = home.dim_size(0), n = home.dim_size(1);
+    OP_REQUIRES(ctx, ids.dims() == 2 && ids.dim_size(0) == nb && ids.dim_size(1) == n,
+                InvalidArgument("FlowpmLatticeScatter: ids must be [", nb, ", ", n, "], got ",
+                                ids.shape().DebugString()));
+    const int nf = ctx->num_inputs() - 2;
+    std::vector<const T*> in(nf);
+    std::vector<T*> out(nf);
+    std::vector<i64> comps(nf);
+    for (int f = 0; f < nf; ++f) {
+      const Tensor& x = ctx->input(2 + f);
+      OP_REQUIRES(ctx, x.dims() == 3 && x.dim_size(0) == nb && x.dim_size(1) == n,
+                  InvalidArgument("FlowpmLatticeScatter: field ", f, " must be [", nb, ", ", n,
+                                  ", C], got ", x.shape().DebugString()));
+      comps[f] = x.dim_size(2);
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(f, TensorShape({nb, lattice_, comps[f]}), &o));
+      in[f] = x.flat<T>().data();
+      out[f] = o->flat<T>().data();
+    }
+    const T* H = home.flat<T>().data();
+    const Tid* I = ids.flat<Tid>().data();
+    OP_REQUIRES(ctx, lattice_ % (static_cast<i64>(sy_) * nz_) == 0,
+                InvalidArgument("FlowpmLatticeScatter: lattice ", lattice_,
+                                " is not a multiple of sy nz = ", sy_ * nz_));
+    const i64 sx = lattice_ / (static_cast<i64>(sy_) * nz_);
+    std::atomic<i64> bad{-1};
+    // one unit = one field of one block (its own output rows: no two threads write a row)
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / nf;
+        const int f0 = static_cast<int>(u % nf), f1 = f0 + 1;
+        std::fill(out[f0] + b * lattice_ * comps[f0], out[f0] + (b + 1) * lattice_ * comps[f0],
+                  T(0));
+        for (i64 i = b * n; i < (b + 1) * n; ++i) {
+          if (I[i] < 0) continue;
+          const T* h = H + 3 * i;
+          i64 r[3];
+          bool ok = true;
+          for (int a = 0; a < 3; ++a) {  // NaN fails the comparison
+            ok = ok && std::fabs(h[a]) < T(1 << 30);
+            r[a] = ok ? round_half_even(h[a]) : -1;
+          }
+          // every axis inside the block
+          if (!(ok && r[0] >= 0 && r[0] < sx && r[1] >= 0 && r[1] < sy_ && r[2] >= 0 &&
+                r[2] < nz_)) {
+            bad.store(static_cast<i64>(I[i]));
+            continue;
+          }
+          const i64 slot = (r[0] * sy_ + r[1]) * nz_ + r[2];
+          for (int f = f0; f < f1; ++f) {
+            const i64 C = comps[f];
+            T* o = out[f] + (b * lattice_ + slot) * C;
+            const T* x = in[f] + i * C;
+            for (i64 c = 0; c < C; ++c) o[c] += x[c];
+          }
+        }
+      }
+    };
+    shard(ctx, nb * nf, n * 8, work);
+    OP_REQUIRES(ctx, bad.load() < 0,
+                InvalidArgument("FlowpmLatticeScatter: particle id ", bad.load(),
+                                " has no lattice site in its block (home outside [0, ",
+                                sx, ") x [0, ", sy_, ") x [0, ", nz_, ") cells)"));
+  }
+
+ private:
+  int sy_, nz_, lattice_;
+};
+
 }  // namespace
+
+REGISTER_OP("FlowpmLatticeScatter")
+    .Input("home: T")
+    .Input("ids: Tid")
+    .Input("fields: N * T")
+    .Output("out: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("Tid: {int32, int64}")
+    .Attr("sy: int >= 1")
+    .Attr("nz: int >= 1")
+    .Attr("lattice: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int lattice, nf;
+      TF_RETURN_IF_ERROR(c->GetAttr("lattice", &lattice));
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &nf));
+      ShapeHandle home;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &home));
+      for (int f = 0; f < nf; ++f) {
+        ShapeHandle x;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(2 + f), 3, &x));
+        c->set_output(f, c->MakeShape({c->Dim(home, 0), lattice, c->Dim(x, 2)}));
+      }
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("FlowpmParticleStats")
     .Input("positions: T")
@@ -317,5 +448,17 @@ REGISTER_STATS(double, int32_t);
 REGISTER_STATS(double, int64_t);
 
 REGISTER_KERNEL_BUILDER(Name("FlowpmSelectRows").Device(DEVICE_CPU), SelectRowsOp);
+
+#define REGISTER_SCATTER(T, Tid)                                                         \
+  REGISTER_KERNEL_BUILDER(Name("FlowpmLatticeScatter")                                   \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<Tid>("Tid"),                               \
+                          LatticeScatterOp<T, Tid>);
+
+REGISTER_SCATTER(float, int32_t);
+REGISTER_SCATTER(float, int64_t);
+REGISTER_SCATTER(double, int32_t);
+REGISTER_SCATTER(double, int64_t);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmMaskRows", MaskRowsOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmWrap", WrapOp);
