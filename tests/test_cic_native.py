@@ -470,3 +470,26 @@ def test_interleave_rejects_bad_picks_and_shapes():
         with pytest.raises(tf.errors.InvalidArgumentError, match="differ"):
             run(lib.flowpm_interleave([a, tf.placeholder_with_default(b, [None, 1])],
                                       picks=[0, 0, 1, 0]))
+
+
+def test_arch_flags_and_stamps(monkeypatch):
+    """The instruction-set flags: -msse4.1 on x86-64 by default, -march=<value> or none
+    from FLOWPM_MTF_NATIVE_ARCH; a build's stamp carries them (other flags rebuild),
+    and load's staleness check ignores them (a library built with any flags loads)."""
+    import platform
+
+    from flowpm_mtf import native
+
+    monkeypatch.delenv("FLOWPM_MTF_NATIVE_ARCH", raising=False)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    assert native.arch_flags() == (["-msse4.1"] if x86 else [])
+    default = native.build_stamp("cic_ops")
+    assert default.startswith(native.expected_stamp("cic_ops") + native.ARCH_TAG)
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE_ARCH", "x86-64-v3")
+    assert native.arch_flags() == ["-march=x86-64-v3"]
+    assert native.build_stamp("cic_ops") != default
+    assert native.build_stamp("cic_ops").split(native.ARCH_TAG)[0] == \
+        default.split(native.ARCH_TAG)[0]
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE_ARCH", "none")
+    assert native.arch_flags() == []
+    assert native.build_stamp("cic_ops").endswith(native.ARCH_TAG + "-")

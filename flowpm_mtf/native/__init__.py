@@ -4,7 +4,8 @@ Each ``<name>.cc`` here is compiled into ``lib<name>.tf<TF version>.so`` by
 ``python -m flowpm_mtf.native.build`` (run by ``scripts/setup_env.sh``); a stamp
 file beside the library records the source hash and the TensorFlow version it
 was built for, so a library built for other sources or another TensorFlow is
-never loaded.
+never loaded, and the instruction-set flags it was compiled with
+(:func:`arch_flags`; other flags rebuild it, but any of them loads).
 
 :func:`load` returns the loaded op module, or ``None`` when the library is
 missing or stale. The environment variable ``FLOWPM_MTF_NATIVE`` chooses:
@@ -105,6 +106,38 @@ def local_headers(path):
     return found
 
 
+ARCH_TAG = " arch:"
+"""Separates the source/TensorFlow part of a stamp from its :func:`arch_flags`."""
+
+
+def arch_flags():
+    """The instruction-set flags the native ops are compiled with (a list for g++).
+
+    On x86-64 ``-msse4.1`` by default (the x86-64-v2 level: every x86-64 CPU since
+    2008, every HPC node): ``floor`` becomes one instruction, and the CIC ops are
+    20-30 % faster than with the SSE2 baseline (128^3, one rank: readout 25 -> 21
+    ms, paint 22 -> 18 ms, the adjoint's readout VJP 70 -> 58 ms). No fused
+    multiply-add: ``-std=c++17`` keeps ``-ffp-contract=off``, so the results are
+    the baseline's bit for bit. ``FLOWPM_MTF_NATIVE_ARCH=<march>`` compiles with
+    ``-march=<march>`` instead (e.g. ``x86-64-v3``; ``native`` only where the
+    build and compute nodes have the same CPU), ``none`` with no flag. Other
+    machines: no flag unless the variable names one.
+    """
+    import platform
+
+    value = os.environ.get("FLOWPM_MTF_NATIVE_ARCH", "").strip()
+    if value.lower() == "none":
+        return []
+    if value:
+        return ["-march=%s" % value]
+    return ["-msse4.1"] if platform.machine().lower() in ("x86_64", "amd64") else []
+
+
+def build_stamp(name):
+    """:func:`expected_stamp` with the :func:`arch_flags` a build writes and compares."""
+    return "%s%s%s" % (expected_stamp(name), ARCH_TAG, " ".join(arch_flags()) or "-")
+
+
 def expected_stamp(name):
     """The stamp a library built from the current source for this TF must carry.
 
@@ -156,7 +189,7 @@ def load(name):
                     stamp = f.read().strip()
             except OSError:
                 stamp = None
-            if stamp != expected_stamp(name):
+            if stamp is None or stamp.split(ARCH_TAG)[0] != expected_stamp(name):
                 reason = "%s is stale (built for other sources or another TensorFlow)" % path
         if reason is not None:
             if m == "require":

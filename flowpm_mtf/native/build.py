@@ -6,7 +6,8 @@ with TensorFlow's compile and link flags; a source includes this folder's header
 source by a line ``// LINK: -lfftw3f -lfftw3``, extra compiler flags by a line
 ``// CXXFLAGS: -fno-math-errno``. The library is written under a
 temporary name and renamed, then its stamp is written (see
-:func:`flowpm_mtf.native.expected_stamp`); an up-to-date library is not rebuilt,
+:func:`flowpm_mtf.native.build_stamp`: the sources, TensorFlow's version and the
+instruction-set flags of :func:`flowpm_mtf.native.arch_flags`); an up-to-date library is not rebuilt,
 so the command is idempotent and cheap.
 """
 import logging
@@ -16,7 +17,7 @@ import shlex
 import subprocess
 import sys
 
-from . import expected_stamp, library_path, source_path
+from . import arch_flags, build_stamp, library_path, source_path
 from . import names as all_names
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def build(name, force=False):
         True if the library was (re)built.
     """
     out = library_path(name)
-    stamp = expected_stamp(name)
+    stamp = build_stamp(name)
     if not force and os.path.exists(out) and os.path.exists(out + ".stamp"):
         with open(out + ".stamp") as f:
             if f.read().strip() == stamp:
@@ -55,7 +56,7 @@ def build(name, force=False):
 
     src = source_path(name)
     tmp = "%s.tmp-%d" % (out, os.getpid())
-    cmd = (["g++"] + CXXFLAGS + declared_flags(src, "CXXFLAGS") + [src, "-o", tmp]
+    cmd = (["g++"] + CXXFLAGS + arch_flags() + declared_flags(src, "CXXFLAGS") + [src, "-o", tmp]
            + tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
            + declared_flags(src, "LINK"))
     log.info("building %s: %s", os.path.basename(out), " ".join(cmd))
