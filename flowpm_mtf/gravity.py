@@ -21,14 +21,17 @@ raise ``tf.errors.InvalidArgumentError`` at run time.
 import logging
 
 import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
 
-from . import fft
-from .halo import field_to_padded
+from . import complex_ops, fft, native
+from .halo import field_to_padded, from_blocks, reduce_fill
+from .layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
 from .painting import (_assert_none_escaped, escaped_count, paint_field, readout_field,
                        readout_padded, readout_vjp)
 
-__all__ = ["density", "pm_forces", "pm_forces_vjp"]
+__all__ = ["density", "density_cotangent", "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +109,23 @@ def _force_field(positions, conf, kernels, weight, escape_checked):
     as the components are assembled), and which of the two it is.
     """
     rho = density(positions, conf, weight, escape_checked=escape_checked)
+    return _field_of_density(rho, conf, kernels)
+
+
+def _field_of_density(rho, conf, kernels):
+    """:func:`_force_field` from the painted density ``rho`` ``[x, y, z]``."""
     delta_k = fft.r2c(rho, conf, name="force_r2c")
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
     # rank): written directly as the padded block with its periodic margins.
-    sx, sy, _ = conf.block_shape
-    one_block = tuple(conf.grid) == (1, 1) and conf.halo_size <= min(sx, sy)
+    one_block = _one_block(conf)
     return neg_gradient_potential(delta_k, conf, kernels, sequential=True,
                                   padded=one_block), one_block
+
+
+def _one_block(conf):
+    sx, sy, _ = conf.block_shape
+    return tuple(conf.grid) == (1, 1) and conf.halo_size <= min(sx, sy)
 
 
 def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape_checked=False,
@@ -158,14 +170,131 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
         kernels = make_kernels(conf, positions.mesh)
     graph = positions.graph
     start = len(graph.operations)
-    grad, one_block = _force_field(positions, conf, kernels, weight, escape_checked)
+    rho = density(positions, conf, weight, escape_checked=escape_checked)
+    paint_ops = graph.operations[start:]
+    grad, one_block = _field_of_density(rho, conf, kernels)
     if not escape_checked:  # as the readout's own check, before the halo exchange
         grad = _assert_none_escaped(grad, escaped_count(positions, conf), name)
     padded = grad if one_block else field_to_padded(grad, conf)
     field_ops = graph.operations[start:]
     force, dmesh, dpos = readout_vjp(padded, positions, cotangents, conf,
                                      1.5 * conf.cosmology.Omega_m, weight, name=name)
-    # the rest of the VJP: through the force field back to the positions (adjoint FFTs,
-    # halo reduction, the paint's position gradient)
-    dpaint = mtf.gradients([padded], [positions], grad_ys=[dmesh], operations=field_ops)[0]
+    # the rest of the VJP: through the force field back to the density (the divergence
+    # in real space and one FFT round trip; else the adjoint FFTs of mtf.gradients),
+    # then the paint's position gradient
+    rho_bar = density_cotangent(dmesh, conf, kernels, one_block, name=name + "_density")
+    if rho_bar is not None:
+        dpaint = mtf.gradients([rho], [positions], grad_ys=[rho_bar], operations=paint_ops)[0]
+    else:
+        dpaint = mtf.gradients([padded], [positions], grad_ys=[dmesh], operations=field_ops)[0]
     return force, (dpos if dpaint is None else dpos + dpaint)
+
+
+def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent"):
+    r"""The density's cotangent from the force field's: the transpose of the force solve.
+
+    The force field is :math:`G_d = C_d \rho` with :math:`C_d = \mathcal{F}^{-1}
+    [\,i\tilde k_d / (c_d |k|^2)\,] \mathcal{F}` (:func:`_force_field`). Its
+    kernel is odd and imaginary, so :math:`C_d^T = -C_d`, and :math:`i\tilde k_d`
+    is exactly the transfer function of the four-point difference
+    :math:`D_d f = [8 (f_{+1} - f_{-1}) - (f_{+2} - f_{-2})] / (12 c_d)` on the
+    periodic grid, which commutes with :math:`1/|k|^2`. Hence
+
+    .. math:: \bar\rho = \sum_d C_d^T \bar G_d
+              = \mathcal{F}^{-1}\Big[\frac{1}{|k|^2}\,\mathcal{F}\Big[
+                -\sum_d \frac{D_d \bar G_d}{c_d}\Big]\Big]:
+
+    the divergence in real space (native ``FlowpmNegDivergence``, one pass over
+    the padded blocks, whose margins the halo exchange fills), then one FFT round
+    trip, instead of ``mtf.gradients`` through the two packed inverse transforms
+    (two complex forward transforms, the kernels' gradients, the transpose of
+    the real-to-complex one). The same values to rounding.
+
+    Parameters
+    ----------
+    dmesh : mtf.Tensor
+        :math:`\bar G` on the padded blocks ``[bx, by, px, py, z, xyz]``, margins
+        not reduced (the paint of the readout's cotangents).
+    conf : SimConfig
+    kernels : flowpm_mtf.kernels.Kernels
+    one_block : bool
+        One block (one rank): the margins are folded locally and the divergence
+        wraps periodically.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor or None
+        :math:`\bar\rho` ``[x, y, z]``; None where the native op does not serve
+        (no library, or a halo < 2 cells or wider than a block on several blocks):
+        the caller takes ``mtf.gradients``.
+    """
+    h = conf.halo_size
+    sx, sy, nz = conf.block_shape
+    if native.load("cic_ops") is None or dmesh.dtype not in (tf.float32, tf.float64):
+        return None
+    if not one_block and not 2 <= h <= min(sx, sy):
+        return None
+    coeffs = np.array([-1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
+    src = dmesh if one_block else reduce_fill(dmesh, conf)
+    px, py, _ = conf.padded_block_shape
+
+    def fn(t):
+        nbx, nby = t.shape.as_list()[:2]
+        lib = native.ops_for("cic_ops", t)
+        if one_block:
+            t = tf.reshape(t, [px, py, nz, 3])
+            if lib is not None:
+                t, = lib.flowpm_interleave_grad(t, picks=[0, 0, 0, 1, 0, 2], wrap=h, widths=[3],
+                                                N=1)
+            else:
+                t = _fold_tf(t, h, sx, sy)
+            t, margin = tf.reshape(t, [1, sx, sy, nz, 3]), 0
+        else:
+            t, margin = tf.reshape(t, [nbx * nby, px, py, nz, 3]), h
+        c = tf.constant(coeffs)
+        out = (lib.flowpm_neg_divergence(t, c, margin=margin) if lib is not None
+               else neg_divergence_tf(t, c, margin))
+        return tf.reshape(out, [nbx, nby, sx, sy, nz])
+
+    phi = mtf.slicewise(fn, [src], output_shape=block_shape(conf), output_dtype=dmesh.dtype,
+                        splittable_dims=src.shape.dims[:2], name=name + "_divergence")
+    pk = complex_ops.apply_kernel(fft.r2c(from_blocks(phi, conf), conf, name=name + "_r2c"),
+                                  kernels.inv_laplace, name=name + "_inv_laplace")
+    return fft.c2r(pk, conf, name=name + "_c2r")
+
+
+def neg_divergence_tf(g, coeffs, margin):
+    """``FlowpmNegDivergence`` as TensorFlow ops (the reference; GPU path).
+
+    ``g`` ``[B, ax, ay, nz, 3]``, ``coeffs`` ``[3]``; returns ``[B, ax - 2 m,
+    ay - 2 m, nz]``: :math:`\sum_d c_d\,(8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))`
+    along axis ``d``, ``z`` periodic, ``x, y`` inside the margins (``m >= 2``) or
+    periodic (``m = 0``).
+    """
+    m = margin
+    ax, ay = g.shape.as_list()[1:3]
+
+    def at(comp, axis, o):  # g_comp at the neighbour o along axis, on the inner cells
+        t = g[..., comp]
+        if axis == 3 or m == 0:
+            t = tf.roll(t, -o, axis)
+            return t if m == 0 else t[:, m:ax - m, m:ay - m]
+        lo = m + o
+        if axis == 1:
+            return t[:, lo:lo + ax - 2 * m, m:ay - m]
+        return t[:, m:ax - m, lo:lo + ay - 2 * m]
+
+    terms = [8 * (at(d, d + 1, 1) - at(d, d + 1, -1)) - (at(d, d + 1, 2) - at(d, d + 1, -2))
+             for d in range(3)]
+    return (coeffs[0] * terms[0] + coeffs[1] * terms[1]) + coeffs[2] * terms[2]
+
+
+def _fold_tf(t, h, sx, sy):
+    """Periodic margins of one padded block ``[px, py, ...]`` added into its cells."""
+    ix = np.arange(-h, sx + h) % sx
+    iy = np.arange(-h, sy + h) % sy
+    t = tf.math.unsorted_segment_sum(t, ix, sx)
+    t = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(t, [1, 0, 2, 3]), iy, sy),
+                     [1, 0, 2, 3])
+    return t

@@ -3,7 +3,9 @@
 ``FlowpmInterleave``: against ``pm_forces`` and its ``mtf.gradients`` (the force bit for
 bit, the VJP to rounding) on every grid of the world size, both decompositions, float32
 and float64; the VJP by a dot-product test against central differences of the force; the
-interleave gradient against numpy and by a dot-product test."""
+interleave gradient against numpy and by a dot-product test; the real-space divergence of the
+density's cotangent (native ``FlowpmNegDivergence`` and its TensorFlow twin) against numpy,
+and the TensorFlow fold of one block's margins against the native one."""
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -183,3 +185,62 @@ def test_interleave_gradient(wrap, shape):
     lhs = np.sum(fwd * dy)
     rhs = sum(np.sum(x * gi) for x, gi in zip(xs, g_v))
     assert abs(lhs - rhs) <= 1e-12 * abs(lhs)
+
+
+def _neg_divergence_numpy(g, coeffs, m):
+    """Sum over d of coeffs[d] (8 (g(+1) - g(-1)) - (g(+2) - g(-2))) along axis d of g_d."""
+    _, ax, ay, nz, _ = g.shape
+    sx, sy = ax - 2 * m, ay - 2 * m
+    out = np.zeros(g.shape[:1] + (sx, sy, nz))
+    for i in range(sx):
+        for j in range(sy):
+            for k in range(nz):
+                def v(d, o):
+                    x, y, z = i, j, (k + (o if d == 2 else 0)) % nz
+                    if d == 0:
+                        x = (i + o) % sx if m == 0 else i + o
+                    if d == 1:
+                        y = (j + o) % sy if m == 0 else j + o
+                    return g[:, x + m, y + m, z, d]
+                terms = [8 * (v(d, 1) - v(d, -1)) - (v(d, 2) - v(d, -2)) for d in range(3)]
+                out[:, i, j, k] = (coeffs[0] * terms[0] + coeffs[1] * terms[1]) + coeffs[2] * terms[2]
+    return out
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("margin,shape", [(0, (2, 5, 4, 6)), (0, (1, 3, 2, 5)), (2, (2, 8, 9, 5)),
+                                          (3, (1, 10, 9, 4))])
+def test_neg_divergence_native_tf_numpy(margin, shape):
+    """FlowpmNegDivergence and its TensorFlow twin (gravity.neg_divergence_tf) against numpy:
+    periodic (margin 0, axes shorter than the stencil included) and inside margins."""
+    from flowpm_mtf import native
+
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(margin + shape[1])
+    g = rng.randn(*(shape + (3,)))
+    coeffs = np.array([-0.3, 1.7, 0.05])
+    want = _neg_divergence_numpy(g, coeffs, margin)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        got_native, got_tf = sess.run([
+            lib.flowpm_neg_divergence(tf.constant(g), tf.constant(coeffs), margin=margin),
+            gravity.neg_divergence_tf(tf.constant(g), tf.constant(coeffs), margin)])
+    np.testing.assert_allclose(got_native, want, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(got_tf, want, rtol=1e-13, atol=1e-13)
+    assert np.max(np.abs(want)) > 1.0
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+def test_fold_tf_equals_native():
+    """The TensorFlow fold of one padded block's periodic margins (the GPU path of
+    gravity.density_cotangent) equals FlowpmInterleaveGrad's, margins wider than the block
+    included."""
+    from flowpm_mtf import native
+
+    lib = native.load("cic_ops")
+    for h, sx, sy in [(2, 6, 5), (3, 2, 4)]:
+        t = np.random.RandomState(h).randn(sx + 2 * h, sy + 2 * h, 4, 3)
+        with tf.Graph().as_default(), tf.Session() as sess:
+            a = sess.run(gravity._fold_tf(tf.constant(t), h, sx, sy))
+            b, = sess.run(lib.flowpm_interleave_grad(tf.constant(t), picks=[0, 0, 0, 1, 0, 2],
+                                                     wrap=h, widths=[3], N=1))
+        np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)

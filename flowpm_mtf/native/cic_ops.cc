@@ -25,6 +25,12 @@
 //       one pass (the PM force and its VJP in the adjoint's reverse step: the
 //       values equal FlowpmCicReadout times scale times w, the gradients
 //       FlowpmCicReadoutGrad of d, bit for bit; w = 1 when weights is empty).
+//   FlowpmNegDivergence(g [B, ax, ay, nz, 3], coeffs [3], margin) -> [B, ax - 2 margin,
+//       ay - 2 margin, nz]: sum_d coeffs[d] (8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))
+//       along axis d (the four-point finite difference of flowpm_mtf.kernels, times
+//       12 c_d^2 coeffs[d] / c_d^2 ...: the caller's scale), z periodic; x and y read
+//       inside the array (margin >= 2) or periodic (margin 0). The PM force VJP's
+//       divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -896,8 +902,95 @@ class InterleaveGradOp : public OpKernel {
   int wrap_;
 };
 
+// ------------------------------------------------------------------ divergence
+// FlowpmNegDivergence (see the header): one pass, parallel over (block, x) rows; per cell
+// the x, then y, then z terms, each (8 (g(+1) - g(-1)) - (g(+2) - g(-2))) * coeff.
+template <typename T>
+class NegDivergenceOp : public OpKernel {
+ public:
+  explicit NegDivergenceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+    OP_REQUIRES(ctx, margin_ == 0 || margin_ >= 2,
+                InvalidArgument("FlowpmNegDivergence: margin must be 0 (periodic) or >= 2"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& g = ctx->input(0);
+    const Tensor& cf = ctx->input(1);
+    OP_REQUIRES(ctx, g.dims() == 5 && g.dim_size(4) == 3,
+                InvalidArgument("FlowpmNegDivergence: g must be [B, ax, ay, nz, 3], got ",
+                                g.shape().DebugString()));
+    OP_REQUIRES(ctx, cf.NumElements() == 3,
+                InvalidArgument("FlowpmNegDivergence: coeffs must have 3 values"));
+    const i64 nb = g.dim_size(0), ax = g.dim_size(1), ay = g.dim_size(2), nz = g.dim_size(3);
+    const i64 m = margin_, sx = ax - 2 * m, sy = ay - 2 * m;
+    OP_REQUIRES(ctx, sx > 0 && sy > 0 && nz > 0,
+                InvalidArgument("FlowpmNegDivergence: g ", g.shape().DebugString(),
+                                " is not larger than its margins ", m));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz}), &out));
+    const T* G = g.flat<T>().data();
+    T* O = out->flat<T>().data();
+    const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
+    // the index of cell i + o (o in -2..2) along an axis of n inner cells
+    auto nbr = [m](i64 i, i64 o, i64 n) { return m ? i + m + o : ((i + o) % n + n) % n; };
+    std::vector<i64> zi(5 * nz);
+    for (i64 k = 0; k < nz; ++k)
+      for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / sx, i = r % sx;
+        i64 xs[5];
+        for (i64 o = -2; o <= 2; ++o) xs[o + 2] = nbr(i, o, sx);
+        for (i64 j = 0; j < sy; ++j) {
+          i64 ys[5];
+          for (i64 o = -2; o <= 2; ++o) ys[o + 2] = nbr(j, o, sy);
+          auto col = [&](i64 x, i64 y) { return G + ((b * ax + x) * ay + y) * nz * 3; };
+          const T *cm2 = col(xs[0], ys[2]), *cm1 = col(xs[1], ys[2]), *cp1 = col(xs[3], ys[2]),
+                  *cp2 = col(xs[4], ys[2]);
+          const T *dm2 = col(xs[2], ys[0]), *dm1 = col(xs[2], ys[1]), *dp1 = col(xs[2], ys[3]),
+                  *dp2 = col(xs[2], ys[4]);
+          const T* c0c = col(xs[2], ys[2]);
+          T* o = O + ((b * sx + i) * sy + j) * nz;
+          for (i64 k = 0; k < nz; ++k) {
+            const i64* z = &zi[5 * k];
+            const i64 k3 = 3 * k;
+            const T tx = T(8) * (cp1[k3] - cm1[k3]) - (cp2[k3] - cm2[k3]);
+            const T ty = T(8) * (dp1[k3 + 1] - dm1[k3 + 1]) - (dp2[k3 + 1] - dm2[k3 + 1]);
+            const T tz = T(8) * (c0c[3 * z[3] + 2] - c0c[3 * z[1] + 2]) -
+                         (c0c[3 * z[4] + 2] - c0c[3 * z[0] + 2]);
+            o[k] = (c0 * tx + c1 * ty) + c2 * tz;
+          }
+        }
+      }
+    };
+    shard(ctx, nb * sx, sy * nz * 40, work);
+  }
+
+ private:
+  int margin_;
+};
+
 }  // namespace
 
+
+REGISTER_OP("FlowpmNegDivergence")
+    .Input("g: T")
+    .Input("coeffs: T")
+    .Output("out: T")
+    .Attr("T: {float, double}")
+    .Attr("margin: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      ShapeHandle g;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &g));
+      DimensionHandle sx, sy;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 1), 2 * m, &sx));
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 2), 2 * m, &sy));
+      c->set_output(0, c->MakeShape({c->Dim(g, 0), sx, sy, c->Dim(g, 3)}));
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("FlowpmInterleave")
     .Input("inputs: N * T")
@@ -1040,3 +1133,4 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicEscaped", CicEscapedOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleaveGrad", InterleaveGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutVjp", CicReadoutVjpOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmNegDivergence", NegDivergenceOp);
