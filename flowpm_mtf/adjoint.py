@@ -44,7 +44,9 @@ carried :math:`\bar x_{i+1}, \bar p_{i+1}`)::
 
 with :math:`F(x_i)` and :math:`J_F(x_i)^T` computed together in the graph that
 re-creates :math:`x_i` (:func:`flowpm_mtf.gravity.pm_forces_vjp`: one readout
-of the force field for the force and its VJP; ``mtf.gradients`` of
+of the force field for the force and its VJP, and the density's cotangent by a
+real-space divergence and one FFT round trip,
+:func:`flowpm_mtf.gravity.density_cotangent`; ``mtf.gradients`` of
 :func:`~flowpm_mtf.gravity.pm_forces` with ``native_op=False``). The cotangent of the final force,
 :math:`K1_{N-1} \bar p_N`, is folded into :math:`\bar x_N` first by the same
 lowered reverse step fed with the factors ``(0, 0, 0, K1_{N-1})`` (no kick, no
