@@ -212,6 +212,27 @@ inline void deposit(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az, boo
   }
 }
 
+// Runs slab(b, r0, r1) for every slab [r0, r1) of the px padded x rows of each of
+// the nb blocks (n particles each): the parallel structure of the paint-like ops
+// (one unit per shard: a unit is a whole slab's scan of its block's particles).
+template <typename Slab>
+void for_slabs(OpKernelContext* ctx, i64 nb, i64 n, i64 px, Slab&& slab) {
+  i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, px});
+  if (n * nb < (1 << 14)) slabs = 1;
+  auto work = [&](i64 begin, i64 end) {
+    for (i64 u = begin; u < end; ++u) {
+      const i64 b = u / slabs, sl = u % slabs;
+      slab(b, px * sl / slabs, px * (sl + 1) / slabs);
+    }
+  };
+  if (slabs * nb == 1) {
+    work(0, 1);
+  } else {
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
+  }
+}
+
 template <typename T, int KC, bool HasW>
 void paint_slab(const T* __restrict__ pb, const T* __restrict__ wb, T* __restrict__ fb,
                 const Geometry& g, i64 n, i64 r0, i64 r1) {
@@ -262,36 +283,22 @@ class CicPaintOp : public OpKernel {
     T* F = out->flat<T>().data();
     const i64 row = g_.py * g_.nz * C;  // values per padded x row
     std::memset(F, 0, sizeof(T) * nb * g_.px * row);
-    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g_.px});
-    if (n * nb < (1 << 14)) slabs = 1;
     const Geometry g = g_;
-    // One unit = one slab of one block.
-    auto work = [&](i64 begin, i64 end) {
-      for (i64 u = begin; u < end; ++u) {
-        const i64 b = u / slabs, s = u % slabs;
-        const i64 r0 = g.px * s / slabs, r1 = g.px * (s + 1) / slabs;
-        const T* pb = P + b * n * 3;
-        const T* wb = W ? W + b * n * C : nullptr;
-        T* fb = F + b * g.px * row;
-        if (C == 1 && wb)
-          paint_slab<T, 1, true>(pb, wb, fb, g, n, r0, r1);
-        else if (C == 1)
-          paint_slab<T, 1, false>(pb, wb, fb, g, n, r0, r1);
-        else if (C == 3 && wb)  // the readout's gradient w.r.t. the force mesh
-          paint_slab<T, 3, true>(pb, wb, fb, g, n, r0, r1);
-        else if (wb)
-          paint_slab<T, 0, true>(pb, wb, fb, g, n, r0, r1);
-        else
-          paint_slab<T, 0, false>(pb, wb, fb, g, n, r0, r1);
-      }
-    };
-    if (slabs * nb == 1) {
-      work(0, 1);
-    } else {
-      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-      // A huge cost per unit: one unit per shard.
-      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
-    }
+    for_slabs(ctx, nb, n, g.px, [&](i64 b, i64 r0, i64 r1) {
+      const T* pb = P + b * n * 3;
+      const T* wb = W ? W + b * n * C : nullptr;
+      T* fb = F + b * g.px * row;
+      if (C == 1 && wb)
+        paint_slab<T, 1, true>(pb, wb, fb, g, n, r0, r1);
+      else if (C == 1)
+        paint_slab<T, 1, false>(pb, wb, fb, g, n, r0, r1);
+      else if (C == 3 && wb)  // the readout's gradient w.r.t. the force mesh
+        paint_slab<T, 3, true>(pb, wb, fb, g, n, r0, r1);
+      else if (wb)
+        paint_slab<T, 0, true>(pb, wb, fb, g, n, r0, r1);
+      else
+        paint_slab<T, 0, false>(pb, wb, fb, g, n, r0, r1);
+    });
   }
 
  private:
@@ -527,27 +534,15 @@ class CicReadoutGradOp : public OpKernel {
     const i64 row = g.py * g.nz * C;
     std::memset(DF, 0, sizeof(T) * nb * g.px * row);
     if (nb * n == 0) return;
-    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g.px});
-    if (n * nb < (1 << 14)) slabs = 1;
-    auto work = [&](i64 begin, i64 end) {
-      for (i64 u = begin; u < end; ++u) {
-        const i64 b = u / slabs, s = u % slabs;
-        const i64 r0 = g.px * s / slabs, r1 = g.px * (s + 1) / slabs;
-        const i64 off = b * g.px * row;
-        if (C == 3)
-          readout_grad_slab<T, 3>(P + b * n * 3, D + b * n * C, F + off, DF + off,
-                                  G + b * n * 3, g, n, r0, r1);
-        else
-          readout_grad_slab<T, 0>(P + b * n * 3, D + b * n * C, F + off, DF + off,
-                                  G + b * n * 3, g, n, r0, r1);
-      }
-    };
-    if (slabs * nb == 1) {
-      work(0, 1);
-    } else {
-      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
-    }
+    for_slabs(ctx, nb, n, g.px, [&](i64 b, i64 r0, i64 r1) {
+      const i64 off = b * g.px * row;
+      if (C == 3)
+        readout_grad_slab<T, 3>(P + b * n * 3, D + b * n * C, F + off, DF + off,
+                                G + b * n * 3, g, n, r0, r1);
+      else
+        readout_grad_slab<T, 0>(P + b * n * 3, D + b * n * C, F + off, DF + off,
+                                G + b * n * 3, g, n, r0, r1);
+    });
   }
 
  private:
@@ -661,28 +656,16 @@ class CicReadoutVjpOp : public OpKernel {
     const i64 row = g.py * g.nz * C;
     std::memset(DF, 0, sizeof(T) * nb * g.px * row);
     if (nb * n == 0) return;
-    i64 slabs = std::min<i64>({pool_threads(ctx), kMaxPaintSlabs, g.px});
-    if (n * nb < (1 << 14)) slabs = 1;
-    auto work = [&](i64 begin, i64 end) {
-      for (i64 u = begin; u < end; ++u) {
-        const i64 b = u / slabs, sl = u % slabs;
-        const i64 r0 = g.px * sl / slabs, r1 = g.px * (sl + 1) / slabs;
-        const i64 off = b * g.px * row;
-        const T* wb = W ? W + b * n : nullptr;
-        if (C == 3)
-          readout_vjp_slab<T, 3>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
-                                 G + b * n * 3, V + b * n * C, g, n, r0, r1);
-        else
-          readout_vjp_slab<T, 0>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
-                                 G + b * n * 3, V + b * n * C, g, n, r0, r1);
-      }
-    };
-    if (slabs * nb == 1) {
-      work(0, 1);
-    } else {
-      auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-      ::tensorflow::Shard(slabs, workers, slabs * nb, 1LL << 30, work);
-    }
+    for_slabs(ctx, nb, n, g.px, [&](i64 b, i64 r0, i64 r1) {
+      const i64 off = b * g.px * row;
+      const T* wb = W ? W + b * n : nullptr;
+      if (C == 3)
+        readout_vjp_slab<T, 3>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
+                               G + b * n * 3, V + b * n * C, g, n, r0, r1);
+      else
+        readout_vjp_slab<T, 0>(P + b * n * 3, D + b * n * C, wb, s, F + off, DF + off,
+                               G + b * n * 3, V + b * n * C, g, n, r0, r1);
+    });
   }
 
  private:
