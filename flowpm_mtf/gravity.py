@@ -25,11 +25,11 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import complex_ops, fft, native
-from .halo import field_to_padded, from_blocks, reduce_fill
+from .halo import field_to_padded, from_blocks, reduce_fill, reduced_to_field
 from .layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
-from .painting import (_assert_none_escaped, escaped_count, paint_field, readout_field,
-                       readout_padded, readout_vjp)
+from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_pair,
+                       readout_field, readout_padded, readout_scaled_grad, readout_vjp)
 
 __all__ = ["density", "density_cotangent", "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
 
@@ -168,26 +168,39 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
     """
     if kernels is None:
         kernels = make_kernels(conf, positions.mesh)
+    scale = 1.5 * conf.cosmology.Omega_m
+    if _native_cotangent(conf, positions.dtype, _one_block(conf)):
+        # the cotangents' paint with the density's (one slab scan), the force field, the
+        # density's cotangent (the divergence in real space, one FFT round trip), then
+        # one pass over the particles: the force, its readout's position gradient and
+        # the paint's
+        painted, dmesh = paint_pair(positions, cotangents, conf, scale, weight,
+                                    name=name + "_paint", escape_checked=escape_checked)
+        grad, one_block = _field_of_density(reduced_to_field(painted, conf), conf, kernels)
+        padded = grad if one_block else field_to_padded(grad, conf)
+        rho_bar = density_cotangent(dmesh, conf, kernels, one_block, name=name + "_density")
+        return readout_scaled_grad(padded, positions, cotangents, conf, scale, weight,
+                                   density_bar=field_to_padded(rho_bar, conf), name=name)
+    # no native divergence: the readout's VJP in one pass, mtf.gradients for the rest
     graph = positions.graph
     start = len(graph.operations)
     rho = density(positions, conf, weight, escape_checked=escape_checked)
-    paint_ops = graph.operations[start:]
     grad, one_block = _field_of_density(rho, conf, kernels)
     if not escape_checked:  # as the readout's own check, before the halo exchange
         grad = _assert_none_escaped(grad, escaped_count(positions, conf), name)
     padded = grad if one_block else field_to_padded(grad, conf)
     field_ops = graph.operations[start:]
-    force, dmesh, dpos = readout_vjp(padded, positions, cotangents, conf,
-                                     1.5 * conf.cosmology.Omega_m, weight, name=name)
-    # the rest of the VJP: through the force field back to the density (the divergence
-    # in real space and one FFT round trip; else the adjoint FFTs of mtf.gradients),
-    # then the paint's position gradient
-    rho_bar = density_cotangent(dmesh, conf, kernels, one_block, name=name + "_density")
-    if rho_bar is not None:
-        dpaint = mtf.gradients([rho], [positions], grad_ys=[rho_bar], operations=paint_ops)[0]
-    else:
-        dpaint = mtf.gradients([padded], [positions], grad_ys=[dmesh], operations=field_ops)[0]
+    force, dmesh, dpos = readout_vjp(padded, positions, cotangents, conf, scale, weight,
+                                     name=name)
+    dpaint = mtf.gradients([padded], [positions], grad_ys=[dmesh], operations=field_ops)[0]
     return force, (dpos if dpaint is None else dpos + dpaint)
+
+
+def _native_cotangent(conf, dtype, one_block):
+    """Whether :func:`density_cotangent` takes the native divergence (else None)."""
+    if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
+        return False
+    return one_block or 2 <= conf.halo_size <= min(conf.block_shape[:2])
 
 
 def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent"):
@@ -231,9 +244,7 @@ def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent")
     """
     h = conf.halo_size
     sx, sy, nz = conf.block_shape
-    if native.load("cic_ops") is None or dmesh.dtype not in (tf.float32, tf.float64):
-        return None
-    if not one_block and not 2 <= h <= min(sx, sy):
+    if not _native_cotangent(conf, dmesh.dtype, one_block):
         return None
     coeffs = np.array([-1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
     src = dmesh if one_block else reduce_fill(dmesh, conf)
@@ -265,7 +276,7 @@ def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent")
 
 
 def neg_divergence_tf(g, coeffs, margin):
-    """``FlowpmNegDivergence`` as TensorFlow ops (the reference; GPU path).
+    r"""``FlowpmNegDivergence`` as TensorFlow ops (the reference; GPU path).
 
     ``g`` ``[B, ax, ay, nz, 3]``, ``coeffs`` ``[3]``; returns ``[B, ax - 2 m,
     ay - 2 m, nz]``: :math:`\sum_d c_d\,(8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))`

@@ -399,6 +399,19 @@ def _isolated_grad(forward_fn, splittable_dims, name):
     return grad_function
 
 
+def _paint_local_tf(pos, w, conf):
+    """The paint of one process's particles ``[nbx, nby, n, 3]`` as TensorFlow ops."""
+    idx, kernel = _stencil(pos, conf)
+    if w is not None:
+        s = w.shape.as_list()
+        kernel = kernel * tf.reshape(w, [s[0], s[1], -1, 1])
+    nbx, nby = pos.shape.as_list()[:2]
+    local_shape = [nbx, nby] + list(conf.padded_block_shape)
+    painted = tf.math.unsorted_segment_sum(tf.reshape(kernel, [-1]), tf.reshape(idx, [-1]),
+                                           int(np.prod(local_shape)))
+    return tf.reshape(painted, local_shape)
+
+
 def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=False,
               escape_checked=False):
     """Paint particles on padded blocks with CIC, then reduce the halos.
@@ -452,15 +465,7 @@ def cic_paint(mesh, positions, conf, weight=None, name="cic_paint", _unreduced=F
         lib = _native_ops(pos)
         if lib is not None:
             return _native_paint(lib, pos, w, conf)
-        idx, kernel = _stencil(pos, conf)
-        if w is not None:
-            s = w.shape.as_list()
-            kernel = kernel * tf.reshape(w, [s[0], s[1], -1, 1])
-        nbx, nby = pos.shape.as_list()[:2]
-        local_shape = [nbx, nby] + list(conf.padded_block_shape)
-        painted = tf.math.unsorted_segment_sum(tf.reshape(kernel, [-1]), tf.reshape(idx, [-1]),
-                                               int(np.prod(local_shape)))
-        return tf.reshape(painted, local_shape)
+        return _paint_local_tf(pos, w, conf)
 
     def fn(*args):
         if mesh is not None:
@@ -662,6 +667,164 @@ def _readout_vjp_local_tf(m, pos, ct, w, conf, scale, n_comp):
     dm, dp = tf.gradients(vals, [mi, pi], grad_ys=ct,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return vals, dm, tf.reshape(dp, pos.shape)
+
+
+def paint_pair(positions, cotangents, conf, scale, weight=None, name="paint_pair",
+               escape_checked=False):
+    r"""The density paint and :func:`readout_vjp`'s paint of the cotangents, in one pass.
+
+    In the adjoint's reverse step the force's cotangents are known before the
+    force is computed, so the paint of :math:`d = (\bar v\,w)\,s` (the mesh's
+    part of the readout's VJP) can share the slab scan of the density paint:
+    native ``FlowpmCicPaintPair``; each output equal bit for bit to the op it
+    replaces. The rest of :func:`readout_vjp` is then
+    :func:`readout_scaled_grad`, parallel over the particles.
+
+    Parameters
+    ----------
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, npart, xyz]`` [cells].
+    cotangents : mtf.Tensor
+        :math:`\bar v`, ``[bx, by, npart, <components>]``.
+    conf : SimConfig
+    scale : float
+        :math:`s`.
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (default 1): the density's masses and
+        the factor :math:`w` of :math:`d`.
+    name : str
+    escape_checked : bool, optional
+        As in :func:`cic_paint` (else the density is gated by the escape check).
+
+    Returns
+    -------
+    painted : mtf.Tensor
+        ``cic_paint(None, positions, conf, weight, _unreduced=True)``: padded
+        blocks ``[bx, by, px, py, z]``, margins not reduced [particles per cell].
+    dmesh : mtf.Tensor
+        :func:`readout_vjp`'s ``dmesh``: the paint of :math:`d`, padded blocks
+        ``[bx, by, px, py, z, <components>]``, margins not reduced.
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    pdims = positions.shape.dims[:-1]
+    extra = cotangents.shape.dims[len(pdims):]
+    if cotangents.shape.dims[:len(pdims)] != pdims or not extra:
+        raise ValueError("%s: cotangents must have the shape %s + <components>, got %s"
+                         % (name, mtf.Shape(pdims), cotangents.shape))
+    _check_components(extra, positions, name)
+    if weight is not None and weight.shape.dims != pdims:
+        raise ValueError("%s: weight must have the shape %s, got %s"
+                         % (name, pdims, weight.shape))
+    n_comp = int(np.prod([d.size for d in extra]))
+    shape = padded_shape(conf)
+    dshape = mtf.Shape(shape.dims + extra)
+    inputs = [positions, cotangents] + ([weight] if weight is not None else [])
+
+    def fn(pos, ct, w=None):
+        local = _local_particles(pos)
+        lib = _native_ops(local)
+        px, py, nz = conf.padded_block_shape
+        nbx, nby, n, _ = local.shape.as_list()
+        if lib is None:  # placed where the native op does not run
+            zeros = tf.zeros([nbx, nby, px, py, nz] + [d.size for d in extra], pos.dtype)
+            return (_paint_local_tf(local, w, conf),
+                    _readout_vjp_local_tf(zeros, pos, ct, w, conf, scale, n_comp)[1])
+        rho, dm = lib.flowpm_cic_paint_pair(
+            tf.reshape(local, [nbx * nby, n, 3]), tf.reshape(ct, [nbx * nby, n, n_comp]),
+            _empty(pos.dtype) if w is None else tf.reshape(w, [nbx * nby, n]),
+            tf.constant(scale, pos.dtype), halo=conf.halo_size, px=px, py=py, nz=nz)
+        return (tf.reshape(rho, [nbx, nby, px, py, nz]),
+                tf.reshape(dm, [nbx, nby, px, py, nz] + [d.size for d in extra]))
+
+    painted, dmesh = mtf.slicewise(fn, inputs, output_shape=[shape, dshape],
+                                   output_dtype=[positions.dtype] * 2,
+                                   splittable_dims=shape.dims[:2], name=name)
+    if not escape_checked:
+        painted = _assert_none_escaped(painted, escaped_count(positions, conf), name)
+    return painted, dmesh
+
+
+def readout_scaled_grad(mesh, positions, cotangents, conf, scale, weight=None,
+                        density_bar=None, name="readout_scaled_grad"):
+    r""":func:`readout_vjp` without its paint (see :func:`paint_pair`), plus the paint's
+    position gradient.
+
+    Returns ``values`` :math:`(R\,s)\,w` and ``dpositions``
+    :math:`\sum_c d_c\,\partial R_c/\partial x` with :math:`d = (\bar v\,w)\,s`,
+    bit for bit :func:`readout_vjp`'s; with ``density_bar`` :math:`\bar\rho`
+    (padded blocks, margins filled) ``dpositions`` also holds the position
+    gradient of the weighted paint :math:`w\,\nabla_x (R\bar\rho)`, the
+    paint's part of a force VJP. One native pass over the particles
+    (``FlowpmCicReadoutScaledGrad``, one stencil per particle). Not
+    differentiable itself (it is a gradient).
+
+    Parameters
+    ----------
+    mesh : mtf.Tensor
+        Padded blocks ``[bx, by, px, py, z, <components>]``, margins filled.
+    positions : mtf.Tensor
+        Block-local positions ``[bx, by, npart, xyz]`` [cells], stencils inside
+        the padded blocks (checked by the caller).
+    cotangents : mtf.Tensor
+        :math:`\bar v`, ``[bx, by, npart, <components>]``.
+    conf : SimConfig
+    scale : float
+    weight : mtf.Tensor, optional
+        ``[bx, by, npart]`` slot weights (default 1).
+    density_bar : mtf.Tensor, optional
+        Padded blocks ``[bx, by, px, py, z]``, margins filled.
+    name : str
+
+    Returns
+    -------
+    values, dpositions : mtf.Tensor
+        Shapes of ``cotangents`` and ``positions``.
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    if density_bar is not None:
+        density_bar = _check_shape(density_bar, padded_shape(conf), name)
+    extra = mesh.shape.dims[5:]
+    _check_components(extra, positions, name)
+    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
+    if cotangents.shape != out_shape:
+        raise ValueError("%s: cotangents must have the shape %s, got %s"
+                         % (name, out_shape, cotangents.shape))
+    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
+        raise ValueError("%s: weight must have the shape %s, got %s"
+                         % (name, positions.shape.dims[:-1], weight.shape))
+    n_comp = int(np.prod([d.size for d in extra]))
+    inputs = ([mesh, positions, cotangents] + ([weight] if weight is not None else [])
+              + ([density_bar] if density_bar is not None else []))
+
+    def fn(m, pos, ct, *rest):
+        w = rest[0] if weight is not None else None
+        rb = rest[-1] if density_bar is not None else None
+        local = _local_particles(pos)
+        lib = _native_ops(m, local)
+        nbx, nby, n, _ = local.shape.as_list()
+        if lib is None:  # placed where the native op does not run
+            vals, _, dpos = _readout_vjp_local_tf(m, pos, ct, w, conf, scale, n_comp)
+            if rb is not None:
+                ones = tf.ones(pos.shape.as_list()[:-1] + [1], pos.dtype)
+                dv = ones if w is None else tf.reshape(w, ones.shape)
+                dpos = dpos + _readout_vjp_local_tf(rb[..., None], pos, dv, None, conf, 1.0, 1)[2]
+            return vals, dpos
+        px, py, nz = conf.padded_block_shape
+        vals, dpos = lib.flowpm_cic_readout_scaled_grad(
+            tf.reshape(m, [nbx * nby, px, py, nz, n_comp]), tf.reshape(local, [nbx * nby, n, 3]),
+            tf.reshape(ct, [nbx * nby, n, n_comp]),
+            _empty(pos.dtype) if w is None else tf.reshape(w, [nbx * nby, n]),
+            tf.constant(scale, pos.dtype),
+            _empty(pos.dtype) if rb is None else tf.reshape(rb, [nbx * nby, px, py, nz, 1]),
+            halo=conf.halo_size)
+        return tf.reshape(vals, ct.shape), tf.reshape(dpos, pos.shape)
+
+    return mtf.slicewise(fn, inputs, output_shape=[out_shape, positions.shape],
+                         output_dtype=[mesh.dtype] * 2, splittable_dims=positions.shape.dims[:2],
+                         name=name)
 
 
 def paint_field(positions, conf, weight=None, name="paint_field", escape_checked=False):

@@ -1,5 +1,6 @@
-"""The PM force with its VJP in one readout (``gravity.pm_forces_vjp``,
-``painting.readout_vjp``, native ``FlowpmCicReadoutVjp``) and the native gradient of
+"""The PM force with its VJP in one readout (``gravity.pm_forces_vjp``: native
+``FlowpmCicPaintPair`` and ``FlowpmCicReadoutScaledGrad``, or ``painting.readout_vjp``
+and native ``FlowpmCicReadoutVjp``) and the native gradient of
 ``FlowpmInterleave``: against ``pm_forces`` and its ``mtf.gradients`` (the force bit for
 bit, the VJP to rounding) on every grid of the world size, both decompositions, float32
 and float64; the VJP by a dot-product test against central differences of the force; the
@@ -75,6 +76,36 @@ def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
     assert not np.any(out["v1"][empty]) and not np.any(out["f1"][empty])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"][:1], ids=H.case_id)
+@pytest.mark.parametrize("path", ["readout_vjp", "tf_local"])
+def test_force_vjp_other_paths(case, path, linear, monkeypatch):
+    """pm_forces_vjp's other two paths against pm_forces and mtf.gradients: without the
+    native divergence (readout_vjp and mtf.gradients through the field), and with the
+    paint pair and the scaled readout gradient as TensorFlow ops in their slices (as
+    on a GPU; the reference then on TensorFlow ops too)."""
+    kind, grid = case
+    conf = conf_for(grid, "eulerian")
+    if path == "readout_vjp":
+        monkeypatch.setattr(gravity, "_native_cotangent", lambda *a: False)
+    else:
+        monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
+
+    def build(mesh):
+        s0, w = state(mesh, conf, linear)
+        ct = NH.id_field(s0.ids, conf, 7)
+        f1, v1 = gravity.pm_forces_vjp(s0.positions, ct, conf, weight=w)
+        f0 = gravity.pm_forces(s0.positions, conf, weight=w)
+        v0 = mtf.gradients([f0], [s0.positions], grad_ys=[ct])[0]
+        return {"f1": f1, "v1": v1, "f0": f0, "v0": v0}
+
+    out = H.run(kind, conf, build)
+    np.testing.assert_array_equal(out["f1"], out["f0"])
+    err = H.rel_err(out["v1"], out["v0"])
+    print("force VJP (%s) vs mtf.gradients %s: %.3g" % (path, H.case_id(case), err))
+    assert err <= VJP_RTOL["float64"], err
+    assert np.max(np.abs(out["v0"])) > 0.1
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"], ids=H.case_id)
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
 def test_force_vjp_dot_product(case, decomposition, linear):
@@ -136,6 +167,67 @@ def test_readout_vjp_native_equals_mtf(case):
     for i in range(3):
         np.testing.assert_array_equal(out["n%d" % i], out["t%d" % i], err_msg=str(i))
     assert np.max(np.abs(out["n2"])) > 0.1
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"][:1], ids=H.case_id)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("native_local", [True, False])
+def test_paint_pair_scaled_grad_equal_their_ops(case, dtype, native_local, monkeypatch):
+    """painting.paint_pair and readout_scaled_grad (native FlowpmCicPaintPair and
+    FlowpmCicReadoutScaledGrad) against the ops they replace: cic_paint, readout_vjp and
+    the paint's mtf.gradients, bit for bit (random field and cotangents, positions inside
+    the padded blocks, empty and non-finite slots); their TensorFlow paths in the slices
+    (native_local False, as on a GPU) against the same ops on TensorFlow, to rounding."""
+    kind, grid = case
+    if not native_local:
+        monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
+    conf = SimConfig(nc=8, box_size=8.0, grid=grid, halo_size=2, dtype=dtype)
+    rng = np.random.RandomState(5)
+    gx, gy = conf.grid
+    sx, sy, nz = conf.block_shape
+    px, py, _ = conf.padded_block_shape
+    n = 300
+    field = rng.randn(gx, gy, px, py, nz, 3)
+    rbar = rng.randn(gx, gy, px, py, nz)
+    pos = np.stack([rng.uniform(-1.5, sx + 0.9, (gx, gy, n)), rng.uniform(-1.5, sy + 0.9, (gx, gy, n)),
+                    rng.uniform(-2.0, nz + 2.0, (gx, gy, n))], -1)
+    w = (rng.rand(gx, gy, n) > 0.3).astype(np.float64)
+    if native_local:  # masked slots may hold anything: the native ops skip them
+        pos[..., :5, 1] = np.nan
+        w[..., :5] = 0.0
+    ct = rng.randn(gx, gy, n, 3)
+    tdt = conf.tf_dtype
+
+    def build(mesh):
+        from flowpm_mtf import layout
+
+        shape = layout.padded_shape(conf)
+        fshape = mtf.Shape(shape.dims + [mtf.Dimension(layout.XYZ, 3)])
+        bx, by, _ = layout.particle_dims(conf)
+        pshape = mtf.Shape([bx, by, mtf.Dimension("npart", n), mtf.Dimension(layout.XYZ, 3)])
+
+        def imp(a, s):
+            return mtf.import_tf_tensor(mesh, tf.constant(a, tdt), s)
+
+        m, rb = imp(field, fshape), imp(rbar, shape)
+        x, c, wt = imp(pos, pshape), imp(ct, pshape), imp(w, mtf.Shape(pshape.dims[:3]))
+        painted, dmesh = painting.paint_pair(x, c, conf, 0.45, wt, escape_checked=True)
+        vals, dpos = painting.readout_scaled_grad(m, x, c, conf, 0.45, wt, density_bar=rb)
+        ref_painted = painting.cic_paint(None, x, conf, wt, _unreduced=True, escape_checked=True)
+        ref_vals, ref_dmesh, ref_dpos = painting.readout_vjp(m, x, c, conf, 0.45, wt)
+        ref_dpaint = mtf.gradients([ref_painted], [x], grad_ys=[rb])[0]
+        return {"painted": painted, "dmesh": dmesh, "vals": vals, "dpos": dpos,
+                "ref_painted": ref_painted, "ref_dmesh": ref_dmesh, "ref_vals": ref_vals,
+                "ref_dpos": ref_dpos + ref_dpaint}
+
+    out = H.run(kind, conf, build)
+    for k in ("painted", "dmesh", "vals", "dpos"):
+        if native_local:
+            np.testing.assert_array_equal(out[k], out["ref_" + k], err_msg=k)
+        else:
+            rtol = 1e-12 if dtype == "float64" else 2e-6
+            assert H.rel_err(out[k], out["ref_" + k]) <= rtol, k
+        assert np.max(np.abs(out[k])) > 0.1, k
 
 
 def _interleave_numpy(inputs, picks, wrap):

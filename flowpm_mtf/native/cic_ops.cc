@@ -25,6 +25,18 @@
 //       one pass (the PM force and its VJP in the adjoint's reverse step: the
 //       values equal FlowpmCicReadout times scale times w, the gradients
 //       FlowpmCicReadoutGrad of d, bit for bit; w = 1 when weights is empty).
+//   FlowpmCicReadoutScaledGrad(field, positions, cotangents, weights, scale,
+//                              density_bar [B, px, py, nz, 1] or [0]) -> (values, dpos):
+//       FlowpmCicReadoutVjp without its paint, parallel over the particles (bit for
+//       bit its values and dpos), plus FlowpmCicReadoutGradPos(density_bar, positions,
+//       weights) added to dpos when density_bar is given (the paint's position
+//       gradient in the adjoint's force VJP).
+//   FlowpmCicPaintPair(positions [B, n, 3], cotangents [B, n, C], weights [B, n] or
+//                      [0], scale [], halo, px, py, nz) -> (density [B, px, py, nz, 1],
+//       dfield [B, px, py, nz, C]): the density paint (FlowpmCicPaint with the weights)
+//       and FlowpmCicReadoutVjp's paint of d = (cot * w) * scale, in one slab scan,
+//       bit for bit. With FlowpmCicReadoutScaledGrad, the adjoint's reverse step:
+//       the cotangents are known before the force, so their paint joins the density's.
 //   FlowpmNegDivergence(g [B, ax, ay, nz, 3], coeffs [3], margin) -> [B, ax - 2 margin,
 //       ay - 2 margin, nz]: sum_d coeffs[d] (8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))
 //       along axis d (the four-point finite difference of flowpm_mtf.kernels, times
@@ -553,6 +565,25 @@ class CicReadoutGradOp : public OpKernel {
 // Most components FlowpmCicReadoutVjp handles (the cotangents' products live on the stack).
 constexpr i64 kMaxVjpComps = 8;
 
+// The inputs of the ops that take scaled cotangents (FlowpmCicReadoutVjp,
+// FlowpmCicReadoutScaledGrad, FlowpmCicPaintPair): cotangents [B, n, C], weights
+// [B, n] or empty, a scalar scale.
+::tensorflow::Status check_vjp_inputs(const Tensor& pos, const Tensor& cot, const Tensor& w,
+                                      const Tensor& scale, i64 C) {
+  const i64 nb = pos.dim_size(0), n = pos.dim_size(1);
+  if (C > kMaxVjpComps)
+    return InvalidArgument("CIC VJP: at most ", kMaxVjpComps, " components, got ", C);
+  if (cot.NumElements() == 0 && nb * n > 0)
+    return InvalidArgument("CIC VJP: cotangents must not be empty");
+  TF_RETURN_IF_ERROR(check_per_particle(cot, pos, C, "cotangents"));
+  if (w.NumElements() != 0 && !(w.dims() == 2 && w.dim_size(0) == nb && w.dim_size(1) == n))
+    return InvalidArgument("CIC VJP: weights must be [", nb, ", ", n, "] or empty, got ",
+                           w.shape().DebugString());
+  if (scale.NumElements() != 1)
+    return InvalidArgument("CIC VJP: scale must be a scalar, got ", scale.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
 // The readout of one particle from its block's field fb, exactly read_range's sum.
 template <typename T, int KC>
 inline void read_one(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
@@ -569,6 +600,28 @@ inline void read_one(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
         for (i64 c = 0; c < C; ++c) v[c] += kern * src[c];
       }
     }
+}
+
+// The readout's cotangents as FlowpmCicReadoutVjp scales them, in the order of the
+// Mesh TF graph: d = (cot * w) * scale.
+template <typename T, int KC>
+inline void scaled_cotangents(const T* __restrict__ ct, const T* __restrict__ wb, i64 p, T s,
+                              const Geometry& g, T* __restrict__ d) {
+  const i64 C = KC ? KC : g.comps;
+  for (i64 c = 0; c < C; ++c) d[c] = wb ? (ct[c] * wb[p]) * s : ct[c] * s;
+}
+
+// One particle's scaled readout v = (R * scale) * w and position gradient for the
+// scaled cotangents d (FlowpmCicReadoutVjp and FlowpmCicReadoutScaledGrad).
+template <typename T, int KC>
+inline void values_and_gradient(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
+                                const T* __restrict__ fb, const T* __restrict__ d,
+                                const T* __restrict__ wb, i64 p, T s, const Geometry& g,
+                                T* __restrict__ v, T* __restrict__ gp) {
+  const i64 C = KC ? KC : g.comps;
+  position_gradient<T, KC>(ax, ay, az, fb, d, g, gp);
+  read_one<T, KC>(ax, ay, az, fb, g, v);
+  for (i64 c = 0; c < C; ++c) v[c] = wb ? (v[c] * s) * wb[p] : v[c] * s;
 }
 
 // One slab of FlowpmCicReadoutVjp (as readout_grad_slab: the paint of d into the
@@ -597,14 +650,10 @@ void readout_vjp_slab(const T* __restrict__ pb, const T* __restrict__ cb,
     if (!in0 && !in1) continue;
     clipped_axis(q[1], g.halo, g.py, &ay);
     periodic_axis(q[2], g.nz, &az);
-    const T* ct = cb + p * C;
-    // the order of the Mesh TF graph: (cot * w) * scale, and (R * scale) * w
-    for (i64 c = 0; c < C; ++c) d[c] = wb ? (ct[c] * wb[p]) * s : ct[c] * s;
+    scaled_cotangents<T, KC>(cb + p * C, wb, p, s, g, d);
     deposit<T, KC, true>(ax, ay, az, in0, in1, d, dfb, g);
     if (!in0) continue;
-    position_gradient<T, KC>(ax, ay, az, fb, d, g, gp);
-    read_one<T, KC>(ax, ay, az, fb, g, v);
-    for (i64 c = 0; c < C; ++c) v[c] = wb ? (v[c] * s) * wb[p] : v[c] * s;
+    values_and_gradient<T, KC>(ax, ay, az, fb, d, wb, p, s, g, v, gp);
   }
 }
 
@@ -626,18 +675,7 @@ class CicReadoutVjpOp : public OpKernel {
     OP_REQUIRES_OK(ctx, check_positions(pos));
     OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
     const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
-    OP_REQUIRES(ctx, C <= kMaxVjpComps,
-                InvalidArgument("CIC readout VJP: at most ", kMaxVjpComps, " components, got ", C));
-    OP_REQUIRES(ctx, cot.NumElements() > 0 || nb * n == 0,
-                InvalidArgument("CIC readout VJP: cotangents must not be empty"));
-    OP_REQUIRES_OK(ctx, check_per_particle(cot, pos, C, "cotangents"));
-    OP_REQUIRES(ctx, w.NumElements() == 0 ||
-                (w.dims() == 2 && w.dim_size(0) == nb && w.dim_size(1) == n),
-                InvalidArgument("CIC readout VJP: weights must be [", nb, ", ", n,
-                                "] or empty, got ", w.shape().DebugString()));
-    OP_REQUIRES(ctx, scale.NumElements() == 1,
-                InvalidArgument("CIC readout VJP: scale must be a scalar, got ",
-                                scale.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, check_vjp_inputs(pos, cot, w, scale, C));
     const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
     Tensor* values = nullptr;
     Tensor* dfield = nullptr;
@@ -670,6 +708,186 @@ class CicReadoutVjpOp : public OpKernel {
 
  private:
   i64 halo_;
+};
+
+// ------------------------------------------------------------------ the VJP split in two passes
+// FlowpmCicReadoutScaledGrad: FlowpmCicReadoutVjp's values and position gradient
+// without its paint, parallel over particles (no slab scans): the same terms in the
+// same order per particle, so bit for bit its values and dpositions. With a density
+// cotangent rb (the padded blocks of the paint's upstream gradient, margins
+// filled), the paint's position gradient FlowpmCicReadoutGradPos(rb, positions, w)
+// is added to dpositions, from the same stencil (each term bit for bit that op's).
+template <typename T, int KC>
+void scaled_grad_range(const T* __restrict__ P, const T* __restrict__ F, const T* __restrict__ D,
+                       const T* __restrict__ W, T s, const T* __restrict__ RB,
+                       T* __restrict__ V, T* __restrict__ G, const Geometry& g, i64 n,
+                       i64 begin, i64 end) {
+  const i64 C = KC ? KC : g.comps;
+  const i64 cells = g.px * g.py * g.nz;
+  Geometry g1 = g;
+  g1.comps = 1;
+  T d[kMaxVjpComps];
+  i64 b = begin / n, next = (b + 1) * n;  // as in read_range
+  for (i64 u = begin; u < end; ++u) {
+    if (u == next) ++b, next += n;
+    const T* q = P + 3 * u;
+    T* gp = G + 3 * u;
+    T* v = V + u * C;
+    if (!finite3(q)) {
+      gp[0] = gp[1] = gp[2] = T(0);
+      for (i64 c = 0; c < C; ++c) v[c] = T(0);
+      continue;
+    }
+    Axis<T> ax, ay, az;
+    stencil(q, g, &ax, &ay, &az);
+    scaled_cotangents<T, KC>(D + u * C, W, u, s, g, d);  // W is [B, n]: slot u
+    values_and_gradient<T, KC>(ax, ay, az, F + b * cells * C, d, W, u, s, g, v, gp);
+    if (RB) {
+      T gr[3];
+      position_gradient<T, 1>(ax, ay, az, RB + b * cells, W ? W + u : nullptr, g1, gr);
+      for (int a = 0; a < 3; ++a) gp[a] = gp[a] + gr[a];
+    }
+  }
+}
+
+template <typename T>
+class CicReadoutScaledGradOp : public OpKernel {
+ public:
+  explicit CicReadoutScaledGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    const Tensor& cot = ctx->input(2);
+    const Tensor& w = ctx->input(3);
+    const Tensor& scale = ctx->input(4);
+    const Tensor& rbar = ctx->input(5);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
+    OP_REQUIRES_OK(ctx, check_vjp_inputs(pos, cot, w, scale, C));
+    OP_REQUIRES(ctx, rbar.NumElements() == 0 ||
+                (rbar.dims() == 5 && rbar.dim_size(0) == nb &&
+                 rbar.dim_size(1) == field.dim_size(1) && rbar.dim_size(2) == field.dim_size(2) &&
+                 rbar.dim_size(3) == field.dim_size(3) && rbar.dim_size(4) == 1),
+                InvalidArgument("CIC readout scaled gradient: density_bar must be [", nb, ", ",
+                                field.dim_size(1), ", ", field.dim_size(2), ", ",
+                                field.dim_size(3), ", 1] or empty, got ",
+                                rbar.shape().DebugString()));
+    const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    Tensor* values = nullptr;
+    Tensor* dpos = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, pos.shape(), &dpos));
+    if (nb * n == 0) return;
+    const T* P = pos.flat<T>().data();
+    const T* F = field.flat<T>().data();
+    const T* D = cot.flat<T>().data();
+    const T* W = w.NumElements() ? w.flat<T>().data() : nullptr;
+    const T* RB = rbar.NumElements() ? rbar.flat<T>().data() : nullptr;
+    const T s = scale.flat<T>()(0);
+    T* V = values->flat<T>().data();
+    T* G = dpos->flat<T>().data();
+    shard(ctx, nb * n, 100 * C, [&](i64 begin, i64 end) {
+      if (C == 3)
+        scaled_grad_range<T, 3>(P, F, D, W, s, RB, V, G, g, n, begin, end);
+      else
+        scaled_grad_range<T, 0>(P, F, D, W, s, RB, V, G, g, n, begin, end);
+    });
+  }
+
+ private:
+  i64 halo_;
+};
+
+// FlowpmCicPaintPair: FlowpmCicReadoutVjp's paint of the scaled cotangents d, known
+// before the force (the adjoint's reverse step), together with the density paint
+// of the same particles (FlowpmCicPaint with the weights w): one slab scan for both,
+// each field's terms exactly those of the op it replaces, in the same order.
+template <typename T, int KC>
+void paint_pair_slab(const T* __restrict__ pb, const T* __restrict__ cb,
+                     const T* __restrict__ wb, T s, T* __restrict__ rhob, T* __restrict__ dfb,
+                     const Geometry& g, i64 n, i64 r0, i64 r1) {
+  const i64 C = KC ? KC : g.comps;
+  T d[kMaxVjpComps];
+  for (i64 p = 0; p < n; ++p) {
+    const T* q = pb + 3 * p;
+    if (!finite3(q)) continue;
+    Axis<T> ax, ay, az;
+    clipped_axis(q[0], g.halo, g.px, &ax);
+    const bool in0 = ax.i[0] >= r0 && ax.i[0] < r1, in1 = ax.i[1] >= r0 && ax.i[1] < r1;
+    if (!in0 && !in1) continue;
+    clipped_axis(q[1], g.halo, g.py, &ay);
+    periodic_axis(q[2], g.nz, &az);
+    if (wb)
+      deposit<T, 1, true>(ax, ay, az, in0, in1, wb + p, rhob, g);
+    else
+      deposit<T, 1, false>(ax, ay, az, in0, in1, nullptr, rhob, g);
+    scaled_cotangents<T, KC>(cb + p * C, wb, p, s, g, d);
+    deposit<T, KC, true>(ax, ay, az, in0, in1, d, dfb, g);
+  }
+}
+
+template <typename T>
+class CicPaintPairOp : public OpKernel {
+ public:
+  explicit CicPaintPairOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    g_.halo = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("px", &v));
+    g_.px = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("py", &v));
+    g_.py = v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("nz", &v));
+    g_.nz = v;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pos = ctx->input(0);
+    const Tensor& cot = ctx->input(1);
+    const Tensor& w = ctx->input(2);
+    const Tensor& scale = ctx->input(3);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    OP_REQUIRES(ctx, cot.dims() == 3,
+                InvalidArgument("CIC paint pair: cotangents must be [blocks, n, components], got ",
+                                cot.shape().DebugString()));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = cot.dim_size(2);
+    OP_REQUIRES(ctx, C >= 1, InvalidArgument("CIC paint pair: no cotangent components"));
+    OP_REQUIRES_OK(ctx, check_vjp_inputs(pos, cot, w, scale, C));
+    Geometry g = g_;
+    g.comps = C;
+    Tensor* rho = nullptr;
+    Tensor* dfield = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, g.px, g.py, g.nz, 1}), &rho));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({nb, g.px, g.py, g.nz, C}), &dfield));
+    const i64 cells = g.px * g.py * g.nz;
+    T* R = rho->flat<T>().data();
+    T* DF = dfield->flat<T>().data();
+    std::memset(R, 0, sizeof(T) * nb * cells);
+    std::memset(DF, 0, sizeof(T) * nb * cells * C);
+    if (nb * n == 0) return;
+    const T* P = pos.flat<T>().data();
+    const T* D = cot.flat<T>().data();
+    const T* W = w.NumElements() ? w.flat<T>().data() : nullptr;
+    const T s = scale.flat<T>()(0);
+    for_slabs(ctx, nb, n, g.px, [&](i64 b, i64 r0, i64 r1) {
+      const T* wb = W ? W + b * n : nullptr;
+      if (C == 3)
+        paint_pair_slab<T, 3>(P + b * n * 3, D + b * n * C, wb, s, R + b * cells,
+                              DF + b * cells * C, g, n, r0, r1);
+      else
+        paint_pair_slab<T, 0>(P + b * n * 3, D + b * n * C, wb, s, R + b * cells,
+                              DF + b * cells * C, g, n, r0, r1);
+    });
+  }
+
+ private:
+  Geometry g_{};
 };
 
 // ------------------------------------------------------------------ escape count
@@ -1099,6 +1317,51 @@ REGISTER_OP("FlowpmCicReadoutVjp")
       return ::tensorflow::OkStatus();
     });
 
+REGISTER_OP("FlowpmCicReadoutScaledGrad")
+    .Input("field: T")
+    .Input("positions: T")
+    .Input("cotangents: T")
+    .Input("weights: T")
+    .Input("scale: T")
+    .Input("density_bar: T")
+    .Output("values: T")
+    .Output("dpositions: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle field, pos;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &field));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &pos));
+      c->set_output(0, c->MakeShape({c->Dim(pos, 0), c->Dim(pos, 1), c->Dim(field, 4)}));
+      c->set_output(1, c->input(1));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_OP("FlowpmCicPaintPair")
+    .Input("positions: T")
+    .Input("cotangents: T")
+    .Input("weights: T")
+    .Input("scale: T")
+    .Output("density: T")
+    .Output("dfield: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .Attr("px: int >= 1")
+    .Attr("py: int >= 1")
+    .Attr("nz: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int px, py, nz;
+      TF_RETURN_IF_ERROR(c->GetAttr("px", &px));
+      TF_RETURN_IF_ERROR(c->GetAttr("py", &py));
+      TF_RETURN_IF_ERROR(c->GetAttr("nz", &nz));
+      ShapeHandle pos, cot;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &pos));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &cot));
+      c->set_output(0, c->MakeShape({c->Dim(pos, 0), px, py, nz, 1}));
+      c->set_output(1, c->MakeShape({c->Dim(pos, 0), px, py, nz, c->Dim(cot, 2)}));
+      return ::tensorflow::OkStatus();
+    });
+
 REGISTER_OP("FlowpmCicEscaped")
     .Input("positions: T")
     .Output("count: int32")
@@ -1117,3 +1380,5 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleaveGrad", InterleaveGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutVjp", CicReadoutVjpOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmNegDivergence", NegDivergenceOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutScaledGrad", CicReadoutScaledGradOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaintPair", CicPaintPairOp);
