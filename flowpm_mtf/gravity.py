@@ -18,6 +18,7 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
 Particles that escaped their block's halo make the painting (and readout)
 raise ``tf.errors.InvalidArgumentError`` at run time.
 """
+import dataclasses
 import logging
 
 import mesh_tensorflow as mtf
@@ -25,7 +26,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import complex_ops, fft, native
-from .halo import field_to_padded, from_blocks, reduce_fill, reduced_to_field
+from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field
 from .layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
 from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_pair,
@@ -200,7 +201,11 @@ def _native_cotangent(conf, dtype, one_block):
     """Whether :func:`density_cotangent` takes the native divergence (else None)."""
     if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
         return False
-    return one_block or 2 <= conf.halo_size <= min(conf.block_shape[:2])
+    return one_block or conf.halo_size + DIVERGENCE_REACH <= min(conf.block_shape[:2])
+
+
+DIVERGENCE_REACH = 2
+"""Cells the four-point divergence reads on either side (:func:`density_cotangent`)."""
 
 
 def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent"):
@@ -217,11 +222,18 @@ def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent")
               = \mathcal{F}^{-1}\Big[\frac{1}{|k|^2}\,\mathcal{F}\Big[
                 -\sum_d \frac{D_d \bar G_d}{c_d}\Big]\Big]:
 
-    the divergence in real space (native ``FlowpmNegDivergence``, one pass over
-    the padded blocks, whose margins the halo exchange fills), then one FFT round
-    trip, instead of ``mtf.gradients`` through the two packed inverse transforms
-    (two complex forward transforms, the kernels' gradients, the transpose of
-    the real-to-complex one). The same values to rounding.
+    the divergence in real space, then one FFT round trip, instead of
+    ``mtf.gradients`` through the two packed inverse transforms (two complex
+    forward transforms, the kernels' gradients, the transpose of the
+    real-to-complex one). The same values to rounding.
+
+    The divergence is linear and translation invariant, so it commutes with the
+    halo reduction: it is taken on each painted block as it is (native
+    ``FlowpmNegDivergence`` with the block extended by zeros, output margins
+    :data:`DIVERGENCE_REACH` cells wider), and the *scalar* is reduced (the
+    halo exchange of one component with margins ``h + 2``, or on one block
+    the periodic fold), instead of reducing and refilling the three components
+    of :math:`\bar G` before the stencil.
 
     Parameters
     ----------
@@ -231,47 +243,51 @@ def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent")
     conf : SimConfig
     kernels : flowpm_mtf.kernels.Kernels
     one_block : bool
-        One block (one rank): the margins are folded locally and the divergence
-        wraps periodically.
+        One block (one rank): the margins are folded locally.
     name : str
 
     Returns
     -------
     mtf.Tensor or None
         :math:`\bar\rho` ``[x, y, z]``; None where the native op does not serve
-        (no library, or a halo < 2 cells or wider than a block on several blocks):
-        the caller takes ``mtf.gradients``.
+        (no library, or on several blocks a block narrower than ``h + 2``
+        cells): the caller takes ``mtf.gradients``.
     """
     h = conf.halo_size
     sx, sy, nz = conf.block_shape
     if not _native_cotangent(conf, dmesh.dtype, one_block):
         return None
     coeffs = np.array([-1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
-    src = dmesh if one_block else reduce_fill(dmesh, conf)
     px, py, _ = conf.padded_block_shape
+    r = DIVERGENCE_REACH
+    wide = dataclasses.replace(conf, halo_size=h + r)   # the blocks of the divergence
 
     def fn(t):
         nbx, nby = t.shape.as_list()[:2]
         lib = native.ops_for("cic_ops", t)
-        if one_block:
-            t = tf.reshape(t, [px, py, nz, 3])
-            if lib is not None:
-                t, = lib.flowpm_interleave_grad(t, picks=[0, 0, 0, 1, 0, 2], wrap=h, widths=[3],
-                                                N=1)
-            else:
-                t = _fold_tf(t, h, sx, sy)
-            t, margin = tf.reshape(t, [1, sx, sy, nz, 3]), 0
+        t, c = tf.reshape(t, [nbx * nby, px, py, nz, 3]), tf.constant(coeffs)
+        out = (lib.flowpm_neg_divergence(t, c, margin=-r) if lib is not None
+               else neg_divergence_tf(t, c, -r))
+        if not one_block:
+            return tf.reshape(out, [nbx, nby, px + 2 * r, py + 2 * r, nz])
+        out = tf.reshape(out, [px + 2 * r, py + 2 * r, nz, 1])
+        if lib is not None:
+            out, = lib.flowpm_interleave_grad(out, picks=[0, 0], wrap=h + r, widths=[1], N=1)
         else:
-            t, margin = tf.reshape(t, [nbx * nby, px, py, nz, 3]), h
-        c = tf.constant(coeffs)
-        out = (lib.flowpm_neg_divergence(t, c, margin=margin) if lib is not None
-               else neg_divergence_tf(t, c, margin))
+            out = _fold_tf(out, h + r, sx, sy)
         return tf.reshape(out, [nbx, nby, sx, sy, nz])
 
-    phi = mtf.slicewise(fn, [src], output_shape=block_shape(conf), output_dtype=dmesh.dtype,
-                        splittable_dims=src.shape.dims[:2], name=name + "_divergence")
-    pk = complex_ops.apply_kernel(fft.r2c(from_blocks(phi, conf), conf, name=name + "_r2c"),
-                                  kernels.inv_laplace, name=name + "_inv_laplace")
+    if one_block:
+        phi = mtf.slicewise(fn, [dmesh], output_shape=block_shape(conf), output_dtype=dmesh.dtype,
+                            splittable_dims=dmesh.shape.dims[:2], name=name + "_divergence")
+        phi = from_blocks(phi, conf)
+    else:
+        phi = mtf.slicewise(fn, [dmesh], output_shape=padded_shape(wide),
+                            output_dtype=dmesh.dtype, splittable_dims=dmesh.shape.dims[:2],
+                            name=name + "_divergence")
+        phi = reduced_to_field(phi, wide)
+    pk = complex_ops.apply_kernel(fft.r2c(phi, conf, name=name + "_r2c"), kernels.inv_laplace,
+                                  name=name + "_inv_laplace")
     return fft.c2r(pk, conf, name=name + "_c2r")
 
 
@@ -280,10 +296,14 @@ def neg_divergence_tf(g, coeffs, margin):
 
     ``g`` ``[B, ax, ay, nz, 3]``, ``coeffs`` ``[3]``; returns ``[B, ax - 2 m,
     ay - 2 m, nz]``: :math:`\sum_d c_d\,(8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))`
-    along axis ``d``, ``z`` periodic, ``x, y`` inside the margins (``m >= 2``) or
-    periodic (``m = 0``).
+    along axis ``d``, ``z`` periodic, ``x, y`` inside the margins (``m >= 2``),
+    periodic (``m = 0``) or extended by zeros (``m = -2``: the output is 2 cells wider
+    on either side).
     """
     m = margin
+    if m < 0:  # extended by zeros: the same stencil on the array padded by 4 cells
+        return neg_divergence_tf(tf.pad(g, [[0, 0], [4, 4], [4, 4], [0, 0], [0, 0]]), coeffs,
+                                 m + 4)
     ax, ay = g.shape.as_list()[1:3]
 
     def at(comp, axis, o):  # g_comp at the neighbour o along axis, on the inner cells

@@ -232,26 +232,6 @@ def halo_reduce(padded, conf):
     return padded
 
 
-def reduce_fill(padded, conf):
-    """``halo_fill(halo_reduce(padded))``, trailing unsplit dimensions kept.
-
-    The padded blocks of a field that was painted (margins hold deposits for the
-    neighbours) made ready for a stencil that reads up to ``h`` cells across the
-    block boundary: inner cells the reduced sums, margins the neighbours'
-    reduced cells. As a linear map it is symmetric (``fill`` and ``reduce`` are
-    each other's adjoint).
-    """
-    h = conf.halo_size
-    padded = _check_shape(padded, padded_shape(conf), "reduce_fill", trailing=True)
-    if h == 0:
-        return padded
-    for block_dim, pad_dim, s in reversed(_axes(conf)):
-        padded = _reduce_axis(padded, block_dim, pad_dim, s, h)
-    for block_dim, pad_dim, s in _axes(conf):
-        padded = _fill_axis(padded, block_dim, pad_dim, s, h)
-    return padded
-
-
 def reduced_to_field(padded, conf):
     """``padded_to_field(halo_reduce(padded))`` with fewer copies of the field.
 

@@ -293,6 +293,8 @@ def _neg_divergence_numpy(g, coeffs, m):
                         x = (i + o) % sx if m == 0 else i + o
                     if d == 1:
                         y = (j + o) % sy if m == 0 else j + o
+                    if m < 0 and not (0 <= x + m < ax and 0 <= y + m < ay):
+                        return np.zeros(g.shape[:1])   # extended by zeros
                     return g[:, x + m, y + m, z, d]
                 terms = [8 * (v(d, 1) - v(d, -1)) - (v(d, 2) - v(d, -2)) for d in range(3)]
                 out[:, i, j, k] = (coeffs[0] * terms[0] + coeffs[1] * terms[1]) + coeffs[2] * terms[2]
@@ -301,14 +303,16 @@ def _neg_divergence_numpy(g, coeffs, m):
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 @pytest.mark.parametrize("margin,shape", [(0, (2, 5, 4, 6)), (0, (1, 3, 2, 5)), (2, (2, 8, 9, 5)),
-                                          (3, (1, 10, 9, 4))])
+                                          (3, (1, 10, 9, 4)), (-2, (2, 6, 5, 4)),
+                                          (-2, (1, 1, 3, 5))])
 def test_neg_divergence_native_tf_numpy(margin, shape):
     """FlowpmNegDivergence and its TensorFlow twin (gravity.neg_divergence_tf) against numpy:
-    periodic (margin 0, axes shorter than the stencil included) and inside margins."""
+    periodic (margin 0, axes shorter than the stencil included), inside margins, and
+    extended by zeros (margin -2, axes shorter than the stencil included)."""
     from flowpm_mtf import native
 
     lib = native.load("cic_ops")
-    rng = np.random.RandomState(margin + shape[1])
+    rng = np.random.RandomState(margin + 2 + shape[1])
     g = rng.randn(*(shape + (3,)))
     coeffs = np.array([-0.3, 1.7, 0.05])
     want = _neg_divergence_numpy(g, coeffs, margin)
@@ -329,10 +333,11 @@ def test_fold_tf_equals_native():
     from flowpm_mtf import native
 
     lib = native.load("cic_ops")
-    for h, sx, sy in [(2, 6, 5), (3, 2, 4)]:
-        t = np.random.RandomState(h).randn(sx + 2 * h, sy + 2 * h, 4, 3)
+    for h, sx, sy, nc in [(2, 6, 5, 3), (3, 2, 4, 3), (4, 6, 5, 1), (6, 3, 4, 1)]:
+        t = np.random.RandomState(h).randn(sx + 2 * h, sy + 2 * h, 4, nc)
+        picks = [v for c in range(nc) for v in (0, c)]
         with tf.Graph().as_default(), tf.Session() as sess:
             a = sess.run(gravity._fold_tf(tf.constant(t), h, sx, sy))
-            b, = sess.run(lib.flowpm_interleave_grad(tf.constant(t), picks=[0, 0, 0, 1, 0, 2],
-                                                     wrap=h, widths=[3], N=1))
+            b, = sess.run(lib.flowpm_interleave_grad(tf.constant(t), picks=picks,
+                                                     wrap=h, widths=[nc], N=1))
         np.testing.assert_allclose(a, b, rtol=1e-14, atol=1e-14)

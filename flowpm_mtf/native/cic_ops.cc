@@ -41,8 +41,9 @@
 //       ay - 2 margin, nz]: sum_d coeffs[d] (8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))
 //       along axis d (the four-point finite difference of flowpm_mtf.kernels, times
 //       12 c_d^2 coeffs[d] / c_d^2 ...: the caller's scale), z periodic; x and y read
-//       inside the array (margin >= 2) or periodic (margin 0). The PM force VJP's
-//       divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
+//       inside the array (margin >= 2), periodic (margin 0), or the array extended by
+//       zeros (margin -2: output [B, ax + 4, ay + 4, nz], the stencil's whole reach).
+//       The PM force VJP's divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -1111,8 +1112,9 @@ class NegDivergenceOp : public OpKernel {
  public:
   explicit NegDivergenceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
-    OP_REQUIRES(ctx, margin_ == 0 || margin_ >= 2,
-                InvalidArgument("FlowpmNegDivergence: margin must be 0 (periodic) or >= 2"));
+    OP_REQUIRES(ctx, margin_ == 0 || margin_ >= 2 || margin_ == -2,
+                InvalidArgument("FlowpmNegDivergence: margin must be 0 (periodic), >= 2 "
+                                "(inside) or -2 (extended by zeros)"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1133,8 +1135,14 @@ class NegDivergenceOp : public OpKernel {
     const T* G = g.flat<T>().data();
     T* O = out->flat<T>().data();
     const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
-    // the index of cell i + o (o in -2..2) along an axis of n inner cells
-    auto nbr = [m](i64 i, i64 o, i64 n) { return m ? i + m + o : ((i + o) % n + n) % n; };
+    // the index of cell i + o (o in -2..2) along an axis of n output cells (outside
+    // the array with margin -2: -1, a column of zeros)
+    auto nbr = [m](i64 i, i64 o, i64 n) {
+      if (!m) return ((i + o) % n + n) % n;
+      const i64 x = i + m + o;
+      return (x < 0 || x >= n + 2 * m) ? i64(-1) : x;
+    };
+    const std::vector<T> zeros(m < 0 ? 3 * nz : 0, T(0));
     std::vector<i64> zi(5 * nz);
     for (i64 k = 0; k < nz; ++k)
       for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
@@ -1146,7 +1154,9 @@ class NegDivergenceOp : public OpKernel {
         for (i64 j = 0; j < sy; ++j) {
           i64 ys[5];
           for (i64 o = -2; o <= 2; ++o) ys[o + 2] = nbr(j, o, sy);
-          auto col = [&](i64 x, i64 y) { return G + ((b * ax + x) * ay + y) * nz * 3; };
+          auto col = [&](i64 x, i64 y) {
+            return (x < 0 || y < 0) ? zeros.data() : G + ((b * ax + x) * ay + y) * nz * 3;
+          };
           const T *cm2 = col(xs[0], ys[2]), *cm1 = col(xs[1], ys[2]), *cp1 = col(xs[3], ys[2]),
                   *cp2 = col(xs[4], ys[2]);
           const T *dm2 = col(xs[2], ys[0]), *dm1 = col(xs[2], ys[1]), *dp1 = col(xs[2], ys[3]),
@@ -1180,15 +1190,20 @@ REGISTER_OP("FlowpmNegDivergence")
     .Input("coeffs: T")
     .Output("out: T")
     .Attr("T: {float, double}")
-    .Attr("margin: int >= 0")
+    .Attr("margin: int >= -2")
     .SetShapeFn([](InferenceContext* c) {
       int m;
       TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
       ShapeHandle g;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &g));
       DimensionHandle sx, sy;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 1), 2 * m, &sx));
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 2), 2 * m, &sy));
+      if (m >= 0) {
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 1), 2 * m, &sx));
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 2), 2 * m, &sy));
+      } else {
+        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 1), -2 * m, &sx));
+        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 2), -2 * m, &sy));
+      }
       c->set_output(0, c->MakeShape({c->Dim(g, 0), sx, sy, c->Dim(g, 3)}));
       return ::tensorflow::OkStatus();
     });
