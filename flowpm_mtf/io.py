@@ -787,17 +787,18 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
     box = np.asarray(conf.box_size, np.float64).astype(dtype)
     box_min = box.min()
     single = dtype == np.float32
-    cell_out, shift_out = cell.astype(dtype), (origin * cell).astype(dtype)
-    vel_factor = cell * (100.0 / a)
+    cell_out, shift_out = _PerAxis(cell.astype(dtype)), _PerAxis((origin * cell).astype(dtype))
+    origin64, cell64 = _PerAxis(origin), _PerAxis(cell)
+    vel_out, vel64 = _PerAxis((cell * (100.0 / a)).astype(dtype)), _PerAxis(cell * (100.0 / a))
 
     def position(rows):  # block-local cells -> Mpc/h in [0, box)
         if single and rows.dtype == np.float32:   # in the run's precision (< 1 ulp more)
-            out = np.multiply(rows, cell_out)
-            out += shift_out
+            out = cell_out.times(rows)
+            shift_out.add_to(out)
         else:
             out = rows.astype(np.float64)
-            out += origin
-            out *= cell
+            origin64.add_to(out)
+            cell64.multiply(out)
             out = out.astype(dtype, copy=False)
         if out.size == 0 or (out.min() >= 0 and out.max() < box_min):
             return out      # the usual piece: two flat reductions, no mask
@@ -810,12 +811,49 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
 
     def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
         if single and rows.dtype == np.float32:
-            return np.multiply(rows, vel_factor.astype(dtype))
-        return (rows.astype(np.float64) * vel_factor).astype(dtype, copy=False)
+            return vel_out.times(rows)
+        return vel64.times(rows.astype(np.float64)).astype(dtype, copy=False)
 
     return {"position": h5dist.Rows(x, position, dtype, keep=keep),
             "velocity": h5dist.Rows(p, velocity, dtype, keep=keep),
             "id": h5dist.Rows(ids, None, np.int64, keep=keep)}
+
+
+class _PerAxis:
+    """A constant per axis of ``[n, 3]`` rows, applied over the flat rows.
+
+    ``rows * v`` with ``v`` of shape ``[3]`` makes numpy's inner loop three
+    elements long (~1 GB/s for a multiply); the same products over the flat
+    rows with ``v`` tiled (or a scalar when the three are equal) run at memory
+    speed (~20 GB/s). Equal values element by element.
+    """
+
+    def __init__(self, v):
+        self.v = np.asarray(v)
+        self.zero = not self.v.any()
+        self.scalar = self.v.dtype.type(self.v[0]) if np.all(self.v == self.v[0]) else None
+        self._tile = self.v[:0]
+
+    def _flat(self, n):
+        if self.scalar is not None:
+            return self.scalar
+        if self._tile.size < n:
+            self._tile = np.tile(self.v, -(-n // 3))
+        return self._tile[:n]
+
+    def times(self, rows):
+        """``rows * v`` (new array)."""
+        rows = np.ascontiguousarray(rows)
+        return np.multiply(rows.reshape(-1), self._flat(rows.size)).reshape(rows.shape)
+
+    def multiply(self, out):
+        """``out *= v`` (``out`` contiguous)."""
+        np.multiply(out.reshape(-1), self._flat(out.size), out=out.reshape(-1))
+
+    def add_to(self, out):
+        """``out += v`` (``out`` contiguous; nothing for a zero ``v``)."""
+        if not self.zero:
+            np.add(out.reshape(-1), self._flat(out.size), out=out.reshape(-1))
 
 
 def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None, compression=None,

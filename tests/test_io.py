@@ -178,6 +178,37 @@ def test_hdf5_space_is_reserved_before_hdf5_writes(workdir, monkeypatch):
 
 
 @pytest.mark.rank_independent
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_particle_part_per_axis_constants(dtype, monkeypatch):
+    """Non-cubic cells, a block away from the origin: the rows converted over the flat array
+    with tiled per-axis constants (io._PerAxis) equal numpy's broadcast of the [3] constants
+    bit for bit, for pieces of one row to several tiles (PIECE_ROWS 7 on 50 rows)."""
+    from flowpm_mtf import h5dist
+    from flowpm_mtf.config import SimConfig
+
+    monkeypatch.setattr(h5dist, "PIECE_ROWS", 7)
+    conf = SimConfig(nc=(16, 8, 4), box_size=(100.0, 60.0, 20.0), grid=(2, 2), dtype=dtype)
+    sx, sy, _ = conf.block_shape
+    rng = np.random.RandomState(2)
+    x = rng.uniform(0, 4, (50, 3)).astype(dtype)
+    mom = rng.normal(size=(50, 3)).astype(dtype)
+    part = io.particle_part(conf, (1, 1), x, mom, 0.5, ids=np.arange(50))
+    pos = np.concatenate([p for _, p in part["position"].pieces()])
+    vel = np.concatenate([p for _, p in part["velocity"].pieces()])
+    cell = np.array(conf.cell_size, np.float64)
+    origin = np.array([sx, sy, 0], np.float64)
+    if dtype == "float32":
+        want_pos = x * cell.astype(np.float32) + (origin * cell).astype(np.float32)
+        want_vel = mom * (cell * 200.0).astype(np.float32)
+    else:
+        want_pos, want_vel = (x + origin) * cell, mom * (cell * 200.0)
+    assert pos.dtype == vel.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(vel, want_vel)
+    assert len(set(np.round(cell, 6))) == 3 and np.all(want_pos[:, :2] > 0)
+
+
+@pytest.mark.rank_independent
 def test_particle_part_writes_the_runs_dtype():
     """A float32 run's snapshot rows are float32 (to float32 round-off of the exact unit change), in
     [0, box) also where the rounding reaches the box edge (the periodic image 0); a float64
