@@ -500,6 +500,72 @@ def _gate(t, stats, cap, m):
 
 
 # ----------------------------------------------------------------------------- migrate
+def sort_by_column(conf, fields, ids, name="sort_by_column"):
+    """Reorder every block's particles by the (x, y) column of the padded block they are in.
+
+    The CIC paint and readout touch the field around each particle in slot order;
+    the slots start in lattice (Lagrangian) order, which the particles' motion
+    scrambles in Eulerian space as the run goes on (at 512^3, a = 1, on one rank:
+    readout 3.3 s and paint 2.5 s in slot order, 1.1 s and 1.0 s once the same
+    particles are ordered by column). The order is a stable counting sort of the
+    columns (native ``FlowpmSortByColumn``; empty slots, id < 0, and non-finite
+    positions last), applied to every field and the ids in one pass
+    (``FlowpmPermuteRows``). The particles, their ids and the physics are
+    unchanged; the paint sums a cell's deposits in the new slot order (other
+    last bits). Not differentiable (a job's forward run only).
+
+    Parameters
+    ----------
+    conf : SimConfig
+        ``"eulerian"`` decomposition (the lagrangian one keeps its particles in
+        lattice order: its ids are implicit).
+    fields : list of mtf.Tensor
+        ``[bx, by, npart, ...]``; the first is the positions ``[..., xyz]``
+        (block-local cells), whose columns define the order.
+    ids : mtf.Tensor
+        ``[bx, by, npart]``.
+    name : str
+
+    Returns
+    -------
+    (list of mtf.Tensor, mtf.Tensor)
+        The fields and the ids, reordered.
+    """
+    if conf.decomposition != "eulerian":
+        raise ConfigError("sort_by_column: the eulerian decomposition only (got %r)"
+                          % conf.decomposition)
+    h = conf.halo_size
+    px, py, _ = conf.padded_block_shape
+    inputs = list(fields) + [ids]
+
+    def fn(*ts):
+        pos, idv = ts[0], ts[-1]
+        nbx, nby = pos.shape.as_list()[:2]
+        flat = [tf.reshape(t, [nbx * nby, -1] + t.shape.as_list()[3:]) for t in ts]
+        lib = _particle_ops(pos)
+        if lib is not None:
+            order = lib.flowpm_sort_by_column(tf.reshape(flat[0], [nbx * nby, -1, 3]), flat[-1],
+                                              halo=h, px=px, py=py)
+            out = lib.flowpm_permute_rows(order, flat)
+        else:   # the same order from TensorFlow ops (GPU; no native library)
+            p3 = tf.reshape(flat[0], [nbx * nby, -1, 3])
+            ok = tf.reduce_all(tf.math.is_finite(p3), -1) & (flat[-1] >= 0)
+            fl = tf.clip_by_value(tf.floor(tf.where_v2(ok[..., None], p3, tf.zeros_like(p3))),
+                                  -2.0 ** 30, 2.0 ** 30)
+            col = [tf.clip_by_value(tf.cast(fl[..., a], tf.int64) + h, 0, size - 1)
+                   for a, size in ((0, px), (1, py))]
+            key = tf.where_v2(ok, col[0] * py + col[1], tf.constant(px * py, tf.int64))
+            order = tf.argsort(key, axis=-1, stable=True)
+            out = [tf.gather(t, order, batch_dims=1) for t in flat]
+        return tuple(tf.reshape(o, t.shape) for o, t in zip(out, ts))
+
+    out = mtf.slicewise(fn, inputs, output_shape=[t.shape for t in inputs],
+                        output_dtype=[t.dtype for t in inputs],
+                        splittable_dims=inputs[0].shape.dims[:2], grad_function=0, name=name)
+    out = list(out)
+    return out[:-1], out[-1]
+
+
 def exchange_axes(conf):
     """The axes (0: x over ``row``, 1: y over ``col``) split into more than one block.
 

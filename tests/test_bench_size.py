@@ -77,3 +77,16 @@ def test_stacks_are_keyed_and_labelled():
     md = bsz.render(data, quick=False)
     assert "| 0.3 | abc tf2.12 |" in md and "| 0.3 | abc |" in md
     assert "128^3 1.00, 512^3 1.00" in md
+
+
+def test_reorderings_are_spread_over_the_steps():
+    """The step column with --sort-every: the median step after the first plus the
+    reorderings' total over the steps, for the job and for the bare step alike."""
+    rec = _record("1r-128", step=0.2, bare_step=0.19)
+    rec["sorts_s"] = [0.4]                                    # 4 steps, one reordering
+    rec["bare"] = {"steps_s": [0.3, 0.19, 0.19, 0.19], "sorts_s": [0.4], "step_s": 0.19,
+                   "step_cpu_s": 0.38}
+    out = bsz.row(rec)
+    assert out["step_s"] == pytest.approx(0.2 + 0.1)
+    assert out["job_over_bare"] == pytest.approx(0.3 / (0.19 + 0.1))
+    assert bsz.job_fields(_summary())["sorts_s"] == []

@@ -1,4 +1,5 @@
-"""End to end: `flowpm-mtf simulate` snapshots do not depend on the process grid; checkpoint,
+"""End to end (particles reordered by column every 7 steps, `--sort-every`):
+`flowpm-mtf simulate` snapshots do not depend on the process grid; checkpoint,
 SIGTERM and `--resume` (same grid bit-identical, other grid to round-off, torn checkpoints
 skipped, bad input refused on every rank); the outputs written before the checkpoint are
 published by the resumed run; a checkpoint of another job, config or stage list, or of an
@@ -29,7 +30,7 @@ STEPS = 100  # steps cost ~10 ms here: a wide window for the SIGTERM
 SNAPSHOT_A = 0.11
 ARGS = ["simulate", "--nc", "16", "--box-size", "100", "--steps", str(STEPS), "--halo", "4",
         "--seed", "7", "--dtype", "float64", "--no-plot", "--snapshots", str(SNAPSHOT_A),
-        "--power-steps"]
+        "--power-steps", "--sort-every", "7"]   # particles reordered by column every 7 steps
 N_STEPS = STEPS + 1  # the snapshot adds a stage
 BOX = 100.0
 # float64 everywhere; another process grid changes only the order of floating-point sums

@@ -119,6 +119,15 @@ class SimulationGraph:
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
         self.step_stats = new.stats      # migration statistics of the step (or None)
+        # Every conf.sort_every steps: the particles reordered by column (the CIC ops'
+        # cache locality, domain.sort_by_column); the variables' values permuted
+        self.sort_interval = conf.sort_every
+        self.sort_ops = []
+        if self.sort_interval:
+            fields, ids = domain.sort_by_column(conf, list(self.variables[:3]),
+                                                self.variables.ids)
+            self.sort_ops = [mtf.assign(v, t) for v, t in
+                             zip(self.variables[:4], fields + [ids])]
         self.step_factors = list(nbody.all_step_factors(conf, self.stages))
         x = self.variables.positions
         self.weights = domain.weights(self.variables.ids, conf)   # 0 for empty slots
@@ -132,6 +141,13 @@ class SimulationGraph:
     def n_steps(self):
         """Number of steps (stages - 1)."""
         return len(self.stages) - 1
+
+
+def sort_due(sim, j):
+    """Whether the particles are reordered by column after step ``j`` (1-based; not after the
+    last: the snapshot does not need it). The same steps on a resumed run."""
+    k = sim.sort_interval
+    return bool(k) and j % k == 0 and j < sim.n_steps
 
 
 def lower_simulation(sim, lowering):
@@ -161,6 +177,7 @@ def lower_simulation(sim, lowering):
     return {"init": runner.lowered_group(lowering, sim.init_ops),
             "init_force": runner.lowered_group(lowering, sim.init_force_ops),
             "step": runner.lowered_group(lowering, sim.step_ops), "stats": stats,
+            "sort": runner.lowered_group(lowering, sim.sort_ops) if sim.sort_ops else None,
             "state": state, "blocks": {p: (b[0], b[1]) for p, _, b in state[0]},
             "rho": h5dist.local_slices(lowering, sim.rho),
             "fetch": runner.replicated(lowering, {n: getattr(sim, n) for n in POWER_FIELDS}),
@@ -347,9 +364,11 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     ----------
     ctx : runner.RunContext
         ``ctx.timings`` gets ``ics_s`` and ``ics_cpu_s`` (or ``restore_s``),
-        ``steps_s`` (per step, including the observers at the stage reached),
-        ``steps_cpu_s`` (the same in this process's CPU time, all threads:
-        comparable on a loaded machine) and ``nbody_s``;
+        ``steps_s`` (per step, including the observers at the stage reached,
+        not the reordering of the particles), ``steps_cpu_s`` (the same in
+        this process's CPU time, all threads: comparable on a loaded machine;
+        reorderings included), ``sorts_s`` (each reordering by column,
+        :func:`sort_due`) and ``nbody_s``;
         ``ctx.checkpoint_every``, ``ctx.resume`` and ``ctx.stop`` drive
         checkpoints, restart and SIGTERM.
     sess : tf.Session
@@ -397,15 +416,23 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     steps, cpu = [], []
     clock = [None, None]
 
+    sorts, sorting = [], [0.0]
+
     def step(state, i, a0, a1):
         sim.migration.append(("step %d" % (i + 1), sess.run(
             [ops["step"], ops["stats"]["step"]], {sim.factors: sim.step_factors[i]})[1]))
+        if sort_due(sim, i + 1):   # timed on its own: not in the step's time
+            t0 = time.perf_counter()
+            sess.run(ops["sort"])
+            sorts.append(time.perf_counter() - t0)
+            sorting[0] = sorts[-1]
         return state
 
     def timed(j, a, state):
         now, now_cpu = time.perf_counter(), time.process_time()
         if j > first:
-            steps.append(now - clock[0])
+            steps.append(now - clock[0] - sorting[0])
+            sorting[0] = 0.0
             cpu.append(now_cpu - clock[1])
             log.info("step %d/%d to a=%.4f in %.2f s%s (elapsed %.1f s)", j, sim.n_steps, a,
                      steps[-1], note(j) if note is not None else "", ctx.elapsed())
@@ -418,6 +445,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
     timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
     timings["steps_s"] = steps
     timings["steps_cpu_s"] = cpu
+    timings["sorts_s"] = sorts
     timings["nbody_s"] = float(sum(steps))
     return first
 

@@ -21,6 +21,13 @@
 //       lattice order, tf.math.unsorted_segment_sum of the same rows in one pass
 //       (that op took ~30 ms per field at 128^3); a site out of range is an error.
 //
+//   FlowpmSortByColumn(positions [B, n, 3], ids [B, n], halo, px, py) -> int32 [B, n]:
+//       per block, the stable order of the particles by the (x, y) column of the
+//       padded block their CIC stencil starts in, empty slots last
+//       (flowpm_mtf.domain.sort_by_column: the CIC ops' cache locality).
+//   FlowpmPermuteRows(order int32 [B, n], fields N x [B, n, ...]) -> the fields with
+//       out[b, j] = field[b, order[b, j]] (any dtypes; row copies in one op).
+//
 // The checks of the positions and the escape test (the padded block the CIC
 // stencil must fit) are those of cic_ops.cc: cic_block.h.
 //
@@ -362,6 +369,134 @@ class LatticeScatterOp : public OpKernel {
   int sy_, nz_, lattice_;
 };
 
+// ------------------------------------------------------------------ sort by column
+// FlowpmSortByColumn(positions [B, n, 3], ids [B, n], halo, px, py) -> int32 [B, n]:
+// per block, the permutation that orders its particles by the (x, y) column of the
+// padded block their CIC stencil starts in, (clip(floor(x) + h, 0, px - 1), same
+// along y), stable (slot order within a column), the empty slots (id < 0) and the
+// non-finite positions last: out[b, j] is the slot of the j-th particle. A counting
+// sort (two passes over the particles, px * py + 1 buckets per thread), parallel
+// over chunks of particles; the result does not depend on the thread count. The
+// CIC ops then touch the field column by column: at 512^3, with the particles in
+// their Lagrangian (slot) order at a = 1, the readout is 3x and the paint 2.4x
+// faster in this order (flowpm_mtf.domain.sort_by_column).
+template <typename T, typename Tid>
+class SortByColumnOp : public OpKernel {
+ public:
+  explicit SortByColumnOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &halo_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("px", &px_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("py", &py_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& pos = ctx->input(0);
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES_OK(ctx, check_positions(pos));
+    const i64 nb = pos.dim_size(0), n = pos.dim_size(1);
+    OP_REQUIRES(ctx, ids.dims() == 2 && ids.dim_size(0) == nb && ids.dim_size(1) == n,
+                InvalidArgument("FlowpmSortByColumn: ids must be [", nb, ", ", n, "], got ",
+                                ids.shape().DebugString()));
+    OP_REQUIRES(ctx, n < (i64(1) << 31),
+                InvalidArgument("FlowpmSortByColumn: at most 2^31 - 1 particles per block"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n}), &out));
+    if (nb * n == 0) return;
+    const T* P = pos.flat<T>().data();
+    const Tid* I = ids.flat<Tid>().data();
+    int32_t* O = out->flat<int32_t>().data();
+    const i64 px = px_, py = py_, h = halo_, buckets = px * py + 1;
+    const i64 chunks = std::max<i64>(1, std::min<i64>(pool_threads(ctx), n / (1 << 16)));
+    std::vector<int32_t> keys(n);
+    std::vector<i64> counts(chunks * buckets);
+    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    auto per_chunk = [&](auto&& body) {
+      ::tensorflow::Shard(chunks, workers, chunks, i64(1) << 30, [&](i64 c0, i64 c1) {
+        for (i64 c = c0; c < c1; ++c) body(c, n * c / chunks, n * (c + 1) / chunks);
+      });
+    };
+    auto cell = [h](T v, i64 size) {  // far outside: clamped before the conversion
+      const T big = T(1 << 30);
+      const i64 c = static_cast<i64>(std::min(std::max(std::floor(v), -big), big)) + h;
+      return std::min<i64>(std::max<i64>(c, 0), size - 1);
+    };
+    for (i64 b = 0; b < nb; ++b) {
+      const T* pb = P + b * n * 3;
+      const Tid* ib = I + b * n;
+      int32_t* ob = O + b * n;
+      std::fill(counts.begin(), counts.end(), i64(0));
+      per_chunk([&](i64 c, i64 u0, i64 u1) {
+        i64* cnt = counts.data() + c * buckets;
+        for (i64 u = u0; u < u1; ++u) {
+          const T* q = pb + 3 * u;
+          const bool ok = ib[u] >= 0 && std::isfinite(q[0]) && std::isfinite(q[1]) &&
+                          std::isfinite(q[2]);
+          const i64 k = ok ? cell(q[0], px) * py + cell(q[1], py) : buckets - 1;
+          keys[u] = static_cast<int32_t>(k);
+          ++cnt[k];
+        }
+      });
+      i64 at = 0;  // bucket by bucket, chunk by chunk: stable
+      for (i64 k = 0; k < buckets; ++k)
+        for (i64 c = 0; c < chunks; ++c) {
+          const i64 m = counts[c * buckets + k];
+          counts[c * buckets + k] = at;
+          at += m;
+        }
+      per_chunk([&](i64 c, i64 u0, i64 u1) {
+        i64* off = counts.data() + c * buckets;
+        for (i64 u = u0; u < u1; ++u) ob[off[keys[u]]++] = static_cast<int32_t>(u);
+      });
+    }
+  }
+
+ private:
+  int halo_, px_, py_;
+};
+
+// FlowpmPermuteRows(order int32 [B, n], fields N x [B, n, ...] of any types) ->
+// N x the fields with out[b, j] = field[b, order[b, j]]: FlowpmSortByColumn's order
+// applied to every particle array in one op (tf.gather with batch_dims took 4.5 s
+// for the positions and ids of 512^3 particles on one rank). Row copies, parallel
+// over rows; an index outside [0, n) is an error.
+class PermuteRowsOp : public OpKernel {
+ public:
+  explicit PermuteRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& order = ctx->input(0);
+    OP_REQUIRES(ctx, order.dims() == 2,
+                InvalidArgument("FlowpmPermuteRows: order must be [B, n], got ",
+                                order.shape().DebugString()));
+    const i64 nb = order.dim_size(0), n = order.dim_size(1);
+    const int32_t* O = order.flat<int32_t>().data();
+    std::atomic<bool> bad{false};
+    shard(ctx, nb * n, 20, [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u)
+        if (O[u] < 0 || O[u] >= n) bad = true;
+    });
+    OP_REQUIRES(ctx, !bad, InvalidArgument("FlowpmPermuteRows: an index outside [0, ", n, ")"));
+    for (int f = 1; f < ctx->num_inputs(); ++f) {
+      const Tensor& x = ctx->input(f);
+      OP_REQUIRES(ctx, x.dims() >= 2 && x.dim_size(0) == nb && x.dim_size(1) == n,
+                  InvalidArgument("FlowpmPermuteRows: field ", f - 1, " must be [", nb, ", ", n,
+                                  ", ...], got ", x.shape().DebugString()));
+      Tensor* y = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(f - 1, x.shape(), &y));
+      if (nb * n == 0) continue;
+      const i64 row = x.TotalBytes() / (nb * n);
+      const char* src = x.tensor_data().data();
+      char* dst = const_cast<char*>(y->tensor_data().data());
+      shard(ctx, nb * n, 4 * row, [&](i64 begin, i64 end) {
+        for (i64 u = begin; u < end; ++u) {
+          const i64 b = u / n;
+          std::memcpy(dst + u * row, src + (b * n + O[u]) * row, row);
+        }
+      });
+    }
+  }
+};
+
 }  // namespace
 
 REGISTER_OP("FlowpmLatticeScatter")
@@ -462,3 +597,41 @@ REGISTER_SCATTER(double, int32_t);
 REGISTER_SCATTER(double, int64_t);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmMaskRows", MaskRowsOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmWrap", WrapOp);
+
+REGISTER_OP("FlowpmSortByColumn")
+    .Input("positions: T")
+    .Input("ids: Tid")
+    .Output("order: int32")
+    .Attr("T: {float, double}")
+    .Attr("Tid: {int32, int64}")
+    .Attr("halo: int >= 0")
+    .Attr("px: int >= 1")
+    .Attr("py: int >= 1")
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return ::tensorflow::OkStatus();
+    });
+
+#define REGISTER_SORT(T, Tid)                                                            \
+  REGISTER_KERNEL_BUILDER(Name("FlowpmSortByColumn")                                     \
+                              .Device(DEVICE_CPU)                                        \
+                              .TypeConstraint<T>("T")                                    \
+                              .TypeConstraint<Tid>("Tid"),                               \
+                          SortByColumnOp<T, Tid>);
+
+REGISTER_SORT(float, int32_t);
+REGISTER_SORT(float, int64_t);
+REGISTER_SORT(double, int32_t);
+REGISTER_SORT(double, int64_t);
+
+REGISTER_OP("FlowpmPermuteRows")
+    .Input("order: int32")
+    .Input("fields: T")
+    .Output("permuted: T")
+    .Attr("T: list(type)")
+    .SetShapeFn([](::tensorflow::shape_inference::InferenceContext* c) {
+      for (int i = 1; i < c->num_inputs(); ++i) c->set_output(i - 1, c->input(i));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("FlowpmPermuteRows").Device(DEVICE_CPU), PermuteRowsOp);
