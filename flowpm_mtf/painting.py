@@ -608,19 +608,7 @@ def readout_vjp(mesh, positions, cotangents, conf, scale, weight=None, name="rea
     values, dmesh, dpositions : mtf.Tensor
         Shapes of ``cotangents``, ``mesh`` and ``positions``.
     """
-    _check_particles(positions, name)
-    _check_halo(conf, name)
-    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
-    extra = mesh.shape.dims[5:]
-    _check_components(extra, positions, name)
-    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
-    if cotangents.shape != out_shape:
-        raise ValueError("%s: cotangents must have the shape %s, got %s"
-                         % (name, out_shape, cotangents.shape))
-    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
-        raise ValueError("%s: weight must have the shape %s, got %s"
-                         % (name, positions.shape.dims[:-1], weight.shape))
-    n_comp = int(np.prod([d.size for d in extra]))
+    mesh, out_shape, n_comp = _check_vjp_args(mesh, positions, cotangents, weight, conf, name)
     lib = native.load("cic_ops")
     if lib is None or positions.dtype not in (tf.float32, tf.float64):
         return _readout_vjp_mtf(mesh, positions, cotangents, conf, scale, weight, name)
@@ -642,6 +630,27 @@ def readout_vjp(mesh, positions, cotangents, conf, scale, weight=None, name="rea
     return mtf.slicewise(fn, inputs, output_shape=[out_shape, mesh.shape, positions.shape],
                          output_dtype=[mesh.dtype] * 3, splittable_dims=positions.shape.dims[:2],
                          name=name)
+
+
+def _check_vjp_args(mesh, positions, cotangents, weight, conf, name):
+    """The checks of :func:`readout_vjp` and :func:`readout_scaled_grad`.
+
+    Returns ``(mesh, values_shape, n_comp)``: the mesh checked against the padded
+    blocks, the shape of the values (and cotangents), the number of components.
+    """
+    _check_particles(positions, name)
+    _check_halo(conf, name)
+    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    extra = mesh.shape.dims[5:]
+    _check_components(extra, positions, name)
+    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
+    if cotangents.shape != out_shape:
+        raise ValueError("%s: cotangents must have the shape %s, got %s"
+                         % (name, out_shape, cotangents.shape))
+    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
+        raise ValueError("%s: weight must have the shape %s, got %s"
+                         % (name, positions.shape.dims[:-1], weight.shape))
+    return mesh, out_shape, int(np.prod([d.size for d in extra]))
 
 
 def _readout_vjp_mtf(mesh, positions, cotangents, conf, scale, weight, name):
@@ -781,21 +790,9 @@ def readout_scaled_grad(mesh, positions, cotangents, conf, scale, weight=None,
     values, dpositions : mtf.Tensor
         Shapes of ``cotangents`` and ``positions``.
     """
-    _check_particles(positions, name)
-    _check_halo(conf, name)
-    mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
+    mesh, out_shape, n_comp = _check_vjp_args(mesh, positions, cotangents, weight, conf, name)
     if density_bar is not None:
         density_bar = _check_shape(density_bar, padded_shape(conf), name)
-    extra = mesh.shape.dims[5:]
-    _check_components(extra, positions, name)
-    out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
-    if cotangents.shape != out_shape:
-        raise ValueError("%s: cotangents must have the shape %s, got %s"
-                         % (name, out_shape, cotangents.shape))
-    if weight is not None and weight.shape.dims != positions.shape.dims[:-1]:
-        raise ValueError("%s: weight must have the shape %s, got %s"
-                         % (name, positions.shape.dims[:-1], weight.shape))
-    n_comp = int(np.prod([d.size for d in extra]))
     inputs = ([mesh, positions, cotangents] + ([weight] if weight is not None else [])
               + ([density_bar] if density_bar is not None else []))
 

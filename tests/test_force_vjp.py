@@ -50,12 +50,9 @@ def state(mesh, conf, linear):
 CASES = H.cases(single=True)
 
 
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
-@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
-    kind, grid = case
-    conf = conf_for(grid, decomposition, dtype)
+def _vjp_and_reference(kind, conf, linear):
+    """pm_forces_vjp (f1, v1) and pm_forces with its mtf.gradients (f0, v0) at the 2LPT
+    state, for the cotangents id_field(ids, 7); with the ids."""
 
     def build(mesh):
         s0, w = state(mesh, conf, linear)
@@ -65,7 +62,16 @@ def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
         v0 = mtf.gradients([f0], [s0.positions], grad_ys=[ct])[0]
         return {"f1": f1, "v1": v1, "f0": f0, "v0": v0, "ids": s0.ids}
 
-    out = H.run(kind, conf, build)
+    return H.run(kind, conf, build)
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
+    kind, grid = case
+    conf = conf_for(grid, decomposition, dtype)
+    out = _vjp_and_reference(kind, conf, linear)
     np.testing.assert_array_equal(out["f1"], out["f0"])
     err = H.rel_err(out["v1"], out["v0"])
     print("force VJP vs mtf.gradients %s %s %s: %.3g" % (H.case_id(case), decomposition,
@@ -90,15 +96,7 @@ def test_force_vjp_other_paths(case, path, linear, monkeypatch):
     else:
         monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
 
-    def build(mesh):
-        s0, w = state(mesh, conf, linear)
-        ct = NH.id_field(s0.ids, conf, 7)
-        f1, v1 = gravity.pm_forces_vjp(s0.positions, ct, conf, weight=w)
-        f0 = gravity.pm_forces(s0.positions, conf, weight=w)
-        v0 = mtf.gradients([f0], [s0.positions], grad_ys=[ct])[0]
-        return {"f1": f1, "v1": v1, "f0": f0, "v0": v0}
-
-    out = H.run(kind, conf, build)
+    out = _vjp_and_reference(kind, conf, linear)
     np.testing.assert_array_equal(out["f1"], out["f0"])
     err = H.rel_err(out["v1"], out["v0"])
     print("force VJP (%s) vs mtf.gradients %s: %.3g" % (path, H.case_id(case), err))

@@ -585,6 +585,52 @@ constexpr i64 kMaxVjpComps = 8;
   return ::tensorflow::OkStatus();
 }
 
+// The first five inputs of FlowpmCicReadoutVjp and FlowpmCicReadoutScaledGrad (field,
+// positions, cotangents, weights, scale), checked, with the attr halo.
+template <typename T>
+class ScaledReadoutKernel : public OpKernel {
+ public:
+  explicit ScaledReadoutKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int v;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
+    halo_ = v;
+  }
+
+ protected:
+  struct Inputs {
+    const Tensor *field, *pos;
+    const T *P, *F, *D, *W;  // D, W: nullptr when empty
+    T s;
+    i64 nb, n, C;
+    Geometry g;
+  };
+
+  ::tensorflow::Status read(OpKernelContext* ctx, Inputs* in) const {
+    const Tensor& field = ctx->input(0);
+    const Tensor& pos = ctx->input(1);
+    const Tensor& cot = ctx->input(2);
+    const Tensor& w = ctx->input(3);
+    const Tensor& scale = ctx->input(4);
+    TF_RETURN_IF_ERROR(check_positions(pos));
+    TF_RETURN_IF_ERROR(check_field(field, pos, halo_));
+    in->nb = pos.dim_size(0);
+    in->n = pos.dim_size(1);
+    in->C = field.dim_size(4);
+    TF_RETURN_IF_ERROR(check_vjp_inputs(pos, cot, w, scale, in->C));
+    in->field = &field;
+    in->pos = &pos;
+    in->g = Geometry{field.dim_size(1), field.dim_size(2), field.dim_size(3), in->C, halo_};
+    in->P = pos.flat<T>().data();
+    in->F = field.flat<T>().data();
+    in->D = cot.NumElements() ? cot.flat<T>().data() : nullptr;
+    in->W = w.NumElements() ? w.flat<T>().data() : nullptr;
+    in->s = scale.flat<T>()(0);
+    return ::tensorflow::OkStatus();
+  }
+
+  i64 halo_;
+};
+
 // The readout of one particle from its block's field fb, exactly read_range's sum.
 template <typename T, int KC>
 inline void read_one(const Axis<T>& ax, const Axis<T>& ay, const Axis<T>& az,
@@ -659,36 +705,23 @@ void readout_vjp_slab(const T* __restrict__ pb, const T* __restrict__ cb,
 }
 
 template <typename T>
-class CicReadoutVjpOp : public OpKernel {
+class CicReadoutVjpOp : public ScaledReadoutKernel<T> {
  public:
-  explicit CicReadoutVjpOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
-    halo_ = v;
-  }
+  using ScaledReadoutKernel<T>::ScaledReadoutKernel;
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& field = ctx->input(0);
-    const Tensor& pos = ctx->input(1);
-    const Tensor& cot = ctx->input(2);
-    const Tensor& w = ctx->input(3);
-    const Tensor& scale = ctx->input(4);
-    OP_REQUIRES_OK(ctx, check_positions(pos));
-    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
-    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
-    OP_REQUIRES_OK(ctx, check_vjp_inputs(pos, cot, w, scale, C));
-    const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
+    typename ScaledReadoutKernel<T>::Inputs in;
+    OP_REQUIRES_OK(ctx, this->read(ctx, &in));
+    const i64 nb = in.nb, n = in.n, C = in.C;
+    const Geometry& g = in.g;
     Tensor* values = nullptr;
     Tensor* dfield = nullptr;
     Tensor* dpos = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, field.shape(), &dfield));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, pos.shape(), &dpos));
-    const T* P = pos.flat<T>().data();
-    const T* F = field.flat<T>().data();
-    const T* D = cot.NumElements() ? cot.flat<T>().data() : nullptr;
-    const T* W = w.NumElements() ? w.flat<T>().data() : nullptr;
-    const T s = scale.flat<T>()(0);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.field->shape(), &dfield));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, in.pos->shape(), &dpos));
+    const T *P = in.P, *F = in.F, *D = in.D, *W = in.W;
+    const T s = in.s;
     T* V = values->flat<T>().data();
     T* DF = dfield->flat<T>().data();
     T* G = dpos->flat<T>().data();
@@ -706,9 +739,6 @@ class CicReadoutVjpOp : public OpKernel {
                                G + b * n * 3, V + b * n * C, g, n, r0, r1);
     });
   }
-
- private:
-  i64 halo_;
 };
 
 // ------------------------------------------------------------------ the VJP split in two passes
@@ -752,25 +782,17 @@ void scaled_grad_range(const T* __restrict__ P, const T* __restrict__ F, const T
 }
 
 template <typename T>
-class CicReadoutScaledGradOp : public OpKernel {
+class CicReadoutScaledGradOp : public ScaledReadoutKernel<T> {
  public:
-  explicit CicReadoutScaledGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int v;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
-    halo_ = v;
-  }
+  using ScaledReadoutKernel<T>::ScaledReadoutKernel;
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& field = ctx->input(0);
-    const Tensor& pos = ctx->input(1);
-    const Tensor& cot = ctx->input(2);
-    const Tensor& w = ctx->input(3);
-    const Tensor& scale = ctx->input(4);
+    typename ScaledReadoutKernel<T>::Inputs in;
+    OP_REQUIRES_OK(ctx, this->read(ctx, &in));
     const Tensor& rbar = ctx->input(5);
-    OP_REQUIRES_OK(ctx, check_positions(pos));
-    OP_REQUIRES_OK(ctx, check_field(field, pos, halo_));
-    const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
-    OP_REQUIRES_OK(ctx, check_vjp_inputs(pos, cot, w, scale, C));
+    const i64 nb = in.nb, n = in.n, C = in.C;
+    const Geometry& g = in.g;
+    const Tensor& field = *in.field;
     OP_REQUIRES(ctx, rbar.NumElements() == 0 ||
                 (rbar.dims() == 5 && rbar.dim_size(0) == nb &&
                  rbar.dim_size(1) == field.dim_size(1) && rbar.dim_size(2) == field.dim_size(2) &&
@@ -779,18 +801,14 @@ class CicReadoutScaledGradOp : public OpKernel {
                                 field.dim_size(1), ", ", field.dim_size(2), ", ",
                                 field.dim_size(3), ", 1] or empty, got ",
                                 rbar.shape().DebugString()));
-    const Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
     Tensor* values = nullptr;
     Tensor* dpos = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, pos.shape(), &dpos));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, in.pos->shape(), &dpos));
     if (nb * n == 0) return;
-    const T* P = pos.flat<T>().data();
-    const T* F = field.flat<T>().data();
-    const T* D = cot.flat<T>().data();
-    const T* W = w.NumElements() ? w.flat<T>().data() : nullptr;
+    const T *P = in.P, *F = in.F, *D = in.D, *W = in.W;
     const T* RB = rbar.NumElements() ? rbar.flat<T>().data() : nullptr;
-    const T s = scale.flat<T>()(0);
+    const T s = in.s;
     T* V = values->flat<T>().data();
     T* G = dpos->flat<T>().data();
     shard(ctx, nb * n, 100 * C, [&](i64 begin, i64 end) {
@@ -800,9 +818,6 @@ class CicReadoutScaledGradOp : public OpKernel {
         scaled_grad_range<T, 0>(P, F, D, W, s, RB, V, G, g, n, begin, end);
     });
   }
-
- private:
-  i64 halo_;
 };
 
 // FlowpmCicPaintPair: FlowpmCicReadoutVjp's paint of the scaled cotangents d, known
