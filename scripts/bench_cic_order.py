@@ -1,0 +1,209 @@
+"""CIC paint and readout against the order of the particles (issue 31: where 512^3 loses time).
+
+Times the native CIC ops of a PM step on one rank, as the step runs them:
+``FlowpmCicPaint`` of the density (one component) and ``FlowpmCicReadout`` of a
+three-component force field, on the same particles in two orders:
+
+``slot``
+    the order the job keeps them in: their slots, i.e. the Lagrangian lattice order
+    (the particles of a one-rank run never migrate);
+``column``
+    ordered by the column of cells they are in (``FlowpmSortByColumn``, the order of
+    ``simulate --sort-every K``), so that the ops walk the field column by column.
+
+and the cost of getting the second order: ``order`` (``FlowpmSortByColumn`` alone: the
+counting sort's keys, counts and offsets) and ``permute`` (``FlowpmPermuteRows`` of the
+positions alone; the job permutes positions, momenta, forces and ids). All are
+nanoseconds per particle, the median of ``--repeat`` runs after one untimed run,
+wall time, both cores (TensorFlow's intra-op pool).
+
+The particles are those of a snapshot of a one-rank ``flowpm-mtf simulate`` run
+(``--snapshot``: positions [Mpc/h] converted to cells), or a synthetic lattice displaced
+by a smooth Gaussian random field (``--synthetic NC --displacement RMS`` [cells]; for
+small meshes and the test). It also checks what the comparison assumes: the readout in
+column order gives every particle its slot-order values bit for bit (a particle's sum
+does not depend on the others), and the paint in column order equals the slot-order
+paint to rounding (each cell's terms come in another order)::
+
+    flowpm-mtf simulate --nc 512 --steps 5 --no-plot --out out/sim512
+    python scripts/bench_cic_order.py --snapshot out/sim512/snapshot.h5 --repeat 3
+    python scripts/bench_cic_order.py --synthetic 128 --displacement 4
+
+Writes ``results/bench_cic_order.md`` from ``results/raw/bench_cic_order.json`` (one record
+per source, mesh and commit; a new run replaces its own record). Timings on a loaded
+machine are noise: run it alone on a quiet one (the load is in the table).
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flowpm_bench import RESULTS, provenance  # noqa: E402
+from flowpm_bench.results import json_path, read_json, write_json, write_table  # noqa: E402
+
+SCRIPT = "scripts/bench_cic_order.py"
+NAME = "bench_cic_order"
+HALO = 2
+COLUMNS = ("paint_slot", "readout3_slot", "paint_column", "readout3_column", "order", "permute")
+
+
+def snapshot_cells(path):
+    """Positions [cells] ``[n, 3]`` float32 (slot order) and the mesh of a one-rank snapshot."""
+    import json
+
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        conf = json.loads(f.attrs["config"])
+        if tuple(conf["grid"]) != (1, 1):
+            raise SystemExit("bench_cic_order: %s is a %dx%d run; a one-rank snapshot is needed"
+                             % (path, *conf["grid"]))
+        nc, box = conf["nc"], conf["box_size"]
+        pos = f["position"][...]
+    cells = np.asarray(nc, np.float32) / np.asarray(box, np.float32)
+    pos = np.mod(pos.astype(np.float32) * cells, np.asarray(nc, np.float32))
+    pos[pos >= np.asarray(nc, np.float32)] = 0   # a coordinate rounded up to nc wraps to 0
+    return pos, tuple(nc)
+
+
+def synthetic_cells(nc, rms, seed=0):
+    """A lattice of ``nc^3`` particles (slot order) displaced by a smooth random field of ``rms`` cells."""
+    rng = np.random.default_rng(seed)
+    k = [np.fft.fftfreq(nc), np.fft.fftfreq(nc), np.fft.rfftfreq(nc)]
+    k2 = k[0][:, None, None] ** 2 + k[1][None, :, None] ** 2 + k[2][None, None, :] ** 2
+    smooth = np.exp(-k2 / (2 * 0.05 ** 2))     # coherence over ~1 / (2 pi 0.05) ~ 3 cells
+    q = np.indices((nc, nc, nc), np.float32).reshape(3, -1).T
+    for axis in range(3):
+        field = np.fft.irfftn(np.fft.rfftn(rng.standard_normal((nc, nc, nc))) * smooth, (nc,) * 3,
+                              axes=(0, 1, 2))
+        q[:, axis] += (field / field.std() * rms).astype(np.float32).reshape(-1)
+    return np.mod(q, np.float32(nc)), (nc, nc, nc)
+
+
+def _median_ns(fn, n, repeat):
+    fn()                                   # untimed: first touch, thread start
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) / n * 1e9
+
+
+def measure(pos, nc, repeat):
+    """Nanoseconds per particle of each column of ``COLUMNS`` and the two checks."""
+    import tensorflow as tf
+
+    from flowpm_mtf import native
+
+    cic, parts = native.load("cic_ops"), native.load("particle_ops")
+    if cic is None or parts is None:
+        raise SystemExit("bench_cic_order: the native ops are not built "
+                         "(python -m flowpm_mtf.native.build)")
+    n = pos.shape[0]
+    px, py, nz = nc[0] + 2 * HALO, nc[1] + 2 * HALO, nc[2]
+    no_weights = tf.zeros([1, 0, 1], tf.float32)
+
+    def paint(p):
+        return cic.flowpm_cic_paint(p, no_weights, halo=HALO, px=px, py=py, nz=nz, components=1)
+
+    def force_field(rho):   # a three-component field of the step's size (values: any)
+        return tf.concat([rho, rho * 0.5, rho * 0.25], axis=-1)
+
+    slot = tf.constant(pos.reshape(1, n, 3))
+    ids = tf.zeros([1, n], tf.int64)
+    out = {}
+    out["order"] = _median_ns(
+        lambda: cic_sync(parts.flowpm_sort_by_column(slot, ids, halo=HALO, px=px, py=py)), n, repeat)
+    order = parts.flowpm_sort_by_column(slot, ids, halo=HALO, px=px, py=py)
+    out["permute"] = _median_ns(lambda: cic_sync(parts.flowpm_permute_rows(order, [slot])[0]),
+                                n, repeat)
+    column = parts.flowpm_permute_rows(order, [slot])[0]
+    rho = paint(slot)
+    field = force_field(rho)
+    for name, p in (("slot", slot), ("column", column)):
+        out["paint_" + name] = _median_ns(lambda p=p: cic_sync(paint(p)), n, repeat)
+        out["readout3_" + name] = _median_ns(
+            lambda p=p: cic_sync(cic.flowpm_cic_readout(field, p, halo=HALO)), n, repeat)
+    o = order.numpy()[0]
+    v_slot = cic.flowpm_cic_readout(field, slot, halo=HALO).numpy()[0]
+    v_col = cic.flowpm_cic_readout(field, column, halo=HALO).numpy()[0]
+    r_slot, r_col = rho.numpy(), paint(column).numpy()
+    checks = {"readout_bitwise": bool(np.array_equal(v_slot[o], v_col)),
+              "paint_max_rel_diff": float(np.max(np.abs(r_col - r_slot))
+                                          / max(float(np.max(np.abs(r_slot))), 1e-30)),
+              "mass": [float(r_slot.sum(dtype=np.float64)), float(r_col.sum(dtype=np.float64))]}
+    return out, checks
+
+
+def cic_sync(t):
+    """Wait for an eager tensor (one element to the host)."""
+    return t.numpy().reshape(-1)[:1]
+
+
+def render(records):
+    """The Markdown document of all records."""
+    lines = ["# CIC paint and readout against the order of the particles (issue 31)", "",
+             "Generated by `%s`; see its docstring. Nanoseconds per particle (median after one "
+             "untimed run), one rank, both cores. `slot`: the job's order (Lagrangian); `column`: "
+             "ordered by the column of cells (`FlowpmSortByColumn`); `order`: computing that order; "
+             "`permute`: applying it to the positions alone. `readout bitwise`: the column-order "
+             "readout gives every particle its slot-order values bit for bit; `paint rel diff`: "
+             "max |difference| / max of the two paints (rounding only)." % SCRIPT, "",
+             "| source | mesh | paint slot | readout3 slot | paint column | readout3 column "
+             "| order | permute | readout bitwise | paint rel diff | load | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        t, c = r["ns_per_particle"], r["checks"]
+        cells = ["%.1f" % t[k] for k in COLUMNS]
+        lines.append("| %s | %d^3 | %s | %s | %.2g | %.2f | %s |" % (
+            r["source"], r["nc"][0], " | ".join(cells),
+            "yes" if c["readout_bitwise"] else "NO", c["paint_max_rel_diff"],
+            r["machine"]["loadavg"][0], r["commit"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--snapshot", help="snapshot.h5 of a one-rank simulate run")
+    src.add_argument("--synthetic", type=int, metavar="NC", help="a displaced lattice of NC^3")
+    parser.add_argument("--displacement", type=float, default=4.0,
+                        help="rms displacement of --synthetic [cells] (default 4)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default=RESULTS, help="results folder (default results/)")
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    if args.synthetic is not None and args.synthetic < 4:
+        parser.error("--synthetic must be >= 4")
+    if args.snapshot:
+        pos, nc = snapshot_cells(args.snapshot)
+        source = "snapshot a=1 (%s)" % os.path.basename(os.path.dirname(
+            os.path.abspath(args.snapshot)))
+    else:
+        pos, nc = synthetic_cells(args.synthetic, args.displacement)
+        source = "synthetic rms %g cells" % args.displacement
+    machine = provenance.machine()    # the load before the run
+    times, checks = measure(pos, nc, args.repeat)
+    record = {"source": source, "nc": list(nc), "n": int(pos.shape[0]),
+              "commit": provenance.commit_label(), "machine": machine,
+              "ns_per_particle": times, "checks": checks, "repeat": args.repeat,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    path = json_path(args.out, NAME)
+    records = [r for r in read_json(path, []) if (r["source"], r["nc"], r["commit"])
+               != (source, list(nc), record["commit"])] + [record]
+    write_json(path, records)
+    write_table(os.path.join(args.out, NAME + ".md"), render(records), SCRIPT)
+    print("%s %d^3: %s; readout bitwise %s, paint rel diff %.2g" % (
+        source, nc[0], ", ".join("%s %.1f ns" % (k, times[k]) for k in COLUMNS),
+        checks["readout_bitwise"], checks["paint_max_rel_diff"]))
+    return 0 if checks["readout_bitwise"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
