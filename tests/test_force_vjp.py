@@ -130,22 +130,31 @@ def test_force_vjp_dot_product(case, decomposition, linear):
     assert abs(jv_u - v_jtu) <= FD_RTOL * abs(v_jtu), (jv_u, v_jtu)
 
 
+def _random_vjp_case(conf, n, seed):
+    """Random inputs of the readout VJP ops: a padded 3-component field
+    ``[gx, gy, px, py, nz, 3]``, ``n`` positions per block inside the padded blocks along x
+    and y (around the block along z), cotangents ``[gx, gy, n, 3]`` and 0/1 slot weights;
+    and the generator, for more draws."""
+    rng = np.random.RandomState(seed)
+    gx, gy = conf.grid
+    sx, sy, nz = conf.block_shape
+    px, py, _ = conf.padded_block_shape
+    field = rng.randn(gx, gy, px, py, nz, 3)
+    pos = np.stack([rng.uniform(-1.5, sx + 0.9, (gx, gy, n)), rng.uniform(-1.5, sy + 0.9, (gx, gy, n)),
+                    rng.uniform(-2.0, nz + 2.0, (gx, gy, n))], -1)
+    ct = rng.randn(gx, gy, n, 3)
+    w = (rng.rand(gx, gy, n) > 0.3).astype(np.float64)
+    return rng, field, pos, ct, w
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"][:1], ids=H.case_id)
 def test_readout_vjp_native_equals_mtf(case):
     """painting.readout_vjp with the native op against its Mesh TF path, bit for bit
     (random field, positions inside the padded blocks, empty slots)."""
     kind, grid = case
     conf = SimConfig(nc=8, box_size=8.0, grid=grid, halo_size=2, dtype="float64")
-    rng = np.random.RandomState(4)
-    gx, gy = conf.grid
-    sx, sy, nz = conf.block_shape
-    px, py, _ = conf.padded_block_shape
     n = 200
-    field = rng.randn(gx, gy, px, py, nz, 3)
-    pos = np.stack([rng.uniform(-1.5, sx + 0.9, (gx, gy, n)), rng.uniform(-1.5, sy + 0.9, (gx, gy, n)),
-                    rng.uniform(-2.0, nz + 2.0, (gx, gy, n))], -1)
-    ct = rng.randn(gx, gy, n, 3)
-    w = (rng.rand(gx, gy, n) > 0.3).astype(np.float64)
+    _, field, pos, ct, w = _random_vjp_case(conf, n, seed=4)
 
     def build(mesh):
         from flowpm_mtf import layout
@@ -180,20 +189,12 @@ def test_paint_pair_scaled_grad_equal_their_ops(case, dtype, native_local, monke
     if not native_local:
         monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
     conf = SimConfig(nc=8, box_size=8.0, grid=grid, halo_size=2, dtype=dtype)
-    rng = np.random.RandomState(5)
-    gx, gy = conf.grid
-    sx, sy, nz = conf.block_shape
-    px, py, _ = conf.padded_block_shape
     n = 300
-    field = rng.randn(gx, gy, px, py, nz, 3)
-    rbar = rng.randn(gx, gy, px, py, nz)
-    pos = np.stack([rng.uniform(-1.5, sx + 0.9, (gx, gy, n)), rng.uniform(-1.5, sy + 0.9, (gx, gy, n)),
-                    rng.uniform(-2.0, nz + 2.0, (gx, gy, n))], -1)
-    w = (rng.rand(gx, gy, n) > 0.3).astype(np.float64)
+    rng, field, pos, ct, w = _random_vjp_case(conf, n, seed=5)
+    rbar = rng.randn(*field.shape[:-1])
     if native_local:  # masked slots may hold anything: the native ops skip them
         pos[..., :5, 1] = np.nan
         w[..., :5] = 0.0
-    ct = rng.randn(gx, gy, n, 3)
     tdt = conf.tf_dtype
 
     def build(mesh):
