@@ -231,7 +231,8 @@ def _numeric_options(job_name):
 
 # (flag, value) pairs that are valid: everything else at 0 / negative / nan / inf is an error.
 VALID_NUMERIC = {("--seed", "0"), ("--cosmo-Omega-b", "0"), ("--noise", "0"),
-                 ("--beta1", "0"), ("--beta2", "0")}
+                 ("--beta1", "0"), ("--beta2", "0"),
+                 ("--sort-every", "0")}    # 0: the particles are never reordered (the default)
 # imaging: a uniform random mask, seeds, no training (the initial network), no perturbation
 VALID_NUMERIC |= {("--density-power", "0"), ("--init-seed", "0"), ("--data-seed", "0"),
                   ("--train-steps", "0"), ("--perturbation", "0")}
