@@ -95,8 +95,13 @@ def _median_ns(fn, n, repeat):
 
 
 def measure(pos, nc, repeat):
-    """Nanoseconds per particle of each column of ``COLUMNS`` and the two checks."""
-    import tensorflow as tf
+    """Nanoseconds per particle of each column of ``COLUMNS`` and the two checks.
+
+    A graph and session of its own (the caller may run eagerly or not); every input is
+    a variable, so no op has a constant input to fold or a feed to copy, and each timed
+    run fetches one element of the op's output.
+    """
+    import tensorflow.compat.v1 as tf
 
     from flowpm_mtf import native
 
@@ -106,43 +111,42 @@ def measure(pos, nc, repeat):
                          "(python -m flowpm_mtf.native.build)")
     n = pos.shape[0]
     px, py, nz = nc[0] + 2 * HALO, nc[1] + 2 * HALO, nc[2]
-    no_weights = tf.zeros([1, 0, 1], tf.float32)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        def kept(value, feed=None):   # the value of a tensor, in a variable
+            v = tf.Variable(value, trainable=False, use_resource=True)
+            sess.run(v.initializer, feed)
+            return v.read_value()
 
-    def paint(p):
-        return cic.flowpm_cic_paint(p, no_weights, halo=HALO, px=px, py=py, nz=nz, components=1)
+        def paint(p):
+            return cic.flowpm_cic_paint(p, tf.zeros([1, 0, 1], tf.float32), halo=HALO, px=px,
+                                        py=py, nz=nz, components=1)
 
-    def force_field(rho):   # a three-component field of the step's size (values: any)
-        return tf.concat([rho, rho * 0.5, rho * 0.25], axis=-1)
+        def one(t):   # the op runs, one element comes back
+            return tf.reshape(t, [-1])[:1]
 
-    slot = tf.constant(pos.reshape(1, n, 3))
-    ids = tf.zeros([1, n], tf.int64)
-    out = {}
-    out["order"] = _median_ns(
-        lambda: cic_sync(parts.flowpm_sort_by_column(slot, ids, halo=HALO, px=px, py=py)), n, repeat)
-    order = parts.flowpm_sort_by_column(slot, ids, halo=HALO, px=px, py=py)
-    out["permute"] = _median_ns(lambda: cic_sync(parts.flowpm_permute_rows(order, [slot])[0]),
-                                n, repeat)
-    column = parts.flowpm_permute_rows(order, [slot])[0]
-    rho = paint(slot)
-    field = force_field(rho)
-    for name, p in (("slot", slot), ("column", column)):
-        out["paint_" + name] = _median_ns(lambda p=p: cic_sync(paint(p)), n, repeat)
-        out["readout3_" + name] = _median_ns(
-            lambda p=p: cic_sync(cic.flowpm_cic_readout(field, p, halo=HALO)), n, repeat)
-    o = order.numpy()[0]
-    v_slot = cic.flowpm_cic_readout(field, slot, halo=HALO).numpy()[0]
-    v_col = cic.flowpm_cic_readout(field, column, halo=HALO).numpy()[0]
-    r_slot, r_col = rho.numpy(), paint(column).numpy()
+        feed = tf.placeholder(tf.float32, [1, n, 3])
+        slot = kept(feed, {feed: pos.reshape(1, n, 3)})
+        order_op = parts.flowpm_sort_by_column(slot, tf.zeros([1, n], tf.int64), halo=HALO,
+                                               px=px, py=py)
+        order = kept(order_op)
+        permute_op = parts.flowpm_permute_rows(order, [slot])[0]
+        column = kept(permute_op)
+        rho = kept(paint(slot))
+        field = kept(tf.concat([rho, rho * 0.5, rho * 0.25], axis=-1))  # 3 components
+        ops = {"order": one(order_op), "permute": one(permute_op)}
+        for name, p in (("slot", slot), ("column", column)):
+            ops["paint_" + name] = one(paint(p))
+            ops["readout3_" + name] = one(cic.flowpm_cic_readout(field, p, halo=HALO))
+        out = {k: _median_ns(lambda op=op: sess.run(op), n, repeat) for k, op in ops.items()}
+        o, v_slot, v_col, r_slot, r_col = sess.run(
+            [order, cic.flowpm_cic_readout(field, slot, halo=HALO),
+             cic.flowpm_cic_readout(field, column, halo=HALO), rho, paint(column)])
+    o, v_slot, v_col = o[0], v_slot[0], v_col[0]
     checks = {"readout_bitwise": bool(np.array_equal(v_slot[o], v_col)),
               "paint_max_rel_diff": float(np.max(np.abs(r_col - r_slot))
                                           / max(float(np.max(np.abs(r_slot))), 1e-30)),
               "mass": [float(r_slot.sum(dtype=np.float64)), float(r_col.sum(dtype=np.float64))]}
     return out, checks
-
-
-def cic_sync(t):
-    """Wait for an eager tensor (one element to the host)."""
-    return t.numpy().reshape(-1)[:1]
 
 
 def render(records):

@@ -7,6 +7,11 @@ import json
 import h5py
 import numpy as np
 import pytest
+import tensorflow.compat.v1 as tf
+
+# as in the suite, where modules imported before this one turn eager execution off: the
+# script builds its own graph and session, in either mode (run by hand, it is eager)
+tf.disable_eager_execution()
 
 from flowpm_bench.scripts import load_script
 
