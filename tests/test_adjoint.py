@@ -211,6 +211,12 @@ def test_reverse_recovers_initial_state(case, decomposition, linear, weight_fiel
     assert np.abs(adj["ip"]).max() > 0
 
 
+# float32 accuracy and the one-step dot product are properties of the reverse step, not of
+# the grid: 1 and 2 ranks (what the 2x2 grid adds is checked by the tests above there)
+ONE_OR_TWO_RANKS = pytest.mark.skipif(H.SIZE > 2, reason="grid-independent check: 1 and 2 ranks")
+
+
+@ONE_OR_TWO_RANKS
 def test_float32_adjoint(linear, weight_field):
     """The float32 adjoint against the float64 stored-graph gradient (eulerian)."""
     kind, grid = HVD_CASES[0]
@@ -222,6 +228,7 @@ def test_float32_adjoint(linear, weight_field):
     assert max(errs.values()) <= GRAD_RTOL_FLOAT32, errs
 
 
+@ONE_OR_TWO_RANKS
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
 def test_one_step_dot_product(decomposition, linear):
     """<J v, u> == <v, J^T u> for one step (x0, p0) -> (x1, p1) with f0 = F(x0): J v by

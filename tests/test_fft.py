@@ -287,6 +287,7 @@ def test_wrong_inputs_raise():
             layout.kvec(conf, mesh, units="Mpc")
 
 
+@pytest.mark.rank_independent
 def test_flowpm_mtf_does_not_import_horovod():
     """flowpm_mtf runs on any MeshImpl: importing it must not pull in Horovod."""
     import subprocess
@@ -299,6 +300,7 @@ def test_flowpm_mtf_does_not_import_horovod():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+@pytest.mark.rank_independent
 def test_local_transforms_and_layout_stay_light():
     """The local FFTs (fft_local) import neither Mesh TF nor the distributed fft module,
     and layout imports no TensorFlow (the k-vectors import it when called)."""

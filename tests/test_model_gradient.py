@@ -144,7 +144,12 @@ def _loss_at(kind, conf, white, weight_field):
     return float(H.run(kind, conf, build)["loss"])
 
 
-# On more ranks the eulerian decomposition only (its cotangents migrate; cost).
+# On 2 ranks the eulerian decomposition only (its cotangents migrate; cost); not on 4
+# ranks: what the 2x2 grid adds (cotangents crossing both axes) is checked there by
+# test_field_gradient_matches_stored, and the cross-rank sums of the cosmology terms
+# already on 2 ranks (80 s a case on 4 oversubscribed ranks).
+@pytest.mark.skipif(H.SIZE > 2, reason="cross-rank sums checked on 2 ranks; the 2x2 grid by "
+                    "test_field_gradient_matches_stored")
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"] if H.SIZE == 1
                          else ["eulerian"])
 def test_cosmology_gradient_matches_finite_differences(decomposition, white, weight_field):
