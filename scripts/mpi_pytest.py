@@ -1,8 +1,10 @@
 """Run pytest on one MPI rank (used by scripts/run_tests.sh under mpirun).
 
 Rank 0 prints to the terminal; other ranks write to ``<logdir>/np<N>_rank<R>.log``.
-Every rank writes JUnit XML to ``<logdir>/np<N>_rank<R>.xml``. pytest's exit code 5
-("no tests collected") counts as success: some files have no test for a world size.
+Every rank writes JUnit XML to ``<logdir>/np<N>_rank<R>.xml``; with
+``FLOWPM_MTF_TEST_PART=<part>`` (run_tests.sh's 1-rank job runs two parts side by side)
+the files are ``np<N>_rank<R>_<part>.*``. pytest's exit code 5 ("no tests collected")
+counts as success: some files have no test for a world size.
 """
 import os
 import sys
@@ -14,6 +16,9 @@ def main():
     size = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("PMI_SIZE", "1")))
     os.makedirs(logdir, exist_ok=True)
     tag = "np%d_rank%d" % (size, rank)
+    part = os.environ.get("FLOWPM_MTF_TEST_PART")
+    if part:
+        tag += "_" + part
     if rank != 0:
         log = open(os.path.join(logdir, tag + ".log"), "w")
         os.dup2(log.fileno(), 1)
