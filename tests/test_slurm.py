@@ -262,6 +262,11 @@ def _datasets(path):
         return {name: f[name][...] for name in f if isinstance(f[name], h5py.Dataset)}
 
 
+# Opt-in (FLOWPM_MTF_SLOW_TESTS=1; 76-143 s): Slurm's preemption and resubmission are
+# checked by test_preempted_run_resumes_bit_identical, the lensing job's SIGTERM and resume
+# under mpirun by tests/test_lensing_resume.py; this runs the two together.
+@pytest.mark.skipif(not os.environ.get("FLOWPM_MTF_SLOW_TESTS"),
+                    reason="slow; set FLOWPM_MTF_SLOW_TESTS=1")
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S + 120)
 def test_preempted_lensing_resumes_bit_identical(slurm, tmp_path):
     """COMMAND=lensing through the template: stopped by Slurm's SIGTERM mid-run, submitted
