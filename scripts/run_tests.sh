@@ -40,7 +40,8 @@ for np in $NPS; do
   echo "================ pytest on $np rank(s) ================"
   # The per-job limit turns a hang into a failure instead of a stuck CI run (a test
   # that hangs is stopped after 600 s by pytest-timeout first). 2700 s: on a machine
-  # of this kind whose steps are 2.2x slower, the 1-rank job took ~27 min.
+  # of this kind whose steps are 2.2x slower, the longest pass took 32 min
+  # (docs/testing.md).
   if [ "$np" = 1 ]; then
     # No launcher. Two pytest processes side by side, so that both cores work: the tests
     # marked single_process (they start their own mpirun jobs, mostly of 2 ranks) and the
