@@ -51,19 +51,22 @@ def test_sort_and_permute_native_against_numpy(dtype, id_dtype):
     pos, ids = _particles(rng, nb, n, sx, sy, nz, dtype)
     ids = ids.astype(id_dtype)
     extra = rng.randint(-9, 9, (nb, n, 2)).astype(np.int64)
+    odd = rng.rand(nb, n, 5).astype(np.float32)     # 20-byte rows: the generic copy
     with tf.Graph().as_default(), tf.Session() as sess:
         order = lib.flowpm_sort_by_column(tf.constant(pos), tf.constant(ids), halo=h, px=px,
                                           py=py)
         out = sess.run([order] + lib.flowpm_permute_rows(order, [tf.constant(pos),
                                                                 tf.constant(ids),
-                                                                tf.constant(extra)]))
-    got, ppos, pids, pextra = out
+                                                                tf.constant(extra),
+                                                                tf.constant(odd)]))
+    got, ppos, pids, pextra, podd = out
     for b in range(nb):
         want = _order_numpy(pos[b], ids[b], h, px, py)
         np.testing.assert_array_equal(got[b], want)
         np.testing.assert_array_equal(ppos[b], pos[b][want])
         np.testing.assert_array_equal(pids[b], ids[b][want])
         np.testing.assert_array_equal(pextra[b], extra[b][want])
+        np.testing.assert_array_equal(podd[b], odd[b][want])
     assert np.all(pids[:, -n // 5 - 2:] < 0) or np.isnan(ppos[:, -n // 5 - 2:]).any()
     assert not np.array_equal(got[0], np.arange(n))   # the order is not vacuous
 

@@ -458,7 +458,8 @@ class SortByColumnOp : public OpKernel {
 // N x the fields with out[b, j] = field[b, order[b, j]]: FlowpmSortByColumn's order
 // applied to every particle array in one op (tf.gather with batch_dims took 4.5 s
 // for the positions and ids of 512^3 particles on one rank). Row copies, parallel
-// over rows; an index outside [0, n) is an error.
+// over rows, every field's row of a particle together, the rows ahead prefetched;
+// an index outside [0, n) is an error.
 class PermuteRowsOp : public OpKernel {
  public:
   explicit PermuteRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -476,23 +477,52 @@ class PermuteRowsOp : public OpKernel {
         if (O[u] < 0 || O[u] >= n) bad = true;
     });
     OP_REQUIRES(ctx, !bad, InvalidArgument("FlowpmPermuteRows: an index outside [0, ", n, ")"));
-    for (int f = 1; f < ctx->num_inputs(); ++f) {
-      const Tensor& x = ctx->input(f);
+    const int nf = ctx->num_inputs() - 1;
+    std::vector<const char*> src(nf);
+    std::vector<char*> dst(nf);
+    std::vector<i64> rows(nf);
+    i64 bytes = 0;
+    for (int f = 0; f < nf; ++f) {
+      const Tensor& x = ctx->input(f + 1);
       OP_REQUIRES(ctx, x.dims() >= 2 && x.dim_size(0) == nb && x.dim_size(1) == n,
-                  InvalidArgument("FlowpmPermuteRows: field ", f - 1, " must be [", nb, ", ", n,
+                  InvalidArgument("FlowpmPermuteRows: field ", f, " must be [", nb, ", ", n,
                                   ", ...], got ", x.shape().DebugString()));
       Tensor* y = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(f - 1, x.shape(), &y));
-      if (nb * n == 0) continue;
-      const i64 row = x.TotalBytes() / (nb * n);
-      const char* src = x.tensor_data().data();
-      char* dst = const_cast<char*>(y->tensor_data().data());
-      shard(ctx, nb * n, 4 * row, [&](i64 begin, i64 end) {
-        for (i64 u = begin; u < end; ++u) {
-          const i64 b = u / n;
-          std::memcpy(dst + u * row, src + (b * n + O[u]) * row, row);
-        }
-      });
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(f, x.shape(), &y));
+      rows[f] = nb * n ? x.TotalBytes() / (nb * n) : 0;
+      src[f] = x.tensor_data().data();
+      dst[f] = const_cast<char*>(y->tensor_data().data());
+      bytes += rows[f];
+    }
+    if (nb * n == 0) return;
+    // Every field's row of a particle together, and the source rows kAhead particles
+    // later prefetched: the gathers are latency bound (512^3 positions on one rank:
+    // 39 ns per row with one memcpy call per row and field, field after field).
+    shard(ctx, nb * n, 8 * bytes, [&](i64 begin, i64 end) {
+      i64 b = begin / n, next = (b + 1) * n;
+      for (i64 u = begin; u < end; ++u) {
+        if (u == next) ++b, next += n;
+        const i64 ua = u + kAhead;
+        if (ua < end && ua < next)
+          for (int f = 0; f < nf; ++f) __builtin_prefetch(src[f] + (b * n + O[ua]) * rows[f]);
+        const i64 from = b * n + O[u];
+        for (int f = 0; f < nf; ++f) copy_row(dst[f] + u * rows[f], src[f] + from * rows[f], rows[f]);
+      }
+    });
+  }
+
+ private:
+  static constexpr i64 kAhead = 16;
+
+  // memcpy with the common row sizes known at compile time (a few moves, no call).
+  static inline void copy_row(char* d, const char* s, i64 row) {
+    switch (row) {
+      case 4: std::memcpy(d, s, 4); return;
+      case 8: std::memcpy(d, s, 8); return;
+      case 12: std::memcpy(d, s, 12); return;
+      case 16: std::memcpy(d, s, 16); return;
+      case 24: std::memcpy(d, s, 24); return;
+      default: std::memcpy(d, s, row);
     }
   }
 };
