@@ -59,7 +59,10 @@ command -v cmake >/dev/null 2>&1 || need_apt+=(cmake)
 command -v g++   >/dev/null 2>&1 || need_apt+=(g++)
 [ -f /usr/include/fftw3.h ]        || need_apt+=(libfftw3-dev)  # native FFT op; mpi4py-fft (benchmark)
 command -v shellcheck >/dev/null 2>&1 || need_apt+=(shellcheck) # tests/test_batch_scripts.py
-ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 \
+# Not `ldconfig -p | grep -q`: under pipefail, grep -q exits at the first match and
+# ldconfig's SIGPIPE (141) fails the pipeline (~1 run in 200 here): a present library
+# read as missing, an apt-get that collides with another's lock (CI of 090a9ea).
+grep -q libtcmalloc_minimal.so.4 <<<"$(ldconfig -p 2>/dev/null)" \
   || need_apt+=(libtcmalloc-minimal4)                          # default host allocator (flowpm_mtf/allocator.py)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
@@ -185,8 +188,8 @@ fi
 
 # ---------------------------------------------------------------- 6. verify
 check="$("$VENV/bin/horovodrun" --check-build)"
-echo "$check" | grep -q "\[X\] MPI"  || { log "horovod built without MPI";  echo "$check"; exit 1; }
-echo "$check" | grep -q "\[X\] Gloo" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
+grep -q "\[X\] MPI"  <<<"$check" || { log "horovod built without MPI";  echo "$check"; exit 1; }
+grep -q "\[X\] Gloo" <<<"$check" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
 # flowpm_mtf first: on TF >= 2.13 Mesh TF imports only after its shims (hvd_mesh_impl/tf_compat.py)
 "$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_bench, mpi4py"
 build_native
