@@ -44,6 +44,11 @@
 //       inside the array (margin >= 2), periodic (margin 0), or the array extended by
 //       zeros (margin -2: output [B, ax + 4, ay + 4, nz], the stencil's whole reach).
 //       The PM force VJP's divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
+//   FlowpmGradient(phi [B, ax, ay, nz], coeffs [3], margin >= 2) -> [B, ax - 2 margin,
+//       ay - 2 margin, nz, 3]: component d = coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) -
+//       phi(-2))) along axis d, z periodic, x and y read inside the array: the PM force
+//       field from the potential of a padded block (flowpm_mtf.gravity). Its gradient
+//       is FlowpmNegDivergence(dy, -coeffs, margin -2), padded by margin - 2 cells.
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -1197,8 +1202,104 @@ class NegDivergenceOp : public OpKernel {
   int margin_;
 };
 
+// ------------------------------------------------------------------ gradient
+// FlowpmGradient (see the header): one pass, parallel over (block, x) rows; per cell the
+// x, y and z components, each coeff * (8 (phi(+1) - phi(-1)) - (phi(+2) - phi(-2))),
+// written interleaved ([..., nz, 3]) as the readout reads them.
+template <typename T>
+class GradientOp : public OpKernel {
+ public:
+  explicit GradientOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+    OP_REQUIRES(ctx, margin_ >= 2,
+                InvalidArgument("FlowpmGradient: margin must be >= 2 (the stencil's reach)"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& phi = ctx->input(0);
+    const Tensor& cf = ctx->input(1);
+    OP_REQUIRES(ctx, phi.dims() == 4,
+                InvalidArgument("FlowpmGradient: phi must be [B, ax, ay, nz], got ",
+                                phi.shape().DebugString()));
+    OP_REQUIRES(ctx, cf.NumElements() == 3,
+                InvalidArgument("FlowpmGradient: coeffs must have 3 values"));
+    const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
+              nz = phi.dim_size(3);
+    const i64 m = margin_, sx = ax - 2 * m, sy = ay - 2 * m;
+    OP_REQUIRES(ctx, sx > 0 && sy > 0 && nz > 0,
+                InvalidArgument("FlowpmGradient: phi ", phi.shape().DebugString(),
+                                " is not larger than its margins ", m));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz, 3}), &out));
+    const T* P = phi.flat<T>().data();
+    T* O = out->flat<T>().data();
+    const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
+    std::vector<i64> zi(5 * nz);
+    for (i64 k = 0; k < nz; ++k)
+      for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / sx, i = r % sx;
+        auto col = [&](i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+        for (i64 j = 0; j < sy; ++j) {
+          const i64 x = i + m, y = j + m;
+          const T *cm2 = col(x - 2, y), *cm1 = col(x - 1, y), *cp1 = col(x + 1, y),
+                  *cp2 = col(x + 2, y);
+          const T *dm2 = col(x, y - 2), *dm1 = col(x, y - 1), *dp1 = col(x, y + 1),
+                  *dp2 = col(x, y + 2);
+          const T* c = col(x, y);
+          T* o = O + ((b * sx + i) * sy + j) * nz * 3;
+          auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
+            o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
+            o[3 * k + 1] = c1 * (T(8) * (dp1[k] - dm1[k]) - (dp2[k] - dm2[k]));
+            o[3 * k + 2] = c2 * (T(8) * (c[zp1] - c[zm1]) - (c[zp2] - c[zm2]));
+          };
+          if (nz < 5) {
+            for (i64 k = 0; k < nz; ++k) {
+              const i64* z = &zi[5 * k];
+              cell(k, z[0], z[1], z[3], z[4]);
+            }
+            continue;
+          }
+          for (i64 k = 0; k < 2; ++k) {
+            const i64* z = &zi[5 * k];
+            cell(k, z[0], z[1], z[3], z[4]);
+          }
+          for (i64 k = 2; k < nz - 2; ++k) cell(k, k - 2, k - 1, k + 1, k + 2);
+          for (i64 k = nz - 2; k < nz; ++k) {
+            const i64* z = &zi[5 * k];
+            cell(k, z[0], z[1], z[3], z[4]);
+          }
+        }
+      }
+    };
+    shard(ctx, nb * sx, sy * nz * 30, work);
+  }
+
+ private:
+  int margin_;
+};
+
 }  // namespace
 
+
+REGISTER_OP("FlowpmGradient")
+    .Input("phi: T")
+    .Input("coeffs: T")
+    .Output("out: T")
+    .Attr("T: {float, double}")
+    .Attr("margin: int >= 2")
+    .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      ShapeHandle phi;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
+      DimensionHandle sx, sy;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 1), 2 * m, &sx));
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 2), 2 * m, &sy));
+      c->set_output(0, c->MakeShape({c->Dim(phi, 0), sx, sy, c->Dim(phi, 3), c->MakeDim(3)}));
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("FlowpmNegDivergence")
     .Input("g: T")
@@ -1410,5 +1511,6 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleaveGrad", InterleaveGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutVjp", CicReadoutVjpOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmNegDivergence", NegDivergenceOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmGradient", GradientOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutScaledGrad", CicReadoutScaledGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaintPair", CicPaintPairOp);
