@@ -36,7 +36,7 @@ import tensorflow.compat.v1 as tf
 
 from . import complex_ops, fft, native
 from . import config as cfg
-from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field
+from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field, to_blocks
 from .layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
 from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_pair,
@@ -152,7 +152,7 @@ def _native_stencil(conf, dtype):
     """Whether :func:`_field_of_density` takes the real-space path (native ``FlowpmGradient``)."""
     if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
         return False
-    return conf.halo_size + GRADIENT_REACH <= min(conf.block_shape[:2])
+    return _one_block(conf) or conf.halo_size + GRADIENT_REACH <= min(conf.block_shape[:2])
 
 
 def force_field_of_potential(phi, conf, name="force_field"):
@@ -165,20 +165,23 @@ def force_field_of_potential(phi, conf, name="force_field"):
     transfer function is FastPM's gradient kernel :math:`i\tilde k_d`
     (:mod:`flowpm_mtf.kernels`): the same field as
     :func:`flowpm_mtf.kernels.neg_gradient_potential` of :math:`\delta_k`, to
-    rounding. The potential's halo is filled :data:`GRADIENT_REACH` cells
-    wider than ``conf.halo_size`` (one exchange of one component), then the
-    difference is taken on each padded block (native ``FlowpmGradient``, or
-    :func:`gradient_tf`), which leaves the three components with their margins
-    filled, ready for :func:`flowpm_mtf.painting.readout_padded`. Its gradient
-    is the transpose (``FlowpmNegDivergence`` with negated coefficients,
-    registered below).
+    rounding. On several blocks the potential's halo is filled
+    :data:`GRADIENT_REACH` cells wider than ``conf.halo_size`` (one exchange of
+    one component), then the difference is taken on each padded block; on one
+    block holding the whole mesh it is taken periodically and written with the
+    periodic margins directly (native ``FlowpmGradient``, or
+    :func:`gradient_tf`). Either leaves the three components with their
+    margins filled, ready for :func:`flowpm_mtf.painting.readout_padded`. Its
+    gradient is the transpose (``FlowpmNegDivergence`` with negated
+    coefficients, registered below).
 
     Parameters
     ----------
     phi : mtf.Tensor
         Real ``[x, y, z]`` potential [(Mpc/h)^2 times the density's units].
     conf : SimConfig
-        Needs ``conf.halo_size + 2`` cells or fewer than the blocks along x and y.
+        On several blocks, needs ``conf.halo_size + 2`` cells or fewer than the
+        blocks along x and y.
     name : str
 
     Returns
@@ -188,25 +191,32 @@ def force_field_of_potential(phi, conf, name="force_field"):
     """
     r = GRADIENT_REACH
     h = conf.halo_size
-    if h + r > min(conf.block_shape[:2]):
+    one_block = _one_block(conf)
+    if not one_block and h + r > min(conf.block_shape[:2]):
         raise ValueError("force_field_of_potential: halo %d + %d cells exceed the blocks %s"
                          % (h, r, tuple(conf.block_shape[:2])))
-    wide = dataclasses.replace(conf, halo_size=h + r)
     coeffs = np.array([1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
     px, py, nz = conf.padded_block_shape
     out_shape = mtf.Shape(padded_shape(conf).dims + [mtf.Dimension(cfg.XYZ, 3)])
+    # one block holding the whole mesh: the difference taken periodically and the padded
+    # field written with its periodic margins in the same pass (no padded potential)
+    margin = -h if one_block else r
+    ax, ay = (px - 2 * h, py - 2 * h) if one_block else (px + 2 * r, py + 2 * r)
 
     def fn(t):
         nbx, nby = t.shape.as_list()[:2]
         lib = _stencil_ops(t)
-        t, c = tf.reshape(t, [nbx * nby, px + 2 * r, py + 2 * r, nz]), tf.constant(coeffs)
-        out = (lib.flowpm_gradient(t, c, margin=r) if lib is not None
-               else gradient_tf(t, c, r))
+        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
+        out = (lib.flowpm_gradient(t, c, margin=margin) if lib is not None
+               else gradient_tf(t, c, margin))
         return tf.reshape(out, [nbx, nby, px, py, nz, 3])
 
-    padded = field_to_padded(phi, wide)
-    return mtf.slicewise(fn, [padded], output_shape=out_shape, output_dtype=phi.dtype,
-                         splittable_dims=padded.shape.dims[:2], name=name)
+    if one_block:
+        blocks = to_blocks(phi, conf)
+    else:
+        blocks = field_to_padded(phi, dataclasses.replace(conf, halo_size=h + r))
+    return mtf.slicewise(fn, [blocks], output_shape=out_shape, output_dtype=phi.dtype,
+                         splittable_dims=blocks.shape.dims[:2], name=name)
 
 
 def _stencil_ops(t):
@@ -217,12 +227,18 @@ def _stencil_ops(t):
 def gradient_tf(phi, coeffs, margin):
     r"""``FlowpmGradient`` as TensorFlow ops (the reference; GPU path).
 
-    ``phi`` ``[B, ax, ay, nz]``, ``coeffs`` ``[3]``, ``margin >= 2``; returns ``[B, ax
+    ``phi`` ``[B, ax, ay, nz]``, ``coeffs`` ``[3]``, ``margin`` >= 2 (x and y read
+    inside the array) or <= 0 (periodic, output margins ``-margin``); returns ``[B, ax
     - 2 m, ay - 2 m, nz, 3]``: component ``d`` is :math:`c_d\,(8 (\phi(+1) -
     \phi(-1)) - (\phi(+2) - \phi(-2)))` along axis ``d``, ``z`` periodic.
     """
     m = margin
     ax, ay = phi.shape.as_list()[1:3]
+    if m <= 0:   # periodic: the array extended periodically by 2 - m cells, then inside
+        w = GRADIENT_REACH - m
+        phi = tf.gather(tf.gather(phi, np.arange(-w, ax + w) % ax, axis=1),
+                        np.arange(-w, ay + w) % ay, axis=2)
+        return gradient_tf(phi, coeffs, GRADIENT_REACH)
 
     def at(axis, o):   # phi at the neighbour o along axis, on the inner cells
         if axis == 3:
@@ -239,13 +255,19 @@ def gradient_tf(phi, coeffs, margin):
 @tf.RegisterGradient("FlowpmGradient")
 def _gradient_grad(op, dy):
     """The transpose of ``FlowpmGradient``: ``FlowpmNegDivergence(dy, -coeffs, margin=-2)``
-    (the four-point difference is antisymmetric), padded back to the input's margins."""
+    (the four-point difference is antisymmetric), padded back to the input's margins, or
+    (periodic) its margins folded back into the cells they came from."""
     m = op.get_attr("margin")
     lib = native.load("cic_ops")
     dphi = lib.flowpm_neg_divergence(dy, -op.inputs[1], margin=-GRADIENT_REACH)
     if m > GRADIENT_REACH:
         p = m - GRADIENT_REACH
         dphi = tf.pad(dphi, [[0, 0], [p, p], [p, p], [0, 0]])
+    elif m <= 0:
+        w = GRADIENT_REACH - m
+        dphi = tf.stack([lib.flowpm_interleave_grad(t[..., None], picks=[0, 0], wrap=w,
+                                                    widths=[1], N=1)[0][..., 0]
+                         for t in tf.unstack(dphi, axis=0)], axis=0)
     return dphi, None
 
 

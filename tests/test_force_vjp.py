@@ -333,7 +333,13 @@ def test_neg_divergence_native_tf_numpy(margin, shape):
 
 
 def _gradient_numpy(phi, coeffs, m):
-    """coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) - phi(-2))) along axis d, z periodic."""
+    """coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) - phi(-2))) along axis d, z periodic;
+    x and y inside the margins (m >= 2) or periodic with output margins -m (m <= 0)."""
+    if m <= 0:
+        w = 2 - m
+        phi = np.take(np.take(phi, np.arange(-w, phi.shape[1] + w), axis=1, mode="wrap"),
+                      np.arange(-w, phi.shape[2] + w), axis=2, mode="wrap")
+        m = 2
     _, ax, ay, nz = phi.shape
     sx, sy = ax - 2 * m, ay - 2 * m
     inner = phi[:, m:m + sx, m:m + sy]
@@ -351,10 +357,14 @@ def _gradient_numpy(phi, coeffs, m):
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 @pytest.mark.parametrize("margin,shape", [(2, (2, 8, 9, 6)), (3, (1, 10, 9, 4)),
-                                          (2, (1, 5, 6, 1)), (4, (2, 9, 12, 7))])
+                                          (2, (1, 5, 6, 1)), (4, (2, 9, 12, 7)),
+                                          (0, (1, 6, 5, 7)), (-3, (1, 8, 7, 5)),
+                                          (-4, (2, 3, 2, 6))])
 def test_gradient_native_tf_numpy(margin, shape):
     """FlowpmGradient (the force field from the potential) and its TensorFlow twin
-    (gravity.gradient_tf) against numpy, z shorter than the stencil included; its
+    (gravity.gradient_tf) against numpy: inside the margins, and periodic with output
+    margins (one block; axes shorter than the stencil and the margins included), z
+    shorter than the stencil included; its
     registered gradient (FlowpmNegDivergence, margins padded back) against the twin's
     TensorFlow gradient, and by a dot-product test <G phi, y> = <phi, G^T y>."""
     lib = native.load("cic_ops")

@@ -44,11 +44,14 @@
 //       inside the array (margin >= 2), periodic (margin 0), or the array extended by
 //       zeros (margin -2: output [B, ax + 4, ay + 4, nz], the stencil's whole reach).
 //       The PM force VJP's divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
-//   FlowpmGradient(phi [B, ax, ay, nz], coeffs [3], margin >= 2) -> [B, ax - 2 margin,
+//   FlowpmGradient(phi [B, ax, ay, nz], coeffs [3], margin) -> [B, ax - 2 margin,
 //       ay - 2 margin, nz, 3]: component d = coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) -
-//       phi(-2))) along axis d, z periodic, x and y read inside the array: the PM force
-//       field from the potential of a padded block (flowpm_mtf.gravity). Its gradient
-//       is FlowpmNegDivergence(dy, -coeffs, margin -2), padded by margin - 2 cells.
+//       phi(-2))) along axis d, z periodic; x and y read inside the array (margin >= 2:
+//       the potential of a padded block) or periodic with output margins -margin (margin
+//       <= 0: one block holding the whole mesh, the padded force field written directly):
+//       the PM force field from the potential (flowpm_mtf.gravity). Its gradient is
+//       FlowpmNegDivergence(dy, -coeffs, margin -2), padded by margin - 2 cells (inside)
+//       or folded periodically (margin <= 0).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -1211,8 +1214,9 @@ class GradientOp : public OpKernel {
  public:
   explicit GradientOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
-    OP_REQUIRES(ctx, margin_ >= 2,
-                InvalidArgument("FlowpmGradient: margin must be >= 2 (the stencil's reach)"));
+    OP_REQUIRES(ctx, margin_ >= 2 || margin_ <= 0,
+                InvalidArgument("FlowpmGradient: margin must be >= 2 (inside the array) or "
+                                "<= 0 (periodic, output margins -margin)"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -1241,13 +1245,21 @@ class GradientOp : public OpKernel {
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / sx, i = r % sx;
         auto col = [&](i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+        // input index of output index i + o along an axis of n input cells (periodic: mod n)
+        auto at = [m](i64 i, i64 o, i64 n) {
+          const i64 x = i + m + o;
+          return m > 0 ? x : (x % n + n) % n;
+        };
+        i64 xs[5];
+        for (i64 o = -2; o <= 2; ++o) xs[o + 2] = at(i, o, ax);
         for (i64 j = 0; j < sy; ++j) {
-          const i64 x = i + m, y = j + m;
-          const T *cm2 = col(x - 2, y), *cm1 = col(x - 1, y), *cp1 = col(x + 1, y),
-                  *cp2 = col(x + 2, y);
-          const T *dm2 = col(x, y - 2), *dm1 = col(x, y - 1), *dp1 = col(x, y + 1),
-                  *dp2 = col(x, y + 2);
-          const T* c = col(x, y);
+          i64 ys[5];
+          for (i64 o = -2; o <= 2; ++o) ys[o + 2] = at(j, o, ay);
+          const T *cm2 = col(xs[0], ys[2]), *cm1 = col(xs[1], ys[2]), *cp1 = col(xs[3], ys[2]),
+                  *cp2 = col(xs[4], ys[2]);
+          const T *dm2 = col(xs[2], ys[0]), *dm1 = col(xs[2], ys[1]), *dp1 = col(xs[2], ys[3]),
+                  *dp2 = col(xs[2], ys[4]);
+          const T* c = col(xs[2], ys[2]);
           T* o = O + ((b * sx + i) * sy + j) * nz * 3;
           auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
             o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
@@ -1288,15 +1300,21 @@ REGISTER_OP("FlowpmGradient")
     .Input("coeffs: T")
     .Output("out: T")
     .Attr("T: {float, double}")
-    .Attr("margin: int >= 2")
+    .Attr("margin: int")
     .SetShapeFn([](InferenceContext* c) {
       int m;
       TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      if (m == 1) return ::tensorflow::errors::InvalidArgument("FlowpmGradient: margin 1");
       ShapeHandle phi;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
       DimensionHandle sx, sy;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 1), 2 * m, &sx));
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 2), 2 * m, &sy));
+      if (m >= 0) {
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 1), 2 * m, &sx));
+        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 2), 2 * m, &sy));
+      } else {
+        TF_RETURN_IF_ERROR(c->Add(c->Dim(phi, 1), -2 * m, &sx));
+        TF_RETURN_IF_ERROR(c->Add(c->Dim(phi, 2), -2 * m, &sy));
+      }
       c->set_output(0, c->MakeShape({c->Dim(phi, 0), sx, sy, c->Dim(phi, 3), c->MakeDim(3)}));
       return ::tensorflow::OkStatus();
     });
