@@ -1127,6 +1127,16 @@ class InterleaveGradOp : public OpKernel {
   int wrap_;
 };
 
+// ------------------------------------------------------------------ four-point stencils
+// The periodic z indices k + o (o = -2..2) of every k < nz, 5 per k: the z terms of
+// FlowpmNegDivergence and FlowpmGradient.
+inline std::vector<i64> z_neighbours(i64 nz) {
+  std::vector<i64> zi(5 * nz);
+  for (i64 k = 0; k < nz; ++k)
+    for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+  return zi;
+}
+
 // ------------------------------------------------------------------ divergence
 // FlowpmNegDivergence (see the header): one pass, parallel over (block, x) rows; per cell
 // the x, then y, then z terms, each (8 (g(+1) - g(-1)) - (g(+2) - g(-2))) * coeff.
@@ -1166,9 +1176,7 @@ class NegDivergenceOp : public OpKernel {
       return (x < 0 || x >= n + 2 * m) ? i64(-1) : x;
     };
     const std::vector<T> zeros(m < 0 ? 3 * nz : 0, T(0));
-    std::vector<i64> zi(5 * nz);
-    for (i64 k = 0; k < nz; ++k)
-      for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+    const std::vector<i64> zi = z_neighbours(nz);
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / sx, i = r % sx;
@@ -1238,9 +1246,7 @@ class GradientOp : public OpKernel {
     const T* P = phi.flat<T>().data();
     T* O = out->flat<T>().data();
     const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
-    std::vector<i64> zi(5 * nz);
-    for (i64 k = 0; k < nz; ++k)
-      for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+    const std::vector<i64> zi = z_neighbours(nz);
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / sx, i = r % sx;
@@ -1292,6 +1298,18 @@ class GradientOp : public OpKernel {
   int margin_;
 };
 
+// Dimensions 1 and 2 of s less margins m on either side (m < 0: more) for the shape
+// functions of FlowpmGradient and FlowpmNegDivergence.
+::tensorflow::Status without_margins(InferenceContext* c, ShapeHandle s, int m,
+                                     DimensionHandle* sx, DimensionHandle* sy) {
+  if (m >= 0) {
+    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(s, 1), 2 * m, sx));
+    return c->Subtract(c->Dim(s, 2), 2 * m, sy);
+  }
+  TF_RETURN_IF_ERROR(c->Add(c->Dim(s, 1), -2 * m, sx));
+  return c->Add(c->Dim(s, 2), -2 * m, sy);
+}
+
 }  // namespace
 
 
@@ -1308,13 +1326,7 @@ REGISTER_OP("FlowpmGradient")
       ShapeHandle phi;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
       DimensionHandle sx, sy;
-      if (m >= 0) {
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 1), 2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 2), 2 * m, &sy));
-      } else {
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(phi, 1), -2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(phi, 2), -2 * m, &sy));
-      }
+      TF_RETURN_IF_ERROR(without_margins(c, phi, m, &sx, &sy));
       c->set_output(0, c->MakeShape({c->Dim(phi, 0), sx, sy, c->Dim(phi, 3), c->MakeDim(3)}));
       return ::tensorflow::OkStatus();
     });
@@ -1331,13 +1343,7 @@ REGISTER_OP("FlowpmNegDivergence")
       ShapeHandle g;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &g));
       DimensionHandle sx, sy;
-      if (m >= 0) {
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 1), 2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 2), 2 * m, &sy));
-      } else {
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 1), -2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 2), -2 * m, &sy));
-      }
+      TF_RETURN_IF_ERROR(without_margins(c, g, m, &sx, &sy));
       c->set_output(0, c->MakeShape({c->Dim(g, 0), sx, sy, c->Dim(g, 3)}));
       return ::tensorflow::OkStatus();
     });
