@@ -6,13 +6,22 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
    halos into the neighbours (:func:`flowpm_mtf.painting.cic_paint`): the
    density :math:`1 + \delta` (one particle per cell on average);
 2. forward FFT (:func:`flowpm_mtf.fft.r2c`);
-3. for each axis, multiply by :math:`i\tilde k_d / |k|^2`; one batched inverse FFT
-   (:func:`flowpm_mtf.kernels.neg_gradient_potential`; the :math:`k = 0` mode
-   is dropped, so the mean density does not matter);
-4. fill the halos and read the three components out at the particles
-   (:func:`flowpm_mtf.painting.readout_field`; on one block the three
-   components are written with their periodic margins as they are
-   assembled, :func:`flowpm_mtf.painting.readout_padded`);
+3. the potential :math:`\mathcal{F}^{-1}[\delta_k / |k|^2]` (one inverse FFT;
+   the :math:`k = 0` mode is dropped, so the mean density does not matter),
+   its halos filled two cells wider than the readout's, and the three
+   components of the force field from it in real space by the four-point
+   difference whose transfer function is FastPM's gradient kernel
+   :math:`i\tilde k_d` (native ``FlowpmGradient``, :func:`force_field_of_potential`:
+   the same field as multiplying by :math:`i\tilde k_d / |k|^2` in k-space,
+   to rounding, for one real-output transform instead of two complex ones and
+   one halo exchange of one component instead of three). Without the native
+   op, or with blocks narrower than the halo plus two cells, the k-space
+   products and their packed inverse FFTs
+   (:func:`flowpm_mtf.kernels.neg_gradient_potential`);
+4. read the three components out at the particles from the padded blocks
+   (:func:`flowpm_mtf.painting.readout_padded`, or
+   :func:`flowpm_mtf.painting.readout_field` after the k-space path on
+   several blocks);
 5. multiply by :math:`\tfrac32 \Omega_m`.
 
 Particles that escaped their block's halo make the painting (and readout)
@@ -26,13 +35,15 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import complex_ops, fft, native
-from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field
+from . import config as cfg
+from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field, to_blocks
 from .layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
 from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_pair,
                        readout_field, readout_padded, readout_scaled_grad, readout_vjp)
 
-__all__ = ["density", "density_cotangent", "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
+__all__ = ["density", "density_cotangent", "force_field_of_potential", "gradient_tf",
+           "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +101,9 @@ def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
     """
     if kernels is None:
         kernels = make_kernels(conf, positions.mesh)
-    grad, one_block = _force_field(positions, conf, kernels, weight, escape_checked)
+    grad, padded = _force_field(positions, conf, kernels, weight, escape_checked)
     # The three components in one readout: one stencil, one halo fill.
-    if one_block:
+    if padded:
         force = readout_padded(grad, positions, conf, name="force_readout",
                                escape_checked=escape_checked)
     else:
@@ -103,25 +114,161 @@ def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
 
 
 def _force_field(positions, conf, kernels, weight, escape_checked):
-    r"""The paint, the forward FFT and the packed inverse FFTs of :func:`pm_forces`.
+    r"""The paint, the forward FFT and the force field of :func:`pm_forces`.
 
-    Returns ``(grad, one_block)``: :math:`-\nabla\phi` ``[x, y, z, xyz]``, or on
-    one block (one rank) the padded block with its periodic margins (written
-    as the components are assembled), and which of the two it is.
+    Returns ``(grad, padded)``: :math:`-\nabla\phi` on the padded blocks with
+    their margins filled, ``[bx, by, px, py, z, xyz]``, or (k-space path on
+    several blocks) the field ``[x, y, z, xyz]``, and which of the two it is.
     """
     rho = density(positions, conf, weight, escape_checked=escape_checked)
     return _field_of_density(rho, conf, kernels)
 
 
-def _field_of_density(rho, conf, kernels):
-    """:func:`_force_field` from the painted density ``rho`` ``[x, y, z]``."""
+def _field_of_density(rho, conf, kernels, stencil=None):
+    """:func:`_force_field` from the painted density ``rho`` ``[x, y, z]``.
+
+    ``stencil``: the real-space path (:func:`force_field_of_potential`), the
+    k-space one (False), or the real-space one where it serves (None).
+    """
     delta_k = fft.r2c(rho, conf, name="force_r2c")
+    if stencil is None:
+        stencil = _native_stencil(conf, rho.dtype)
+    if stencil:
+        pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="force_inv_laplace")
+        return force_field_of_potential(fft.c2r(pot, conf, name="force_c2r"), conf), True
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
     # rank): written directly as the padded block with its periodic margins.
     one_block = _one_block(conf)
     return neg_gradient_potential(delta_k, conf, kernels, sequential=True,
                                   padded=one_block), one_block
+
+
+GRADIENT_REACH = 2
+"""Cells the four-point difference reads on either side (:func:`force_field_of_potential`)."""
+
+
+def _native_stencil(conf, dtype):
+    """Whether :func:`_field_of_density` takes the real-space path (native ``FlowpmGradient``)."""
+    if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
+        return False
+    return _one_block(conf) or conf.halo_size + GRADIENT_REACH <= min(conf.block_shape[:2])
+
+
+def force_field_of_potential(phi, conf, name="force_field"):
+    r"""The force field :math:`-\nabla\phi` [cells] on the padded blocks, from the potential.
+
+    With :math:`\phi = \mathcal{F}^{-1}[\delta_k / |k|^2]` (note the sign: the
+    solution of :math:`\nabla^2\phi = -\delta`), component :math:`d` is
+    :math:`D_d\phi / c_d` with the four-point difference
+    :math:`D_d f = [8 (f_{+1} - f_{-1}) - (f_{+2} - f_{-2})] / (12 c_d)`, whose
+    transfer function is FastPM's gradient kernel :math:`i\tilde k_d`
+    (:mod:`flowpm_mtf.kernels`): the same field as
+    :func:`flowpm_mtf.kernels.neg_gradient_potential` of :math:`\delta_k`, to
+    rounding. On several blocks the potential's halo is filled
+    :data:`GRADIENT_REACH` cells wider than ``conf.halo_size`` (one exchange of
+    one component), then the difference is taken on each padded block; on one
+    block holding the whole mesh it is taken periodically and written with the
+    periodic margins directly (native ``FlowpmGradient``, or
+    :func:`gradient_tf`). Either leaves the three components with their
+    margins filled, ready for :func:`flowpm_mtf.painting.readout_padded`. Its
+    gradient is the transpose (``FlowpmNegDivergence`` with negated
+    coefficients, registered below).
+
+    Parameters
+    ----------
+    phi : mtf.Tensor
+        Real ``[x, y, z]`` potential [(Mpc/h)^2 times the density's units].
+    conf : SimConfig
+        On several blocks, needs ``conf.halo_size + 2`` cells or fewer than the
+        blocks along x and y.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, px, py, z, xyz]`` [cells times the density's units], margins filled.
+    """
+    r = GRADIENT_REACH
+    h = conf.halo_size
+    one_block = _one_block(conf)
+    if not one_block and h + r > min(conf.block_shape[:2]):
+        raise ValueError("force_field_of_potential: halo %d + %d cells exceed the blocks %s"
+                         % (h, r, tuple(conf.block_shape[:2])))
+    coeffs = np.array([1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
+    px, py, nz = conf.padded_block_shape
+    out_shape = mtf.Shape(padded_shape(conf).dims + [mtf.Dimension(cfg.XYZ, 3)])
+    # one block holding the whole mesh: the difference taken periodically and the padded
+    # field written with its periodic margins in the same pass (no padded potential)
+    margin = -h if one_block else r
+    ax, ay = (px - 2 * h, py - 2 * h) if one_block else (px + 2 * r, py + 2 * r)
+
+    def fn(t):
+        nbx, nby = t.shape.as_list()[:2]
+        lib = _stencil_ops(t)
+        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
+        out = (lib.flowpm_gradient(t, c, margin=margin) if lib is not None
+               else gradient_tf(t, c, margin))
+        return tf.reshape(out, [nbx, nby, px, py, nz, 3])
+
+    if one_block:
+        blocks = to_blocks(phi, conf)
+    else:
+        blocks = field_to_padded(phi, dataclasses.replace(conf, halo_size=h + r))
+    return mtf.slicewise(fn, [blocks], output_shape=out_shape, output_dtype=phi.dtype,
+                         splittable_dims=blocks.shape.dims[:2], name=name)
+
+
+def _stencil_ops(t):
+    """The native library for ``FlowpmGradient`` on ``t``'s device, or None (TensorFlow ops)."""
+    return native.ops_for("cic_ops", t)
+
+
+def gradient_tf(phi, coeffs, margin):
+    r"""``FlowpmGradient`` as TensorFlow ops (the reference; GPU path).
+
+    ``phi`` ``[B, ax, ay, nz]``, ``coeffs`` ``[3]``, ``margin`` >= 2 (x and y read
+    inside the array) or <= 0 (periodic, output margins ``-margin``); returns ``[B, ax
+    - 2 m, ay - 2 m, nz, 3]``: component ``d`` is :math:`c_d\,(8 (\phi(+1) -
+    \phi(-1)) - (\phi(+2) - \phi(-2)))` along axis ``d``, ``z`` periodic.
+    """
+    m = margin
+    ax, ay = phi.shape.as_list()[1:3]
+    if m <= 0:   # periodic: the array extended periodically by 2 - m cells, then inside
+        w = GRADIENT_REACH - m
+        phi = tf.gather(tf.gather(phi, np.arange(-w, ax + w) % ax, axis=1),
+                        np.arange(-w, ay + w) % ay, axis=2)
+        return gradient_tf(phi, coeffs, GRADIENT_REACH)
+
+    def at(axis, o):   # phi at the neighbour o along axis, on the inner cells
+        if axis == 3:
+            return tf.roll(phi, -o, 3)[:, m:ax - m, m:ay - m]
+        if axis == 1:
+            return phi[:, m + o:ax - m + o, m:ay - m]
+        return phi[:, m:ax - m, m + o:ay - m + o]
+
+    comps = [coeffs[d] * (8 * (at(d + 1, 1) - at(d + 1, -1)) - (at(d + 1, 2) - at(d + 1, -2)))
+             for d in range(3)]
+    return tf.stack(comps, axis=-1)
+
+
+@tf.RegisterGradient("FlowpmGradient")
+def _gradient_grad(op, dy):
+    """The transpose of ``FlowpmGradient``: ``FlowpmNegDivergence(dy, -coeffs, margin=-2)``
+    (the four-point difference is antisymmetric), padded back to the input's margins, or
+    (periodic) its margins folded back into the cells they came from."""
+    m = op.get_attr("margin")
+    lib = native.load("cic_ops")
+    dphi = lib.flowpm_neg_divergence(dy, -op.inputs[1], margin=-GRADIENT_REACH)
+    if m > GRADIENT_REACH:
+        p = m - GRADIENT_REACH
+        dphi = tf.pad(dphi, [[0, 0], [p, p], [p, p], [0, 0]])
+    elif m <= 0:
+        w = GRADIENT_REACH - m
+        dphi = tf.stack([lib.flowpm_interleave_grad(t[..., None], picks=[0, 0], wrap=w,
+                                                    widths=[1], N=1)[0][..., 0]
+                         for t in tf.unstack(dphi, axis=0)], axis=0)
+    return dphi, None
 
 
 def _one_block(conf):
@@ -177,19 +324,20 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
         # the paint's
         painted, dmesh = paint_pair(positions, cotangents, conf, scale, weight,
                                     name=name + "_paint", escape_checked=escape_checked)
-        grad, one_block = _field_of_density(reduced_to_field(painted, conf), conf, kernels)
-        padded = grad if one_block else field_to_padded(grad, conf)
-        rho_bar = density_cotangent(dmesh, conf, kernels, one_block, name=name + "_density")
+        grad, is_padded = _field_of_density(reduced_to_field(painted, conf), conf, kernels)
+        padded = grad if is_padded else field_to_padded(grad, conf)
+        rho_bar = density_cotangent(dmesh, conf, kernels, _one_block(conf),
+                                    name=name + "_density")
         return readout_scaled_grad(padded, positions, cotangents, conf, scale, weight,
                                    density_bar=field_to_padded(rho_bar, conf), name=name)
     # no native divergence: the readout's VJP in one pass, mtf.gradients for the rest
     graph = positions.graph
     start = len(graph.operations)
     rho = density(positions, conf, weight, escape_checked=escape_checked)
-    grad, one_block = _field_of_density(rho, conf, kernels)
+    grad, is_padded = _field_of_density(rho, conf, kernels)
     if not escape_checked:  # as the readout's own check, before the halo exchange
         grad = _assert_none_escaped(grad, escaped_count(positions, conf), name)
-    padded = grad if one_block else field_to_padded(grad, conf)
+    padded = grad if is_padded else field_to_padded(grad, conf)
     field_ops = graph.operations[start:]
     force, dmesh, dpos = readout_vjp(padded, positions, cotangents, conf, scale, weight,
                                      name=name)

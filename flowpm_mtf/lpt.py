@@ -48,7 +48,7 @@ from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import complex_ops, fft, ics
+from . import complex_ops, fft, ics, lpt_source
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       interleave_xyz, make_kernels, neg_gradient_potential)
@@ -172,7 +172,7 @@ def _check_linear(linear, conf):
     return linear
 
 
-def lpt_displacements(linear, conf, order=None, kernels=None):
+def lpt_displacements(linear, conf, order=None, kernels=None, real_space=None):
     r"""Unit-growth LPT displacement fields at the lattice particles.
 
     Parameters
@@ -185,6 +185,11 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
         Default ``conf.lpt_order``.
     kernels : flowpm_mtf.kernels.Kernels, optional
         Built with :func:`flowpm_mtf.kernels.make_kernels` if None.
+    real_space : bool, optional
+        The fields as differences of the potential in real space
+        (:mod:`flowpm_mtf.lpt_source`: one real inverse FFT per potential) or in
+        k-space (packed complex inverse FFTs); the same values to rounding. Default:
+        real space where it serves (:func:`flowpm_mtf.lpt_source.available`).
 
     Returns
     -------
@@ -201,6 +206,11 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
         kernels = make_kernels(conf, linear.mesh)
     # The modes of ics.linear_field, when it made the field: no FFT round trip.
     delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
+    if real_space is None:
+        reach = lpt_source.SOURCE_REACH if order == 2 else lpt_source.GRADIENT_REACH
+        real_space = lpt_source.available(conf, linear.dtype, reach)
+    if real_space:
+        return _displacements_real_space(delta_k, conf, order, kernels)
 
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels, sequential=True),
@@ -229,6 +239,22 @@ def lpt_displacements(linear, conf, order=None, kernels=None):
     psi1 = field_to_particles(interleave_xyz([gx, gy, gz], "lpt_psi1"), conf)
     source = after(source, [gx, gy], name="lpt2_source_after")    # pot is free by then
     return [psi1, displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
+
+
+def _displacements_real_space(delta_k, conf, order, kernels):
+    """:func:`lpt_displacements` in real space: each potential by one real inverse FFT,
+    the fields by differences of it (:mod:`flowpm_mtf.lpt_source`)."""
+    def potential(dk, name):
+        pot = complex_ops.apply_kernel(dk, kernels.inv_laplace, name=name + "_inv_laplace")
+        return fft.c2r(pot, conf, name=name + "_c2r")
+
+    phi1 = potential(delta_k, "lpt_phi1")
+    if order == 1:
+        return [lpt_source.displacement_of_potential(phi1, conf, name="lpt_psi1")]
+    psi1, source = lpt_source.psi1_and_source(phi1, conf, name="lpt1")
+    source = after(source, [psi1], name="lpt2_source_after")
+    phi2 = potential(fft.r2c(source, conf, name="lpt2_source_r2c"), "lpt_phi2")
+    return [psi1, lpt_source.displacement_of_potential(phi2, conf, name="lpt_psi2")]
 
 
 def lpt_coefficients(conf, a, order=None):

@@ -5,8 +5,11 @@ and native ``FlowpmCicReadoutVjp``) and the native gradient of
 bit, the VJP to rounding) on every grid of the world size, both decompositions, float32
 and float64; the VJP by a dot-product test against central differences of the force; the
 interleave gradient against numpy and by a dot-product test; the real-space divergence of the
-density's cotangent (native ``FlowpmNegDivergence`` and its TensorFlow twin) against numpy,
-and the TensorFlow fold of one block's margins against the native one."""
+density's cotangent (native ``FlowpmNegDivergence`` and its TensorFlow twin) against numpy;
+the force field from the potential in real space (native ``FlowpmGradient``, its TensorFlow
+twin and its registered gradient) against numpy, by a dot-product test, and against the
+k-space gradient kernel on every grid; and the TensorFlow fold of one block's margins
+against the native one."""
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -83,18 +86,23 @@ def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == "hvd"][:1], ids=H.case_id)
-@pytest.mark.parametrize("path", ["readout_vjp", "tf_local"])
+@pytest.mark.parametrize("path", ["readout_vjp", "tf_local", "kspace"])
 def test_force_vjp_other_paths(case, path, linear, monkeypatch):
-    """pm_forces_vjp's other two paths against pm_forces and mtf.gradients: without the
-    native divergence (readout_vjp and mtf.gradients through the field), and with the
-    paint pair and the scaled readout gradient as TensorFlow ops in their slices (as
-    on a GPU; the reference then on TensorFlow ops too)."""
+    """pm_forces_vjp's other paths against pm_forces and mtf.gradients: without the
+    native divergence (readout_vjp and mtf.gradients through the field); with the
+    paint pair, the scaled readout gradient and the force field's four-point difference
+    as TensorFlow ops in their slices (as on a GPU; the reference then on TensorFlow
+    ops too); and with the force field from the k-space gradient kernel (blocks
+    narrower than the halo plus two cells)."""
     kind, grid = case
     conf = conf_for(grid, "eulerian")
     if path == "readout_vjp":
         monkeypatch.setattr(gravity, "_native_cotangent", lambda *a: False)
+    elif path == "kspace":
+        monkeypatch.setattr(gravity, "_native_stencil", lambda *a: False)
     else:
         monkeypatch.setattr(painting, "_native_ops", lambda *t: None)
+        monkeypatch.setattr(gravity, "_stencil_ops", lambda t: None)
 
     out = _vjp_and_reference(kind, conf, linear)
     np.testing.assert_array_equal(out["f1"], out["f0"])
@@ -322,6 +330,98 @@ def test_neg_divergence_native_tf_numpy(margin, shape):
     np.testing.assert_allclose(got_native, want, rtol=1e-13, atol=1e-13)
     np.testing.assert_allclose(got_tf, want, rtol=1e-13, atol=1e-13)
     assert np.max(np.abs(want)) > 1.0
+
+
+def _gradient_numpy(phi, coeffs, m):
+    """coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) - phi(-2))) along axis d, z periodic;
+    x and y inside the margins (m >= 2) or periodic with output margins -m (m <= 0)."""
+    if m <= 0:
+        w = 2 - m
+        phi = np.take(np.take(phi, np.arange(-w, phi.shape[1] + w), axis=1, mode="wrap"),
+                      np.arange(-w, phi.shape[2] + w), axis=2, mode="wrap")
+        m = 2
+    _, ax, ay, nz = phi.shape
+    sx, sy = ax - 2 * m, ay - 2 * m
+    inner = phi[:, m:m + sx, m:m + sy]
+    out = np.zeros(phi.shape[:1] + (sx, sy, nz, 3))
+    for d in range(3):
+        def at(o):
+            if d == 0:
+                return phi[:, m + o:m + o + sx, m:m + sy]
+            if d == 1:
+                return phi[:, m:m + sx, m + o:m + o + sy]
+            return np.roll(inner, -o, axis=3)
+        out[..., d] = coeffs[d] * (8 * (at(1) - at(-1)) - (at(2) - at(-2)))
+    return out
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("margin,shape", [(2, (2, 8, 9, 6)), (3, (1, 10, 9, 4)),
+                                          (2, (1, 5, 6, 1)), (4, (2, 9, 12, 7)),
+                                          (0, (1, 6, 5, 7)), (-3, (1, 8, 7, 5)),
+                                          (-4, (2, 3, 2, 6))])
+def test_gradient_native_tf_numpy(margin, shape):
+    """FlowpmGradient (the force field from the potential) and its TensorFlow twin
+    (gravity.gradient_tf) against numpy: inside the margins, and periodic with output
+    margins (one block; axes shorter than the stencil and the margins included), z
+    shorter than the stencil included; its
+    registered gradient (FlowpmNegDivergence, margins padded back) against the twin's
+    TensorFlow gradient, and by a dot-product test <G phi, y> = <phi, G^T y>."""
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(margin + shape[1] + shape[3])
+    phi = rng.randn(*shape)
+    coeffs = np.array([-0.3, 1.7, 0.05])
+    want = _gradient_numpy(phi, coeffs, margin)
+    dy = rng.randn(*want.shape)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        p, c, y = tf.constant(phi), tf.constant(coeffs), tf.constant(dy)
+        g_native = lib.flowpm_gradient(p, c, margin=margin)
+        g_tf = gravity.gradient_tf(p, c, margin)
+        t_native, = tf.gradients(g_native, [p], grad_ys=[y])
+        t_tf, = tf.gradients(g_tf, [p], grad_ys=[y])
+        got_native, got_tf, tn, tt = sess.run([g_native, g_tf, t_native, t_tf])
+    np.testing.assert_allclose(got_native, want, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(got_tf, want, rtol=1e-13, atol=1e-13)
+    assert np.max(np.abs(want)) > 1.0
+    assert tn.shape == phi.shape
+    np.testing.assert_allclose(tn, tt, rtol=1e-13, atol=1e-13)
+    lhs, rhs = np.sum(want * dy), np.sum(phi * tn)
+    assert abs(lhs - rhs) <= 1e-12 * np.sum(np.abs(want * dy)), (lhs, rhs)
+
+
+# The force field from the potential in real space against the k-space products: the
+# same linear map, rounded differently (measured at 16^3 in 64 Mpc/h: float64 <= 8.7e-16,
+# float32 <= 3.9e-7 relative to the largest component; the difference of the potential
+# grows with its range over the force's, i.e. with the box in cells). A wrong coefficient
+# or axis is O(1).
+FIELD_RTOL = {"float64": 1e-12, "float32": 4e-6}
+
+
+@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_force_field_real_space_equals_kspace(case, dtype, linear):
+    """The force field of the 2LPT state's density through the potential and the native
+    four-point difference (gravity.force_field_of_potential) against the k-space gradient
+    kernel's packed inverse FFTs, on the padded blocks with their margins, every grid."""
+    kind, grid = case
+    conf = conf_for(grid, "eulerian", dtype)
+
+    def build(mesh):
+        s0, w = state(mesh, conf, linear)
+        rho = gravity.density(s0.positions, conf, w)
+        kern = gravity.make_kernels(conf, mesh)
+        real, padded = gravity._field_of_density(rho, conf, kern, stencil=True)
+        kspace, kpadded = gravity._field_of_density(rho, conf, kern, stencil=False)
+        assert padded
+        if not kpadded:
+            kspace = gravity.field_to_padded(kspace, conf)
+        return {"real": real, "kspace": kspace}
+
+    out = H.run(kind, conf, build)
+    err = H.rel_err(out["real"], out["kspace"])
+    print("force field real space vs k-space %s %s: %.3g" % (H.case_id(case), dtype, err))
+    assert err <= FIELD_RTOL[dtype], err
+    assert np.max(np.abs(out["kspace"])) > 0.1
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")

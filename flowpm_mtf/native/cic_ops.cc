@@ -44,6 +44,14 @@
 //       inside the array (margin >= 2), periodic (margin 0), or the array extended by
 //       zeros (margin -2: output [B, ax + 4, ay + 4, nz], the stencil's whole reach).
 //       The PM force VJP's divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
+//   FlowpmGradient(phi [B, ax, ay, nz], coeffs [3], margin) -> [B, ax - 2 margin,
+//       ay - 2 margin, nz, 3]: component d = coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) -
+//       phi(-2))) along axis d, z periodic; x and y read inside the array (margin >= 2:
+//       the potential of a padded block) or periodic with output margins -margin (margin
+//       <= 0: one block holding the whole mesh, the padded force field written directly):
+//       the PM force field from the potential (flowpm_mtf.gravity). Its gradient is
+//       FlowpmNegDivergence(dy, -coeffs, margin -2), padded by margin - 2 cells (inside)
+//       or folded periodically (margin <= 0).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
 //       particles per block whose stencil leaves the padded block (or non-finite).
 //   FlowpmInterleave(inputs N x [a, b, ..., w_i], picks, wrap) -> [a + 2 wrap,
@@ -1119,6 +1127,16 @@ class InterleaveGradOp : public OpKernel {
   int wrap_;
 };
 
+// ------------------------------------------------------------------ four-point stencils
+// The periodic z indices k + o (o = -2..2) of every k < nz, 5 per k: the z terms of
+// FlowpmNegDivergence and FlowpmGradient.
+inline std::vector<i64> z_neighbours(i64 nz) {
+  std::vector<i64> zi(5 * nz);
+  for (i64 k = 0; k < nz; ++k)
+    for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+  return zi;
+}
+
 // ------------------------------------------------------------------ divergence
 // FlowpmNegDivergence (see the header): one pass, parallel over (block, x) rows; per cell
 // the x, then y, then z terms, each (8 (g(+1) - g(-1)) - (g(+2) - g(-2))) * coeff.
@@ -1158,9 +1176,7 @@ class NegDivergenceOp : public OpKernel {
       return (x < 0 || x >= n + 2 * m) ? i64(-1) : x;
     };
     const std::vector<T> zeros(m < 0 ? 3 * nz : 0, T(0));
-    std::vector<i64> zi(5 * nz);
-    for (i64 k = 0; k < nz; ++k)
-      for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+    const std::vector<i64> zi = z_neighbours(nz);
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / sx, i = r % sx;
@@ -1197,8 +1213,123 @@ class NegDivergenceOp : public OpKernel {
   int margin_;
 };
 
+// ------------------------------------------------------------------ gradient
+// FlowpmGradient (see the header): one pass, parallel over (block, x) rows; per cell the
+// x, y and z components, each coeff * (8 (phi(+1) - phi(-1)) - (phi(+2) - phi(-2))),
+// written interleaved ([..., nz, 3]) as the readout reads them.
+template <typename T>
+class GradientOp : public OpKernel {
+ public:
+  explicit GradientOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+    OP_REQUIRES(ctx, margin_ >= 2 || margin_ <= 0,
+                InvalidArgument("FlowpmGradient: margin must be >= 2 (inside the array) or "
+                                "<= 0 (periodic, output margins -margin)"));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& phi = ctx->input(0);
+    const Tensor& cf = ctx->input(1);
+    OP_REQUIRES(ctx, phi.dims() == 4,
+                InvalidArgument("FlowpmGradient: phi must be [B, ax, ay, nz], got ",
+                                phi.shape().DebugString()));
+    OP_REQUIRES(ctx, cf.NumElements() == 3,
+                InvalidArgument("FlowpmGradient: coeffs must have 3 values"));
+    const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
+              nz = phi.dim_size(3);
+    const i64 m = margin_, sx = ax - 2 * m, sy = ay - 2 * m;
+    OP_REQUIRES(ctx, sx > 0 && sy > 0 && nz > 0,
+                InvalidArgument("FlowpmGradient: phi ", phi.shape().DebugString(),
+                                " is not larger than its margins ", m));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz, 3}), &out));
+    const T* P = phi.flat<T>().data();
+    T* O = out->flat<T>().data();
+    const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
+    const std::vector<i64> zi = z_neighbours(nz);
+    auto work = [&](int64_t begin, int64_t end) {
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / sx, i = r % sx;
+        auto col = [&](i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+        // input index of output index i + o along an axis of n input cells (periodic: mod n)
+        auto at = [m](i64 i, i64 o, i64 n) {
+          const i64 x = i + m + o;
+          return m > 0 ? x : (x % n + n) % n;
+        };
+        i64 xs[5];
+        for (i64 o = -2; o <= 2; ++o) xs[o + 2] = at(i, o, ax);
+        for (i64 j = 0; j < sy; ++j) {
+          i64 ys[5];
+          for (i64 o = -2; o <= 2; ++o) ys[o + 2] = at(j, o, ay);
+          const T *cm2 = col(xs[0], ys[2]), *cm1 = col(xs[1], ys[2]), *cp1 = col(xs[3], ys[2]),
+                  *cp2 = col(xs[4], ys[2]);
+          const T *dm2 = col(xs[2], ys[0]), *dm1 = col(xs[2], ys[1]), *dp1 = col(xs[2], ys[3]),
+                  *dp2 = col(xs[2], ys[4]);
+          const T* c = col(xs[2], ys[2]);
+          T* o = O + ((b * sx + i) * sy + j) * nz * 3;
+          auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
+            o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
+            o[3 * k + 1] = c1 * (T(8) * (dp1[k] - dm1[k]) - (dp2[k] - dm2[k]));
+            o[3 * k + 2] = c2 * (T(8) * (c[zp1] - c[zm1]) - (c[zp2] - c[zm2]));
+          };
+          if (nz < 5) {
+            for (i64 k = 0; k < nz; ++k) {
+              const i64* z = &zi[5 * k];
+              cell(k, z[0], z[1], z[3], z[4]);
+            }
+            continue;
+          }
+          for (i64 k = 0; k < 2; ++k) {
+            const i64* z = &zi[5 * k];
+            cell(k, z[0], z[1], z[3], z[4]);
+          }
+          for (i64 k = 2; k < nz - 2; ++k) cell(k, k - 2, k - 1, k + 1, k + 2);
+          for (i64 k = nz - 2; k < nz; ++k) {
+            const i64* z = &zi[5 * k];
+            cell(k, z[0], z[1], z[3], z[4]);
+          }
+        }
+      }
+    };
+    shard(ctx, nb * sx, sy * nz * 30, work);
+  }
+
+ private:
+  int margin_;
+};
+
+// Dimensions 1 and 2 of s less margins m on either side (m < 0: more) for the shape
+// functions of FlowpmGradient and FlowpmNegDivergence.
+::tensorflow::Status without_margins(InferenceContext* c, ShapeHandle s, int m,
+                                     DimensionHandle* sx, DimensionHandle* sy) {
+  if (m >= 0) {
+    TF_RETURN_IF_ERROR(c->Subtract(c->Dim(s, 1), 2 * m, sx));
+    return c->Subtract(c->Dim(s, 2), 2 * m, sy);
+  }
+  TF_RETURN_IF_ERROR(c->Add(c->Dim(s, 1), -2 * m, sx));
+  return c->Add(c->Dim(s, 2), -2 * m, sy);
+}
+
 }  // namespace
 
+
+REGISTER_OP("FlowpmGradient")
+    .Input("phi: T")
+    .Input("coeffs: T")
+    .Output("out: T")
+    .Attr("T: {float, double}")
+    .Attr("margin: int")
+    .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      if (m == 1) return ::tensorflow::errors::InvalidArgument("FlowpmGradient: margin 1");
+      ShapeHandle phi;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
+      DimensionHandle sx, sy;
+      TF_RETURN_IF_ERROR(without_margins(c, phi, m, &sx, &sy));
+      c->set_output(0, c->MakeShape({c->Dim(phi, 0), sx, sy, c->Dim(phi, 3), c->MakeDim(3)}));
+      return ::tensorflow::OkStatus();
+    });
 
 REGISTER_OP("FlowpmNegDivergence")
     .Input("g: T")
@@ -1212,13 +1343,7 @@ REGISTER_OP("FlowpmNegDivergence")
       ShapeHandle g;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &g));
       DimensionHandle sx, sy;
-      if (m >= 0) {
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 1), 2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Subtract(c->Dim(g, 2), 2 * m, &sy));
-      } else {
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 1), -2 * m, &sx));
-        TF_RETURN_IF_ERROR(c->Add(c->Dim(g, 2), -2 * m, &sy));
-      }
+      TF_RETURN_IF_ERROR(without_margins(c, g, m, &sx, &sy));
       c->set_output(0, c->MakeShape({c->Dim(g, 0), sx, sy, c->Dim(g, 3)}));
       return ::tensorflow::OkStatus();
     });
@@ -1410,5 +1535,6 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleave", InterleaveOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmInterleaveGrad", InterleaveGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutVjp", CicReadoutVjpOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmNegDivergence", NegDivergenceOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmGradient", GradientOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutScaledGrad", CicReadoutScaledGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaintPair", CicPaintPairOp);

@@ -1,0 +1,170 @@
+r"""LPT displacements and the second-order source in real space, from the potential.
+
+The k-space path of :func:`flowpm_mtf.lpt.lpt_displacements` computes the nine real
+fields of the 2LPT (three components of :math:`\Psi^{(1)}`, six second derivatives of
+the potential) with five packed complex inverse FFTs, and :math:`\Psi^{(2)}` with two
+more. Its kernels are products of FastPM's gradient kernel :math:`i\tilde k_d`, the
+transfer function of the four-point difference
+:math:`D_d f = [8 (f_{+1} - f_{-1}) - (f_{+2} - f_{-2})] / (12 c_d)`
+(:mod:`flowpm_mtf.kernels`), so the same fields are, to rounding, differences of the
+potential :math:`\phi = \mathcal{F}^{-1}[\delta_k / |k|^2]` in real space:
+
+* :math:`\Psi_d = D_d\phi / c_d` [cells] (native ``FlowpmGradient``, as the PM force
+  field of :func:`flowpm_mtf.gravity.force_field_of_potential`);
+* the source :math:`S = \sum_{i<j} h_{ii} h_{jj} - h_{ij}^2` with
+  :math:`h_{ij} = D_i D_j \phi` (native ``FlowpmLpt2Source``, one pass over the
+  potential's padded blocks; its gradient ``FlowpmLpt2SourceGrad``, registered below).
+
+One real-output inverse FFT per potential instead of the packed complex ones, and one
+halo exchange of one field (:data:`SOURCE_REACH` cells; :data:`GRADIENT_REACH` for a
+displacement alone). The TensorFlow twin :func:`source_tf` is the reference of the tests
+and the path of a device without the native op.
+"""
+import dataclasses
+
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from . import config as cfg
+from . import layout, native
+from .gravity import GRADIENT_REACH, gradient_tf
+from .halo import field_to_padded, from_blocks
+
+__all__ = ["SOURCE_REACH", "available", "displacement_of_potential", "psi1_and_source",
+           "source_tf"]
+
+SOURCE_REACH = 4
+"""Cells :math:`D_i D_i` reads on either side (the halo of the potential for the source)."""
+
+
+def available(conf, dtype, reach=SOURCE_REACH):
+    """Whether the real-space path serves: the native ops are built, ``dtype`` is float32
+    or float64 and the blocks hold at least ``reach`` cells along x and y (the halo of
+    the potential is filled from the direct neighbours)."""
+    if dtype not in (tf.float32, tf.float64):
+        return False
+    if native.load("lpt_ops") is None or native.load("cic_ops") is None:
+        return False
+    return reach <= min(conf.block_shape[:2])
+
+
+def _coeffs(conf, cells):
+    """Coefficients of ``D_d`` [1/(Mpc/h)], over ``c_d`` once more with ``cells``."""
+    return np.array([1.0 / (12.0 * c * (c if cells else 1.0)) for c in conf.cell_size],
+                    conf.np_dtype)
+
+
+def _padded_potential(phi, conf, reach):
+    """``[bx, by, sx + 2 reach, sy + 2 reach, z]``: the potential's blocks with their
+    neighbours' cells (one halo exchange of one field)."""
+    return field_to_padded(phi, dataclasses.replace(conf, halo_size=reach))
+
+
+def _particle_shape(conf, rest=()):
+    return mtf.Shape(layout.particle_dims(conf) + list(rest))
+
+
+def _displacement(blocks, conf, margin, name):
+    """``D_d phi / c_d`` [cells] of padded blocks (``margin`` cells on either side) at the
+    lattice particles ``[bx, by, npart, xyz]``."""
+    sx, sy, nz = conf.block_shape
+    coeffs = _coeffs(conf, cells=True)
+    xyz = mtf.Dimension(cfg.XYZ, 3)
+
+    def fn(t):
+        nbx, nby, ax, ay, _ = t.shape.as_list()
+        lib = native.ops_for("cic_ops", t)
+        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
+        out = (lib.flowpm_gradient(t, c, margin=margin) if lib is not None
+               else gradient_tf(t, c, margin))
+        return tf.reshape(out, [nbx, nby, sx * sy * nz, 3])
+
+    return mtf.slicewise(fn, [blocks], output_shape=_particle_shape(conf, [xyz]),
+                         output_dtype=blocks.dtype, splittable_dims=blocks.shape.dims[:2],
+                         name=name)
+
+
+def displacement_of_potential(phi, conf, name="displacement"):
+    r"""The displacement :math:`D_d\phi / c_d` [cells] of the potential at the lattice
+    particles: :func:`flowpm_mtf.kernels.neg_gradient_potential` of :math:`\delta_k`
+    for :math:`\phi = \mathcal{F}^{-1}[\delta_k/|k|^2]`, to rounding.
+
+    Parameters
+    ----------
+    phi : mtf.Tensor
+        Real ``[x, y, z]`` potential [(Mpc/h)^2].
+    conf : SimConfig
+        Blocks of at least :data:`GRADIENT_REACH` cells along x and y.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, npart, xyz]`` [cells], particles in lattice order.
+    """
+    blocks = _padded_potential(phi, conf, GRADIENT_REACH)
+    return _displacement(blocks, conf, GRADIENT_REACH, name)
+
+
+def psi1_and_source(phi, conf, name="lpt_real_space"):
+    r""":math:`\Psi^{(1)}` at the lattice particles and the 2LPT source, from
+    :math:`\phi^{(1)} = \mathcal{F}^{-1}[\delta_k/|k|^2]`.
+
+    Parameters
+    ----------
+    phi : mtf.Tensor
+        Real ``[x, y, z]`` potential of the linear field [(Mpc/h)^2].
+    conf : SimConfig
+        Blocks of at least :data:`SOURCE_REACH` cells along x and y.
+    name : str
+
+    Returns
+    -------
+    psi1 : mtf.Tensor
+        ``[bx, by, npart, xyz]`` [cells].
+    source : mtf.Tensor
+        Real ``[x, y, z]`` [dimensionless]: :math:`S` of :mod:`flowpm_mtf.lpt`.
+    """
+    m = SOURCE_REACH
+    blocks = _padded_potential(phi, conf, m)
+    _, _, nz = conf.block_shape
+    coeffs = _coeffs(conf, cells=False)
+
+    def fn(t):
+        nbx, nby, ax, ay, _ = t.shape.as_list()
+        lib = native.ops_for("lpt_ops", t)
+        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
+        out = (lib.flowpm_lpt2_source(t, c, margin=m) if lib is not None
+               else source_tf(t, c, m))
+        return tf.reshape(out, [nbx, nby, ax - 2 * m, ay - 2 * m, nz])
+
+    source = mtf.slicewise(fn, [blocks], output_shape=layout.block_shape(conf),
+                           output_dtype=phi.dtype, splittable_dims=blocks.shape.dims[:2],
+                           name=name + "_source")
+    psi1 = _displacement(blocks, conf, m, name + "_psi1")
+    return psi1, from_blocks(source, conf)
+
+
+def source_tf(phi, coeffs, margin):
+    r"""``FlowpmLpt2Source`` as TensorFlow ops (the reference; the path of a device without
+    the native op): two four-point differences (:func:`flowpm_mtf.gravity.gradient_tf`).
+
+    ``phi`` ``[B, ax, ay, nz]``, ``coeffs`` ``[3]`` (of :math:`D_d`), ``margin`` >= 4;
+    returns ``[B, ax - 2 margin, ay - 2 margin, nz]``.
+    """
+    r = GRADIENT_REACH
+    first = gradient_tf(phi, coeffs, r)                      # D_d phi, margin - r left
+    h = [gradient_tf(first[..., i], coeffs, margin - r) for i in range(3)]   # h[i][..., j]
+    xx, yy, zz = h[0][..., 0], h[1][..., 1], h[2][..., 2]
+    xy, xz, yz = h[0][..., 1], h[0][..., 2], h[1][..., 2]
+    return ((xx * yy + yy * zz) + zz * xx) - ((xy * xy + xz * xz) + yz * yz)
+
+
+@tf.RegisterGradient("FlowpmLpt2Source")
+def _source_grad(op, dy):
+    """``FlowpmLpt2SourceGrad``: :math:`\\sum_{ij} D_i D_j (\\bar S\\, \\partial S/\\partial
+    h_{ij})` on the input's cells (the weights extended by zeros)."""
+    lib = native.load("lpt_ops")
+    return (lib.flowpm_lpt2_source_grad(op.inputs[0], dy, op.inputs[1],
+                                        margin=op.get_attr("margin")), None)

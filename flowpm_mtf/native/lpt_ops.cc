@@ -1,0 +1,276 @@
+// The second-order LPT source in real space, on the CPU.
+//
+// Ops (the Python side, gradient and TensorFlow twin included, is flowpm_mtf/lpt_source.py):
+//
+//   FlowpmLpt2Source(phi [B, ax, ay, nz], coeffs [3], margin) -> [B, ax - 2 margin,
+//       ay - 2 margin, nz]: S = h_xx h_yy + h_yy h_zz + h_zz h_xx - h_xy^2 - h_xz^2 - h_yz^2
+//       with h_ij = D_i D_j phi and D_d f = coeffs[d] (8 (f(+1) - f(-1)) - (f(+2) - f(-2)))
+//       along axis d: the four-point difference of flowpm_mtf.kernels, whose transfer
+//       function is the gradient kernel i k~_d, so h_ij is the Hessian of the k-space path
+//       (-k~_i k~_j) to rounding. z periodic; x and y read inside the array (margin >= 4,
+//       the reach of D_i D_i: a block padded by at least 4 cells).
+//   FlowpmLpt2SourceGrad(phi, sbar [B, ax - 2 margin, ay - 2 margin, nz], coeffs, margin)
+//       -> phibar [B, ax, ay, nz]: the gradient of FlowpmLpt2Source,
+//       phibar = sum_ij D_i D_j (sbar dS/dh_ij), the weights extended by zeros beyond the
+//       output (D_i D_j is its own transpose: D is antisymmetric). Two passes: the six
+//       weight fields (a temporary of 6 output fields), then the same stencil on them.
+//
+// Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
+// one thread, in a fixed order of terms, so the results do not depend on the thread count.
+#include <vector>
+
+#include "tf_op.h"
+
+namespace {
+
+// D f = sum_a W4[a] f(+O4[a]) (before coeffs), and D D f = sum_s V9[s] f(+s - 4).
+constexpr int O4[4] = {-2, -1, 1, 2};
+constexpr double W4[4] = {1, -8, 8, -1};
+constexpr double V9[9] = {1, -16, 64, 16, -130, 16, 64, -16, 1};
+
+// The six fields a second-difference stencil reads (the same one, phi, in the forward
+// op; the six weights in its gradient) at the columns around one (x, y): xx[s] at x + s
+// - 4, yy[s] at y + s - 4, zz at (x, y), xy[4 a + b] at (x + O4[a], y + O4[b]), xz[a] at
+// x + O4[a], yz[a] at y + O4[a]. Each pointer is a column of nz values.
+template <typename T>
+struct Columns {
+  const T* xx[9];
+  const T* yy[9];
+  const T* zz;
+  const T* xy[16];
+  const T* xz[4];
+  const T* yz[4];
+};
+
+// col(f, x, y): column of field f (0..5: xx, yy, zz, xy, xz, yz) at input (x, y).
+template <typename T, typename Col>
+inline void gather_columns(Col col, i64 x, i64 y, Columns<T>* c) {
+  for (int s = 0; s < 9; ++s) {
+    c->xx[s] = col(0, x + s - 4, y);
+    c->yy[s] = col(1, x, y + s - 4);
+  }
+  c->zz = col(2, x, y);
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) c->xy[4 * a + b] = col(3, x + O4[a], y + O4[b]);
+    c->xz[a] = col(4, x + O4[a], y);
+    c->yz[a] = col(5, x, y + O4[a]);
+  }
+}
+
+// The six raw second differences at height k (z[s]: the index of k + s - 4, periodic),
+// before the coefficients: h = {xx, yy, zz, xy, xz, yz}.
+template <typename T>
+inline void second_differences(const Columns<T>& c, i64 k, const i64* z, T h[6]) {
+  T xx = 0, yy = 0, zz = 0, xy = 0, xz = 0, yz = 0;
+  for (int s = 0; s < 9; ++s) {
+    xx += T(V9[s]) * c.xx[s][k];
+    yy += T(V9[s]) * c.yy[s][k];
+    zz += T(V9[s]) * c.zz[z[s]];
+  }
+  for (int a = 0; a < 4; ++a) {
+    T txy = 0, txz = 0, tyz = 0;
+    for (int b = 0; b < 4; ++b) {
+      txy += T(W4[b]) * c.xy[4 * a + b][k];
+      txz += T(W4[b]) * c.xz[a][z[O4[b] + 4]];
+      tyz += T(W4[b]) * c.yz[a][z[O4[b] + 4]];
+    }
+    xy += T(W4[a]) * txy;
+    xz += T(W4[a]) * txz;
+    yz += T(W4[a]) * tyz;
+  }
+  h[0] = xx; h[1] = yy; h[2] = zz; h[3] = xy; h[4] = xz; h[5] = yz;
+}
+
+// The periodic z indices k + o (o = -4..4) of every k < nz, 9 per k.
+inline std::vector<i64> z_reach4(i64 nz) {
+  std::vector<i64> zi(9 * nz);
+  for (i64 k = 0; k < nz; ++k)
+    for (i64 o = -4; o <= 4; ++o) zi[9 * k + o + 4] = ((k + o) % nz + nz) % nz;
+  return zi;
+}
+
+// The products of the coefficients of the six second differences: h_ij = q[..] H_ij.
+template <typename T>
+inline void pair_coeffs(const Tensor& cf, T q[6]) {
+  const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
+  q[0] = c0 * c0; q[1] = c1 * c1; q[2] = c2 * c2; q[3] = c0 * c1; q[4] = c0 * c2;
+  q[5] = c1 * c2;
+}
+
+// Checks shared by both ops: phi [B, ax, ay, nz] larger than its margins, 3 coefficients.
+inline ::tensorflow::Status check_inputs(const char* op, const Tensor& phi, const Tensor& cf,
+                                         i64 m) {
+  if (phi.dims() != 4)
+    return InvalidArgument(op, ": phi must be [B, ax, ay, nz], got ", phi.shape().DebugString());
+  if (cf.NumElements() != 3) return InvalidArgument(op, ": coeffs must have 3 values");
+  if (phi.dim_size(1) <= 2 * m || phi.dim_size(2) <= 2 * m || phi.dim_size(3) <= 0)
+    return InvalidArgument(op, ": phi ", phi.shape().DebugString(),
+                           " is not larger than its margins ", m);
+  return ::tensorflow::OkStatus();
+}
+
+template <typename T>
+class Lpt2SourceOp : public OpKernel {
+ public:
+  explicit Lpt2SourceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& phi = ctx->input(0);
+    const Tensor& cf = ctx->input(1);
+    const i64 m = margin_;
+    OP_REQUIRES_OK(ctx, check_inputs("FlowpmLpt2Source", phi, cf, m));
+    const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
+              nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz}), &out));
+    const T* P = phi.flat<T>().data();
+    T* O = out->flat<T>().data();
+    T q[6];
+    pair_coeffs<T>(cf, q);
+    const std::vector<i64> zi = z_reach4(nz);
+    auto work = [&](int64_t begin, int64_t end) {
+      Columns<T> c;
+      T h[6];
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / sx, i = r % sx;
+        auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+        for (i64 j = 0; j < sy; ++j) {
+          gather_columns<T>(col, i + m, j + m, &c);
+          T* o = O + ((b * sx + i) * sy + j) * nz;
+          for (i64 k = 0; k < nz; ++k) {
+            second_differences<T>(c, k, &zi[9 * k], h);
+            const T xx = q[0] * h[0], yy = q[1] * h[1], zz = q[2] * h[2];
+            const T xy = q[3] * h[3], xz = q[4] * h[4], yz = q[5] * h[5];
+            o[k] = ((xx * yy + yy * zz) + zz * xx) - ((xy * xy + xz * xz) + yz * yz);
+          }
+        }
+      }
+    };
+    shard(ctx, nb * sx, sy * nz * 200, work);
+  }
+
+ private:
+  int margin_;
+};
+
+template <typename T>
+class Lpt2SourceGradOp : public OpKernel {
+ public:
+  explicit Lpt2SourceGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& phi = ctx->input(0);
+    const Tensor& sbar = ctx->input(1);
+    const Tensor& cf = ctx->input(2);
+    const i64 m = margin_;
+    OP_REQUIRES_OK(ctx, check_inputs("FlowpmLpt2SourceGrad", phi, cf, m));
+    const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
+              nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
+    OP_REQUIRES(ctx, sbar.shape() == TensorShape({nb, sx, sy, nz}),
+                InvalidArgument("FlowpmLpt2SourceGrad: sbar must be ",
+                                TensorShape({nb, sx, sy, nz}).DebugString(), ", got ",
+                                sbar.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, phi.shape(), &out));
+    Tensor weights;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(phi.dtype(), TensorShape({6, nb, sx, sy, nz}),
+                                           &weights));
+    const T* P = phi.flat<T>().data();
+    const T* SB = sbar.flat<T>().data();
+    T* Wt = weights.flat<T>().data();
+    T* O = out->flat<T>().data();
+    T q[6];
+    pair_coeffs<T>(cf, q);
+    const std::vector<i64> zi = z_reach4(nz);
+    const i64 field = nb * sx * sy * nz;
+    // 1. the weights w_ij = sbar dS/dh_ij q_ij on the output cells
+    shard(ctx, nb * sx, sy * nz * 220, [&](int64_t begin, int64_t end) {
+      Columns<T> c;
+      T h[6];
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / sx, i = r % sx;
+        auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+        for (i64 j = 0; j < sy; ++j) {
+          gather_columns<T>(col, i + m, j + m, &c);
+          const i64 base = ((b * sx + i) * sy + j) * nz;
+          for (i64 k = 0; k < nz; ++k) {
+            second_differences<T>(c, k, &zi[9 * k], h);
+            const T xx = q[0] * h[0], yy = q[1] * h[1], zz = q[2] * h[2];
+            const T g = SB[base + k];
+            T* w = Wt + base + k;
+            w[0] = g * (yy + zz) * q[0];
+            w[field] = g * (xx + zz) * q[1];
+            w[2 * field] = g * (xx + yy) * q[2];
+            w[3 * field] = T(-2) * g * (q[3] * h[3]) * q[3];
+            w[4 * field] = T(-2) * g * (q[4] * h[4]) * q[4];
+            w[5 * field] = T(-2) * g * (q[5] * h[5]) * q[5];
+          }
+        }
+      }
+    });
+    // 2. phibar = the same stencil on the weights, zero beyond the output cells
+    const std::vector<T> zeros(nz, T(0));
+    shard(ctx, nb * ax, ay * nz * 200, [&](int64_t begin, int64_t end) {
+      Columns<T> c;
+      T h[6];
+      for (i64 r = begin; r < end; ++r) {
+        const i64 b = r / ax, x0 = r % ax;
+        auto col = [&](int f, i64 x, i64 y) -> const T* {
+          const i64 i = x - m, j = y - m;
+          if (i < 0 || i >= sx || j < 0 || j >= sy) return zeros.data();
+          return Wt + f * field + ((b * sx + i) * sy + j) * nz;
+        };
+        for (i64 y0 = 0; y0 < ay; ++y0) {
+          gather_columns<T>(col, x0, y0, &c);
+          T* o = O + ((b * ax + x0) * ay + y0) * nz;
+          for (i64 k = 0; k < nz; ++k) {
+            second_differences<T>(c, k, &zi[9 * k], h);
+            o[k] = ((h[0] + h[1]) + h[2]) + ((h[3] + h[4]) + h[5]);
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  int margin_;
+};
+
+}  // namespace
+
+REGISTER_OP("FlowpmLpt2Source")
+    .Input("phi: T")
+    .Input("coeffs: T")
+    .Output("source: T")
+    .Attr("T: {float, double}")
+    .Attr("margin: int >= 4")
+    .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      ShapeHandle phi;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
+      DimensionHandle sx, sy;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 1), 2 * m, &sx));
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(phi, 2), 2 * m, &sy));
+      c->set_output(0, c->MakeShape({c->Dim(phi, 0), sx, sy, c->Dim(phi, 3)}));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_OP("FlowpmLpt2SourceGrad")
+    .Input("phi: T")
+    .Input("sbar: T")
+    .Input("coeffs: T")
+    .Output("phibar: T")
+    .Attr("T: {float, double}")
+    .Attr("margin: int >= 4")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return ::tensorflow::OkStatus();
+    });
+
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLpt2Source", Lpt2SourceOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLpt2SourceGrad", Lpt2SourceGradOp);
