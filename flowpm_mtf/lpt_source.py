@@ -65,24 +65,32 @@ def _particle_shape(conf, rest=()):
     return mtf.Shape(layout.particle_dims(conf) + list(rest))
 
 
-def _displacement(blocks, conf, margin, name):
-    """``D_d phi / c_d`` [cells] of padded blocks (``margin`` cells on either side) at the
-    lattice particles ``[bx, by, npart, xyz]``."""
-    sx, sy, nz = conf.block_shape
-    coeffs = _coeffs(conf, cells=True)
-    xyz = mtf.Dimension(cfg.XYZ, 3)
+def _per_block(blocks, conf, compute, output_shape, name):
+    """``compute`` on each padded block ``[B, ax, ay, nz]`` of ``blocks``, its result
+    reshaped to ``output_shape`` (split along ``bx``, ``by`` as ``blocks``)."""
+    nz = conf.block_shape[2]
+    rest = [d.size for d in output_shape.dims[2:]]
 
     def fn(t):
         nbx, nby, ax, ay, _ = t.shape.as_list()
-        lib = native.ops_for("cic_ops", t)
-        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
-        out = (lib.flowpm_gradient(t, c, margin=margin) if lib is not None
-               else gradient_tf(t, c, margin))
-        return tf.reshape(out, [nbx, nby, sx * sy * nz, 3])
+        return tf.reshape(compute(tf.reshape(t, [nbx * nby, ax, ay, nz])), [nbx, nby] + rest)
 
-    return mtf.slicewise(fn, [blocks], output_shape=_particle_shape(conf, [xyz]),
-                         output_dtype=blocks.dtype, splittable_dims=blocks.shape.dims[:2],
-                         name=name)
+    return mtf.slicewise(fn, [blocks], output_shape=output_shape, output_dtype=blocks.dtype,
+                         splittable_dims=blocks.shape.dims[:2], name=name)
+
+
+def _displacement(blocks, conf, margin, name):
+    """``D_d phi / c_d`` [cells] of padded blocks (``margin`` cells on either side) at the
+    lattice particles ``[bx, by, npart, xyz]``."""
+    coeffs = _coeffs(conf, cells=True)
+
+    def compute(t):
+        lib, c = native.ops_for("cic_ops", t), tf.constant(coeffs)
+        return (lib.flowpm_gradient(t, c, margin=margin) if lib is not None
+                else gradient_tf(t, c, margin))
+
+    return _per_block(blocks, conf, compute,
+                      _particle_shape(conf, [mtf.Dimension(cfg.XYZ, 3)]), name)
 
 
 def displacement_of_potential(phi, conf, name="displacement"):
@@ -128,20 +136,14 @@ def psi1_and_source(phi, conf, name="lpt_real_space"):
     """
     m = SOURCE_REACH
     blocks = _padded_potential(phi, conf, m)
-    _, _, nz = conf.block_shape
     coeffs = _coeffs(conf, cells=False)
 
-    def fn(t):
-        nbx, nby, ax, ay, _ = t.shape.as_list()
-        lib = native.ops_for("lpt_ops", t)
-        t, c = tf.reshape(t, [nbx * nby, ax, ay, nz]), tf.constant(coeffs)
-        out = (lib.flowpm_lpt2_source(t, c, margin=m) if lib is not None
-               else source_tf(t, c, m))
-        return tf.reshape(out, [nbx, nby, ax - 2 * m, ay - 2 * m, nz])
+    def compute(t):
+        lib, c = native.ops_for("lpt_ops", t), tf.constant(coeffs)
+        return (lib.flowpm_lpt2_source(t, c, margin=m) if lib is not None
+                else source_tf(t, c, m))
 
-    source = mtf.slicewise(fn, [blocks], output_shape=layout.block_shape(conf),
-                           output_dtype=phi.dtype, splittable_dims=blocks.shape.dims[:2],
-                           name=name + "_source")
+    source = _per_block(blocks, conf, compute, layout.block_shape(conf), name + "_source")
     psi1 = _displacement(blocks, conf, m, name + "_psi1")
     return psi1, from_blocks(source, conf)
 

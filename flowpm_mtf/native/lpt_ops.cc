@@ -109,6 +109,35 @@ inline ::tensorflow::Status check_inputs(const char* op, const Tensor& phi, cons
   return ::tensorflow::OkStatus();
 }
 
+// cell(index, h) for every output cell of phi [B, ax, ay, nz] with margins m (index into
+// [B, ax - 2m, ay - 2m, nz]), h its six second differences with the coefficients applied,
+// {xx, yy, zz, xy, xz, yz}; parallel over (block, x) rows.
+template <typename T, typename Cell>
+void for_each_hessian(OpKernelContext* ctx, const Tensor& phi, i64 m, const T q[6], i64 cost,
+                      Cell cell) {
+  const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
+            nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
+  const T* P = phi.flat<T>().data();
+  const std::vector<i64> zi = z_reach4(nz);
+  shard(ctx, nb * sx, sy * nz * cost, [&](int64_t begin, int64_t end) {
+    Columns<T> c;
+    T h[6];
+    for (i64 r = begin; r < end; ++r) {
+      const i64 b = r / sx, i = r % sx;
+      auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+      for (i64 j = 0; j < sy; ++j) {
+        gather_columns<T>(col, i + m, j + m, &c);
+        const i64 base = ((b * sx + i) * sy + j) * nz;
+        for (i64 k = 0; k < nz; ++k) {
+          second_differences<T>(c, k, &zi[9 * k], h);
+          for (int f = 0; f < 6; ++f) h[f] *= q[f];
+          cell(base + k, h);
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 class Lpt2SourceOp : public OpKernel {
  public:
@@ -125,30 +154,13 @@ class Lpt2SourceOp : public OpKernel {
               nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz}), &out));
-    const T* P = phi.flat<T>().data();
     T* O = out->flat<T>().data();
     T q[6];
     pair_coeffs<T>(cf, q);
-    const std::vector<i64> zi = z_reach4(nz);
-    auto work = [&](int64_t begin, int64_t end) {
-      Columns<T> c;
-      T h[6];
-      for (i64 r = begin; r < end; ++r) {
-        const i64 b = r / sx, i = r % sx;
-        auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
-        for (i64 j = 0; j < sy; ++j) {
-          gather_columns<T>(col, i + m, j + m, &c);
-          T* o = O + ((b * sx + i) * sy + j) * nz;
-          for (i64 k = 0; k < nz; ++k) {
-            second_differences<T>(c, k, &zi[9 * k], h);
-            const T xx = q[0] * h[0], yy = q[1] * h[1], zz = q[2] * h[2];
-            const T xy = q[3] * h[3], xz = q[4] * h[4], yz = q[5] * h[5];
-            o[k] = ((xx * yy + yy * zz) + zz * xx) - ((xy * xy + xz * xz) + yz * yz);
-          }
-        }
-      }
-    };
-    shard(ctx, nb * sx, sy * nz * 200, work);
+    for_each_hessian<T>(ctx, phi, m, q, 200, [O](i64 idx, const T* h) {
+      O[idx] = ((h[0] * h[1] + h[1] * h[2]) + h[2] * h[0]) -
+               ((h[3] * h[3] + h[4] * h[4]) + h[5] * h[5]);
+    });
   }
 
  private:
@@ -179,7 +191,6 @@ class Lpt2SourceGradOp : public OpKernel {
     Tensor weights;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(phi.dtype(), TensorShape({6, nb, sx, sy, nz}),
                                            &weights));
-    const T* P = phi.flat<T>().data();
     const T* SB = sbar.flat<T>().data();
     T* Wt = weights.flat<T>().data();
     T* O = out->flat<T>().data();
@@ -188,29 +199,13 @@ class Lpt2SourceGradOp : public OpKernel {
     const std::vector<i64> zi = z_reach4(nz);
     const i64 field = nb * sx * sy * nz;
     // 1. the weights w_ij = sbar dS/dh_ij q_ij on the output cells
-    shard(ctx, nb * sx, sy * nz * 220, [&](int64_t begin, int64_t end) {
-      Columns<T> c;
-      T h[6];
-      for (i64 r = begin; r < end; ++r) {
-        const i64 b = r / sx, i = r % sx;
-        auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
-        for (i64 j = 0; j < sy; ++j) {
-          gather_columns<T>(col, i + m, j + m, &c);
-          const i64 base = ((b * sx + i) * sy + j) * nz;
-          for (i64 k = 0; k < nz; ++k) {
-            second_differences<T>(c, k, &zi[9 * k], h);
-            const T xx = q[0] * h[0], yy = q[1] * h[1], zz = q[2] * h[2];
-            const T g = SB[base + k];
-            T* w = Wt + base + k;
-            w[0] = g * (yy + zz) * q[0];
-            w[field] = g * (xx + zz) * q[1];
-            w[2 * field] = g * (xx + yy) * q[2];
-            w[3 * field] = T(-2) * g * (q[3] * h[3]) * q[3];
-            w[4 * field] = T(-2) * g * (q[4] * h[4]) * q[4];
-            w[5 * field] = T(-2) * g * (q[5] * h[5]) * q[5];
-          }
-        }
-      }
+    for_each_hessian<T>(ctx, phi, m, q, 220, [&](i64 idx, const T* h) {
+      const T g = SB[idx];
+      T* w = Wt + idx;
+      w[0] = g * (h[1] + h[2]) * q[0];
+      w[field] = g * (h[0] + h[2]) * q[1];
+      w[2 * field] = g * (h[0] + h[1]) * q[2];
+      for (int f = 3; f < 6; ++f) w[f * field] = T(-2) * g * h[f] * q[f];
     });
     // 2. phibar = the same stencil on the weights, zero beyond the output cells
     const std::vector<T> zeros(nz, T(0));
