@@ -15,7 +15,7 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
    the same field as multiplying by :math:`i\tilde k_d / |k|^2` in k-space,
    to rounding, for one real-output transform instead of two complex ones and
    one halo exchange of one component instead of three). Without the native
-   op, or with blocks narrower than the halo plus two cells, the k-space
+   op, or with blocks not wider than the halo plus two cells, the k-space
    products and their packed inverse FFTs
    (:func:`flowpm_mtf.kernels.neg_gradient_potential`);
 4. read the three components out at the particles from the padded blocks
@@ -152,7 +152,7 @@ def _native_stencil(conf, dtype):
     """Whether :func:`_field_of_density` takes the real-space path (native ``FlowpmGradient``)."""
     if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
         return False
-    return _one_block(conf) or conf.halo_size + GRADIENT_REACH <= min(conf.block_shape[:2])
+    return _one_block(conf) or conf.halo_size + GRADIENT_REACH < min(conf.block_shape[:2])
 
 
 def force_field_of_potential(phi, conf, name="force_field"):
@@ -192,8 +192,9 @@ def force_field_of_potential(phi, conf, name="force_field"):
     r = GRADIENT_REACH
     h = conf.halo_size
     one_block = _one_block(conf)
-    if not one_block and h + r > min(conf.block_shape[:2]):
-        raise ValueError("force_field_of_potential: halo %d + %d cells exceed the blocks %s"
+    if not one_block and h + r >= min(conf.block_shape[:2]):
+        raise ValueError("force_field_of_potential: halo %d + %d cells must be narrower "
+                         "than the blocks %s"
                          % (h, r, tuple(conf.block_shape[:2])))
     coeffs = np.array([1.0 / (12.0 * c * c) for c in conf.cell_size], conf.np_dtype)
     px, py, nz = conf.padded_block_shape

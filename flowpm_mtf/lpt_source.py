@@ -40,13 +40,14 @@ SOURCE_REACH = 4
 
 def available(conf, dtype, reach=SOURCE_REACH):
     """Whether the real-space path serves: the native ops are built, ``dtype`` is float32
-    or float64 and the blocks hold at least ``reach`` cells along x and y (the halo of
-    the potential is filled from the direct neighbours)."""
+    or float64 and the blocks are wider than ``reach`` cells along x and y (the halo of
+    the potential is filled from the direct neighbours, narrower than a block as every
+    halo of a ``SimConfig``)."""
     if dtype not in (tf.float32, tf.float64):
         return False
     if native.load("lpt_ops") is None or native.load("cic_ops") is None:
         return False
-    return reach <= min(conf.block_shape[:2])
+    return reach < min(conf.block_shape[:2])
 
 
 def _coeffs(conf, cells):
@@ -103,7 +104,7 @@ def displacement_of_potential(phi, conf, name="displacement"):
     phi : mtf.Tensor
         Real ``[x, y, z]`` potential [(Mpc/h)^2].
     conf : SimConfig
-        Blocks of at least :data:`GRADIENT_REACH` cells along x and y.
+        Blocks wider than :data:`GRADIENT_REACH` cells along x and y.
     name : str
 
     Returns
@@ -124,7 +125,7 @@ def psi1_and_source(phi, conf, name="lpt_real_space"):
     phi : mtf.Tensor
         Real ``[x, y, z]`` potential of the linear field [(Mpc/h)^2].
     conf : SimConfig
-        Blocks of at least :data:`SOURCE_REACH` cells along x and y.
+        Blocks wider than :data:`SOURCE_REACH` cells along x and y.
     name : str
 
     Returns

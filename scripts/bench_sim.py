@@ -25,15 +25,19 @@ What is measured (``run``)
 
    ``step``      a whole kick-drift-kick step (one PM force);
    ``paint``     CIC paint + halo reduce (the density of the force);
-   ``fft``       forward r2c + gradient/Laplace kernels + the inverse of the
-                 three force components packed into two complex transforms
-                 (``kernels.packed_inverse``), all-to-all transposes included;
-   ``readout``   halo fill + CIC readout of the three components (one pass);
+   ``fft``       forward r2c + the inverse Laplacian + the potential's real
+                 inverse transform (c2r), all-to-all transposes included; on the
+                 k-space path (no native ops, or blocks narrower than the halo + 2)
+                 the gradient/Laplace kernels and the inverse of the three force
+                 components packed into two complex transforms instead;
+   ``readout``   the force field from the potential (its halo fill, 2 cells
+                 wider, and the four-point difference) + CIC readout of the three
+                 components; k-space path: the components' halo fill + readout;
    ``comm_halo`` the halo exchanges of a step alone (one reduce of the density,
-                 one fill of the three force components);
+                 one fill of the potential; k-space: of the three components);
    ``comm_fft``  the all-to-all transposes of a step alone (2 for r2c, 2 for
-                 the inverse of the 3 force components packed into 2 complex
-                 fields) on complex blocks of the same shapes.
+                 c2r; k-space: 2 for the inverse of the 3 force components packed
+                 into 2 complex fields) on complex blocks of the same shapes.
 
    ``other = step - paint - fft - readout`` (kick/drift updates, escape
    checks) and ``comm = comm_halo + comm_fft``; ``compute = step - comm``.
@@ -104,7 +108,9 @@ def _phase_graphs(conf, impl, slices, particle_shape):
 
     from hvd_mesh_impl import export_local_slice
     from flowpm_mtf import config as cfg
-    from flowpm_mtf import domain, fft, gravity, halo, lpt, nbody, painting
+    import dataclasses
+
+    from flowpm_mtf import complex_ops, domain, fft, gravity, halo, lpt, nbody, painting
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.kernels import neg_gradient_potential
 
@@ -138,33 +144,47 @@ def _phase_graphs(conf, impl, slices, particle_shape):
     def paint(mesh, t):
         return [gravity.density(t["positions"], conf, domain.weights(t["ids"], conf))]
 
+    # the force's path in the step (gravity._field_of_density)
+    real_space = gravity._native_stencil(conf, conf.tf_dtype)
+
     def fft_phase(mesh, t):
         kernels = nbody.make_kernels(conf, mesh)
-        return [neg_gradient_potential(fft.r2c(t["rho"], conf), conf, kernels)]
+        delta_k = fft.r2c(t["rho"], conf)
+        if real_space:
+            return [fft.c2r(complex_ops.apply_kernel(delta_k, kernels.inv_laplace), conf)]
+        return [neg_gradient_potential(delta_k, conf, kernels)]
 
     def three(field):  # a [x, y, z, xyz] field, as the force's gradient
         return mtf.stack([field * float(d + 1) for d in range(3)], cfg.XYZ, axis=3)
 
     def readout(mesh, t):
+        if real_space:   # rho stands for the potential
+            return [painting.readout_padded(gravity.force_field_of_potential(t["rho"], conf),
+                                            t["positions"], conf)]
         return [painting.readout_field(three(t["rho"]), t["positions"], conf)]
 
     def comm_halo(mesh, t):
         out = [halo.halo_reduce(halo.pad_blocks(halo.to_blocks(t["rho"], conf), conf), conf)]
-        out += [halo.halo_fill(halo.pad_blocks(halo.to_blocks(three(t["rho"]), conf), conf),
-                               conf)]
+        if real_space:
+            wider = dataclasses.replace(conf, halo_size=conf.halo_size + gravity.GRADIENT_REACH)
+            out += [halo.field_to_padded(t["rho"], wider)]
+        else:
+            out += [halo.halo_fill(halo.pad_blocks(halo.to_blocks(three(t["rho"]), conf), conf),
+                                   conf)]
         return out
 
     phases = {"step": lowered(step), "paint": lowered(paint), "fft": lowered(fft_phase),
               "readout": lowered(readout), "comm_halo": lowered(comm_halo)}
-    phases["comm_fft"] = _alltoall_graph(conf, impl)
+    phases["comm_fft"] = _alltoall_graph(conf, impl, real_space)
     return phases
 
 
-def _alltoall_graph(conf, impl):
+def _alltoall_graph(conf, impl, real_space):
     """The four all-to-alls of a step's FFTs on complex blocks of the same shapes:
     r2c (col: split z, gather y; row: split y, gather x) on one field, with the
     ``nz / 2`` modes of the half-spectrum path when it applies
-    (``fft.FFT3DOperation._lower_half``: even sizes and blocks), and the inverse of
+    (``fft.FFT3DOperation._lower_half``: even sizes and blocks), and the inverse: of
+    the potential (``real_space``: the same two backwards on the same block), or of
     the three force components packed into two complex fields
     (``kernels.packed_inverse``; the same two, backwards, all ``nz`` modes)."""
     import tensorflow.compat.v1 as tf
@@ -183,10 +203,15 @@ def _alltoall_graph(conf, impl):
 
     # the forward's block: nz / 2 modes on the half-spectrum path
     block = cblock([nx // p, ny // q, nz // 2 if half else nz], "bench_cblock")
-    kblock = cblock([nx, ny // p, nz // q], "bench_kblock") if half else None
+    kblock = (cblock([nx, ny // p, nz // q], "bench_kblock") if half and not real_space
+              else None)
     before = impl.comm_bytes_received()
     lo = impl.LaidOutTensor([block])
     fwd = impl.alltoall(impl.alltoall(lo, 1, 2, 1), 0, 1, 0)     # [nx, ny/P, nz/Q (/ 2)]
+    if real_space:   # the potential's c2r: the forward's two, backwards
+        back = impl.alltoall(impl.alltoall(fwd, 0, 0, 1), 1, 1, 2)
+        nbytes = impl.comm_bytes_received() - before
+        return _fetchable(back.tensor_list), nbytes
     if half:  # the full k-space block [nx, ny/P, nz/Q], once the forward is done
         with tf.control_dependencies(fwd.tensor_list):
             kblock = tf.identity(kblock)
@@ -276,6 +301,10 @@ def cmd_run(args):
         # A new MeshImpl: its byte counters belong to the previous tf.Graph.
         impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
         phases = _phase_graphs(conf, impl, slices, particle_shape)
+        # which force path the step took (the phases follow it)
+        from flowpm_mtf import gravity
+        rec["force_path"] = ("real space" if gravity._native_stencil(conf, conf.tf_dtype)
+                             else "k-space")
         with runner.session(session_config("hvd")) as sess:
             times, nbytes = {}, {}
             for name, (fetch, nb) in phases.items():

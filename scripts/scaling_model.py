@@ -50,8 +50,8 @@ from flowpm_bench.results import json_path, read_raw
 
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
-# FFT-fields (complex fields passing through one 3D transform) per workload. Real
-# fields from Hermitian spectra go two per complex inverse transform
+# FFT-fields (complex fields passing through one 3D transform) per workload, on the
+# k-space path. Real fields from Hermitian spectra go two per complex inverse transform
 # (flowpm_mtf.kernels.packed_inverse): the force's 3 components are 2 fields, 2LPT's
 # psi1 + six second derivatives 5 and psi2 2. LPT: noise r2c 1 + linear c2r 1 + 5 +
 # source r2c 1 + 2 = 10 (2LPT reuses the Fourier modes of the linear field,
@@ -64,9 +64,35 @@ FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 10, "nbody_step": 3}
 # (flowpm_mtf.fft, FFT3DOperation._lower_half) when nc and the blocks nc / P, nc / Q
 # are even. The GPU model (TensorFlow path) moves all the modes.
 REAL_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 3, "nbody_step": 1}
+# The real-space path (flowpm_mtf.gravity.force_field_of_potential, flowpm_mtf.lpt_source):
+# every field comes from a potential by one real inverse transform and differences, so
+# every transform is real: LPT noise r2c + linear c2r + phi1 c2r + source r2c + phi2 c2r
+# = 5; step r2c + c2r = 2.
+REAL_SPACE_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 5, "nbody_step": 2}
 
 
-def fft_fields(workload, nc, grid, half_spectrum=True):
+def real_space_paths(nc, grid, halo):
+    """(force, lpt): whether the installed code takes the real-space force field
+    (``gravity._native_stencil``) and LPT fields (``lpt_source.available``) at these sizes."""
+    import tensorflow.compat.v1 as tf
+
+    from flowpm_mtf import gravity, lpt_source
+    from flowpm_mtf.config import SimConfig
+
+    conf = SimConfig(nc=nc, grid=tuple(grid), halo_size=halo)
+    return (gravity._native_stencil(conf, tf.float32),
+            lpt_source.available(conf, tf.float32, lpt_source.SOURCE_REACH))
+
+
+def _real_space(workload, nc, grid, halo):
+    """Whether ``workload`` takes the real-space path (the halo and fft workloads have none)."""
+    if workload not in ("lpt", "nbody_step"):
+        return False
+    force, lpt = real_space_paths(nc, grid, halo)
+    return lpt if workload == "lpt" else force
+
+
+def fft_fields(workload, nc, grid, half_spectrum=True, halo=0):
     """Complex-field equivalents a workload moves through each all-to-all.
 
     Parameters
@@ -76,7 +102,10 @@ def fft_fields(workload, nc, grid, half_spectrum=True):
     grid : (int, int)
     half_spectrum : bool
         Model the CPU's native path (real transforms on half the spectrum when the
-        sizes allow it); False: the TensorFlow (GPU) path, all modes.
+        sizes allow it); False: all modes.
+    halo : int
+        Halo size [cells]: with ``nc`` and ``grid`` it decides the path (real space or
+        k-space) of the force.
 
     Returns
     -------
@@ -84,16 +113,33 @@ def fft_fields(workload, nc, grid, half_spectrum=True):
     """
     from flowpm_mtf import fft
 
-    f = FFT_FIELDS[workload]
+    if _real_space(workload, nc, grid, halo):
+        f = real = REAL_SPACE_FFT_FIELDS[workload]
+    else:
+        f, real = FFT_FIELDS[workload], REAL_FFT_FIELDS[workload]
     if half_spectrum and fft.half_spectrum_fits((nc,) * 3, grid):
-        f -= REAL_FFT_FIELDS[workload] / 2
+        f -= real / 2
     return f
 
 
 READOUTS = readout_calls_per_force()
-# Halo field-ops (fill or reduce of one real field) per workload: the step paints
-# once (reduce) and fills the 3 force components (in 1 or 3 calls, same bytes).
-HALO_OPS = {"fft": 0, "halo": 2, "lpt": 0, "nbody_step": 4}
+# Halo field-ops (fill or reduce of one real field) per workload, as (fields, width):
+# the step paints once (reduce) and fills the 3 force components (in 1 or 3 calls, same
+# bytes); on the real-space path it fills the potential 2 cells wider instead, and the
+# LPT fills its potentials (4 cells for the 2LPT source, 2 for the second displacement).
+def halo_ops(workload, nc, grid, halo):
+    """``[(fields, width [cells])]`` of the halo fills and reduces of one run of a workload."""
+    if workload == "halo":
+        return [(2, halo)]
+    if not _real_space(workload, nc, grid, halo):
+        return [(4, halo)] if workload == "nbody_step" else []
+    from flowpm_mtf import lpt_source
+
+    if workload == "lpt":
+        return [(1, lpt_source.SOURCE_REACH), (1, lpt_source.GRADIENT_REACH)]
+    return [(1, halo), (1, halo + lpt_source.GRADIENT_REACH)]
+
+
 # Scalar int32 allreduces (particle escape checks: painting + each readout).
 SCALAR_REDUCES = {"fft": 0, "halo": 0, "lpt": 0, "nbody_step": 1 + READOUTS}
 
@@ -157,14 +203,14 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None, half_spectru
     n = P * Q
     aP, aQ = int(P > 1), int(Q > 1)
     c = 2 * itemsize * nc**3 // n
-    px, py = nc // P + 2 * halo, nc // Q + 2 * halo
-    f = fft_fields(workload, nc, grid, half_spectrum)
-    hops, sred = HALO_OPS[workload], SCALAR_REDUCES[workload]
+    f = fft_fields(workload, nc, grid, half_spectrum, halo)
+    sred = SCALAR_REDUCES[workload]
     if workload == "nbody_step" and readouts is not None:
         sred = 1 + readouts
     alltoall = int(f * c) * (aP + aQ)
     alltoall_wire = f * c * ((P - 1) / P + (Q - 1) / Q)
-    receive = hops * 2 * halo * nc * itemsize * (py * aP + px * aQ)
+    receive = sum(k * 2 * w * nc * itemsize * ((nc // Q + 2 * w) * aP + (nc // P + 2 * w) * aQ)
+                  for k, w in halo_ops(workload, nc, grid, halo))
     allreduce = sred * 4 if n > 1 else 0
     allreduce_wire = sred * 2.0 * (n - 1) / n * 4 if n > 1 else 0.0
     return {"recv": alltoall + receive + allreduce,
@@ -250,7 +296,7 @@ def cpu_features(nc, grid, halo):
     particles, wire bytes) of one N-body step."""
     P, Q = grid
     n = P * Q
-    return np.array([STEP_COLLECTIVES(P, Q), fft_flops(nc, FFT_FIELDS["nbody_step"]) / n,
+    return np.array([STEP_COLLECTIVES(P, Q), fft_flops(nc, fft_fields("nbody_step", nc, grid, False, halo)) / n,
                      nc**3 / n, comm_bytes("nbody_step", nc, grid, halo)["wire"]], float)
 
 
@@ -291,7 +337,7 @@ def gpu_step_time(nc, n, halo, gpu):
     bw = (NVLINK_GBS if n <= GPUS_PER_NODE else IB_GBS) * 1e9
     wire = comm_bytes("nbody_step", nc, (P, Q), halo, half_spectrum=False)["wire"]
     t_comm = wire / bw + STEP_COLLECTIVES(P, Q) * LATENCY_S
-    t_fft = fft_flops(nc, FFT_FIELDS["nbody_step"]) / n / GPU_FFT_FLOPS
+    t_fft = fft_flops(nc, fft_fields("nbody_step", nc, (P, Q), False, halo)) / n / GPU_FFT_FLOPS
     t_part = npart * GPU_PART_BYTES / (GPU[gpu]["hbm_gbs"] * 1e9 * GPU_HBM_EFFICIENCY)
     return {"total": t_comm + t_fft + t_part, "comm": t_comm, "fft": t_fft, "particles": t_part}
 

@@ -45,24 +45,35 @@ def test_step_bytes_are_the_sum_of_its_parts(record):
     # the kick/drift updates communicate nothing
     assert b["step"] == b["paint"] + b["fft"] + b["readout"]
     # the FFT's all-to-alls on grid 2x1: one transpose on the row axis for r2c (half
-    # the spectrum, fft.FFT3DOperation._lower_half) and one for the inverse of the 3
-    # force components packed into 2 complex fields (kernels.packed_inverse); each
-    # all-to-all's result is a whole complex64 block (Horovod's accounting, the rank's
-    # own half included)
+    # the spectrum, fft.FFT3DOperation._lower_half) and one for the inverse: of the
+    # potential, half the spectrum (real-space path, gravity.force_field_of_potential),
+    # or of the 3 force components packed into 2 complex fields (k-space path,
+    # kernels.packed_inverse); each all-to-all's result is a whole complex64 block
+    # (Horovod's accounting, the rank's own half included)
+    real_space = record["force_path"] == "real space"
     block = 16 * 16 * 16 // 2 * 8
-    assert b["fft"] == b["comm_fft"] == (1 / 2 + 2) * block
+    assert b["fft"] == b["comm_fft"] == (1 / 2 + (1 / 2 if real_space else 2)) * block
     # halo exchange along x (row axis, 2 ranks; the 1-rank y axis wraps locally):
-    # both margins of h cells x ny x nz float32 (halo.field_to_padded fills x before
+    # both margins of w cells x ny x nz float32 (halo.field_to_padded fills x before
     # the y margins exist; halo.reduced_to_field folds the y margins before x's);
     # paint = one reduce plus the int32 escape-count allreduce (4 bytes received),
-    # readout = one fill of the three force components (+ 4)
+    # readout = one fill (+ 4): of the potential, h + 2 cells (real space), or of the
+    # three force components, h cells
     h = record["halo"]
-    halo = 2 * h * 16 * 16 * 4
-    assert b["paint"] == halo + 4
-    assert b["readout"] == 3 * halo + 4
-    # the comm_halo phase exchanges the padded form (halo_fill / halo_reduce): its x
-    # margins include the y margins, h x (ny + 2h) x nz
-    assert b["comm_halo"] == 4 * 2 * h * (16 + 2 * h) * 16 * 4
+
+    def slabs(w):
+        return 2 * w * 16 * 16 * 4
+
+    assert b["paint"] == slabs(h) + 4
+    assert b["readout"] == (slabs(h + 2) if real_space else 3 * slabs(h)) + 4
+    # the comm_halo phase reduces the padded form (halo_reduce): its x margins include
+    # the y margins, h x (ny + 2h) x nz; its fill is the readout's (real space), or the
+    # padded form's too (k-space, halo_fill)
+    padded = 2 * h * (16 + 2 * h) * 16 * 4
+    assert b["comm_halo"] == padded + (slabs(h + 2) if real_space else 3 * padded)
+    # the suite requires the native ops (FLOWPM_MTF_NATIVE=require): the real-space path
+    assert real_space or os.environ.get("FLOWPM_MTF_NATIVE") != "require"
+
 
 def test_markdown_table(record):
     bench_sim = load_script("bench_sim")

@@ -67,7 +67,10 @@ def make_conf(grid, decomposition, **kw):
 def share_bound(conf):
     """(sites, variable elements) a rank may hold, from the configuration.
 
-    Grid sites: the padded block ``(nx/P + 2h)(ny/Q + 2h) nz``. Particles: the
+    Grid sites: the padded block ``(nx/P + 2w)(ny/Q + 2w) nz`` with the widest halo
+    a rank fills: the CIC's ``h``, or the potential's on the real-space paths, ``h + 2``
+    for the force field and 4 for the 2LPT source (``gravity.GRADIENT_REACH``,
+    ``lpt_source.SOURCE_REACH``). Particles: the
     lattice share (lagrangian), or the automatic capacity of the eulerian buffers
     (:func:`flowpm_mtf.sizing.capacity` of the configuration without a capacity
     override; the send buffers, ``2 send_capacity`` rows, are smaller). Variables:
@@ -75,7 +78,10 @@ def share_bound(conf):
     """
     from flowpm_mtf import sizing
 
+    from flowpm_mtf import gravity, lpt_source
+
     (P, Q), h = conf.grid, conf.halo_size
+    h = max(h + gravity.GRADIENT_REACH, lpt_source.SOURCE_REACH)
     padded = (NC // P + 2 * h) * (NC // Q + 2 * h) * NC
     slots = sizing.capacity(conf.replace(capacity=None, send_capacity=None))
     assert 2 * sizing.send_capacity(conf.replace(capacity=None, send_capacity=None)) <= slots
