@@ -100,8 +100,9 @@ def _fetchable(tensors):
     return [tf.reshape(t, [-1])[0] for t in tensors]
 
 
-def _phase_graphs(conf, impl, slices, particle_shape):
-    """Lower each part of one step on the given local slices; returns
+def _phase_graphs(conf, impl, slices, particle_shape, real_space):
+    """Lower each part of one step on the given local slices, on the force's path
+    (``real_space``: ``gravity._native_stencil``, else k-space); returns
     ``{phase: (fetches, received_bytes_tensor)}``."""
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
@@ -143,9 +144,6 @@ def _phase_graphs(conf, impl, slices, particle_shape):
 
     def paint(mesh, t):
         return [gravity.density(t["positions"], conf, domain.weights(t["ids"], conf))]
-
-    # the force's path in the step (gravity._field_of_density)
-    real_space = gravity._native_stencil(conf, conf.tf_dtype)
 
     def fft_phase(mesh, t):
         kernels = nbody.make_kernels(conf, mesh)
@@ -300,11 +298,11 @@ def cmd_run(args):
     with tf.Graph().as_default():
         # A new MeshImpl: its byte counters belong to the previous tf.Graph.
         impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
-        phases = _phase_graphs(conf, impl, slices, particle_shape)
-        # which force path the step took (the phases follow it)
+        # the force's path in the step (gravity._field_of_density): the phases follow it
         from flowpm_mtf import gravity
-        rec["force_path"] = ("real space" if gravity._native_stencil(conf, conf.tf_dtype)
-                             else "k-space")
+        real_space = gravity._native_stencil(conf, conf.tf_dtype)
+        rec["force_path"] = "real space" if real_space else "k-space"
+        phases = _phase_graphs(conf, impl, slices, particle_shape, real_space)
         with runner.session(session_config("hvd")) as sess:
             times, nbytes = {}, {}
             for name, (fetch, nb) in phases.items():

@@ -133,11 +133,11 @@ def halo_ops(workload, nc, grid, halo):
         return [(2, halo)]
     if not _real_space(workload, nc, grid, halo):
         return [(4, halo)] if workload == "nbody_step" else []
-    from flowpm_mtf import lpt_source
+    from flowpm_mtf import gravity, lpt_source
 
     if workload == "lpt":
-        return [(1, lpt_source.SOURCE_REACH), (1, lpt_source.GRADIENT_REACH)]
-    return [(1, halo), (1, halo + lpt_source.GRADIENT_REACH)]
+        return [(1, lpt_source.SOURCE_REACH), (1, gravity.GRADIENT_REACH)]
+    return [(1, halo), (1, halo + gravity.GRADIENT_REACH)]
 
 
 # Scalar int32 allreduces (particle escape checks: painting + each readout).
@@ -296,8 +296,9 @@ def cpu_features(nc, grid, halo):
     particles, wire bytes) of one N-body step."""
     P, Q = grid
     n = P * Q
-    return np.array([STEP_COLLECTIVES(P, Q), fft_flops(nc, fft_fields("nbody_step", nc, grid, False, halo)) / n,
-                     nc**3 / n, comm_bytes("nbody_step", nc, grid, halo)["wire"]], float)
+    flops = fft_flops(nc, fft_fields("nbody_step", nc, grid, False, halo))
+    return np.array([STEP_COLLECTIVES(P, Q), flops / n, nc**3 / n,
+                     comm_bytes("nbody_step", nc, grid, halo)["wire"]], float)
 
 
 def fit_cpu_time(records, train_sizes):
