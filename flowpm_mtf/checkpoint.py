@@ -17,7 +17,7 @@ files, by the snapshots' writer: space reserved first, data written with
 fsynced, see :mod:`flowpm_mtf.h5dist`; rank 0 then links the outputs the run has staged so far into
 ``outputs/`` and writes ``manifest.json`` with the step index, scale factor,
 config, process grid, the job's identity (:func:`identity`) and the size and
-SHA-256 of every part and output file, fsyncs and renames the directory to
+digest (:mod:`flowpm_mtf.digest`) of every part and output file, fsyncs and renames the directory to
 ``step_NNNNNN``). Only then are older checkpoints
 removed (the newest ``keep`` survive), so a crash at any moment leaves the
 previous checkpoint intact. A directory is *valid* when its manifest parses and
@@ -66,7 +66,7 @@ Outputs written before the checkpoint
 -------------------------------------
 Files a job writes during its time loop (snapshots, P(k) per step) go to the
 run directory's staging area; every checkpoint holds hard links (copies where
-links are impossible) of all of them, with size and SHA-256, and a resumed run
+links are impossible) of all of them, with size and digest, and a resumed run
 puts them back into its staging area (:func:`restore_outputs`) before it
 continues, so it publishes the same files as an uninterrupted run. Writers
 replace files by rename (:func:`flowpm_mtf.io.atomic_path`, ``h5dist``), never
@@ -93,8 +93,9 @@ import signal
 import numpy as np
 
 from .errors import ResumeError
-from .h5dist import _agree, _write_h5, collective, known_sha256
-from .io import fsync_path, sha256_file
+from . import digest
+from .h5dist import _agree, _write_h5, collective, known_digest
+from .io import fsync_path
 
 __all__ = ["CHECKPOINT_DIR", "FORMAT", "LAYOUT_FIELDS", "checkpoint_root", "step_dir",
            "state_config", "config_hash", "identity", "check_identity", "verify_resume", "save",
@@ -445,7 +446,7 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
             fattrs.update(pnum=int(pnum), step=int(step))
             written = _write_h5(path, datasets, fattrs, dattrs)
             files[name] = {"pnum": int(pnum), "size": int(written["size"]),
-                           "sha256": written["sha256"]}
+                           digest.DIGEST: written["digest"]}
             if arrays is not None:
                 files[name].update({
                     "block": [int(b) for b in arrays["block"]],
@@ -516,14 +517,14 @@ def _capture_outputs(src, dest, previous):
         ``<checkpoint>/outputs``.
     previous : dict
         The ``outputs`` of the newest earlier checkpoint: a file that is still
-        the same inode, size and mtime keeps its recorded SHA-256 (outputs are
+        the same inode, size and mtime keeps its recorded digest (outputs are
         replaced by rename, never changed in place), so a snapshot is hashed
         once, not at every checkpoint.
 
     Returns
     -------
     dict
-        Relative path -> ``{"size", "sha256", "key"}``.
+        Relative path -> ``{"size", "blake3", "key"}`` (:data:`flowpm_mtf.digest.DIGEST`).
     """
     files = {}
     if not os.path.isdir(src):
@@ -540,9 +541,10 @@ def _capture_outputs(src, dest, previous):
             _link_or_copy(path, target)
             key = _file_key(target)
             old = previous.get(rel)
-            sha = (old["sha256"] if old is not None and old.get("key") == key
-                   else known_sha256(path) or sha256_file(target))
-            files[rel] = {"size": key[2], "sha256": sha, "key": key}
+            hexdigest = (old[digest.DIGEST] if old is not None and old.get("key") == key
+                         and digest.DIGEST in old
+                         else known_digest(path) or digest.file_digest(target))
+            files[rel] = {"size": key[2], digest.DIGEST: hexdigest, "key": key}
     return files
 
 
@@ -553,7 +555,7 @@ def _check_outputs(path, manifest, checksums=True):
         if os.path.getsize(f) != info["size"]:
             raise ValueError("%s has %d bytes, the manifest says %d" % (f, os.path.getsize(f),
                                                                         info["size"]))
-        if checksums and sha256_file(f) != info["sha256"]:
+        if checksums and not digest.matches(f, info):
             raise ValueError("checksum mismatch in %s" % f)
 
 
@@ -703,7 +705,7 @@ def _may_overlap(xy_range, lo, hi, box):
 def _read_file(path, info):
     import h5py
 
-    if sha256_file(path) != info["sha256"]:
+    if not digest.matches(path, info):
         raise ValueError("checksum mismatch in %s" % path)
     with h5py.File(path, "r") as f:
         out = {k: f[k][...] for k in ("id",) + STATE_NAMES}
@@ -923,7 +925,7 @@ def _read_fields(path, manifest, wanted):
                                      % (fname, name, len(rec["shape"]), len(shape)))
                 file_path = os.path.join(path, name)
                 if name not in verified:
-                    if sha256_file(file_path) != manifest["files"][name]["sha256"]:
+                    if not digest.matches(file_path, manifest["files"][name]):
                         raise ValueError("checksum mismatch in %s" % file_path)
                     verified.add(name)
                 src = tuple(slice(l - c, h - c) for l, h, c in zip(lo, hi, rec["begin"]))

@@ -32,10 +32,11 @@ Without compression (the default) a part file's datasets are contiguous: HDF5
 writes the metadata and allocates the data, then :func:`_fill_raw` writes the
 whole file once more in file order from page-aligned staging buffers with
 ``O_DIRECT`` (the metadata read back, the rows copied in from the numpy pieces),
-hashing it on the way (SHA-256 in a second thread, writes in two more), and
+hashing it on the way (:mod:`flowpm_mtf.digest`, BLAKE3, in a second thread; writes in
+two more), and
 fsyncs it; buffered where the file system refuses ``O_DIRECT``
 (:data:`DIRECT_IO`). Rank
-0 records the hashes of every rank's files (:func:`known_sha256`), and the run
+0 records the digests of every rank's files (:func:`known_digest`), and the run
 directory's manifest and the checkpoints take them from there instead of
 reading the files again (a file changed since, by inode, size and mtime, is
 hashed anew). ``compression="gzip"`` or ``"lzf"``: chunked datasets written by
@@ -62,7 +63,6 @@ for an SPMD implementation (e.g. ``HvdSimdMeshImpl``), all of them for
 ``PlacementMeshImpl``. Positions come from ``mesh_impl.slice_begin``.
 """
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -71,13 +71,14 @@ import shutil
 
 import numpy as np
 
+from . import digest
 from .errors import FlowpmError, OutputDirError, error_from_name
 
 __all__ = ["Rows", "Block", "local_slices", "held_pnums", "owns_slice",
            "replicated_value", "part_path", "write_distributed", "check_sources",
            "gather_slab", "DISK_FULL_ERRNOS", "is_disk_full", "disk_full_error",
-           "reserve_space", "HDF5_OVERHEAD_BYTES", "COMPRESSIONS", "record_sha256",
-           "known_sha256"]
+           "reserve_space", "HDF5_OVERHEAD_BYTES", "COMPRESSIONS", "record_digest",
+           "known_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -263,36 +264,36 @@ def part_path(path, pnum):
 #: Compression filters of :func:`write_distributed` (h5py names; None: none).
 COMPRESSIONS = (None, "gzip", "lzf")
 
-_KNOWN_SHA256 = {}
-"""Real path -> ``(key, sha256)`` of the files written here (:func:`known_sha256`)."""
+_KNOWN_DIGEST = {}
+"""Real path -> ``(key, hex)`` of the files written here (:func:`known_digest`)."""
 
 
 def _file_key(st):
     return [int(st.st_ino), int(st.st_size), int(st.st_mtime_ns)]
 
 
-def record_sha256(path, key, sha256):
-    """Remember the SHA-256 of ``path`` computed while it was written.
+def record_digest(path, key, hexdigest):
+    """Remember the digest (:data:`flowpm_mtf.digest.DIGEST`) of ``path`` computed while it was written.
 
     Parameters
     ----------
     path : str
     key : list of int
         ``[inode, size, mtime_ns]`` of the file when it was complete.
-    sha256 : str
+    hexdigest : str
         Hex digest of its bytes.
     """
-    _KNOWN_SHA256[os.path.realpath(path)] = (list(key), sha256)
+    _KNOWN_DIGEST[os.path.realpath(path)] = (list(key), hexdigest)
 
 
-def known_sha256(path):
-    """The SHA-256 recorded by :func:`record_sha256` for ``path``, if the file is unchanged.
+def known_digest(path):
+    """The digest recorded by :func:`record_digest` for ``path``, if the file is unchanged.
 
     Outputs are replaced by rename, never changed in place: the same inode,
     size and modification time are the same bytes. ``None`` for a file not
     written here, or changed since (the caller hashes it).
     """
-    rec = _KNOWN_SHA256.get(os.path.realpath(path))
+    rec = _KNOWN_DIGEST.get(os.path.realpath(path))
     if rec is None:
         return None
     try:
@@ -429,7 +430,7 @@ def _fill_raw(path, raw):
     page-aligned staging buffers (:data:`DIRECT_CHUNK` bytes each):
     HDF5's own bytes between the datasets are read back (kilobytes) and the
     datasets' rows copied in piece by piece (:meth:`Rows.pieces`). A full
-    buffer is hashed (SHA-256, one thread, in file order) and written with
+    buffer is hashed (BLAKE3, one thread, in file order) and written with
     ``O_DIRECT`` (:data:`DIRECT_WRITERS` threads; no page cache: the disk's
     speed, not the kernel's copy, is the limit) while the next one is filled;
     the last partial block goes through the page cache. Where the file
@@ -439,12 +440,13 @@ def _fill_raw(path, raw):
     Returns
     -------
     (str, list of int, str)
-        The hex SHA-256 of the file, its key (:func:`known_sha256`) and the
+        The hex digest of the file (:data:`flowpm_mtf.digest.DIGEST`), its key
+        (:func:`known_digest`) and the
         write mode (``"direct"`` or ``"buffered"``).
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    h = hashlib.sha256()
+    h = digest.new()
     fd = os.open(path, os.O_RDWR)
     fd_direct = None
     try:
@@ -519,7 +521,8 @@ def _write_h5(path, datasets, attrs, dataset_attrs, compression=None):
     Returns
     -------
     dict
-        ``size`` [bytes], ``sha256`` (hex) and ``key`` (:func:`known_sha256`)
+        ``size`` [bytes], ``digest`` (hex, :data:`flowpm_mtf.digest.DIGEST`) and ``key``
+        (:func:`known_digest`)
         of the file written.
     """
     import h5py
@@ -555,21 +558,21 @@ def _write_h5(path, datasets, attrs, dataset_attrs, compression=None):
             for k, v in (attrs or {}).items():
                 f.attrs[k] = v
         if raw or compression is None:
-            sha, key, mode = _fill_raw(tmp, raw)
+            hexdigest, key, mode = _fill_raw(tmp, raw)
         else:
-            sha, key, mode = _hash_file(tmp), None, "hdf5"
+            hexdigest, key, mode = _hash_file(tmp), None, "hdf5"
         os.replace(tmp, path)
         if key is None:
             key = _file_key(os.stat(path))
-        return {"size": key[1], "sha256": sha, "key": key, "mode": mode}
+        return {"size": key[1], "digest": hexdigest, "key": key, "mode": mode}
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
 def _hash_file(path):
-    """SHA-256 of a file (fsynced first)."""
-    h = hashlib.sha256()
+    """Hex digest (:data:`flowpm_mtf.digest.DIGEST`) of a file (fsynced first)."""
+    h = digest.new()
     fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)
@@ -813,8 +816,8 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
         ``"hdf5"`` (compressed: by h5py), or these joined by ``+`` if the
         files differ.
 
-    Every part file is fsynced and hashed (SHA-256) while it is written; rank
-    0 records the hashes (:func:`known_sha256`), so a run directory's manifest
+    Every part file is fsynced and hashed (:mod:`flowpm_mtf.digest`) while it is
+    written; rank 0 records the digests (:func:`known_digest`), so a run directory's manifest
     does not read the files again.
 
     Returns
@@ -867,7 +870,7 @@ def write_distributed(path, comm, parts, *, attrs=None, dataset_attrs=None, smal
     if comm.rank == 0:
         for m in all_meta.values():
             w = m["written"]
-            record_sha256(os.path.join(base, m["file"]), w["key"], w["sha256"])
+            record_digest(os.path.join(base, m["file"]), w["key"], w["digest"])
     seconds = time.perf_counter() - t0
     if stats is not None:
         stats.update(bytes=nbytes, files=len(all_meta), seconds=seconds, mode=mode)

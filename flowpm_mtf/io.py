@@ -42,7 +42,6 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
-import hashlib
 import logging
 import os
 import platform
@@ -56,7 +55,7 @@ __all__ = ["SNAPSHOT_FORMAT", "KAPPA_FORMAT", "DEFAULT_UNITS", "versions", "to_j
            "atomic_path", "write_hdf5", "write_table", "write_json", "write_summary",
            "write_snapshot", "read_snapshot", "write_power", "read_power", "write_kappa",
            "write_kappa_power", "write_reconstruction", "write_reconstruction_table",
-           "lagrangian_ids", "particle_part", "write_snapshot_distributed", "sha256_file",
+           "lagrangian_ids", "particle_part", "write_snapshot_distributed",
            "fsync_path"]
 
 log = logging.getLogger(__name__)
@@ -139,15 +138,6 @@ def _is_writer(rank):
 
 def _tmp_name(path):
     return "%s.tmp-%d" % (path, os.getpid())
-
-
-def sha256_file(path, chunk=1 << 22):
-    """SHA-256 of a file's content, hex, read in ``chunk``-byte pieces (default 4 MiB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_path(path):

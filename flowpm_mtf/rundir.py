@@ -3,7 +3,7 @@
 Every job writes into one directory ``OUT`` (``--out``), laid out as::
 
     OUT/manifest.json     written LAST: job, config, generation, every output file with
-                          size and sha256
+                          size and digest (:mod:`flowpm_mtf.digest`)
     OUT/<outputs>         the files of the run the manifest describes (with the
                           per-rank ``*.parts/`` folders of :mod:`flowpm_mtf.h5dist`)
     OUT/.lock             while a run is active: fcntl lock held by rank 0, owner inside
@@ -95,8 +95,9 @@ import time
 
 from .backend import SerialComm
 from .errors import FlowpmError, OutputDirError, ResumeError, error_from_name
-from .h5dist import disk_full_error, is_disk_full, known_sha256
-from .io import fsync_path, sha256_file
+from . import digest
+from .h5dist import disk_full_error, is_disk_full, known_digest
+from .io import fsync_path
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
            "verify_manifest", "has_checkpoint", "swap_paths", "locate",
@@ -139,7 +140,8 @@ def verify_manifest(out, check_hashes=True):
     ----------
     out : str
     check_hashes : bool
-        Also recompute every file's sha256 (reads every byte).
+        Also recompute every file's digest (reads every byte; BLAKE3, or SHA-256 for
+        a manifest of before BLAKE3, :func:`flowpm_mtf.digest.matches`).
 
     Returns
     -------
@@ -158,8 +160,9 @@ def verify_manifest(out, check_hashes=True):
             elif size != entry["size"]:
                 problems.append("%s: size %d, manifest says %d"
                                 % (entry["path"], size, entry["size"]))
-            elif check_hashes and sha256_file(path) != entry["sha256"]:
-                problems.append("%s: sha256 differs from the manifest" % entry["path"])
+            elif check_hashes and not digest.matches(path, entry):
+                problems.append("%s: %s differs from the manifest"
+                                % (entry["path"], digest.recorded(entry)[0]))
         except OSError as e:  # removed while we read it (a run being replaced)
             problems.append("%s: %s" % (entry["path"], e.strerror or e))
     return problems
@@ -699,9 +702,9 @@ class RunDir:
                 if rel in (MANIFEST, LOCK) or _TMP_RE.search(name):
                     continue
                 fsync_path(path)  # on disk before the manifest that vouches for it
-                # part files were hashed while written (h5dist.known_sha256)
+                # part files were hashed while written (h5dist.known_digest)
                 files.append({"path": rel, "size": os.path.getsize(path),
-                              "sha256": known_sha256(path) or sha256_file(path)})
+                              digest.DIGEST: known_digest(path) or digest.file_digest(path)})
         previous = read_manifest(self.out)
         keep = bool(keep_checkpoints) and has_checkpoint(self.out)
         manifest = {"format": MANIFEST_FORMAT, "job": self.job, "config": to_jsonable(config),

@@ -272,7 +272,7 @@ def test_manifest_records_files_and_checksums():
     assert manifest["format"] == checkpoint.FORMAT and manifest["step"] == 5
     assert manifest["n_particles"] == int(np.prod(NC))
     assert sorted(manifest["files"]) == ["rank%05d.h5" % p for p in range(4)]
-    assert all(len(v["sha256"]) == 64 for v in manifest["files"].values())
+    assert all(len(v["blake3"]) == 64 for v in manifest["files"].values())
     assert not [d for d in os.listdir(checkpoint.checkpoint_root(out)) if d.startswith(".tmp")]
     shutil.rmtree(out)
 
@@ -419,10 +419,11 @@ def test_outputs_written_before_a_checkpoint_are_kept_and_restored(monkeypatch):
         f.write(b"4 5 6\n")
     files["power_a0.2000.txt"] = b"4 5 6\n"
     hashed = []
-    real = checkpoint.sha256_file
-    monkeypatch.setattr(checkpoint, "sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
+    real = checkpoint.digest.file_digest
+    monkeypatch.setattr(checkpoint.digest, "file_digest",
+                        lambda p, *a: hashed.append(p) or real(p, *a))
     save(out, SelfComm(), conf, 4, [0], outputs_dir=staging)
-    monkeypatch.setattr(checkpoint, "sha256_file", real)
+    monkeypatch.setattr(checkpoint.digest, "file_digest", real)
     hashed_outputs = sorted(p.split(os.sep + "outputs" + os.sep, 1)[1]
                             for p in hashed if os.sep + "outputs" + os.sep in p)
     assert hashed_outputs == ["power_a0.2000.txt", "snap.h5"]   # the others kept their hash

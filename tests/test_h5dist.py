@@ -155,19 +155,19 @@ def test_rows_with_a_transform_are_written_piece_by_piece(monkeypatch):
     comm.barrier()
 
 
-def _file_sha256(path):
-    import hashlib
+def _file_blake3(path):
+    import blake3
 
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        return blake3.blake3(f.read()).hexdigest()
 
 
 @pytest.mark.parametrize("compression", [None, "gzip"])
 def test_part_files_are_hashed_while_written(compression, monkeypatch):
-    """Every part file's SHA-256 is computed while it is written (contiguous data written
-    past HDF5, hashed in file order with the metadata between them; or hashed after a
-    compressed write) and recorded on rank 0, which then knows the hash of every rank's file
-    (h5dist.known_sha256) as long as the file is unchanged; masked rows (keep) are written
+    """Every part file's BLAKE3 digest is computed while it is written (contiguous data
+    written past HDF5, hashed in file order with the metadata between them; or hashed after a
+    compressed write) and recorded on rank 0, which then knows the digest of every rank's file
+    (h5dist.known_digest) as long as the file is unchanged; masked rows (keep) are written
     piece by piece; stats count the bytes of all part files."""
     comm = world_comm()
     d = shared_tmpdir(comm)
@@ -205,10 +205,10 @@ def test_part_files_are_hashed_while_written(compression, monkeypatch):
     comm.barrier()
     if comm.rank == 0:
         for f in files:
-            assert h5dist.known_sha256(f) == _file_sha256(f)
+            assert h5dist.known_digest(f) == _file_blake3(f)
         os.utime(files[-1], ns=(1, 1))          # changed since: hashed again by the caller
-        assert h5dist.known_sha256(files[-1]) is None
-        assert h5dist.known_sha256(path) is None  # the virtual file was not recorded
+        assert h5dist.known_digest(files[-1]) is None
+        assert h5dist.known_digest(path) is None  # the virtual file was not recorded
         shutil.rmtree(d)
     comm.barrier()
 
@@ -234,7 +234,7 @@ def _write_modes(comm, d, name, monkeypatch):
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(
             f["x"][...], np.concatenate(comm.allgather(src[keep] * np.float32(3.0))))
-    known = comm.bcast([h5dist.known_sha256(h5dist.part_path(path, p))
+    known = comm.bcast([h5dist.known_digest(h5dist.part_path(path, p))
                         for p in range(comm.size)] if comm.rank == 0 else None, root=0)
     return data, known[comm.rank], stats
 
@@ -243,10 +243,10 @@ def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
     """The part files written with O_DIRECT from aligned staging buffers, buffered (the
     file system refuses O_DIRECT at open, or only at the first write), are the same bytes
     (HDF5 puts its metadata at the same offsets: only the data are written past it), with
-    the right SHA-256 recorded; stats and the log say which mode wrote them."""
+    the right BLAKE3 digest recorded; stats and the log say which mode wrote them."""
     import errno
     import fcntl
-    import hashlib
+    import blake3
 
     comm = world_comm()
     d = shared_tmpdir(comm)
@@ -294,8 +294,8 @@ def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
     for mode, (other, other_sha, _) in files.items():
         if other != data:
             problems.append("%s: other bytes than the direct write" % mode)
-        if other_sha != hashlib.sha256(other).hexdigest():
-            problems.append("%s: recorded SHA-256 %s is wrong" % (mode, other_sha))
+        if other_sha != blake3.blake3(other).hexdigest():
+            problems.append("%s: recorded BLAKE3 digest %s is wrong" % (mode, other_sha))
     problems = comm.allgather(problems)
     comm.barrier()
     if comm.rank == 0:

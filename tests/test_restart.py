@@ -165,11 +165,11 @@ def _snapshot_name(a):
 
 
 def _published(d):
-    """Path -> sha256 of the files of the complete run in ``d`` (its manifest)."""
+    """Path -> digest of the files of the complete run in ``d`` (its manifest)."""
     from flowpm_mtf import rundir
 
     assert rundir.verify_manifest(d) == []
-    return {f["path"]: f["sha256"] for f in rundir.read_manifest(d)["files"]}
+    return {f["path"]: f["blake3"] for f in rundir.read_manifest(d)["files"]}
 
 
 def _datasets(path):

@@ -6,7 +6,6 @@ publishing process (subprocess), and the collective publish on every rank of the
 MPI job (``test_mpi_*``); the same behaviour through ``flowpm-mtf`` under mpirun is
 tested in tests/test_safety_cli.py."""
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 
+import blake3
 import numpy as np
 import pytest
 
@@ -25,13 +25,13 @@ single = pytest.mark.rank_independent
 
 
 def snapshot_tree(d):
-    """{relative path: sha256} of every file under d."""
+    """{relative path: BLAKE3 digest} of every file under d."""
     out = {}
     for root, _, names in os.walk(d):
         for n in names:
             p = os.path.join(root, n)
             with open(p, "rb") as f:
-                out[os.path.relpath(p, d)] = hashlib.sha256(f.read()).hexdigest()
+                out[os.path.relpath(p, d)] = blake3.blake3(f.read()).hexdigest()
     return out
 
 
@@ -63,7 +63,7 @@ def test_publish_writes_manifest_last_and_verifies(tmp_path):
     assert {f["path"] for f in m["files"]} == {"a.txt", "b.txt"}
     (out / "a.txt").write_text("tampered")  # same size: only the hash can tell
     (out / "a.txt").write_text("alphx")
-    assert rundir.verify_manifest(out) == ["a.txt: sha256 differs from the manifest"]
+    assert rundir.verify_manifest(out) == ["a.txt: blake3 differs from the manifest"]
 
 
 @single
@@ -246,7 +246,7 @@ def test_manifest_is_json_with_sizes(tmp_path):
         m = json.load(f)
     assert m["format"] == rundir.MANIFEST_FORMAT
     assert m["files"] == [{"path": "a.txt", "size": 5,
-                           "sha256": hashlib.sha256(b"12345").hexdigest()}]
+                           "blake3": blake3.blake3(b"12345").hexdigest()}]
 
 
 # ----------------------------------------------------------------------------- killed publish
@@ -325,7 +325,7 @@ def run_files(d):
 
 
 def which_run(d):
-    """"old" or "new" if d holds exactly that complete run (every sha256 checked), else None."""
+    """"old" or "new" if d holds exactly that complete run (every digest checked), else None."""
     if d is None or rundir.verify_manifest(d) != []:
         return None
     files = run_files(d)

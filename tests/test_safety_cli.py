@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flowpm_mtf import io, rundir
+from flowpm_mtf import digest, rundir
 from test_mpi_jobs import clean_env
 
 pytestmark = pytest.mark.single_process
@@ -46,7 +46,7 @@ def tree(d):
     for root, _, names in os.walk(d):
         for n in names:
             p = os.path.join(root, n)
-            out[os.path.relpath(p, d)] = io.sha256_file(p)
+            out[os.path.relpath(p, d)] = digest.file_digest(p)
     return out
 
 
