@@ -57,36 +57,71 @@ inline void gather_columns(Col col, i64 x, i64 y, Columns<T>* c) {
   }
 }
 
-// The six raw second differences at height k (z[s]: the index of k + s - 4, periodic),
-// before the coefficients: h = {xx, yy, zz, xy, xz, yz}.
+// Scratch of second_differences for one column of nz heights.
 template <typename T>
-inline void second_differences(const Columns<T>& c, i64 k, const i64* z, T h[6]) {
-  T xx = 0, yy = 0, zz = 0, xy = 0, xz = 0, yz = 0;
-  for (int s = 0; s < 9; ++s) {
-    xx += T(V9[s]) * c.xx[s][k];
-    yy += T(V9[s]) * c.yy[s][k];
-    zz += T(V9[s]) * c.zz[z[s]];
-  }
-  for (int a = 0; a < 4; ++a) {
-    T txy = 0, txz = 0, tyz = 0;
-    for (int b = 0; b < 4; ++b) {
-      txy += T(W4[b]) * c.xy[4 * a + b][k];
-      txz += T(W4[b]) * c.xz[a][z[O4[b] + 4]];
-      tyz += T(W4[b]) * c.yz[a][z[O4[b] + 4]];
-    }
-    xy += T(W4[a]) * txy;
-    xz += T(W4[a]) * txz;
-    yz += T(W4[a]) * tyz;
-  }
-  h[0] = xx; h[1] = yy; h[2] = zz; h[3] = xy; h[4] = xz; h[5] = yz;
+struct ColumnScratch {
+  explicit ColumnScratch(i64 nz) : nz(nz), h(6 * nz), t(nz), ext(9 * (nz + 8)) {}
+  i64 nz;
+  std::vector<T> h;    // the six second differences, h[f * nz + k]
+  std::vector<T> t;    // one inner sum of a mixed difference
+  std::vector<T> ext;  // the 9 z-differenced columns (zz, xz[4], yz[4]) padded by 4 each side
+};
+
+// The column col periodic in z, 4 values of padding on each side: ext[k + 4] = col[k mod nz]
+// for k = -4 .. nz + 3.
+template <typename T>
+inline void periodic_pad4(const T* col, i64 nz, T* ext) {
+  for (i64 k = -4; k < 0; ++k) ext[k + 4] = col[(k % nz + nz) % nz];
+  for (i64 k = 0; k < nz; ++k) ext[k + 4] = col[k];
+  for (i64 k = nz; k < nz + 4; ++k) ext[k + 4] = col[k % nz];
 }
 
-// The periodic z indices k + o (o = -4..4) of every k < nz, 9 per k.
-inline std::vector<i64> z_reach4(i64 nz) {
-  std::vector<i64> zi(9 * nz);
-  for (i64 k = 0; k < nz; ++k)
-    for (i64 o = -4; o <= 4; ++o) zi[9 * k + o + 4] = ((k + o) % nz + nz) % nz;
-  return zi;
+// y[k] += w x[k], k < n (x and y distinct arrays).
+template <typename T>
+inline void axpy(i64 n, T w, const T* __restrict x, T* __restrict y) {
+  for (i64 k = 0; k < n; ++k) y[k] += w * x[k];
+}
+
+// The six raw second differences of every height of one (x, y) column, before the
+// coefficients: s.h[f * nz + k], f = {xx, yy, zz, xy, xz, yz}. Streams over the columns
+// (vectorized over k); every value is summed in the same order of terms as a loop over
+// the stencil at each k would.
+template <typename T>
+inline void second_differences(const Columns<T>& c, ColumnScratch<T>* s) {
+  const i64 nz = s->nz, pz = nz + 8;
+  T* __restrict xx = s->h.data();
+  T* __restrict yy = xx + nz;
+  T* __restrict zz = yy + nz;
+  T* __restrict xy = zz + nz;
+  T* __restrict xz = xy + nz;
+  T* __restrict yz = xz + nz;
+  T* __restrict t = s->t.data();
+  T* __restrict ext = s->ext.data();
+  periodic_pad4(c.zz, nz, ext);
+  for (int a = 0; a < 4; ++a) {
+    periodic_pad4(c.xz[a], nz, ext + (1 + a) * pz);
+    periodic_pad4(c.yz[a], nz, ext + (5 + a) * pz);
+  }
+  for (i64 k = 0; k < 6 * nz; ++k) xx[k] = T(0);
+  for (int q = 0; q < 9; ++q) {  // one stream per loop: each vectorizes
+    const T w = T(V9[q]);
+    axpy(nz, w, c.xx[q], xx);
+    axpy(nz, w, c.yy[q], yy);
+    axpy(nz, w, ext + q, zz);  // ext[k + q] = zz at k + q - 4
+  }
+  for (int a = 0; a < 4; ++a) {
+    const T wa = T(W4[a]);
+    for (i64 k = 0; k < nz; ++k) t[k] = T(0);
+    for (int b = 0; b < 4; ++b) axpy(nz, T(W4[b]), c.xy[4 * a + b], t);
+    axpy(nz, wa, t, xy);
+    for (int f = 0; f < 2; ++f) {  // xz (ext columns 1..4), yz (5..8)
+      T* __restrict out = f == 0 ? xz : yz;
+      const T* __restrict col = ext + (1 + 4 * f + a) * pz + 4;  // col[k + o] = at k + o
+      for (i64 k = 0; k < nz; ++k) t[k] = T(0);
+      for (int b = 0; b < 4; ++b) axpy(nz, T(W4[b]), col + O4[b], t);
+      axpy(nz, wa, t, out);
+    }
+  }
 }
 
 // The products of the coefficients of the six second differences: h_ij = q[..] H_ij.
@@ -109,30 +144,29 @@ inline ::tensorflow::Status check_inputs(const char* op, const Tensor& phi, cons
   return ::tensorflow::OkStatus();
 }
 
-// cell(index, h) for every output cell of phi [B, ax, ay, nz] with margins m (index into
-// [B, ax - 2m, ay - 2m, nz]), h its six second differences with the coefficients applied,
-// {xx, yy, zz, xy, xz, yz}; parallel over (block, x) rows.
-template <typename T, typename Cell>
+// column(base, h) for every output column of phi [B, ax, ay, nz] with margins m: base is
+// the index of its first cell in [B, ax - 2m, ay - 2m, nz], h[f * nz + k] its six second
+// differences with the coefficients applied, {xx, yy, zz, xy, xz, yz}; parallel over
+// (block, x) rows.
+template <typename T, typename Column>
 void for_each_hessian(OpKernelContext* ctx, const Tensor& phi, i64 m, const T q[6], i64 cost,
-                      Cell cell) {
+                      Column column) {
   const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
             nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
   const T* P = phi.flat<T>().data();
-  const std::vector<i64> zi = z_reach4(nz);
   shard(ctx, nb * sx, sy * nz * cost, [&](int64_t begin, int64_t end) {
     Columns<T> c;
-    T h[6];
+    ColumnScratch<T> s(nz);
+    T* h = s.h.data();
     for (i64 r = begin; r < end; ++r) {
       const i64 b = r / sx, i = r % sx;
       auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
       for (i64 j = 0; j < sy; ++j) {
         gather_columns<T>(col, i + m, j + m, &c);
-        const i64 base = ((b * sx + i) * sy + j) * nz;
-        for (i64 k = 0; k < nz; ++k) {
-          second_differences<T>(c, k, &zi[9 * k], h);
-          for (int f = 0; f < 6; ++f) h[f] *= q[f];
-          cell(base + k, h);
-        }
+        second_differences<T>(c, &s);
+        for (int f = 0; f < 6; ++f)
+          for (i64 k = 0; k < nz; ++k) h[f * nz + k] *= q[f];
+        column(((b * sx + i) * sy + j) * nz, static_cast<const T*>(h));
       }
     }
   });
@@ -157,9 +191,13 @@ class Lpt2SourceOp : public OpKernel {
     T* O = out->flat<T>().data();
     T q[6];
     pair_coeffs<T>(cf, q);
-    for_each_hessian<T>(ctx, phi, m, q, 200, [O](i64 idx, const T* h) {
-      O[idx] = ((h[0] * h[1] + h[1] * h[2]) + h[2] * h[0]) -
-               ((h[3] * h[3] + h[4] * h[4]) + h[5] * h[5]);
+    for_each_hessian<T>(ctx, phi, m, q, 200, [O, nz](i64 base, const T* h) {
+      const T *xx = h, *yy = h + nz, *zz = h + 2 * nz, *xy = h + 3 * nz, *xz = h + 4 * nz,
+              *yz = h + 5 * nz;
+      T* __restrict o = O + base;
+      for (i64 k = 0; k < nz; ++k)
+        o[k] = ((xx[k] * yy[k] + yy[k] * zz[k]) + zz[k] * xx[k]) -
+               ((xy[k] * xy[k] + xz[k] * xz[k]) + yz[k] * yz[k]);
     });
   }
 
@@ -196,22 +234,29 @@ class Lpt2SourceGradOp : public OpKernel {
     T* O = out->flat<T>().data();
     T q[6];
     pair_coeffs<T>(cf, q);
-    const std::vector<i64> zi = z_reach4(nz);
     const i64 field = nb * sx * sy * nz;
     // 1. the weights w_ij = sbar dS/dh_ij q_ij on the output cells
-    for_each_hessian<T>(ctx, phi, m, q, 220, [&](i64 idx, const T* h) {
-      const T g = SB[idx];
-      T* w = Wt + idx;
-      w[0] = g * (h[1] + h[2]) * q[0];
-      w[field] = g * (h[0] + h[2]) * q[1];
-      w[2 * field] = g * (h[0] + h[1]) * q[2];
-      for (int f = 3; f < 6; ++f) w[f * field] = T(-2) * g * h[f] * q[f];
+    for_each_hessian<T>(ctx, phi, m, q, 220, [&](i64 base, const T* h) {
+      const T *xx = h, *yy = h + nz, *zz = h + 2 * nz;
+      const T* __restrict g = SB + base;
+      T* __restrict w = Wt + base;
+      for (i64 k = 0; k < nz; ++k) {
+        w[k] = g[k] * (yy[k] + zz[k]) * q[0];
+        w[field + k] = g[k] * (xx[k] + zz[k]) * q[1];
+        w[2 * field + k] = g[k] * (xx[k] + yy[k]) * q[2];
+      }
+      for (int f = 3; f < 6; ++f) {
+        const T* __restrict hf = h + f * nz;
+        T* __restrict wf = w + f * field;
+        for (i64 k = 0; k < nz; ++k) wf[k] = T(-2) * g[k] * hf[k] * q[f];
+      }
     });
     // 2. phibar = the same stencil on the weights, zero beyond the output cells
     const std::vector<T> zeros(nz, T(0));
     shard(ctx, nb * ax, ay * nz * 200, [&](int64_t begin, int64_t end) {
       Columns<T> c;
-      T h[6];
+      ColumnScratch<T> s(nz);
+      const T* h = s.h.data();
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / ax, x0 = r % ax;
         auto col = [&](int f, i64 x, i64 y) -> const T* {
@@ -221,11 +266,11 @@ class Lpt2SourceGradOp : public OpKernel {
         };
         for (i64 y0 = 0; y0 < ay; ++y0) {
           gather_columns<T>(col, x0, y0, &c);
-          T* o = O + ((b * ax + x0) * ay + y0) * nz;
-          for (i64 k = 0; k < nz; ++k) {
-            second_differences<T>(c, k, &zi[9 * k], h);
-            o[k] = ((h[0] + h[1]) + h[2]) + ((h[3] + h[4]) + h[5]);
-          }
+          second_differences<T>(c, &s);
+          T* __restrict o = O + ((b * ax + x0) * ay + y0) * nz;
+          for (i64 k = 0; k < nz; ++k)
+            o[k] = ((h[k] + h[nz + k]) + h[2 * nz + k]) +
+                   ((h[3 * nz + k] + h[4 * nz + k]) + h[5 * nz + k]);
         }
       }
     });
