@@ -775,7 +775,7 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
     ids = lagrangian_ids(conf, block) if ids is None else np.asarray(ids).reshape(-1)
     keep = None if valid is None else np.asarray(valid, bool).reshape(-1)
     box = np.asarray(conf.box_size, np.float64).astype(dtype)
-    box_min = box.min()
+    box_min, box_out = box.min(), _PerAxis(box)
     single = dtype == np.float32
     cell_out, shift_out = _PerAxis(cell.astype(dtype)), _PerAxis((origin * cell).astype(dtype))
     origin64, cell64 = _PerAxis(origin), _PerAxis(cell)
@@ -791,12 +791,8 @@ def particle_part(conf, block, positions, momenta, a, ids=None, valid=None, dtyp
             cell64.multiply(out)
             out = out.astype(dtype, copy=False)
         if out.size == 0 or (out.min() >= 0 and out.max() < box_min):
-            return out      # the usual piece: two flat reductions, no mask
-        outside = (out < 0) | (out >= box)
-        if outside.any():   # particles across the periodic edge (rare: only those pieces)
-            np.mod(out, box, out=out, where=outside)
-            # a value just below the box can round up to it: it is the periodic image of 0
-            np.subtract(out, box, out=out, where=out >= box)
+            return out      # every particle in the box: two flat reductions
+        box_out.wrap(out)   # particles across the periodic edge
         return out
 
     def velocity(rows):  # canonical momentum [cells] -> peculiar velocity [km/s]
@@ -844,6 +840,27 @@ class _PerAxis:
         """``out += v`` (``out`` contiguous; nothing for a zero ``v``)."""
         if not self.zero:
             np.add(out.reshape(-1), self._flat(out.size), out=out.reshape(-1))
+
+    def wrap(self, out):
+        """``out`` into ``[0, v)`` periodically, in place (``out`` contiguous, ``v`` > 0).
+
+        The values of ``np.mod(out, v)`` (in range: unchanged; one rounding for the
+        others), computed as ``out - v floor(out / v)`` over the flat rows: four
+        unmasked passes, ~9x faster than numpy's ``mod`` (16 ns per value) or its
+        masked loops. Where ``out / v`` rounds up to the next integer, or a value
+        just below 0 rounds up to ``v`` when shifted (its image is 0), a masked
+        pass puts it back, only in the pieces that have one.
+        """
+        flat = out.reshape(-1)
+        v = self._flat(flat.size)
+        turns = np.divide(flat, v)
+        np.floor(turns, out=turns)
+        np.multiply(turns, v, out=turns)
+        np.subtract(flat, turns, out=flat)
+        if flat.size and flat.min() < 0:
+            np.add(flat, v, out=flat, where=flat < 0)
+        if flat.size and (flat >= v).any():
+            np.subtract(flat, v, out=flat, where=flat >= v)
 
 
 def write_snapshot_distributed(path, comm, parts, attrs=None, *, units=None, compression=None,

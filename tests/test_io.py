@@ -234,3 +234,25 @@ def test_particle_part_writes_the_runs_dtype():
                               0.5, ids=ids, valid=valid)
     assert part64["position"].data.dtype == np.float64
     np.testing.assert_allclose(part64["position"].data[1:], ref[1:], rtol=1e-6)
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("box", [(200.0, 200.0, 200.0), (100.0, 250.0, 40.0)])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_periodic_wrap_equals_numpy_mod(box, dtype):
+    """io._PerAxis.wrap (the snapshot's positions across the periodic edge, without numpy's
+    slow mod) gives np.mod's values bit for bit, per axis, in [0, box), also at the edges:
+    values just below 0 and just below the box, the box itself, -box, multiples of it."""
+    rng = np.random.RandomState(3)
+    v = np.asarray(box, dtype)
+    x = (rng.uniform(-1.2, 2.2, (4000, 3)) * v).astype(dtype)
+    tiny = np.finfo(dtype).tiny
+    edge = [-tiny, -1e-9, -0.0, 0.0, np.nextafter(v[0], 0), v[0], -v[0], 2 * v[0],
+            np.nextafter(-v[0], 0), np.nextafter(2 * v[0], 0)]
+    x[:len(edge), 0] = np.asarray(edge, dtype)
+    got = x.copy()
+    io._PerAxis(v).wrap(got)
+    want = np.mod(x, v)
+    want[want >= v] -= np.broadcast_to(v, want.shape)[want >= v]   # rounded up to the box: 0
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.dtype(dtype) and np.all(got >= 0) and np.all(got < v)
