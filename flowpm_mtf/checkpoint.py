@@ -17,8 +17,8 @@ files, by the snapshots' writer: space reserved first, data written with
 fsynced, see :mod:`flowpm_mtf.h5dist`; rank 0 then links the outputs the run has staged so far into
 ``outputs/`` and writes ``manifest.json`` with the step index, scale factor,
 config, process grid, the job's identity (:func:`identity`) and the size and
-digest (:mod:`flowpm_mtf.digest`) of every part and output file, fsyncs and renames the directory to
-``step_NNNNNN``). Only then are older checkpoints
+digest (:mod:`flowpm_mtf.digest`) of every part and output file, fsyncs and
+renames the directory to ``step_NNNNNN``). Only then are older checkpoints
 removed (the newest ``keep`` survive), so a crash at any moment leaves the
 previous checkpoint intact. A directory is *valid* when its manifest parses and
 names this format and every part file exists with the recorded size; the

@@ -273,7 +273,9 @@ def _file_key(st):
 
 
 def record_digest(path, key, hexdigest):
-    """Remember the digest (:data:`flowpm_mtf.digest.DIGEST`) of ``path`` computed while it was written.
+    """Remember the digest of ``path`` computed while it was written.
+
+    The digest is :data:`flowpm_mtf.digest.DIGEST`'s (BLAKE3).
 
     Parameters
     ----------
