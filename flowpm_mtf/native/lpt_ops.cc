@@ -17,6 +17,7 @@
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
+#include <algorithm>
 #include <vector>
 
 #include "tf_op.h"
@@ -88,21 +89,23 @@ inline void axpy(i64 n, T w, const T* __restrict x, T* __restrict y) {
 // the stencil at each k would.
 template <typename T>
 inline void second_differences(const Columns<T>& c, ColumnScratch<T>* s) {
+  // Plain pointers: the six fields share one buffer (axpy's restrict arguments are what
+  // lets the compiler vectorize).
   const i64 nz = s->nz, pz = nz + 8;
-  T* __restrict xx = s->h.data();
-  T* __restrict yy = xx + nz;
-  T* __restrict zz = yy + nz;
-  T* __restrict xy = zz + nz;
-  T* __restrict xz = xy + nz;
-  T* __restrict yz = xz + nz;
-  T* __restrict t = s->t.data();
-  T* __restrict ext = s->ext.data();
+  std::fill(s->h.begin(), s->h.end(), T(0));
+  T* xx = s->h.data();
+  T* yy = xx + nz;
+  T* zz = yy + nz;
+  T* xy = zz + nz;
+  T* xz = xy + nz;
+  T* yz = xz + nz;
+  T* t = s->t.data();
+  T* ext = s->ext.data();
   periodic_pad4(c.zz, nz, ext);
   for (int a = 0; a < 4; ++a) {
     periodic_pad4(c.xz[a], nz, ext + (1 + a) * pz);
     periodic_pad4(c.yz[a], nz, ext + (5 + a) * pz);
   }
-  for (i64 k = 0; k < 6 * nz; ++k) xx[k] = T(0);
   for (int q = 0; q < 9; ++q) {  // one stream per loop: each vectorizes
     const T w = T(V9[q]);
     axpy(nz, w, c.xx[q], xx);
@@ -115,8 +118,8 @@ inline void second_differences(const Columns<T>& c, ColumnScratch<T>* s) {
     for (int b = 0; b < 4; ++b) axpy(nz, T(W4[b]), c.xy[4 * a + b], t);
     axpy(nz, wa, t, xy);
     for (int f = 0; f < 2; ++f) {  // xz (ext columns 1..4), yz (5..8)
-      T* __restrict out = f == 0 ? xz : yz;
-      const T* __restrict col = ext + (1 + 4 * f + a) * pz + 4;  // col[k + o] = at k + o
+      T* out = f == 0 ? xz : yz;
+      const T* col = ext + (1 + 4 * f + a) * pz + 4;  // col[k + o] = at k + o
       for (i64 k = 0; k < nz; ++k) t[k] = T(0);
       for (int b = 0; b < 4; ++b) axpy(nz, T(W4[b]), col + O4[b], t);
       axpy(nz, wa, t, out);
