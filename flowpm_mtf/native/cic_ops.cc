@@ -933,20 +933,15 @@ class CicEscapedOp : public OpKernel {
     const StencilFits<T> fits(box_);
     std::vector<std::atomic<int64_t>> counts(nb);
     for (auto& c : counts) c = 0;
+    // Block by block within [begin, end): no integer division per particle (it
+    // cost 12 ns a particle on one thread at 512^3, ten times the test itself).
     auto work = [&](int64_t begin, int64_t end) {
-      i64 b = begin / n;
-      int64_t count = 0;
-      for (i64 i = begin; i < end; ++i) {
-        if (i / n != b) {
-          counts[b] += count;
-          count = 0;
-          b = i / n;
-        }
-        const T* q = P + 3 * i;
-        const bool ok = fits(q);
-        count += !ok;
+      for (i64 b = begin / n, i = begin; i < end; ++b) {
+        const i64 stop = std::min<i64>(end, (b + 1) * n);
+        int64_t count = 0;
+        for (; i < stop; ++i) count += !fits(P + 3 * i);
+        counts[b] += count;
       }
-      if (end > begin) counts[b] += count;
     };
     shard(ctx, nb * n, 12, work);
     for (i64 b = 0; b < nb; ++b)
