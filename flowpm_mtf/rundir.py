@@ -151,7 +151,11 @@ def verify_manifest(out, check_hashes=True):
     if m is None:
         return ["%s: no valid %s" % (out, MANIFEST)]
     problems = []
-    for entry in m["files"]:
+    for i, entry in enumerate(m["files"]):
+        bad = _entry_problem(entry, check_hashes)
+        if bad:
+            problems.append("%s entry %d: %s" % (MANIFEST, i, bad))
+            continue
         path = os.path.join(out, entry["path"])
         try:
             size = os.path.getsize(path) if os.path.isfile(path) else None
@@ -166,6 +170,28 @@ def verify_manifest(out, check_hashes=True):
         except OSError as e:  # removed while we read it (a run being replaced)
             problems.append("%s: %s" % (entry["path"], e.strerror or e))
     return problems
+
+
+def _entry_problem(entry, check_hashes):
+    """Why a manifest entry cannot be checked (None when it can): not a ``{path, size,
+    digest}`` record, a path outside the run directory, or (``check_hashes``) no digest of
+    a known algorithm. A damaged or hand-edited manifest is then a listed problem, not an
+    exception."""
+    if not isinstance(entry, dict):
+        return "not a record (%s)" % type(entry).__name__
+    path, size = entry.get("path"), entry.get("size")
+    if not isinstance(path, str) or not path:
+        return "no file path"
+    if os.path.isabs(path) or os.pardir in os.path.normpath(path).split(os.sep):
+        return "%s: outside the run directory" % path
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return "%s: no valid size (%r)" % (path, size)
+    if check_hashes:
+        try:
+            digest.recorded(entry)
+        except ValueError:
+            return "%s: no digest (one of: %s)" % (path, ", ".join(digest.ALGORITHMS))
+    return None
 
 
 def generation(manifest):

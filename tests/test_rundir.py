@@ -67,6 +67,33 @@ def test_publish_writes_manifest_last_and_verifies(tmp_path):
 
 
 @single
+def test_damaged_manifest_entries_are_listed_not_raised(tmp_path):
+    """A manifest whose entries are damaged or hand-edited (no digest, no size, not a
+    record, a path outside the run) gives one listed problem per entry, with and without
+    the hashes; locate() does not take such a run as complete."""
+    import json
+
+    out = tmp_path / "run"
+    complete_run(out, {"a.txt": "alpha", "b.txt": "beta"})
+    path = out / "manifest.json"
+    m = json.loads(path.read_text())
+    good = m["files"]
+    no_digest = {k: v for k, v in good[1].items() if k not in ("blake3", "sha256")}
+    m["files"] = [good[0], no_digest, {"path": "a.txt"}, ["a.txt", 5],
+                  dict(good[0], path="../outside.txt"), dict(good[0], size=True)]
+    path.write_text(json.dumps(m))
+    assert rundir.verify_manifest(out) == [
+        "manifest.json entry 1: b.txt: no digest (one of: blake3, sha256)",
+        "manifest.json entry 2: a.txt: no valid size (None)",
+        "manifest.json entry 3: not a record (list)",
+        "manifest.json entry 4: ../outside.txt: outside the run directory",
+        "manifest.json entry 5: a.txt: no valid size (True)"]
+    # without the hashes the missing digest is not looked at
+    assert len(rundir.verify_manifest(out, check_hashes=False)) == 4
+    assert rundir.locate(out) is None
+
+
+@single
 def test_complete_run_is_never_modified_without_overwrite(tmp_path):
     out = tmp_path / "run"
     complete_run(out, {"a.txt": "old"})
