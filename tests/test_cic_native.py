@@ -401,6 +401,15 @@ def test_escaped_count_per_block_independent_of_threads():
     assert one.min() > 0
 
 
+def test_escaped_count_of_no_particles():
+    """Blocks without particles (n = 0) count 0 escapes, on 1 and 4 threads."""
+    lib = native.load("cic_ops")
+    with tf.Graph().as_default():
+        c = lib.flowpm_cic_escaped(tf.zeros([3, 0, 3], tf.float32), halo=2, sx=4, sy=4)
+        for threads in (1, 4):
+            np.testing.assert_array_equal(run(c, threads=threads), [0, 0, 0])
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_interleave_equals_numpy(dtype):
     """FlowpmInterleave picks columns of several inputs (any order, repeats) as numpy,

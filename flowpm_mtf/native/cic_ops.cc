@@ -936,6 +936,7 @@ class CicEscapedOp : public OpKernel {
     // Block by block within [begin, end): no integer division per particle (it
     // cost 12 ns a particle on one thread at 512^3, ten times the test itself).
     auto work = [&](int64_t begin, int64_t end) {
+      if (begin >= end) return;  // (no particles: n may be 0)
       for (i64 b = begin / n, i = begin; i < end; ++b) {
         const i64 stop = std::min<i64>(end, (b + 1) * n);
         int64_t count = 0;
