@@ -46,3 +46,22 @@ def load_script(name):
         del sys.modules[name]
         raise
     return mod
+
+
+def split_passthrough(argv):
+    """A script's own arguments and those after ``--``, which it passes on to a command.
+
+    Parameters
+    ----------
+    argv : list of str
+
+    Returns
+    -------
+    (list of str, list of str)
+        The arguments before the first ``--`` and those after it (empty without one).
+    """
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]

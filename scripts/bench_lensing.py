@@ -37,6 +37,7 @@ import numpy as np
 from flowpm_bench import RESULTS, provenance
 from flowpm_bench.launch import clean_env, mpirun_command
 from flowpm_bench.results import json_path, read_json, write_result
+from flowpm_bench.scripts import split_passthrough
 
 log = logging.getLogger("bench_lensing")
 SCRIPT = "scripts/bench_lensing.py"
@@ -184,11 +185,7 @@ def _figure(data, path):
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=("run", "render"))
     p.add_argument("--seeds", type=int, default=8, help="number of seeds (1..N)")

@@ -37,6 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flowpm_bench.scripts import split_passthrough  # noqa: E402 (no TensorFlow)
+
 SCRIPT = "scripts/profile_job.py"
 NAME = "profile_job"
 TOP_TYPES = 12
@@ -176,11 +178,7 @@ def render(records):
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nc", type=int, default=128, help="mesh per side (default 128)")
     parser.add_argument("--steps", type=int, default=5, help="N-body steps (default 5)")

@@ -59,3 +59,13 @@ def test_bad_trace_is_refused(tmp_path):
     p = _run("--nc", "16", "--steps", "2", "--trace", "3", "--out", str(tmp_path))
     assert p.returncode == 2
     assert "--trace: steps between 1 and 2" in p.stderr
+
+
+def test_split_passthrough():
+    """The arguments after the first ``--`` are the command's (profile_job, bench_lensing)."""
+    from flowpm_bench.scripts import split_passthrough
+
+    assert split_passthrough(["--nc", "16"]) == (["--nc", "16"], [])
+    assert split_passthrough(["--nc", "16", "--", "--sort-every", "2", "--", "x"]) == (
+        ["--nc", "16"], ["--sort-every", "2", "--", "x"])
+    assert split_passthrough(("--",)) == ([], [])
