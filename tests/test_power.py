@@ -8,7 +8,9 @@
 * nbodykit-style expectations on known inputs: plane waves put all their power
   in the shell of their wave vector, mode counts of the first shells, the
   expected white-noise level;
-* gradients: finite differences of a weighted sum of the binned power.
+* gradients: finite differences of a weighted sum of the binned power;
+* both paths of the shell sums (the native ``FlowpmShellSums`` and the TensorFlow
+  ops) against numpy, and the native op's sums independent of the thread count.
 """
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, power
+from flowpm_mtf import fft, native, power
 from flowpm_mtf.config import SimConfig
 
 # Both estimators sum the same |fftn/N|^2 values (float64) in different orders:
@@ -95,10 +97,22 @@ def run_power(case, conf, field, edges=None, deconvolve_cic=False, variants=None
     return outs if len(variants) > 1 else outs[0]
 
 
+HAS_NATIVE = native.load("power_ops") is not None
+# The shell sums' two paths: the native op where its library is built, the TensorFlow ops.
+PATHS = ["native", "tf"] if HAS_NATIVE else ["tf"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    if request.param == "tf":
+        monkeypatch.setattr(power, "_power_ops", lambda t: None)
+    return request.param
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
 @pytest.mark.parametrize("geom", sorted(GEOMETRIES))
-def test_matches_numpy(case, geom):
+def test_matches_numpy(case, geom, path):
     conf = conf_for(case, geom)
     rng = np.random.RandomState(5)
     field = rng.randn(*conf.nc)
@@ -115,7 +129,7 @@ def test_matches_numpy(case, geom):
         assert n_ref.sum() > 0
 
 
-def test_float32_matches_numpy():
+def test_float32_matches_numpy(path):
     case = CASES[0]
     conf = conf_for(case, "cubic", "float32")
     field = np.random.RandomState(6).randn(*conf.nc).astype(np.float32)
@@ -222,3 +236,62 @@ def test_bad_inputs():
         for bad in ([0.1], [0.2, 0.1], [-0.1, 0.2], [0.0, np.inf]):
             with pytest.raises(ValueError, match="edges"):
                 power.power_spectrum(ok, conf, edges=bad)
+
+
+def _shell_sums_numpy(v, ks, edges):
+    k = np.sqrt((ks[0][:, None, None]**2 + ks[1][None, :, None]**2) + ks[2][None, None, :]**2)
+    b = np.searchsorted(edges, k.ravel(), side="right") - 1
+    nb = len(edges) - 1
+    keep = (b >= 0) & (b < nb) & (k.ravel() != 0)
+    return (np.bincount(b[keep], minlength=nb).astype(float),
+            np.bincount(b[keep], k.ravel()[keep], nb),
+            np.bincount(b[keep], v.astype(np.float64).ravel()[keep], nb))
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native power_ops not built")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_shell_sums_op_threads_and_numpy(dtype):
+    """FlowpmShellSums on one slice: the same sums, bit for bit, on 1 and 4 threads (per x
+    plane partial sums, added in x order); the counts of numpy's binning exactly, the
+    sums to float64 rounding (float32 values: rounded once to float32). k vectors of a
+    mesh slice in mirror order, with k = 0, modes on no shell, and an edge hit exactly."""
+    rng = np.random.RandomState(11)
+    shape = (33, 24, 20)
+    ks = [np.fft.fftfreq(n, 1.0 / n).astype(np.float64) for n in shape]
+    ks[2][3] = 2.0          # exactly an edge: searchsorted(side="right") puts it above
+    edges = np.array([0.5, 1.5, 2.0, 4.0, 7.5, 9.0])
+    v = rng.rand(*shape).astype(dtype)
+    lib = native.load("power_ops")
+    outs = []
+    for threads in (1, 4):
+        with tf.Graph().as_default():
+            op = lib.flowpm_shell_sums(tf.constant(v), *[tf.constant(k) for k in ks],
+                                       tf.constant(edges))
+            cfg = tf.ConfigProto(intra_op_parallelism_threads=threads,
+                                 inter_op_parallelism_threads=1)
+            with tf.Session(config=cfg) as sess:
+                outs.append(sess.run(op))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    n_ref, k_ref, v_ref = _shell_sums_numpy(v, ks, edges)
+    n, k, vs = outs[0]
+    assert vs.dtype == dtype and n.dtype == k.dtype == np.float64
+    np.testing.assert_array_equal(n, n_ref)
+    assert n_ref.min() > 0 and n_ref.sum() < v.size     # every shell used, some modes on none
+    np.testing.assert_allclose(k, k_ref, rtol=1e-13)
+    np.testing.assert_allclose(vs, v_ref.astype(dtype), rtol=1e-13 if dtype == np.float64 else 1e-7)
+
+
+@pytest.mark.skipif(not HAS_NATIVE, reason="native power_ops not built")
+def test_shell_sums_op_bad_shapes():
+    lib = native.load("power_ops")
+    with tf.Graph().as_default(), tf.Session() as sess:
+        v = tf.zeros([4, 5, 6], tf.float64)
+        k = [tf.zeros([n], tf.float64) for n in (4, 5, 6)]
+        e = tf.constant([0.1, 0.2], tf.float64)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="k vector 1 must be"):
+            sess.run(lib.flowpm_shell_sums(v, k[0], tf.placeholder_with_default(
+                tf.zeros([7], tf.float64), [None]), k[2], e))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="edges must be"):
+            sess.run(lib.flowpm_shell_sums(v, *k, tf.placeholder_with_default(
+                tf.constant([0.1], tf.float64), [None])))

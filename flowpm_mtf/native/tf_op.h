@@ -1,5 +1,5 @@
 // The TensorFlow preamble shared by the op libraries of this folder (fft_ops.cc,
-// cic_ops.cc, noise_ops.cc, particle_ops.cc): the framework headers, the names
+// cic_ops.cc, noise_ops.cc, particle_ops.cc, ...): the framework headers, the names
 // they use unqualified, and the helpers they repeated.
 //
 // Each library is one translation unit; these names are declared in the unnamed
