@@ -9,8 +9,9 @@ session runs with TensorFlow's step statistics (``RunOptions(trace_level=FULL_TR
 ``step N``
     the steps named by ``--trace`` (default the first and the last);
 
-and, without op times, every other run of more than half a second (e.g. the variables'
-initialisation, the output's fetches). For each run: its wall time, the minor page faults
+and every other run (e.g. the variables' initialisation, the output's fetches: the final
+density and P(k)) that takes at least ``--other-min-s`` (default half a second), also traced
+(each runs once). For each run: its wall time, the minor page faults
 during it (as GB of 4 KiB pages: memory the process touches for the first time; on
 machine C such memory fills at 0.9 GB/s against 4-7 GB/s once touched, see
 docs/benchmarks.md), and per op type the summed op time and count, with the largest ops
@@ -20,6 +21,7 @@ adds a little overhead per op (negligible at 128^3 and above)::
 
     python scripts/profile_job.py --nc 512 --steps 5
     python scripts/profile_job.py --nc 128 --steps 5 --trace 1 3 5 -- --sort-every 2
+    python scripts/profile_job.py --nc 512 --steps 1 --trace 1 --other-min-s 0
 
 Arguments after ``--`` go to ``flowpm-mtf simulate``. The run's output goes to a temporary
 folder (removed after). Writes ``results/profile_job.md`` from
@@ -43,7 +45,7 @@ SCRIPT = "scripts/profile_job.py"
 NAME = "profile_job"
 TOP_TYPES = 12
 TOP_NAMES = 8
-UNTRACED_MIN_S = 0.5
+OTHER_MIN_S = 0.5
 
 
 def _minor_faults():
@@ -75,8 +77,9 @@ def op_times(run_metadata):
 class Tracer:
     """Patches ``tf.Session.run`` to time (and trace) the job's runs; ``records`` in order."""
 
-    def __init__(self, trace_steps):
+    def __init__(self, trace_steps, other_min_s=OTHER_MIN_S):
         self.trace_steps = set(trace_steps)
+        self.other_min_s = other_min_s
         self.records = []
         self.step = 0
         self.ics_labels = []
@@ -106,6 +109,8 @@ class Tracer:
                                    for k in feed_dict):
                 tracer.step += 1
                 label, traced = "step %d" % tracer.step, tracer.step in tracer.trace_steps
+            else:
+                traced = True          # an "other" run: kept if it takes other_min_s
             md = None
             if traced and options is None and run_metadata is None:
                 options = config_pb2.RunOptions(trace_level=config_pb2.RunOptions.FULL_TRACE)
@@ -113,7 +118,7 @@ class Tracer:
             f0, t0 = _minor_faults(), time.perf_counter()
             out = original_run(sess, fetches, feed_dict, options, run_metadata)
             wall, faults = time.perf_counter() - t0, _minor_faults() - f0
-            if label is None and wall < UNTRACED_MIN_S:
+            if label is None and wall < tracer.other_min_s:
                 return out
             rec = {"run": label or "other", "wall_s": wall, "faults_gb": faults * 4096 / 1e9}
             if md is not None:
@@ -129,13 +134,13 @@ class Tracer:
         nbody_run.run_init = run_init
 
 
-def profile(nc, steps, trace, extra):
+def profile(nc, steps, trace, extra, other_min_s=OTHER_MIN_S):
     """Run the job with a :class:`Tracer`; returns ``(records, summary.json)``."""
     import json
 
     from flowpm_mtf import cli
 
-    tracer = Tracer(trace)
+    tracer = Tracer(trace, other_min_s)
     tracer.install()
     out = tempfile.mkdtemp(prefix="profile_job_")
     try:
@@ -184,10 +189,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="N-body steps (default 5)")
     parser.add_argument("--trace", type=int, nargs="+",
                         help="steps to trace, 1-based (default the first and the last)")
+    parser.add_argument("--other-min-s", type=float, default=OTHER_MIN_S,
+                        help="keep the other runs (not the ICs' nor a step) that take at "
+                             "least this [s] (default %g)" % OTHER_MIN_S)
     parser.add_argument("--out", default=None, help="results folder (default results/)")
     args = parser.parse_args(argv)
-    if args.nc < 8 or args.steps < 1:
-        parser.error("--nc must be >= 8 and --steps >= 1")
+    if args.nc < 8 or args.steps < 1 or not args.other_min_s >= 0:
+        parser.error("--nc must be >= 8, --steps >= 1 and --other-min-s >= 0")
     trace = args.trace or sorted({1, args.steps})
     if any(not 1 <= s <= args.steps for s in trace):
         parser.error("--trace: steps between 1 and %d" % args.steps)
@@ -201,7 +209,7 @@ def main(argv=None):
     from flowpm_bench.results import json_path, read_json, write_json, write_table
 
     machine = provenance.machine()    # the load before the run
-    runs, summary = profile(args.nc, args.steps, trace, extra)
+    runs, summary = profile(args.nc, args.steps, trace, extra, args.other_min_s)
     record = {"nc": args.nc, "steps": args.steps, "extra": extra, "trace": trace,
               "commit": provenance.commit_label(), "machine": machine,
               "allocator": summary.get("allocator", allocator.active()),

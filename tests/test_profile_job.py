@@ -1,7 +1,8 @@
 """scripts/profile_job.py at 16^3 in a subprocess (it re-executes itself under the job's
 allocator and patches ``tf.Session.run``): the job's two IC runs and the traced steps are
 recorded with their ops (the CIC paint and readout, the 2LPT source), untraced steps
-without, a rerun replaces its record, and a bad ``--trace`` is refused."""
+without, the other runs (kept from 0 s) with theirs (the final P(k)'s shell sums), a rerun
+replaces its record, and a bad ``--trace`` or ``--other-min-s`` is refused."""
 import json
 import os
 import subprocess
@@ -27,7 +28,8 @@ def _run(*args):
 def test_profile_records_ics_and_traced_steps(tmp_path):
     out = str(tmp_path)
     for _ in range(2):    # the second run replaces the first's record
-        p = _run("--nc", "16", "--steps", "3", "--trace", "2", "3", "--out", out)
+        p = _run("--nc", "16", "--steps", "3", "--trace", "2", "3", "--other-min-s", "0",
+                 "--out", out)
         assert p.returncode == 0, p.stderr[-2000:]
     with open(json_path(out, "profile_job")) as f:    # out/ itself outside results/
         records = json.load(f)
@@ -49,6 +51,10 @@ def test_profile_records_ics_and_traced_steps(tmp_path):
         assert all(t >= 0 and n >= 1 for _, t, n in r["ops"])
         assert sum(t for _, t, _ in r["ops"]) > 0
         assert len(r["top"]) >= 1
+    # the other runs, kept from 0 s, traced: the final fetch's P(k) shell sums among them
+    others = [r for r in rec["runs"] if r["run"] == "other"]
+    assert others and all("ops" in r for r in others)
+    assert any(k == "FlowpmShellSums" for r in others for k, _, _ in r["ops"])
     assert rec["allocator"] in ("tcmalloc", "tf", "lean")
     with open(os.path.join(out, "profile_job.md")) as f:
         md = f.read()
@@ -59,6 +65,8 @@ def test_bad_trace_is_refused(tmp_path):
     p = _run("--nc", "16", "--steps", "2", "--trace", "3", "--out", str(tmp_path))
     assert p.returncode == 2
     assert "--trace: steps between 1 and 2" in p.stderr
+    p = _run("--nc", "16", "--steps", "2", "--other-min-s", "-1", "--out", str(tmp_path))
+    assert p.returncode == 2 and "--other-min-s >= 0" in p.stderr
 
 
 def test_split_passthrough():
