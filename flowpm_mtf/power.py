@@ -320,14 +320,14 @@ class ShellSumsOperation(mtf.Operation):
     """
 
     def __init__(self, values, conf, edges, name=None):
-        kvec = layout.kvec_tensors(conf, values.mesh, tf.float64, (name or "shell_sums") + "_k")
-        super().__init__([values] + kvec, name=name or "shell_sums")
-        if values.shape.dimension_names != list(cfg.K_DIMS):
-            raise ValueError("shell_sums: values must be on %s, got %s"
-                             % (list(cfg.K_DIMS), values.shape))
-        if not values.dtype.is_floating:
+        if values.shape != layout.k_shape(conf):
+            raise ValueError("shell_sums: values must have the shape %s, got %s"
+                             % (layout.k_shape(conf), values.shape))
+        if values.dtype.is_complex or not values.dtype.is_floating:
             raise TypeError("shell_sums: values must be real floating, got %s"
                             % values.dtype.name)
+        kvec = layout.kvec_tensors(conf, values.mesh, tf.float64, (name or "shell_sums") + "_k")
+        super().__init__([values] + kvec, name=name or "shell_sums")
         self._conf = conf
         self._edges = _check_edges(edges)
         kbin = mtf.Shape([mtf.Dimension(KBIN, self._edges.size - 1)])

@@ -236,6 +236,11 @@ def test_bad_inputs():
         for bad in ([0.1], [0.2, 0.1], [-0.1, 0.2], [0.0, np.inf]):
             with pytest.raises(ValueError, match="edges"):
                 power.power_spectrum(ok, conf, edges=bad)
+        edges = power.default_edges(conf)
+        with pytest.raises(ValueError, match="shell_sums: values must have the shape"):
+            power.shell_sums(ok, conf, edges)         # real-space dims, not k
+        with pytest.raises(TypeError, match="shell_sums: values must be real floating"):
+            power.shell_sums(mtf.cast(wrong, tf.int32), conf, edges)
 
 
 def _shell_sums_numpy(v, ks, edges):
