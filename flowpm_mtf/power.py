@@ -144,6 +144,20 @@ def cic_window(conf, mesh, dtype=None, name="cic_window"):
     return wx * wy * wz
 
 
+def _shells_of(k, edges):
+    """Flat ``int32`` shell index of the float64 ``|k|`` values ``k`` (``len(edges) - 1`` for
+    none and for ``k = 0``): the TensorFlow ops of :func:`bin_index` on one slice."""
+    n_bins = edges.size - 1
+    flat = tf.reshape(k, [1, -1])
+    idx = tf.searchsorted(tf.constant(edges[None, :], tf.float64), flat, side="right",
+                          out_type=tf.int32) - 1
+    # Static shapes and a broadcast scalar: tf.shape() is int32 and wraps for
+    # slices of 2^31 cells or more (a 2048^3 mesh on one rank).
+    idx = tf.where_v2((idx < 0) | (idx >= n_bins) | tf.equal(flat, 0.0),
+                      tf.constant(n_bins, tf.int32), idx)
+    return tf.reshape(idx, [-1])
+
+
 def bin_index(conf, mesh, edges, name="bin_index"):
     """Shell index of every mode, ``n_bins`` for modes outside the shells and for ``k = 0``.
 
@@ -161,18 +175,10 @@ def bin_index(conf, mesh, edges, name="bin_index"):
         ``edges[b] <= |k| < edges[b+1]``), and ``|k|`` [h/Mpc] in float64.
     """
     edges = _check_edges(edges)
-    n_bins = edges.size - 1
     knorm = _knorm64(conf, mesh, name=name + "_k")
 
     def fn(k):
-        flat = tf.reshape(k, [1, -1])
-        idx = tf.searchsorted(tf.constant(edges[None, :], tf.float64), flat, side="right",
-                              out_type=tf.int32) - 1
-        # Static shapes and a broadcast scalar: tf.shape() is int32 and wraps for
-        # slices of 2^31 cells or more (a 2048^3 mesh on one rank).
-        idx = tf.where_v2((idx < 0) | (idx >= n_bins) | tf.equal(flat, 0.0),
-                          tf.constant(n_bins, tf.int32), idx)
-        return tf.reshape(idx, k.shape)
+        return tf.reshape(_shells_of(k, edges), k.shape)
 
     idx = mtf.slicewise(fn, [knorm], output_shape=knorm.shape, output_dtype=tf.int32,
                         splittable_dims=knorm.shape.dims, grad_function=0, name=name)
@@ -360,10 +366,7 @@ class ShellSumsOperation(mtf.Operation):
             else:   # the TensorFlow ops of bin_index and binned_sum, on this slice
                 k = tf.sqrt(tf.square(kx)[:, None, None] + tf.square(ky)[None, :, None]
                             + tf.square(kz)[None, None, :])
-                flat = tf.reshape(k, [1, -1])
-                b = tf.searchsorted(e[None, :], flat, side="right", out_type=tf.int32) - 1
-                b = tf.reshape(tf.where_v2((b < 0) | (b >= n) | tf.equal(flat, 0.0),
-                                           tf.constant(n, tf.int32), b), [-1])
+                b = _shells_of(k, edges)
                 modes, ksum, vsum = (
                     tf.math.unsorted_segment_sum(tf.reshape(t, [-1]), b, n + 1)[:n]
                     for t in (tf.ones_like(k), k, v))
