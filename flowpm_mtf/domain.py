@@ -98,7 +98,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import config as cfg
-from . import native
+from . import layout, native
 from . import sizing
 from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
@@ -141,25 +141,48 @@ def id_dtype(conf):
 
 
 # ----------------------------------------------------------------------------- ids
-def lattice_ids(conf, mesh, deps=()):
+def lattice_ids(conf, mesh, deps=(), order="slots"):
     """Global ids of the lattice particles of every block, ``[bx, by, npart]``.
 
     The id of the particle that starts at global cell ``(i, j, k)`` is
-    ``(i ny + j) nz + k`` (row-major; FlowPM's particle order), in the slot
-    order of :func:`flowpm_mtf.painting.lattice`; dtype :func:`id_dtype`.
-    Built only after ``deps`` (:func:`flowpm_mtf.ordering.after`), if given.
+    ``(i ny + j) nz + k`` (row-major; FlowPM's particle order); dtype
+    :func:`id_dtype`. Built only after ``deps`` (:func:`flowpm_mtf.ordering.after`),
+    if given, by broadcasting sums (no transpose).
+
+    ``order``: ``"slots"``, the order the ICs give the particles
+    (:func:`flowpm_mtf.layout.slot_tiles`: tile by tile; the lattice order with the
+    lagrangian decomposition), or ``"lattice"``, that of
+    :func:`flowpm_mtf.painting.lattice` (row-major in the block).
     """
+    if order not in ("slots", "lattice"):
+        raise ValueError("lattice_ids: order must be 'slots' or 'lattice', got %r" % (order,))
     (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
     ny = conf.nc[1]
     dt = id_dtype(conf)
+    tx, ty, tz = layout.slot_tiles(conf) if order == "slots" else (1, 1, 1)
     bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
-    dsx, dsy, dz = (mtf.Dimension(cfg.SX, sx), mtf.Dimension(cfg.SY, sy),
-                    mtf.Dimension(cfg.Z, nz))
-    gx = mtf.range(mesh, bx, dtype=dt) * sx + mtf.range(mesh, dsx, dtype=dt)   # [bx, sx]
-    gy = mtf.range(mesh, by, dtype=dt) * sy + mtf.range(mesh, dsy, dtype=dt)   # [by, sy]
-    ids = (after(gx, deps) * ny + gy) * nz + mtf.range(mesh, dz, dtype=dt)
-    ids = mtf.transpose(ids, mtf.Shape([bx, by, dsx, dsy, dz]))
-    return mtf.reshape(ids, mtf.Shape([bx, by, mtf.Dimension(cfg.NPART, sx * sy * nz)]))
+    rx = after(mtf.range(mesh, bx, dtype=dt), deps)
+    ry = mtf.range(mesh, by, dtype=dt)
+
+    def fn(ix, iy):
+        nbx, nby = ix.shape.as_list()[0], iy.shape.as_list()[0]
+
+        def at(t, axis):   # t along axis of [nbx, nby, sx/tx, sy/ty, nz/tz, tx, ty, tz]
+            shape = [1] * 8
+            shape[axis] = -1
+            return tf.reshape(t, shape)
+
+        def rng(n, step=1):
+            return tf.range(n, dtype=dt) * step
+
+        gx = (at(ix * sx, 0) + at(rng(sx // tx, tx), 2)) + at(rng(tx), 5)
+        gy = (at(iy * sy, 1) + at(rng(sy // ty, ty), 3)) + at(rng(ty), 6)
+        gz = at(rng(nz // tz, tz), 4) + at(rng(tz), 7)
+        return tf.reshape((gx * ny + gy) * nz + gz, [nbx, nby, sx * sy * nz])
+
+    return mtf.slicewise(fn, [rx, ry], output_shape=mtf.Shape(layout.particle_dims(conf)),
+                         output_dtype=dt, splittable_dims=[bx, by], grad_function=0,
+                         name="lattice_ids")
 
 
 def weights(ids, conf):

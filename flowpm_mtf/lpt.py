@@ -43,19 +43,21 @@ from typing import NamedTuple
 
 import mesh_tensorflow as mtf
 import numpy as np
+import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import complex_ops, fft, ics, lpt_source
+from . import complex_ops, fft, ics, lpt_source, native
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       interleave_xyz, make_kernels, neg_gradient_potential)
-from .painting import displace_lattice
+from .painting import lattice_added_tf
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
-           "particles_to_lattice_order", "lpt_coefficients"]
+           "particles_to_lattice_order", "lpt_coefficients", "lattice_combine",
+           "lattice_combine_tf", "to_slots_tf"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,91 @@ def particles_to_lattice_order(t, conf):
     t = mtf.reshape(t, mtf.Shape([bx, by, dsx, dsy, dz] + rest))
     t = mtf.transpose(t, mtf.Shape([bx, dsx, by, dsy, dz] + rest))
     return mtf.reshape(t, fft.real_shape(conf) + mtf.Shape(rest))
+
+
+def to_slots_tf(y, tile):
+    """TensorFlow ops: ``y`` ``[B, sx, sy, nz, C]`` (lattice order) -> ``[B, sx sy nz, C]`` in
+    the slot order of the tiles ``tile = (tx, ty, tz)`` (:func:`flowpm_mtf.layout.slot_tiles`;
+    a transpose: the reference of ``FlowpmLatticeCombine``, the path without it)."""
+    b, sx, sy, nz, c = y.shape.as_list()
+    tx, ty, tz = tile
+    if (tx, ty, tz) != (1, 1, 1):
+        y = tf.reshape(y, [b, sx // tx, tx, sy // ty, ty, nz // tz, tz, c])
+        y = tf.transpose(y, [0, 1, 3, 5, 2, 4, 6, 7])
+    return tf.reshape(y, [b, sx * sy * nz, c])
+
+
+def lattice_combine_tf(inputs, coeffs, tile, lattice=False):
+    """``FlowpmLatticeCombine`` as TensorFlow ops (its reference; the path of a device
+    without the native op): ``((inputs[0] * coeffs[0]) + (inputs[1] * coeffs[1])) + ...``
+    [+ the lattice sites], then :func:`to_slots_tf`.
+
+    ``inputs``: ``[B, sx, sy, nz, C]`` tensors; ``coeffs``: ``[N]`` tensor of their dtype."""
+    out = None
+    for n, t in enumerate(inputs):
+        term = t * coeffs[n]
+        out = term if out is None else out + term
+    if lattice:
+        out = lattice_added_tf(out)
+    return to_slots_tf(out, tile)
+
+
+@tf.RegisterGradient("FlowpmLatticeCombine")
+def _lattice_combine_grad(op, dy):
+    """``FlowpmLatticeCombineGrad``: ``dy`` back in lattice order times each coefficient
+    (the lattice sites are constants; no gradient for the coefficients, constants too)."""
+    lib = native.load("lpt_ops")
+    block = op.inputs[0].shape.as_list()[1:4]
+    grads = lib.flowpm_lattice_combine_grad(dy, op.inputs[-1], tile=op.get_attr("tile"),
+                                            block=block, N=len(op.inputs) - 1)
+    return list(grads) + [None]
+
+
+def lattice_combine(psis, coeffs, conf, lattice=False, name="lattice_combine"):
+    r"""The particles' initial vectors from the LPT displacements, in the ICs' slot order.
+
+    :math:`\sum_n c_n \Psi^{(n)}` (plus the lattice site when ``lattice``: the
+    positions), the slots in the tile order of :func:`flowpm_mtf.layout.slot_tiles`
+    (the lattice order with the lagrangian decomposition). One native pass
+    (``FlowpmLatticeCombine``, :func:`lattice_combine_tf` without it): the products,
+    the sums and the lattice site's addition of the TensorFlow ops, bit for bit.
+
+    Parameters
+    ----------
+    psis : list of mtf.Tensor
+        ``[bx, by, npart, xyz]`` [cells], lattice order (:func:`lpt_displacements`).
+    coeffs : sequence of float
+        One per displacement (:func:`lpt_coefficients`), rounded to ``conf.dtype``.
+    conf : SimConfig
+    lattice : bool
+        Add the lattice site (block-local [cells]): the positions.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, npart, xyz]``, dtype ``conf.dtype``; the gradient with respect to
+        each displacement is that coefficient times the output's, in lattice order.
+    """
+    if len(psis) != len(coeffs):
+        raise ValueError("lattice_combine: %d displacements, %d coefficients"
+                         % (len(psis), len(coeffs)))
+    sx, sy, nz = conf.block_shape
+    tile = list(layout.slot_tiles(conf))
+    cvals = np.asarray(coeffs, conf.np_dtype)
+
+    def fn(*ts):
+        nbx, nby, n, c = ts[0].shape.as_list()
+        blocks = [tf.reshape(t, [nbx * nby, sx, sy, nz, c]) for t in ts]
+        cf = tf.constant(cvals)
+        lib = native.ops_for("lpt_ops", *blocks)
+        out = (lib.flowpm_lattice_combine(blocks, cf, tile=tile, lattice=bool(lattice))
+               if lib is not None else lattice_combine_tf(blocks, cf, tile, lattice))
+        return tf.reshape(out, [nbx, nby, n, c])
+
+    return mtf.slicewise(fn, list(psis), output_shape=psis[0].shape,
+                         output_dtype=psis[0].dtype, splittable_dims=psis[0].shape.dims[:2],
+                         name=name)
 
 
 def _check_linear(linear, conf):
@@ -329,17 +416,15 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
     def combine(key, deps):
-        out = None
-        for c, psi in zip(coef[key], psis):
-            term = after(psi, deps, name="lpt_after") * np.asarray(c, conf.np_dtype).item()
-            out = term if out is None else out + term
-        return out
+        return lattice_combine([after(psi, deps, name="lpt_after") for psi in psis],
+                               coef[key], conf, lattice=key == "x", name="lpt_" + key)
 
     # One full-size result at a time (each waits for the previous one), and the
-    # data-independent lattice and ids only when they are needed.
+    # data-independent ids only when they are needed. The slots: the tile order of
+    # layout.slot_tiles (ids alike).
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
-    x = pad(displace_lattice(combine("x", ()), conf))
+    x = pad(combine("x", ()))
     fields = []
     for key in ("p", "f") if forces else ("p",):
         fields.append(pad(combine(key, [fields[-1] if fields else x])))

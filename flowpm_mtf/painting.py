@@ -115,6 +115,22 @@ def lattice(conf, mesh):
     return mtf.broadcast(base, mtf.Shape([bx, by, npart, xyz]))
 
 
+def lattice_added_tf(y):
+    """TensorFlow ops: ``y`` ``[..., sx, sy, nz, 3]`` plus the lattice site ``(i, j, k)`` of
+    each cell [cells], added one axis at a time (``((y + i) + j) + k``, the other components
+    of each step zero: no full-size lattice tensor)."""
+    shp = y.shape.as_list()
+    lead, dims = len(shp) - 4, shp[-4:-1]
+    for ax, n in enumerate(dims):
+        shape = [1] * (lead + 3) + [3]
+        shape[lead + ax] = n
+        unit = np.zeros((1, 3), y.dtype.as_numpy_dtype)
+        unit[0, ax] = 1
+        r = tf.range(n, dtype=y.dtype)[:, None] * tf.constant(unit, y.dtype)   # [n, 3]
+        y = y + tf.reshape(r, shape)
+    return y
+
+
 def displace_lattice(dx, conf):
     """``lattice(conf, mesh) + dx`` without a full-size lattice tensor.
 
@@ -141,15 +157,7 @@ def displace_lattice(dx, conf):
 
     def fn(t):
         lead = t.shape.as_list()[:2]
-        y = tf.reshape(t, lead + [sx, sy, nz, 3])
-        for ax, n in enumerate((sx, sy, nz)):
-            shape = [1, 1, 1, 1, 1, 3]
-            shape[2 + ax] = n
-            unit = np.zeros((1, 3), conf.np_dtype)
-            unit[0, ax] = 1
-            r = tf.range(n, dtype=t.dtype)[:, None] * tf.constant(unit, t.dtype)   # [n, 3]
-            y = y + tf.reshape(r, shape)
-        return tf.reshape(y, t.shape)
+        return tf.reshape(lattice_added_tf(tf.reshape(t, lead + [sx, sy, nz, 3])), t.shape)
 
     return mtf.slicewise(fn, [dx], output_shape=dx.shape, output_dtype=dx.dtype,
                          splittable_dims=dx.shape.dims[:2], grad_function=lambda op, dy: [dy],

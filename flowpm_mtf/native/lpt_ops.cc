@@ -14,6 +14,16 @@
 //       phibar = sum_ij D_i D_j (sbar dS/dh_ij), the weights extended by zeros beyond the
 //       output (D_i D_j is its own transpose: D is antisymmetric). Two passes: the six
 //       weight fields (a temporary of 6 output fields), then the same stencil on them.
+//   FlowpmLatticeCombine(inputs N x [B, sx, sy, nz, C], coeffs [N], tile [3], lattice)
+//       -> [B, sx sy nz, C]: the LPT state of the lattice particles,
+//       v = ((inputs[0] * coeffs[0]) + (inputs[1] * coeffs[1])) + ..., plus the lattice
+//       site (i, j, k) along its component when `lattice` (C = 3), written in the slot
+//       order of the tiles (tx, ty, tz) (flowpm_mtf.layout.slot_tiles; tiles of the
+//       block's lattice, row-major, cells row-major in each: (1, 1, 1) is the lattice
+//       order): the products and sums of flowpm_mtf.lpt's TensorFlow twin bit for bit
+//       (each rounded, no contraction), one pass instead of 2-6 full-size ones.
+//   FlowpmLatticeCombineGrad(dy [B, sx sy nz, C], coeffs [N], tile, block [3])
+//       -> N x [B, sx, sy, nz, C]: dy in lattice order times coeffs[n] (its gradient).
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
@@ -283,6 +293,169 @@ class Lpt2SourceGradOp : public OpKernel {
   int margin_;
 };
 
+// ------------------------------------------------------------------ lattice combine
+// Slot of lattice cell (i, j, k) of a block of (sx, sy, nz) cells in tiles (tx, ty, tz).
+struct Tiles {
+  i64 sx, sy, nz, tx, ty, tz;
+  i64 slot(i64 i, i64 j, i64 k) const {
+    const i64 tile = ((i / tx) * (sy / ty) + j / ty) * (nz / tz) + k / tz;
+    return (tile * ty * tx + (i % tx) * ty + (j % ty)) * tz + k % tz;
+  }
+};
+
+::tensorflow::Status tiles_of(OpKernelConstruction* ctx, Tiles* t) {
+  std::vector<int> tile;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("tile", &tile));
+  if (tile.size() != 3 || tile[0] < 1 || tile[1] < 1 || tile[2] < 1)
+    return InvalidArgument("FlowpmLatticeCombine: tile must be 3 positive sizes");
+  t->tx = tile[0], t->ty = tile[1], t->tz = tile[2];
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status check_tiles(const char* op, const Tiles& t) {
+  if (t.sx % t.tx || t.sy % t.ty || t.nz % t.tz)
+    return InvalidArgument(op, ": tile (", t.tx, ", ", t.ty, ", ", t.tz,
+                           ") does not divide the block (", t.sx, ", ", t.sy, ", ", t.nz, ")");
+  return ::tensorflow::OkStatus();
+}
+
+template <typename T>
+class LatticeCombineOp : public OpKernel {
+ public:
+  explicit LatticeCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice", &lattice_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::OpInputList ins;
+    OP_REQUIRES_OK(ctx, ctx->input_list("inputs", &ins));
+    const Tensor& cf = ctx->input(ins.size());
+    const Tensor& x0 = ins[0];
+    OP_REQUIRES(ctx, x0.dims() == 5,
+                InvalidArgument("FlowpmLatticeCombine: inputs must be [B, sx, sy, nz, C], got ",
+                                x0.shape().DebugString()));
+    for (int n = 1; n < ins.size(); ++n)
+      OP_REQUIRES(ctx, ins[n].shape() == x0.shape(),
+                  InvalidArgument("FlowpmLatticeCombine: input ", n, " has the shape ",
+                                  ins[n].shape().DebugString(), ", input 0 ",
+                                  x0.shape().DebugString()));
+    OP_REQUIRES(ctx, cf.dims() == 1 && cf.dim_size(0) == ins.size(),
+                InvalidArgument("FlowpmLatticeCombine: coeffs must be [", ins.size(), "], got ",
+                                cf.shape().DebugString()));
+    Tiles t = t_;
+    const i64 nb = x0.dim_size(0), C = x0.dim_size(4);
+    t.sx = x0.dim_size(1), t.sy = x0.dim_size(2), t.nz = x0.dim_size(3);
+    OP_REQUIRES_OK(ctx, check_tiles("FlowpmLatticeCombine", t));
+    OP_REQUIRES(ctx, !lattice_ || C == 3,
+                InvalidArgument("FlowpmLatticeCombine: lattice needs C = 3, got ", C));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, t.sx * t.sy * t.nz, C}), &out));
+    const int N = ins.size();
+    std::vector<const T*> src(N);
+    for (int n = 0; n < N; ++n) src[n] = ins[n].flat<T>().data();
+    std::vector<T> c(N);
+    for (int n = 0; n < N; ++n) c[n] = cf.flat<T>()(n);
+    T* O = out->flat<T>().data();
+    const i64 cells = t.sx * t.sy * t.nz;
+    const bool lat = lattice_;
+    // one unit per (block, x, y) column: its z runs of tz cells go to consecutive slots
+    shard(ctx, nb * t.sx * t.sy, t.nz * C * 4 * N, [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / (t.sx * t.sy), i = (u / t.sy) % t.sx, j = u % t.sy;
+        const i64 in0 = ((b * t.sx + i) * t.sy + j) * t.nz * C;
+        for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
+          T* __restrict o = O + (b * cells + t.slot(i, j, k0)) * C;
+          const i64 at = in0 + k0 * C, len = t.tz * C;
+          const T* __restrict a = src[0] + at;
+          const T c0 = c[0];
+          for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
+          for (int n = 1; n < N; ++n) {
+            const T* __restrict an = src[n] + at;
+            const T cn = c[n];
+            for (i64 e = 0; e < len; ++e) {
+              const T term = an[e] * cn;
+              o[e] = o[e] + term;
+            }
+          }
+          if (lat) {
+            const T fi = T(i), fj = T(j);
+            for (i64 kk = 0; kk < t.tz; ++kk) {
+              o[3 * kk] += fi;
+              o[3 * kk + 1] += fj;
+              o[3 * kk + 2] += T(k0 + kk);
+            }
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  Tiles t_;
+  bool lattice_;
+};
+
+template <typename T>
+class LatticeCombineGradOp : public OpKernel {
+ public:
+  explicit LatticeCombineGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
+    std::vector<int> block;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("block", &block));
+    OP_REQUIRES(ctx, block.size() == 3 && block[0] > 0 && block[1] > 0 && block[2] > 0,
+                InvalidArgument("FlowpmLatticeCombineGrad: block must be 3 positive sizes"));
+    t_.sx = block[0], t_.sy = block[1], t_.nz = block[2];
+    OP_REQUIRES_OK(ctx, check_tiles("FlowpmLatticeCombineGrad", t_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dy = ctx->input(0);
+    const Tensor& cf = ctx->input(1);
+    const Tiles t = t_;
+    const i64 cells = t.sx * t.sy * t.nz;
+    OP_REQUIRES(ctx, dy.dims() == 3 && dy.dim_size(1) == cells,
+                InvalidArgument("FlowpmLatticeCombineGrad: dy must be [B, ", cells,
+                                ", C], got ", dy.shape().DebugString()));
+    OP_REQUIRES(ctx, cf.dims() == 1 && cf.dim_size(0) >= 1,
+                InvalidArgument("FlowpmLatticeCombineGrad: coeffs must be [N], got ",
+                                cf.shape().DebugString()));
+    const i64 nb = dy.dim_size(0), C = dy.dim_size(2), N = cf.dim_size(0);
+    ::tensorflow::OpOutputList outs;
+    OP_REQUIRES_OK(ctx, ctx->output_list("outputs", &outs));
+    OP_REQUIRES(ctx, outs.size() == N,
+                InvalidArgument("FlowpmLatticeCombineGrad: ", outs.size(), " outputs for ",
+                                N, " coefficients"));
+    std::vector<T*> dst(N);
+    for (int n = 0; n < N; ++n) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, outs.allocate(n, TensorShape({nb, t.sx, t.sy, t.nz, C}), &o));
+      dst[n] = o->flat<T>().data();
+    }
+    std::vector<T> c(N);
+    for (int n = 0; n < N; ++n) c[n] = cf.flat<T>()(n);
+    const T* D = dy.flat<T>().data();
+    shard(ctx, nb * t.sx * t.sy, t.nz * C * 2 * N, [&](i64 begin, i64 end) {
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / (t.sx * t.sy), i = (u / t.sy) % t.sx, j = u % t.sy;
+        const i64 out0 = ((b * t.sx + i) * t.sy + j) * t.nz * C;
+        for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
+          const T* __restrict g = D + (b * cells + t.slot(i, j, k0)) * C;
+          const i64 len = t.tz * C;
+          for (int n = 0; n < N; ++n) {
+            T* __restrict o = dst[n] + out0 + k0 * C;
+            const T cn = c[n];
+            for (i64 e = 0; e < len; ++e) o[e] = g[e] * cn;
+          }
+        }
+      }
+    });
+  }
+
+ private:
+  Tiles t_;
+};
+
 }  // namespace
 
 REGISTER_OP("FlowpmLpt2Source")
@@ -317,3 +490,47 @@ REGISTER_OP("FlowpmLpt2SourceGrad")
 
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLpt2Source", Lpt2SourceOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLpt2SourceGrad", Lpt2SourceGradOp);
+
+REGISTER_OP("FlowpmLatticeCombine")
+    .Input("inputs: N * T")
+    .Input("coeffs: T")
+    .Output("out: T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("tile: list(int)")
+    .Attr("lattice: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle x;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &x));
+      DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->Multiply(c->Dim(x, 1), c->Dim(x, 2), &n));
+      TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(x, 3), &n));
+      c->set_output(0, c->MakeShape({c->Dim(x, 0), n, c->Dim(x, 4)}));
+      return ::tensorflow::OkStatus();
+    });
+
+REGISTER_OP("FlowpmLatticeCombineGrad")
+    .Input("dy: T")
+    .Input("coeffs: T")
+    .Output("outputs: N * T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("tile: list(int)")
+    .Attr("block: list(int)")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int> block;
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("block", &block));
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      if (block.size() != 3)
+        return InvalidArgument("FlowpmLatticeCombineGrad: block must be 3 sizes");
+      ShapeHandle dy;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &dy));
+      for (int i = 0; i < n; ++i)
+        c->set_output(i, c->MakeShape({c->Dim(dy, 0), block[0], block[1], block[2],
+                                       c->Dim(dy, 2)}));
+      return ::tensorflow::OkStatus();
+    });
+
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLatticeCombine", LatticeCombineOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLatticeCombineGrad", LatticeCombineGradOp);
