@@ -21,6 +21,13 @@ package ``libtcmalloc-minimal4``, installed by ``scripts/setup_env.sh``)
     (``TF_ENABLE_ONEDNN_OPTS=0``: TensorFlow then allocates with ``malloc``;
     none of our kernels is a oneDNN one). Same speed as TensorFlow's
     allocator, peak RSS 906 / 1202 MB in the runs above (-17 % / -20 %).
+    ``TCMALLOC_RELEASE_RATE=0`` (unless the environment sets it): tcmalloc keeps
+    the pages of freed tensors for the next ones instead of returning them to
+    the system a little at a time. A step allocates the same tensors as the
+    last one, so the pages it would have returned are the ones it faults in
+    again: at 512^3 on one rank the steps faulted in 0.5-5.9 GB each (1-3 s of
+    a 10-15 s step on this VM) with the default rate and none with 0, and the
+    peak stayed at 14.3-14.8 GB over 5 and 10 steps (docs/allocator.md).
 ``lean``
     glibc's ``malloc`` with every allocation of 1 MB or more its own
     ``mmap``, returned to the system when freed, on transparent huge pages
@@ -81,6 +88,7 @@ TCMALLOC = "tcmalloc_minimal"
 LEAN_TUNABLES = ("glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=1048576:"
                  "glibc.malloc.hugetlb=1")
 NUMPY_FEATURES_ENV = "NPY_DISABLE_CPU_FEATURES"
+RELEASE_RATE_ENV = "TCMALLOC_RELEASE_RATE"
 
 __all__ = ["ENV", "MODES", "AllocatorError", "environment", "ensure", "active"]
 
@@ -141,7 +149,8 @@ def environment(mode=None, env=None):
     (str, dict)
         The mode and the new environment (a copy of ``env`` with the mode's
         variables and ``FLOWPM_MTF_ALLOCATOR_ACTIVE`` set; ``tcmalloc`` also
-        sets ``NPY_DISABLE_CPU_FEATURES``, see the module docstring).
+        sets ``NPY_DISABLE_CPU_FEATURES`` and ``TCMALLOC_RELEASE_RATE`` where the
+        environment does not, see the module docstring).
 
     Raises
     ------
@@ -168,6 +177,7 @@ def environment(mode=None, env=None):
                 env["LD_PRELOAD"] = ":".join([lib] + preload)
             if NUMPY_FEATURES_ENV not in env:   # see "numpy on its baseline code paths"
                 env[NUMPY_FEATURES_ENV] = numpy_dispatched_features()
+            env.setdefault(RELEASE_RATE_ENV, "0")   # keep freed pages (module docstring)
     if mode == "lean":
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         env["GLIBC_TUNABLES"] = ":".join(tunables + [LEAN_TUNABLES])

@@ -198,9 +198,14 @@ def weights(ids, conf):
     -------
     mtf.Tensor or None
         ``[bx, by, npart]`` of ``conf.dtype``; None for the lagrangian
-        decomposition or without ids.
+        decomposition, without ids, or on a single block whose capacity is its
+        lattice count (every slot then holds a particle for the whole run: none
+        can leave, and a checkpoint of another grid restores all of them): no
+        per-slot weights to compute every step and for the paint to read.
     """
     if ids is None or conf.decomposition == "lagrangian":
+        return None
+    if conf.n_ranks == 1 and sizing.capacity(conf) == math.prod(conf.block_shape):
         return None
     return mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
                     conf.tf_dtype)

@@ -53,6 +53,15 @@ def test_tcmalloc_mode_preloads_once_before_the_users_libraries():
 
 
 @pytest.mark.skipif(not HAVE_TCMALLOC, reason="libtcmalloc-minimal4 not installed")
+def test_tcmalloc_mode_keeps_freed_pages_unless_the_user_chose():
+    assert allocator.environment("tcmalloc", {})[1][allocator.RELEASE_RATE_ENV] == "0"
+    new = allocator.environment("tcmalloc", {allocator.RELEASE_RATE_ENV: "2.5"})[1]
+    assert new[allocator.RELEASE_RATE_ENV] == "2.5"
+    for mode in ("lean", "tf"):
+        assert allocator.RELEASE_RATE_ENV not in allocator.environment(mode, {})[1]
+
+
+@pytest.mark.skipif(not HAVE_TCMALLOC, reason="libtcmalloc-minimal4 not installed")
 def test_tcmalloc_mode_puts_numpy_on_its_baseline_paths_unless_the_user_chose():
     mode, new = allocator.environment("tcmalloc", {})
     assert new[allocator.NUMPY_FEATURES_ENV] == allocator.numpy_dispatched_features()
