@@ -59,6 +59,26 @@ def _snapshot(path, grid, nc=16, box=50.0):
     with h5py.File(path, "w") as f:
         f.attrs["config"] = json.dumps({"grid": list(grid), "nc": [nc] * 3, "box_size": [box] * 3})
         f["position"] = (rng.random((nc**3, 3)) * box).astype(np.float32)
+        f["id"] = rng.permutation(nc**3).astype(np.int32)
+
+
+def test_lagrangian_orders():
+    """``lattice``: each particle at its id; ``tiles``: the lattice sites of 16^3 tiles in
+    row-major tile order (a 32x32x16 mesh: 2x2x1 tiles); ids that are not 0..N-1 refused."""
+    nc = (32, 32, 16)
+    n = 32 * 32 * 16
+    ids = np.random.default_rng(1).permutation(n)
+    pos = np.stack([ids, ids * 2, ids * 3], -1).astype(np.float32)    # the id, recoverable
+    out = bc.lagrangian_orders(pos, ids, nc)
+    np.testing.assert_array_equal(out["lattice"][:, 0], np.arange(n))
+    site = out["tiles"][:, 0].astype(np.int64)
+    i, j, k = np.unravel_index(site, nc)
+    assert np.array_equal(site[:16 * 16 * 16].reshape(16, 16, 16)[0, 0], np.arange(16))
+    tile = (i // 16) * 2 + j // 16                                     # nz / 16 = 1 tile in z
+    assert np.all(np.diff(tile) >= 0) and np.array_equal(np.bincount(tile), [4096] * 4)
+    assert np.array_equal(np.sort(site), np.arange(n))
+    with pytest.raises(SystemExit, match="not 0 .. N-1"):
+        bc.lagrangian_orders(pos, ids // 2, nc)
 
 
 def test_one_rank_snapshot(tmp_path):
