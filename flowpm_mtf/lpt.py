@@ -2,7 +2,9 @@ r"""Lagrangian perturbation theory (1LPT, 2LPT) initial conditions on the block 
 
 Particles start on the lattice, one per cell, at the corner of every cell
 (:func:`flowpm_mtf.painting.lattice`), each with its global id (its lattice
-index, :func:`flowpm_mtf.domain.lattice_ids`). With the eulerian decomposition
+index, :func:`flowpm_mtf.domain.lattice_ids`), in the slots of their block in
+16^3 tiles of its lattice (eulerian; :func:`flowpm_mtf.layout.slot_tiles`,
+:func:`lattice_combine`: the CIC ops' cache locality at size). With the eulerian decomposition
 (default) the displaced particles then move to the block that contains them,
 into buffers of :func:`flowpm_mtf.sizing.capacity` slots
 (:func:`flowpm_mtf.domain.migrate`); with the lagrangian one they stay with
