@@ -175,77 +175,97 @@ def to_slots_tf(y, tile):
     return tf.reshape(y, [b, sx * sy * nz, c])
 
 
-def lattice_combine_tf(inputs, coeffs, tile, lattice=False):
+def lattice_combine_tf(inputs, coeffs, tile, lattice_output=-1):
     """``FlowpmLatticeCombine`` as TensorFlow ops (its reference; the path of a device
-    without the native op): ``((inputs[0] * coeffs[0]) + (inputs[1] * coeffs[1])) + ...``
-    [+ the lattice sites], then :func:`to_slots_tf`.
+    without the native op): output ``m`` is ``((inputs[0] * coeffs[m, 0]) + (inputs[1] *
+    coeffs[m, 1])) + ...`` [+ the lattice sites for ``m == lattice_output``], then
+    :func:`to_slots_tf`.
 
-    ``inputs``: ``[B, sx, sy, nz, C]`` tensors; ``coeffs``: ``[N]`` tensor of their dtype."""
-    out = None
-    for n, t in enumerate(inputs):
-        term = t * coeffs[n]
-        out = term if out is None else out + term
-    if lattice:
-        out = lattice_added_tf(out)
-    return to_slots_tf(out, tile)
+    ``inputs``: ``N`` tensors ``[B, sx, sy, nz, C]``; ``coeffs``: ``[M, N]`` tensor of their
+    dtype. Returns a list of ``M`` tensors ``[B, sx sy nz, C]``."""
+    outs = []
+    for m in range(coeffs.shape[0]):
+        out = None
+        for n, t in enumerate(inputs):
+            term = t * coeffs[m, n]
+            out = term if out is None else out + term
+        if m == lattice_output:
+            out = lattice_added_tf(out)
+        outs.append(to_slots_tf(out, tile))
+    return outs
 
 
 @tf.RegisterGradient("FlowpmLatticeCombine")
-def _lattice_combine_grad(op, dy):
-    """``FlowpmLatticeCombineGrad``: ``dy`` back in lattice order times each coefficient
-    (the lattice sites are constants; no gradient for the coefficients, constants too)."""
+def _lattice_combine_grad(op, *dys):
+    """``FlowpmLatticeCombineGrad``: each input's gradient, ``sum_m dys[m] coeffs[m, n]``
+    back in lattice order (the lattice sites are constants; no gradient for the
+    coefficients, constants too)."""
     lib = native.load("lpt_ops")
     block = op.inputs[0].shape.as_list()[1:4]
-    grads = lib.flowpm_lattice_combine_grad(dy, op.inputs[-1], tile=op.get_attr("tile"),
-                                            block=block, N=len(op.inputs) - 1)
+    dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, op.outputs)]
+    n = len(op.inputs) - 1
+    grads = lib.flowpm_lattice_combine_grad(dys, op.inputs[-1], tile=op.get_attr("tile"),
+                                            block=block, N=n)
     return list(grads) + [None]
 
 
-def lattice_combine(psis, coeffs, conf, lattice=False, name="lattice_combine"):
+def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine"):
     r"""The particles' initial vectors from the LPT displacements, in the ICs' slot order.
 
-    :math:`\sum_n c_n \Psi^{(n)}` (plus the lattice site when ``lattice``: the
-    positions), the slots in the tile order of :func:`flowpm_mtf.layout.slot_tiles`
-    (the lattice order with the lagrangian decomposition). One native pass
-    (``FlowpmLatticeCombine``, :func:`lattice_combine_tf` without it): the products,
-    the sums and the lattice site's addition of the TensorFlow ops, bit for bit.
+    Output ``m`` is :math:`\sum_n c_{mn} \Psi^{(n)}` (plus the lattice site for
+    ``m == lattice_output``: the positions), the slots in the tile order of
+    :func:`flowpm_mtf.layout.slot_tiles` (the lattice order with the lagrangian
+    decomposition). One native pass for all outputs (``FlowpmLatticeCombine``,
+    :func:`lattice_combine_tf` without it): the products, the sums and the lattice site's
+    addition of the TensorFlow ops, bit for bit. Output ``m < N`` takes the memory of
+    displacement ``m`` when nothing else uses it (the positions and momenta of the ICs
+    then need none of their own: 3.2 GB at 512^3).
 
     Parameters
     ----------
     psis : list of mtf.Tensor
-        ``[bx, by, npart, xyz]`` [cells], lattice order (:func:`lpt_displacements`).
-    coeffs : sequence of float
-        One per displacement (:func:`lpt_coefficients`), rounded to ``conf.dtype``.
+        ``N`` displacements ``[bx, by, npart, xyz]`` [cells], lattice order
+        (:func:`lpt_displacements`).
+    coeffs : sequence of sequences of float
+        ``M`` rows of ``N`` coefficients (:func:`lpt_coefficients`), rounded to
+        ``conf.dtype``.
     conf : SimConfig
-    lattice : bool
-        Add the lattice site (block-local [cells]): the positions.
+    lattice_output : int
+        The output to add the lattice site to (block-local [cells]), -1 for none.
     name : str
 
     Returns
     -------
-    mtf.Tensor
-        ``[bx, by, npart, xyz]``, dtype ``conf.dtype``; the gradient with respect to
-        each displacement is that coefficient times the output's, in lattice order.
+    list of mtf.Tensor
+        ``M`` tensors ``[bx, by, npart, xyz]``, dtype ``conf.dtype``; the gradient with
+        respect to displacement ``n`` is :math:`\sum_m c_{mn}` times output ``m``'s, in
+        lattice order.
     """
-    if len(psis) != len(coeffs):
-        raise ValueError("lattice_combine: %d displacements, %d coefficients"
-                         % (len(psis), len(coeffs)))
+    cvals = np.asarray(coeffs, conf.np_dtype)
+    if cvals.ndim != 2 or cvals.shape[1] != len(psis) or cvals.shape[0] < 1:
+        raise ValueError("lattice_combine: coefficients must be rows of %d (one per "
+                         "displacement), got shape %s" % (len(psis), cvals.shape))
+    m_out = cvals.shape[0]
+    if not -1 <= lattice_output < m_out:
+        raise ValueError("lattice_combine: lattice_output %r is not one of the %d outputs"
+                         % (lattice_output, m_out))
     sx, sy, nz = conf.block_shape
     tile = list(layout.slot_tiles(conf))
-    cvals = np.asarray(coeffs, conf.np_dtype)
 
     def fn(*ts):
         nbx, nby, n, c = ts[0].shape.as_list()
         blocks = [tf.reshape(t, [nbx * nby, sx, sy, nz, c]) for t in ts]
         cf = tf.constant(cvals)
         lib = native.ops_for("lpt_ops", *blocks)
-        out = (lib.flowpm_lattice_combine(blocks, cf, tile=tile, lattice=bool(lattice))
-               if lib is not None else lattice_combine_tf(blocks, cf, tile, lattice))
-        return tf.reshape(out, [nbx, nby, n, c])
+        outs = (lib.flowpm_lattice_combine(blocks, cf, tile=tile, M=m_out,
+                                           lattice_output=int(lattice_output))
+                if lib is not None else lattice_combine_tf(blocks, cf, tile, lattice_output))
+        return tuple(tf.reshape(o, [nbx, nby, n, c]) for o in outs)
 
-    return mtf.slicewise(fn, list(psis), output_shape=psis[0].shape,
-                         output_dtype=psis[0].dtype, splittable_dims=psis[0].shape.dims[:2],
-                         name=name)
+    out = mtf.slicewise(fn, list(psis), output_shape=[psis[0].shape] * m_out,
+                        output_dtype=[psis[0].dtype] * m_out,
+                        splittable_dims=psis[0].shape.dims[:2], name=name)
+    return list(out)
 
 
 def _check_linear(linear, conf):
@@ -417,19 +437,15 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     coef = lpt_coefficients(conf, a, order)
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
-    def combine(key, deps):
-        return lattice_combine([after(psi, deps, name="lpt_after") for psi in psis],
-                               coef[key], conf, lattice=key == "x", name="lpt_" + key)
-
-    # One full-size result at a time (each waits for the previous one), and the
-    # data-independent ids only when they are needed. The slots: the tile order of
-    # layout.slot_tiles (ids alike).
+    # All vectors in one pass, in the slots of layout.slot_tiles, the positions and
+    # momenta in the displacements' memory; the data-independent ids only when they are
+    # needed (ids alike).
+    keys = ("x", "p", "f") if forces else ("x", "p")
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
-    x = pad(combine("x", ()))
-    fields = []
-    for key in ("p", "f") if forces else ("p",):
-        fields.append(pad(combine(key, [fields[-1] if fields else x])))
+    vecs = [pad(v) for v in lattice_combine(psis, [coef[k] for k in keys], conf,
+                                            lattice_output=0, name="lpt_state")]
+    x, fields = vecs[0], vecs[1:]
     ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
     # What uses the positions (the migration, a PM force) waits for the other results
     # too: psi1, psi2 are freed first.

@@ -24,63 +24,76 @@ def _slot_order_numpy(sx, sy, nz, tile):
     return idx.transpose(0, 2, 4, 1, 3, 5).ravel()
 
 
-def _combine_numpy(inputs, coeffs, tile, lattice):
-    """The op's definition in numpy, in the inputs' dtype: ((a0 c0) + (a1 c1)) + ..., the
-    lattice site added, rows moved to their slots."""
-    out = None
-    for a, c in zip(inputs, coeffs):
-        term = a * a.dtype.type(c)
-        out = term if out is None else out + term
-    b, sx, sy, nz, C = out.shape
-    if lattice:
-        site = np.stack(np.meshgrid(np.arange(sx), np.arange(sy), np.arange(nz),
-                                    indexing="ij"), -1).astype(out.dtype)
-        out = out + site
-    return out.reshape(b, sx * sy * nz, C)[:, _slot_order_numpy(sx, sy, nz, tile)]
+def _combine_numpy(inputs, coeffs, tile, lattice_output):
+    """The op's definition in numpy, in the inputs' dtype: output m = ((a0 c[m, 0]) +
+    (a1 c[m, 1])) + ..., the lattice site added to output ``lattice_output``, rows moved
+    to their slots."""
+    outs = []
+    for m, row in enumerate(coeffs):
+        out = None
+        for a, c in zip(inputs, row):
+            term = a * a.dtype.type(c)
+            out = term if out is None else out + term
+        b, sx, sy, nz, C = out.shape
+        if m == lattice_output:
+            site = np.stack(np.meshgrid(np.arange(sx), np.arange(sy), np.arange(nz),
+                                        indexing="ij"), -1).astype(out.dtype)
+            out = out + site
+        outs.append(out.reshape(b, sx * sy * nz, C)[:, _slot_order_numpy(sx, sy, nz, tile)])
+    return outs
 
 
-CASES = [((1, 16, 16, 32, 3), (16, 16, 16), 2, True),
-         ((2, 8, 4, 12, 3), (8, 4, 4), 1, True),
-         ((1, 6, 10, 8, 3), (2, 2, 8), 2, False),
-         ((3, 4, 4, 4, 2), (1, 1, 1), 2, False),
-         ((1, 5, 3, 7, 3), (1, 1, 1), 1, True)]
+# (shape, tile, N inputs, M outputs, lattice_output)
+CASES = [((1, 16, 16, 32, 3), (16, 16, 16), 2, 2, 0),
+         ((2, 8, 4, 12, 3), (8, 4, 4), 2, 3, 0),
+         ((1, 6, 10, 8, 3), (2, 2, 8), 2, 1, -1),
+         ((3, 4, 4, 4, 2), (1, 1, 1), 2, 2, -1),
+         ((1, 5, 3, 7, 3), (1, 1, 1), 1, 2, 1)]
+COEFFS = np.array([[0.37, -1.9], [2.5, 0.125], [-0.7, 3.3]])
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape,tile,n,lattice", CASES)
-def test_native_tf_numpy(shape, tile, n, lattice, dtype):
-    """Native op, TensorFlow twin and numpy: the same bits (negative zeros and the
-    lattice sites included); the gradient equals the twin's and passes the dot-product
-    test <J v, dy> = <v, J^T dy> of the linear part."""
+@pytest.mark.parametrize("shape,tile,n,m,lat", CASES)
+def test_native_tf_numpy(shape, tile, n, m, lat, dtype):
+    """Native op (its inputs held elsewhere, and not: each output then takes the memory
+    of its input), TensorFlow twin and numpy: the same bits (negative zeros and the
+    lattice sites included); the gradient equals the twin's to rounding and passes the
+    dot-product test <J v, dy> = <v, J^T dy> of the linear part."""
     lib = native.load("lpt_ops")
-    rng = np.random.RandomState(sum(shape) + n)
+    rng = np.random.RandomState(sum(shape) + n + m)
     inputs = [rng.randn(*shape).astype(dtype) for _ in range(n)]
     inputs[0][0, 0, 0, 0, :] = -0.0
-    coeffs = np.array([0.37, -1.9][:n], dtype)
-    want = _combine_numpy(inputs, coeffs, tile, lattice)
-    dy = rng.randn(*want.shape).astype(dtype)
+    coeffs = COEFFS[:m, :n].astype(dtype)
+    want = _combine_numpy(inputs, coeffs, tile, lat)
+    dys = [rng.randn(*want[0].shape).astype(dtype) for _ in range(m)]
     v = [rng.randn(*shape).astype(dtype) for _ in range(n)]
     with tf.Graph().as_default(), tf.Session() as sess:
         xs = [tf.constant(a) for a in inputs]
-        cf, y = tf.constant(coeffs), tf.constant(dy)
-        got_native = lib.flowpm_lattice_combine(xs, cf, tile=list(tile), lattice=lattice)
-        got_tf = lpt.lattice_combine_tf(xs, cf, tile, lattice)
-        g_native = tf.gradients(got_native, xs, grad_ys=[y])
-        g_tf = tf.gradients(got_tf, xs, grad_ys=[y])
-        lin = lib.flowpm_lattice_combine([tf.constant(a) for a in v], cf, tile=list(tile))
-        out = sess.run([got_native, got_tf, g_native, g_tf, lin])
-    got_n, got_t, gn, gt, jv = out
-    np.testing.assert_array_equal(got_n, want)
-    np.testing.assert_array_equal(got_t, want)
-    assert np.array_equal(np.signbit(got_n), np.signbit(want))
+        cf = tf.constant(coeffs)
+        ys = [tf.constant(d) for d in dys]
+        held = lib.flowpm_lattice_combine(xs, cf, tile=list(tile), M=m, lattice_output=lat)
+        fresh = [x * dtype(1) for x in xs]           # consumed by the op alone: forwarded
+        free = lib.flowpm_lattice_combine(fresh, cf, tile=list(tile), M=m, lattice_output=lat)
+        got_tf = lpt.lattice_combine_tf(xs, cf, tile, lat)
+        g_native = tf.gradients(held, xs, grad_ys=ys)
+        g_tf = tf.gradients(got_tf, xs, grad_ys=ys)
+        lin = lib.flowpm_lattice_combine([tf.constant(a) for a in v], cf, tile=list(tile), M=m)
+        out = sess.run([held, free, got_tf, g_native, g_tf, lin])
+    got_held, got_free, got_t, gn, gt, jv = out
+    for k in range(m):
+        np.testing.assert_array_equal(got_held[k], want[k])
+        np.testing.assert_array_equal(got_free[k], want[k])
+        np.testing.assert_array_equal(got_t[k], want[k])
+        assert np.array_equal(np.signbit(got_held[k]), np.signbit(want[k]))
+    eps = 1e-6 if dtype == np.float32 else 1e-14
     for a, b in zip(gn, gt):
         assert a.shape == shape
-        np.testing.assert_array_equal(a, b)
-    lhs = np.sum(jv.astype(np.float64) * dy)
+        np.testing.assert_allclose(a, b, rtol=0, atol=eps * 10 * np.max(np.abs(b)))
+    lhs = sum(np.sum(j.astype(np.float64) * d) for j, d in zip(jv, dys))
     rhs = sum(np.sum(g.astype(np.float64) * w) for g, w in zip(gn, v))
-    tol = (1e-5 if dtype == np.float32 else 1e-12) * np.sum(np.abs(jv.astype(np.float64) * dy))
-    assert abs(lhs - rhs) <= tol, (lhs, rhs)
+    scale = sum(np.sum(np.abs(j.astype(np.float64) * d)) for j, d in zip(jv, dys))
+    assert abs(lhs - rhs) <= (1e-5 if dtype == np.float32 else 1e-12) * scale, (lhs, rhs)
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
@@ -95,11 +108,12 @@ def test_native_threads_independent():
         cfg = tf.ConfigProto(intra_op_parallelism_threads=threads,
                              inter_op_parallelism_threads=1)
         with tf.Graph().as_default(), tf.Session(config=cfg) as sess:
-            op = lib.flowpm_lattice_combine([tf.constant(a), tf.constant(b)],
-                                            tf.constant([0.5, 2.0], tf.float32),
-                                            tile=[16, 16, 16], lattice=True)
+            op = lib.flowpm_lattice_combine([tf.constant(a) * 1.0, tf.constant(b) * 1.0],
+                                            tf.constant([[0.5, 2.0], [1.5, -1.0]], tf.float32),
+                                            tile=[16, 16, 16], M=2, lattice_output=0)
             outs.append(sess.run(op))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for x, y in zip(*outs):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
@@ -109,14 +123,17 @@ def test_bad_input():
     lib = native.load("lpt_ops")
     a = np.zeros((1, 4, 4, 6, 3), np.float32)
     cases = [
-        (lambda: lib.flowpm_lattice_combine([a], [1.0], tile=[4, 4, 4]), "does not divide"),
-        (lambda: lib.flowpm_lattice_combine([a, a[:, :2]], [1.0, 1.0], tile=[1, 1, 1]),
+        (lambda: lib.flowpm_lattice_combine([a], [[1.0]], tile=[4, 4, 4], M=1),
+         "does not divide"),
+        (lambda: lib.flowpm_lattice_combine([a, a[:, :2]], [[1.0, 1.0]], tile=[1, 1, 1], M=1),
          "input 1 has the shape"),
-        (lambda: lib.flowpm_lattice_combine([a], [1.0, 2.0], tile=[1, 1, 1]),
+        (lambda: lib.flowpm_lattice_combine([a], [[1.0, 2.0]], tile=[1, 1, 1], M=1),
          "coeffs must be"),
-        (lambda: lib.flowpm_lattice_combine([a[..., :2]], [1.0], tile=[1, 1, 1],
-                                            lattice=True), "lattice needs C = 3"),
-        (lambda: lib.flowpm_lattice_combine([a], [1.0], tile=[0, 1, 1]), "positive"),
+        (lambda: lib.flowpm_lattice_combine([a[..., :2]], [[1.0]], tile=[1, 1, 1], M=1,
+                                            lattice_output=0), "lattice needs C = 3"),
+        (lambda: lib.flowpm_lattice_combine([a], [[1.0]], tile=[0, 1, 1], M=1), "positive"),
+        (lambda: lib.flowpm_lattice_combine([a], [[1.0]], tile=[1, 1, 1], M=1,
+                                            lattice_output=1), "is not an output"),
     ]
     for make, message in cases:
         with tf.Graph().as_default(), tf.Session() as sess:
@@ -127,8 +144,10 @@ def test_bad_input():
         mesh = mtf.Mesh(mtf.Graph(), "mesh")
         psi = mtf.zeros(mesh, mtf.Shape(layout.particle_dims(conf) + [mtf.Dimension("xyz", 3)]),
                         tf.float32)
-        with pytest.raises(ValueError, match="2 displacements, 1 coefficients"):
-            lpt.lattice_combine([psi, psi], [1.0], conf)
+        with pytest.raises(ValueError, match="rows of 2"):
+            lpt.lattice_combine([psi, psi], [[1.0]], conf)
+        with pytest.raises(ValueError, match="not one of the 1 outputs"):
+            lpt.lattice_combine([psi], [[1.0]], conf, lattice_output=1)
         with pytest.raises(ValueError, match="order must be"):
             domain.lattice_ids(conf, mesh, order="tiles")
 

@@ -14,16 +14,21 @@
 //       phibar = sum_ij D_i D_j (sbar dS/dh_ij), the weights extended by zeros beyond the
 //       output (D_i D_j is its own transpose: D is antisymmetric). Two passes: the six
 //       weight fields (a temporary of 6 output fields), then the same stencil on them.
-//   FlowpmLatticeCombine(inputs N x [B, sx, sy, nz, C], coeffs [N], tile [3], lattice)
-//       -> [B, sx sy nz, C]: the LPT state of the lattice particles,
-//       v = ((inputs[0] * coeffs[0]) + (inputs[1] * coeffs[1])) + ..., plus the lattice
-//       site (i, j, k) along its component when `lattice` (C = 3), written in the slot
-//       order of the tiles (tx, ty, tz) (flowpm_mtf.layout.slot_tiles; tiles of the
-//       block's lattice, row-major, cells row-major in each: (1, 1, 1) is the lattice
-//       order): the products and sums of flowpm_mtf.lpt's TensorFlow twin bit for bit
-//       (each rounded, no contraction), one pass instead of 2-6 full-size ones.
-//   FlowpmLatticeCombineGrad(dy [B, sx sy nz, C], coeffs [N], tile, block [3])
-//       -> N x [B, sx, sy, nz, C]: dy in lattice order times coeffs[n] (its gradient).
+//   FlowpmLatticeCombine(inputs N x [B, sx, sy, nz, C], coeffs [M, N], tile [3],
+//                        lattice_output) -> M x [B, sx sy nz, C]: the LPT state of the
+//       lattice particles, output m = ((inputs[0] * coeffs[m, 0]) + (inputs[1] *
+//       coeffs[m, 1])) + ..., plus the lattice site (i, j, k) along its component for
+//       output `lattice_output` (C = 3; -1: none), written in the slot order of the
+//       tiles (tx, ty, tz) (flowpm_mtf.layout.slot_tiles; tiles of the block's lattice,
+//       row-major, cells row-major in each: (1, 1, 1) is the lattice order): the
+//       products and sums of flowpm_mtf.lpt's TensorFlow twin bit for bit (each rounded,
+//       no contraction), one pass instead of 2-6 full-size ones. Output m < N takes the
+//       buffer of input m when nothing else holds it (the permutation stays inside each
+//       slab of tx x planes: the slab is copied to a scratch buffer first), so the
+//       positions and momenta of the ICs need no memory beyond the displacements'.
+//   FlowpmLatticeCombineGrad(dys M x [B, sx sy nz, C], coeffs [M, N], tile, block [3])
+//       -> N x [B, sx, sy, nz, C]: output n = sum_m dys[m] coeffs[m, n] (m in order) in
+//       lattice order (its gradient).
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
@@ -295,6 +300,9 @@ class Lpt2SourceGradOp : public OpKernel {
 
 // ------------------------------------------------------------------ lattice combine
 // Slot of lattice cell (i, j, k) of a block of (sx, sy, nz) cells in tiles (tx, ty, tz).
+// The tiles are row-major, so the tx x planes of a slab [I tx, (I + 1) tx) fill the same
+// slots in either order: the permutation stays inside each slab, and an output can
+// take the buffer of an input slab by slab.
 struct Tiles {
   i64 sx, sy, nz, tx, ty, tz;
   i64 slot(i64 i, i64 j, i64 k) const {
@@ -319,81 +327,121 @@ struct Tiles {
   return ::tensorflow::OkStatus();
 }
 
+::tensorflow::Status check_coeffs(const char* op, const Tensor& cf, i64 m, i64 n) {
+  if (cf.dims() != 2 || cf.dim_size(0) != m || cf.dim_size(1) != n)
+    return InvalidArgument(op, ": coeffs must be [", m, ", ", n, "], got ",
+                           cf.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
 template <typename T>
 class LatticeCombineOp : public OpKernel {
  public:
   explicit LatticeCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice", &lattice_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &m_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice_output", &lattice_));
+    OP_REQUIRES(ctx, lattice_ >= -1 && lattice_ < m_,
+                InvalidArgument("FlowpmLatticeCombine: lattice_output ", lattice_,
+                                " is not an output (-1 or 0 .. ", m_ - 1, ")"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     ::tensorflow::OpInputList ins;
     OP_REQUIRES_OK(ctx, ctx->input_list("inputs", &ins));
-    const Tensor& cf = ctx->input(ins.size());
+    const int N = ins.size(), M = m_;
+    const Tensor& cf = ctx->input(N);
     const Tensor& x0 = ins[0];
     OP_REQUIRES(ctx, x0.dims() == 5,
                 InvalidArgument("FlowpmLatticeCombine: inputs must be [B, sx, sy, nz, C], got ",
                                 x0.shape().DebugString()));
-    for (int n = 1; n < ins.size(); ++n)
+    for (int n = 1; n < N; ++n)
       OP_REQUIRES(ctx, ins[n].shape() == x0.shape(),
                   InvalidArgument("FlowpmLatticeCombine: input ", n, " has the shape ",
                                   ins[n].shape().DebugString(), ", input 0 ",
                                   x0.shape().DebugString()));
-    OP_REQUIRES(ctx, cf.dims() == 1 && cf.dim_size(0) == ins.size(),
-                InvalidArgument("FlowpmLatticeCombine: coeffs must be [", ins.size(), "], got ",
-                                cf.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, check_coeffs("FlowpmLatticeCombine", cf, M, N));
     Tiles t = t_;
     const i64 nb = x0.dim_size(0), C = x0.dim_size(4);
     t.sx = x0.dim_size(1), t.sy = x0.dim_size(2), t.nz = x0.dim_size(3);
     OP_REQUIRES_OK(ctx, check_tiles("FlowpmLatticeCombine", t));
-    OP_REQUIRES(ctx, !lattice_ || C == 3,
+    OP_REQUIRES(ctx, lattice_ < 0 || C == 3,
                 InvalidArgument("FlowpmLatticeCombine: lattice needs C = 3, got ", C));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, t.sx * t.sy * t.nz, C}), &out));
-    const int N = ins.size();
+    const i64 cells = t.sx * t.sy * t.nz;
+    const TensorShape shape({nb, cells, C});
+    // output m takes the buffer of input m where nothing else holds it (the inputs are
+    // then read slab by slab into a scratch copy before the slab is written)
+    std::vector<T*> dst(M);
+    bool aliased = false;
+    for (int m = 0; m < M; ++m) {
+      Tensor* o = nullptr;
+      if (m < N) {
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({m}, m, shape, &o));
+      } else {
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(m, shape, &o));
+      }
+      dst[m] = o->flat<T>().data();
+      for (int n = 0; n < N; ++n) aliased |= dst[m] == ins[n].flat<T>().data();
+    }
     std::vector<const T*> src(N);
     for (int n = 0; n < N; ++n) src[n] = ins[n].flat<T>().data();
-    std::vector<T> c(N);
-    for (int n = 0; n < N; ++n) c[n] = cf.flat<T>()(n);
-    T* O = out->flat<T>().data();
-    const i64 cells = t.sx * t.sy * t.nz;
-    const bool lat = lattice_;
-    // one unit per (block, x, y) column: its z runs of tz cells go to consecutive slots
-    shard(ctx, nb * t.sx * t.sy, t.nz * C * 4 * N, [&](i64 begin, i64 end) {
+    std::vector<T> c(M * N);
+    for (i64 e = 0; e < M * N; ++e) c[e] = cf.flat<T>()(e);
+    const int lat = lattice_;
+    const i64 slab = t.tx * t.sy * t.nz * C, slabs = t.sx / t.tx;
+    // one unit per (block, slab of tx x planes): the slab's columns, z runs of tz cells
+    // going to consecutive slots
+    shard(ctx, nb * slabs, slab * 4 * N * M, [&](i64 begin, i64 end) {
+      std::vector<T> scratch(aliased ? N * slab : 0);
+      std::vector<const T*> in(N);
       for (i64 u = begin; u < end; ++u) {
-        const i64 b = u / (t.sx * t.sy), i = (u / t.sy) % t.sx, j = u % t.sy;
-        const i64 in0 = ((b * t.sx + i) * t.sy + j) * t.nz * C;
-        for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
-          T* __restrict o = O + (b * cells + t.slot(i, j, k0)) * C;
-          const i64 at = in0 + k0 * C, len = t.tz * C;
-          const T* __restrict a = src[0] + at;
-          const T c0 = c[0];
-          for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
-          for (int n = 1; n < N; ++n) {
-            const T* __restrict an = src[n] + at;
-            const T cn = c[n];
-            for (i64 e = 0; e < len; ++e) {
-              const T term = an[e] * cn;
-              o[e] = o[e] + term;
-            }
-          }
-          if (lat) {
-            const T fi = T(i), fj = T(j);
-            for (i64 kk = 0; kk < t.tz; ++kk) {
-              o[3 * kk] += fi;
-              o[3 * kk + 1] += fj;
-              o[3 * kk + 2] += T(k0 + kk);
-            }
+        const i64 b = u / slabs, I = u % slabs;
+        const i64 base = (b * cells + I * t.tx * t.sy * t.nz) * C;
+        for (int n = 0; n < N; ++n) {
+          if (aliased) {
+            std::copy(src[n] + base, src[n] + base + slab, scratch.data() + n * slab);
+            in[n] = scratch.data() + n * slab;
+          } else {
+            in[n] = src[n] + base;
           }
         }
+        for (i64 ii = 0; ii < t.tx; ++ii)
+          for (i64 j = 0; j < t.sy; ++j) {
+            const i64 i = I * t.tx + ii, col = (ii * t.sy + j) * t.nz * C;
+            for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
+              const i64 at = col + k0 * C, len = t.tz * C;
+              const i64 to = (b * cells + t.slot(i, j, k0)) * C;
+              for (int m = 0; m < M; ++m) {
+                T* __restrict o = dst[m] + to;
+                const T* __restrict a = in[0] + at;
+                const T c0 = c[m * N];
+                for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
+                for (int n = 1; n < N; ++n) {
+                  const T* __restrict an = in[n] + at;
+                  const T cn = c[m * N + n];
+                  for (i64 e = 0; e < len; ++e) {
+                    const T term = an[e] * cn;
+                    o[e] = o[e] + term;
+                  }
+                }
+                if (m == lat) {
+                  const T fi = T(i), fj = T(j);
+                  for (i64 kk = 0; kk < t.tz; ++kk) {
+                    o[3 * kk] += fi;
+                    o[3 * kk + 1] += fj;
+                    o[3 * kk + 2] += T(k0 + kk);
+                  }
+                }
+              }
+            }
+          }
       }
     });
   }
 
  private:
   Tiles t_;
-  bool lattice_;
+  int m_, lattice_;
 };
 
 template <typename T>
@@ -407,45 +455,56 @@ class LatticeCombineGradOp : public OpKernel {
                 InvalidArgument("FlowpmLatticeCombineGrad: block must be 3 positive sizes"));
     t_.sx = block[0], t_.sy = block[1], t_.nz = block[2];
     OP_REQUIRES_OK(ctx, check_tiles("FlowpmLatticeCombineGrad", t_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& dy = ctx->input(0);
-    const Tensor& cf = ctx->input(1);
+    ::tensorflow::OpInputList dys;
+    OP_REQUIRES_OK(ctx, ctx->input_list("dys", &dys));
+    const int M = dys.size(), N = n_;
+    const Tensor& cf = ctx->input(M);
     const Tiles t = t_;
     const i64 cells = t.sx * t.sy * t.nz;
-    OP_REQUIRES(ctx, dy.dims() == 3 && dy.dim_size(1) == cells,
-                InvalidArgument("FlowpmLatticeCombineGrad: dy must be [B, ", cells,
-                                ", C], got ", dy.shape().DebugString()));
-    OP_REQUIRES(ctx, cf.dims() == 1 && cf.dim_size(0) >= 1,
-                InvalidArgument("FlowpmLatticeCombineGrad: coeffs must be [N], got ",
-                                cf.shape().DebugString()));
-    const i64 nb = dy.dim_size(0), C = dy.dim_size(2), N = cf.dim_size(0);
+    const Tensor& d0 = dys[0];
+    for (int m = 0; m < M; ++m)
+      OP_REQUIRES(ctx, dys[m].dims() == 3 && dys[m].dim_size(1) == cells &&
+                           dys[m].shape() == d0.shape(),
+                  InvalidArgument("FlowpmLatticeCombineGrad: dys must be [B, ", cells,
+                                  ", C] alike, got ", dys[m].shape().DebugString()));
+    OP_REQUIRES_OK(ctx, check_coeffs("FlowpmLatticeCombineGrad", cf, M, N));
+    const i64 nb = d0.dim_size(0), C = d0.dim_size(2);
     ::tensorflow::OpOutputList outs;
     OP_REQUIRES_OK(ctx, ctx->output_list("outputs", &outs));
-    OP_REQUIRES(ctx, outs.size() == N,
-                InvalidArgument("FlowpmLatticeCombineGrad: ", outs.size(), " outputs for ",
-                                N, " coefficients"));
     std::vector<T*> dst(N);
     for (int n = 0; n < N; ++n) {
       Tensor* o = nullptr;
       OP_REQUIRES_OK(ctx, outs.allocate(n, TensorShape({nb, t.sx, t.sy, t.nz, C}), &o));
       dst[n] = o->flat<T>().data();
     }
-    std::vector<T> c(N);
-    for (int n = 0; n < N; ++n) c[n] = cf.flat<T>()(n);
-    const T* D = dy.flat<T>().data();
-    shard(ctx, nb * t.sx * t.sy, t.nz * C * 2 * N, [&](i64 begin, i64 end) {
+    std::vector<const T*> src(M);
+    for (int m = 0; m < M; ++m) src[m] = dys[m].flat<T>().data();
+    std::vector<T> c(M * N);
+    for (i64 e = 0; e < M * N; ++e) c[e] = cf.flat<T>()(e);
+    // dx_n = sum_m dy_m c[m, n], terms in the order of m
+    shard(ctx, nb * t.sx * t.sy, t.nz * C * 2 * N * M, [&](i64 begin, i64 end) {
       for (i64 u = begin; u < end; ++u) {
         const i64 b = u / (t.sx * t.sy), i = (u / t.sy) % t.sx, j = u % t.sy;
         const i64 out0 = ((b * t.sx + i) * t.sy + j) * t.nz * C;
         for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
-          const T* __restrict g = D + (b * cells + t.slot(i, j, k0)) * C;
-          const i64 len = t.tz * C;
+          const i64 from = (b * cells + t.slot(i, j, k0)) * C, len = t.tz * C;
           for (int n = 0; n < N; ++n) {
             T* __restrict o = dst[n] + out0 + k0 * C;
-            const T cn = c[n];
-            for (i64 e = 0; e < len; ++e) o[e] = g[e] * cn;
+            const T* __restrict g = src[0] + from;
+            const T c0 = c[n];
+            for (i64 e = 0; e < len; ++e) o[e] = g[e] * c0;
+            for (int m = 1; m < M; ++m) {
+              const T* __restrict gm = src[m] + from;
+              const T cm = c[m * N + n];
+              for (i64 e = 0; e < len; ++e) {
+                const T term = gm[e] * cm;
+                o[e] = o[e] + term;
+              }
+            }
           }
         }
       }
@@ -454,6 +513,7 @@ class LatticeCombineGradOp : public OpKernel {
 
  private:
   Tiles t_;
+  int n_;
 };
 
 }  // namespace
@@ -494,26 +554,31 @@ FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLpt2SourceGrad", Lpt2SourceGradOp);
 REGISTER_OP("FlowpmLatticeCombine")
     .Input("inputs: N * T")
     .Input("coeffs: T")
-    .Output("out: T")
+    .Output("outputs: M * T")
     .Attr("N: int >= 1")
+    .Attr("M: int >= 1")
     .Attr("T: {float, double}")
     .Attr("tile: list(int)")
-    .Attr("lattice: bool = false")
+    .Attr("lattice_output: int = -1")
     .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("M", &m));
       ShapeHandle x;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 5, &x));
       DimensionHandle n;
       TF_RETURN_IF_ERROR(c->Multiply(c->Dim(x, 1), c->Dim(x, 2), &n));
       TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(x, 3), &n));
-      c->set_output(0, c->MakeShape({c->Dim(x, 0), n, c->Dim(x, 4)}));
+      for (int i = 0; i < m; ++i)
+        c->set_output(i, c->MakeShape({c->Dim(x, 0), n, c->Dim(x, 4)}));
       return ::tensorflow::OkStatus();
     });
 
 REGISTER_OP("FlowpmLatticeCombineGrad")
-    .Input("dy: T")
+    .Input("dys: M * T")
     .Input("coeffs: T")
     .Output("outputs: N * T")
     .Attr("N: int >= 1")
+    .Attr("M: int >= 1")
     .Attr("T: {float, double}")
     .Attr("tile: list(int)")
     .Attr("block: list(int)")
