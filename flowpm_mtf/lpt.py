@@ -59,7 +59,7 @@ from .painting import lattice_added_tf
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
            "particles_to_lattice_order", "lpt_coefficients", "lattice_combine",
-           "lattice_combine_tf", "to_slots_tf"]
+           "lattice_combine_tf", "lattice_combine_grad_tf", "to_slots_tf"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,30 @@ def lattice_combine_tf(inputs, coeffs, tile, lattice_output=-1):
     return outs
 
 
+def lattice_combine_grad_tf(dys, coeffs, tile, block):
+    """``FlowpmLatticeCombineGrad`` as TensorFlow ops: ``sum_m dys[m] coeffs[m, n]`` (``m`` in
+    order), each ``[B, sx sy nz, C]`` back in lattice order ``[B, sx, sy, nz, C]``."""
+    b, _, c = dys[0].shape.as_list()
+    sx, sy, nz = block
+    tx, ty, tz = tile
+
+    def to_lattice(y):
+        if (tx, ty, tz) != (1, 1, 1):
+            y = tf.reshape(y, [b, sx // tx, sy // ty, nz // tz, tx, ty, tz, c])
+            y = tf.transpose(y, [0, 1, 4, 2, 5, 3, 6, 7])
+        return tf.reshape(y, [b, sx, sy, nz, c])
+
+    lat = [to_lattice(d) for d in dys]
+    outs = []
+    for n in range(coeffs.shape[1]):
+        out = None
+        for m, d in enumerate(lat):
+            term = d * coeffs[m, n]
+            out = term if out is None else out + term
+        outs.append(out)
+    return outs
+
+
 @tf.RegisterGradient("FlowpmLatticeCombine")
 def _lattice_combine_grad(op, *dys):
     """``FlowpmLatticeCombineGrad``: each input's gradient, ``sum_m dys[m] coeffs[m, n]``
@@ -262,9 +286,30 @@ def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine
                 if lib is not None else lattice_combine_tf(blocks, cf, tile, lattice_output))
         return tuple(tf.reshape(o, [nbx, nby, n, c]) for o in outs)
 
+    def grad_fn(*dys):      # [nbx, nby, npart, c] each -> N lattice-order gradients
+        nbx, nby, n, c = dys[0].shape.as_list()
+        flat = [tf.reshape(d, [nbx * nby, n, c]) for d in dys]
+        cf = tf.constant(cvals)
+        lib = native.ops_for("lpt_ops", *flat)
+        if lib is not None:
+            grads = lib.flowpm_lattice_combine_grad(flat, cf, tile=tile, block=[sx, sy, nz],
+                                                    N=len(psis))
+        else:
+            grads = lattice_combine_grad_tf(flat, cf, tile, [sx, sy, nz])
+        return tuple(tf.reshape(g, [nbx, nby, n, c]) for g in grads)
+
+    def gradient(op, *dys):
+        # an output the loss does not use has no gradient: zeros, so the op gets all M
+        dys = [mtf.zeros_like(o) if d is None else d for d, o in zip(dys, op.outputs)]
+        out = mtf.slicewise(grad_fn, dys, output_shape=[p.shape for p in psis],
+                            output_dtype=[p.dtype for p in psis],
+                            splittable_dims=psis[0].shape.dims[:2], name=name + "_grad")
+        return list(out)
+
     out = mtf.slicewise(fn, list(psis), output_shape=[psis[0].shape] * m_out,
                         output_dtype=[psis[0].dtype] * m_out,
-                        splittable_dims=psis[0].shape.dims[:2], name=name)
+                        splittable_dims=psis[0].shape.dims[:2], grad_function=gradient,
+                        name=name)
     return list(out)
 
 

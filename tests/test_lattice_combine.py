@@ -79,8 +79,13 @@ def test_native_tf_numpy(shape, tile, n, m, lat, dtype):
         g_native = tf.gradients(held, xs, grad_ys=ys)
         g_tf = tf.gradients(got_tf, xs, grad_ys=ys)
         lin = lib.flowpm_lattice_combine([tf.constant(a) for a in v], cf, tile=list(tile), M=m)
-        out = sess.run([held, free, got_tf, g_native, g_tf, lin])
-    got_held, got_free, got_t, gn, gt, jv = out
+        g_twin = lpt.lattice_combine_grad_tf(ys, cf, tile, list(shape[1:4]))
+        g_op = lib.flowpm_lattice_combine_grad(ys, cf, tile=list(tile), block=list(shape[1:4]),
+                                               N=n)
+        out = sess.run([held, free, got_tf, g_native, g_tf, lin, g_twin, g_op])
+    got_held, got_free, got_t, gn, gt, jv, gtw, gop = out
+    for a, b in zip(gop, gtw):       # the grad op and its twin: the same sums, same bits
+        np.testing.assert_array_equal(a, b)
     for k in range(m):
         np.testing.assert_array_equal(got_held[k], want[k])
         np.testing.assert_array_equal(got_free[k], want[k])
