@@ -175,6 +175,15 @@ def to_slots_tf(y, tile):
     return tf.reshape(y, [b, sx * sy * nz, c])
 
 
+def _weighted_sum(ts, ws):
+    """``((ts[0] * ws[0]) + (ts[1] * ws[1])) + ...`` as TensorFlow ops, in that order."""
+    out = None
+    for t, w in zip(ts, ws):
+        term = t * w
+        out = term if out is None else out + term
+    return out
+
+
 def lattice_combine_tf(inputs, coeffs, tile, lattice_output=-1):
     """``FlowpmLatticeCombine`` as TensorFlow ops (its reference; the path of a device
     without the native op): output ``m`` is ``((inputs[0] * coeffs[m, 0]) + (inputs[1] *
@@ -185,10 +194,7 @@ def lattice_combine_tf(inputs, coeffs, tile, lattice_output=-1):
     dtype. Returns a list of ``M`` tensors ``[B, sx sy nz, C]``."""
     outs = []
     for m in range(coeffs.shape[0]):
-        out = None
-        for n, t in enumerate(inputs):
-            term = t * coeffs[m, n]
-            out = term if out is None else out + term
+        out = _weighted_sum(inputs, [coeffs[m, n] for n in range(len(inputs))])
         if m == lattice_output:
             out = lattice_added_tf(out)
         outs.append(to_slots_tf(out, tile))
@@ -209,14 +215,8 @@ def lattice_combine_grad_tf(dys, coeffs, tile, block):
         return tf.reshape(y, [b, sx, sy, nz, c])
 
     lat = [to_lattice(d) for d in dys]
-    outs = []
-    for n in range(coeffs.shape[1]):
-        out = None
-        for m, d in enumerate(lat):
-            term = d * coeffs[m, n]
-            out = term if out is None else out + term
-        outs.append(out)
-    return outs
+    return [_weighted_sum(lat, [coeffs[m, n] for m in range(len(lat))])
+            for n in range(coeffs.shape[1])]
 
 
 @tf.RegisterGradient("FlowpmLatticeCombine")
