@@ -131,39 +131,6 @@ def lattice_added_tf(y):
     return y
 
 
-def displace_lattice(dx, conf):
-    """``lattice(conf, mesh) + dx`` without a full-size lattice tensor.
-
-    The lattice coordinates are added one axis at a time from broadcast 1-d
-    ranges (``((dx + i) + j) + k`` with the other components of each step
-    zero: the same values, bit for bit, as ``lattice + dx``), so the run holds
-    no ``[bx, by, npart, xyz]`` lattice (a data-independent tensor TensorFlow
-    would build at the start of the run and keep until this sum).
-
-    Parameters
-    ----------
-    dx : mtf.Tensor
-        ``[bx, by, npart, xyz]`` displacements [cells] of the lattice
-        particles, in the slot order of :func:`lattice`.
-    conf : SimConfig
-
-    Returns
-    -------
-    mtf.Tensor
-        Block-local positions [cells], shape and dtype of ``dx``; gradient
-        the identity.
-    """
-    sx, sy, nz = (d.size for d in layout.block_cell_dims(conf))
-
-    def fn(t):
-        lead = t.shape.as_list()[:2]
-        return tf.reshape(lattice_added_tf(tf.reshape(t, lead + [sx, sy, nz, 3])), t.shape)
-
-    return mtf.slicewise(fn, [dx], output_shape=dx.shape, output_dtype=dx.dtype,
-                         splittable_dims=dx.shape.dims[:2], grad_function=lambda op, dy: [dy],
-                         name="displace_lattice")
-
-
 def block_origins(conf, mesh):
     """Global position of each block's origin, ``[bx, by, xyz]`` [cells]."""
     P, Q = conf.grid

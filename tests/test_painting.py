@@ -209,32 +209,6 @@ def test_position_gradients_finite_difference(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
-def test_displace_lattice(case):
-    """displace_lattice(dx) is lattice + dx bit for bit (float32, with -0.0 entries)
-    without a lattice tensor; its gradient is the identity."""
-    conf = conf_for(case, dtype="float32")
-    rng = np.random.RandomState(11)
-
-    def build(mesh):
-        lat = painting.lattice(conf, mesh)
-        shape = lat.shape.to_integer_list
-        dx0 = (rng.randn(*shape) * 3).astype(np.float32)
-        dx0.reshape(-1)[::7] = -0.0
-        y0 = rng.randn(*shape).astype(np.float32)
-        dx = mtf.import_tf_tensor(mesh, tf.constant(dx0), lat.shape)
-        y = mtf.import_tf_tensor(mesh, tf.constant(y0), lat.shape)
-        x = painting.displace_lattice(dx, conf)
-        g, = mtf.gradients([mtf.reduce_sum(x * y)], [dx])
-        return {"x": x, "ref": lat + dx, "g": g, "y": y}
-
-    out = H.run(case[0], conf, build)
-    assert out["x"].dtype == np.float32
-    np.testing.assert_array_equal(out["x"], out["ref"])
-    np.testing.assert_array_equal(np.signbit(out["x"]), np.signbit(out["ref"]))
-    np.testing.assert_array_equal(out["g"], out["y"])
-
-
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
 def test_lattice_identities(case):
     """One particle per cell at the lattice: paint gives exactly 1 everywhere,
     readout returns the field values exactly, to_global gives the cell indices."""
