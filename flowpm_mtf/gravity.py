@@ -34,7 +34,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import complex_ops, fft, native
+from . import fft, native
 from . import config as cfg
 from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field, to_blocks
 from .layout import block_shape
@@ -134,7 +134,7 @@ def _field_of_density(rho, conf, kernels, stencil=None):
     if stencil is None:
         stencil = _native_stencil(conf, rho.dtype)
     if stencil:
-        pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="force_inv_laplace")
+        pot = kernels.inverse_laplace(delta_k, name="force_inv_laplace")
         return force_field_of_potential(fft.c2r(pot, conf, name="force_c2r"), conf), True
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
@@ -435,8 +435,8 @@ def density_cotangent(dmesh, conf, kernels, one_block, name="density_cotangent")
                             output_dtype=dmesh.dtype, splittable_dims=dmesh.shape.dims[:2],
                             name=name + "_divergence")
         phi = reduced_to_field(phi, wide)
-    pk = complex_ops.apply_kernel(fft.r2c(phi, conf, name=name + "_r2c"), kernels.inv_laplace,
-                                  name=name + "_inv_laplace")
+    pk = kernels.inverse_laplace(fft.r2c(phi, conf, name=name + "_r2c"),
+                                 name=name + "_inv_laplace")
     return fft.c2r(pk, conf, name=name + "_c2r")
 
 

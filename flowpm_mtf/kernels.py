@@ -55,7 +55,8 @@ from . import fft
 from . import native
 from .ordering import after
 
-__all__ = ["gradient_kvec", "inverse_laplace_kernel", "Kernels", "make_kernels",
+__all__ = ["gradient_kvec", "inverse_laplace_kernel", "apply_inverse_laplace",
+           "inverse_laplace_tf", "Kernels", "make_kernels",
            "packed_inverse", "after", "gradient_spec", "hessian_spec", "inverse_after",
            "neg_gradient_potential", "hessian_potential", "potential_fields",
            "HESSIAN_PAIRS", "stack_xyz", "unstack_xyz", "xyz_from_packed"]
@@ -112,8 +113,9 @@ class Kernels:
 
     Attributes
     ----------
-    inv_laplace : mtf.Tensor
-        :math:`1/|k|^2` on ``[kx, ky, kz]`` [(Mpc/h)^2].
+    kvec : list of 3 mtf.Tensor
+        :math:`k_d` on ``[k_d]`` [h/Mpc] (:func:`flowpm_mtf.layout.kvec`), from which
+        :meth:`inverse_laplace` computes :math:`1/|k|^2` on the fly.
     grad : list of 3 mtf.Tensor
         :math:`\\tilde k_d` on ``[k_d]`` [h/Mpc] (the phase ``i`` is applied
         by :func:`flowpm_mtf.complex_ops.apply_kernel`).
@@ -122,10 +124,85 @@ class Kernels:
         followed by the conversion of a length from Mpc/h to cells.
     """
 
-    def __init__(self, inv_laplace, grad, grad_cells):
-        self.inv_laplace = inv_laplace
+    def __init__(self, conf, mesh, kvec, grad, grad_cells):
+        self._conf, self._mesh = conf, mesh
+        self.kvec = kvec
         self.grad = grad
         self.grad_cells = grad_cells
+        self._inv_laplace = None
+
+    @property
+    def inv_laplace(self):
+        """:math:`1/|k|^2` as a full-size ``[kx, ky, kz]`` tensor [(Mpc/h)^2].
+
+        Built on first use (:func:`inverse_laplace_kernel`); the solver itself
+        multiplies by it with :meth:`inverse_laplace`, which never makes it.
+        """
+        if self._inv_laplace is None:
+            self._inv_laplace = inverse_laplace_kernel(self._conf, self._mesh)
+        return self._inv_laplace
+
+    def inverse_laplace(self, delta_k, name="inv_laplace"):
+        """``delta_k / |k|^2`` (0 at ``k = 0``): :func:`apply_inverse_laplace`."""
+        return apply_inverse_laplace(delta_k, self.kvec, name)
+
+
+def inverse_laplace_tf(field, kx, ky, kz):
+    """The TensorFlow twin of the native ``FlowpmInverseLaplace`` (one slice).
+
+    ``field`` complex ``[nx, ny, nz]``, ``kx, ky, kz`` its real 1-d wave numbers
+    [h/Mpc]: ``field * (1 / |k|^2)``, 0 where ``|k| = 0``; the operations of
+    :func:`inverse_laplace_kernel` and :func:`flowpm_mtf.complex_ops.apply_kernel`
+    in the same order (so bit for bit the native op, up to the sign of a zero).
+    """
+    kk = (tf.square(kx)[:, None, None] + tf.square(ky)[None, :, None]) + \
+        tf.square(kz)[None, None, :]
+    with tf.control_dependencies([field.op]):     # no full-size kernel before it is needed
+        s = tf.cast(tf.math.divide_no_nan(tf.ones([], kk.dtype), kk), field.dtype)
+    return field * s
+
+
+def apply_inverse_laplace(delta_k, kvec, name="inv_laplace"):
+    r"""``delta_k / |k|^2`` [(Mpc/h)^2 times ``delta_k``'s units], 0 at ``k = 0``.
+
+    The product of :func:`flowpm_mtf.complex_ops.apply_kernel` with
+    :func:`inverse_laplace_kernel`, in one pass over the field without a full-size
+    kernel (native ``FlowpmInverseLaplace``, kspace_ops.cc, in the field's memory
+    when nothing else holds it; :func:`inverse_laplace_tf` where no native op
+    serves), bit for bit the same values. Its gradient is itself (a real diagonal
+    operator); the wave numbers get none.
+
+    Parameters
+    ----------
+    delta_k : mtf.Tensor
+        Complex ``[kx, ky, kz]``.
+    kvec : list of 3 mtf.Tensor
+        ``[kx]``, ``[ky]``, ``[kz]`` [h/Mpc] (:attr:`Kernels.kvec`), real dtype of
+        ``delta_k``.
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Complex, shape and dtype of ``delta_k``.
+    """
+    shape = delta_k.shape
+    if [d.name for d in shape.dims] != list(cfg.K_DIMS):
+        raise ValueError("inverse_laplace: the field must be on %s, got %s"
+                         % (list(cfg.K_DIMS), shape))
+
+    def fn(f, kx, ky, kz):
+        lib = native.ops_for("kspace_ops", f, kx, ky, kz, dtypes=None)
+        if lib is None or f.dtype.real_dtype != kx.dtype:   # e.g. float32 k, complex128
+            return inverse_laplace_tf(f, kx, ky, kz)
+        return lib.flowpm_inverse_laplace(f, kx, ky, kz)
+
+    def gradient(op, dy):
+        return [apply_inverse_laplace(dy, kvec, name + "_grad"), None, None, None]
+
+    return mtf.slicewise(fn, [delta_k] + list(kvec), output_shape=shape,
+                         output_dtype=delta_k.dtype, splittable_dims=shape.dims,
+                         grad_function=gradient, name=name)
 
 
 def make_kernels(conf, mesh):
@@ -145,7 +222,7 @@ def make_kernels(conf, mesh):
     grad = [_import_1d(mesh, g, d, dt, "grad_" + d) for g, d in zip(gk, cfg.K_DIMS)]
     grad_cells = [_import_1d(mesh, g / c, d, dt, "grad_cells_" + d)
                   for g, c, d in zip(gk, conf.cell_size, cfg.K_DIMS)]
-    return Kernels(inverse_laplace_kernel(conf, mesh), grad, grad_cells)
+    return Kernels(conf, mesh, layout.kvec(conf, mesh, units="h/Mpc"), grad, grad_cells)
 
 
 def stack_xyz(components, name):
@@ -540,7 +617,7 @@ def neg_gradient_potential(delta_k, conf, kernels, packed=True, sequential=False
         k_d\, \delta_k / |k|^2] / c_d` [cells], as FlowPM's ``lpt1`` and
         ``apply_longrange`` before the readout.
     """
-    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace")
+    pot = kernels.inverse_laplace(delta_k, name="inv_laplace")
     if packed and sequential:
         first = inverse_after(pot, [gradient_spec(kernels, 0), gradient_spec(kernels, 1)], conf,
                               name="grad_0", raw=True)
@@ -589,7 +666,7 @@ def hessian_potential(delta_k, conf, kernels, pairs, packed=True):
     """
     if len(pairs) != 3:
         raise ValueError("hessian_potential: need 3 (i, j) pairs, got %r" % (pairs,))
-    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_h")
+    pot = kernels.inverse_laplace(delta_k, name="inv_laplace_h")
     return _inverse_xyz(_hessian_specs(pot, kernels, pairs, "hessian"), conf, packed, "hessian")
 
 
@@ -623,7 +700,7 @@ def potential_fields(delta_k, conf, kernels, pairs=HESSIAN_PAIRS):
         Real ``[x, y, z, xyz]`` :math:`-\nabla\phi` [cells], and one real
         ``[x, y, z]`` field per pair [dimensionless].
     """
-    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    pot = kernels.inverse_laplace(delta_k, name="inv_laplace_lpt")
     specs = _gradient_specs(pot, kernels) + _hessian_specs(pot, kernels, pairs, "lpt_hessian")
     out = packed_inverse(specs, conf, [(cfg.XYZ, 3)] + [(None, 1)] * len(pairs),
                          name="lpt_fields")

@@ -51,7 +51,7 @@ from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import complex_ops, fft, ics, lpt_source, native
+from . import fft, ics, lpt_source, native
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       interleave_xyz, make_kernels, neg_gradient_potential)
@@ -377,7 +377,7 @@ def lpt_displacements(linear, conf, order=None, kernels=None, real_space=None):
     # into the 2LPT source before the next starts: a batched transform of all
     # five held ~10 complex fields at once (the ICs' peak). Same pairing and
     # arithmetic as kernels.potential_fields, so the same values.
-    pot = complex_ops.apply_kernel(delta_k, kernels.inv_laplace, name="inv_laplace_lpt")
+    pot = kernels.inverse_laplace(delta_k, name="inv_laplace_lpt")
     grad = [gradient_spec(kernels, d) for d in range(3)]
     hess = {p: hessian_spec(kernels, *p, name="lpt_hessian") for p in HESSIAN_PAIRS}
     yy, zz = inverse_after(pot, [hess[1, 1], hess[2, 2]], conf, name="lpt_fields_yy_zz")
@@ -399,7 +399,7 @@ def _displacements_real_space(delta_k, conf, order, kernels):
     """:func:`lpt_displacements` in real space: each potential by one real inverse FFT,
     the fields by differences of it (:mod:`flowpm_mtf.lpt_source`)."""
     def potential(dk, name):
-        pot = complex_ops.apply_kernel(dk, kernels.inv_laplace, name=name + "_inv_laplace")
+        pot = kernels.inverse_laplace(dk, name=name + "_inv_laplace")
         return fft.c2r(pot, conf, name=name + "_c2r")
 
     phi1 = potential(delta_k, "lpt_phi1")

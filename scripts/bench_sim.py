@@ -111,7 +111,7 @@ def _phase_graphs(conf, impl, slices, particle_shape, real_space):
     from flowpm_mtf import config as cfg
     import dataclasses
 
-    from flowpm_mtf import complex_ops, domain, fft, gravity, halo, lpt, nbody, painting
+    from flowpm_mtf import domain, fft, gravity, halo, lpt, nbody, painting
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.kernels import neg_gradient_potential
 
@@ -149,7 +149,7 @@ def _phase_graphs(conf, impl, slices, particle_shape, real_space):
         kernels = nbody.make_kernels(conf, mesh)
         delta_k = fft.r2c(t["rho"], conf)
         if real_space:
-            return [fft.c2r(complex_ops.apply_kernel(delta_k, kernels.inv_laplace), conf)]
+            return [fft.c2r(kernels.inverse_laplace(delta_k), conf)]
         return [neg_gradient_potential(delta_k, conf, kernels)]
 
     def three(field):  # a [x, y, z, xyz] field, as the force's gradient

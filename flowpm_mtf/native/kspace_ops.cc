@@ -1,0 +1,186 @@
+// Real k-space kernels applied to a complex field in one pass, on the CPU.
+//
+// Ops (the Python side, gradients and TensorFlow twins included, is flowpm_mtf/kernels.py
+// for the first and flowpm_mtf/ics.py for the second):
+//
+//   FlowpmInverseLaplace(field C [nx, ny, nz], kx R [nx], ky R [ny], kz R [nz]) -> C
+//       out[i, j, k] = field[i, j, k] * s with kk = (kx[i] kx[i] + ky[j] ky[j]) + kz[k] kz[k]
+//       and s = 1 / kk (0 where kk = 0): the products, sums and quotient of the TensorFlow
+//       path (Square, AddV2, DivNoNan, Cast to complex, Mul) in the same order, each
+//       rounded, no contraction. (a + ib) (s + 0i) = (a s - b 0) + i (a 0 + b s) is
+//       (a s) + i (b s) to the last bit for finite values (up to the sign of a zero).
+//   FlowpmRadialScale(field C [nx, ny, nz], table R [ux, uy, uz], ix int32 [nx],
+//                     iy int32 [ny], iz int32 [nz]) -> C
+//       out[i, j, k] = field[i, j, k] * table[ix[i], iy[j], iz[k]]: the three TensorFlow
+//       gathers of a radial kernel (flowpm_mtf.ics.radial_kernel), its cast to complex and
+//       the product in one pass, bit for bit (the same argument).
+//
+// Both write in the field's buffer when nothing else holds it, and never allocate a
+// full-size kernel: the TensorFlow path made a real [nx, ny, nz] kernel, its complex copy
+// and the product (three full-size passes and 2.5 field sizes of new memory; at 512^3 on
+// one rank 0.27 + 0.54 GB, and 3.6 s of gathers in the ICs). Each is its own gradient
+// with respect to the field (a real diagonal operator); the k vectors and the table are
+// constants (no gradient).
+//
+// Threading: TensorFlow's intra-op pool over (i, j) rows; every value is computed by one
+// thread from its own inputs, so the results do not depend on the thread count.
+#pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
+
+#include <complex>
+
+#include "tf_op.h"
+
+namespace {
+
+using ::tensorflow::errors::InvalidArgument;
+
+// The checks both ops share: a rank-3 field, the k-axis inputs of the given lengths.
+::tensorflow::Status check_field(const char* op, const Tensor& field) {
+  if (field.dims() != 3)
+    return InvalidArgument(op, ": the field must be [nx, ny, nz], got ",
+                           field.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
+::tensorflow::Status check_axis(const char* op, const char* what, const Tensor& t, i64 n) {
+  if (t.dims() != 1 || t.dim_size(0) != n)
+    return InvalidArgument(op, ": ", what, " must be a vector of ", n, " entries, got ",
+                           t.shape().DebugString());
+  return ::tensorflow::OkStatus();
+}
+
+template <typename R>
+class InverseLaplaceOp : public OpKernel {
+ public:
+  explicit InverseLaplaceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const char* op = "FlowpmInverseLaplace";
+    const Tensor& field = ctx->input(0);
+    OP_REQUIRES_OK(ctx, check_field(op, field));
+    const i64 nx = field.dim_size(0), ny = field.dim_size(1), nz = field.dim_size(2);
+    OP_REQUIRES_OK(ctx, check_axis(op, "kx", ctx->input(1), nx));
+    OP_REQUIRES_OK(ctx, check_axis(op, "ky", ctx->input(2), ny));
+    OP_REQUIRES_OK(ctx, check_axis(op, "kz", ctx->input(3), nz));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
+    if (field.NumElements() == 0) return;
+    const R* f = reinterpret_cast<const R*>(field.flat<std::complex<R>>().data());
+    R* o = reinterpret_cast<R*>(out->flat<std::complex<R>>().data());
+    const R* kx = ctx->input(1).flat<R>().data();
+    const R* ky = ctx->input(2).flat<R>().data();
+    const R* kz = ctx->input(3).flat<R>().data();
+    shard(ctx, nx * ny, 6 * nz, [=](i64 r0, i64 r1) {
+      for (i64 r = r0; r < r1; ++r) {
+        const i64 i = r / ny, j = r % ny;
+        const R kxy = kx[i] * kx[i] + ky[j] * ky[j];
+        const R* a = f + 2 * r * nz;  // may be b (in place): elementwise
+        R* b = o + 2 * r * nz;
+        for (i64 k = 0; k < nz; ++k) {
+          const R kk = kxy + kz[k] * kz[k];
+          const R s = kk == R(0) ? R(0) : R(1) / kk;
+          b[2 * k] = a[2 * k] * s;
+          b[2 * k + 1] = a[2 * k + 1] * s;
+        }
+      }
+    });
+  }
+};
+
+template <typename R>
+class RadialScaleOp : public OpKernel {
+ public:
+  explicit RadialScaleOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const char* op = "FlowpmRadialScale";
+    const Tensor& field = ctx->input(0);
+    const Tensor& table = ctx->input(1);
+    OP_REQUIRES_OK(ctx, check_field(op, field));
+    OP_REQUIRES(ctx, table.dims() == 3,
+                InvalidArgument(op, ": the table must be [ux, uy, uz], got ",
+                                table.shape().DebugString()));
+    const i64 nx = field.dim_size(0), ny = field.dim_size(1), nz = field.dim_size(2);
+    const i64 ux = table.dim_size(0), uy = table.dim_size(1), uz = table.dim_size(2);
+    OP_REQUIRES_OK(ctx, check_axis(op, "ix", ctx->input(2), nx));
+    OP_REQUIRES_OK(ctx, check_axis(op, "iy", ctx->input(3), ny));
+    OP_REQUIRES_OK(ctx, check_axis(op, "iz", ctx->input(4), nz));
+    const int32_t* ix = ctx->input(2).flat<int32_t>().data();
+    const int32_t* iy = ctx->input(3).flat<int32_t>().data();
+    const int32_t* iz = ctx->input(4).flat<int32_t>().data();
+    // an index outside the table is an error, as in a gather (checked before any write)
+    const i64 lens[3] = {nx, ny, nz}, bounds[3] = {ux, uy, uz};
+    const int32_t* idx[3] = {ix, iy, iz};
+    for (int d = 0; d < 3; ++d)
+      for (i64 n = 0; n < lens[d]; ++n)
+        OP_REQUIRES(ctx, idx[d][n] >= 0 && idx[d][n] < bounds[d],
+                    InvalidArgument(op, ": index ", idx[d][n], " of axis ", d,
+                                    " is outside the table's ", bounds[d], " entries"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
+    if (field.NumElements() == 0) return;
+    const R* f = reinterpret_cast<const R*>(field.flat<std::complex<R>>().data());
+    R* o = reinterpret_cast<R*>(out->flat<std::complex<R>>().data());
+    const R* tab = table.flat<R>().data();
+    shard(ctx, nx * ny, 4 * nz, [=](i64 r0, i64 r1) {
+      for (i64 r = r0; r < r1; ++r) {
+        const i64 i = r / ny, j = r % ny;
+        const R* row = tab + (static_cast<i64>(ix[i]) * uy + iy[j]) * uz;
+        const R* a = f + 2 * r * nz;
+        R* b = o + 2 * r * nz;
+        for (i64 k = 0; k < nz; ++k) {
+          const R s = row[iz[k]];
+          b[2 * k] = a[2 * k] * s;
+          b[2 * k + 1] = a[2 * k + 1] * s;
+        }
+      }
+    });
+  }
+};
+
+// The shape function of both: the field's.
+::tensorflow::Status same_as_field(InferenceContext* c) {
+  ShapeHandle field;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &field));
+  c->set_output(0, field);
+  return ::tensorflow::OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("FlowpmInverseLaplace")
+    .Input("field: C")
+    .Input("kx: R")
+    .Input("ky: R")
+    .Input("kz: R")
+    .Output("out: C")
+    .Attr("C: {complex64, complex128}")
+    .Attr("R: {float, double}")
+    .SetShapeFn(same_as_field);
+
+REGISTER_OP("FlowpmRadialScale")
+    .Input("field: C")
+    .Input("table: R")
+    .Input("ix: int32")
+    .Input("iy: int32")
+    .Input("iz: int32")
+    .Output("out: C")
+    .Attr("C: {complex64, complex128}")
+    .Attr("R: {float, double}")
+    .SetShapeFn(same_as_field);
+
+#define FLOWPM_REGISTER_KSPACE(name, Kernel)                                                 \
+  REGISTER_KERNEL_BUILDER(Name(name)                                                         \
+                              .Device(DEVICE_CPU)                                            \
+                              .TypeConstraint<::tensorflow::complex64>("C")                  \
+                              .TypeConstraint<float>("R"),                                   \
+                          Kernel<float>);                                                    \
+  REGISTER_KERNEL_BUILDER(Name(name)                                                         \
+                              .Device(DEVICE_CPU)                                            \
+                              .TypeConstraint<::tensorflow::complex128>("C")                 \
+                              .TypeConstraint<double>("R"),                                  \
+                          Kernel<double>)
+
+FLOWPM_REGISTER_KSPACE("FlowpmInverseLaplace", InverseLaplaceOp);
+FLOWPM_REGISTER_KSPACE("FlowpmRadialScale", RadialScaleOp);
