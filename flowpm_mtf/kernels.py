@@ -155,9 +155,9 @@ def inverse_laplace_tf(field, kx, ky, kz):
     :func:`inverse_laplace_kernel` and :func:`flowpm_mtf.complex_ops.apply_kernel`
     in the same order (so bit for bit the native op, up to the sign of a zero).
     """
-    kk = (tf.square(kx)[:, None, None] + tf.square(ky)[None, :, None]) + \
-        tf.square(kz)[None, None, :]
     with tf.control_dependencies([field.op]):     # no full-size kernel before it is needed
+        kk = (tf.square(kx)[:, None, None] + tf.square(ky)[None, :, None]) + \
+            tf.square(kz)[None, None, :]
         s = tf.cast(tf.math.divide_no_nan(tf.ones([], kk.dtype), kk), field.dtype)
     return field * s
 
