@@ -50,6 +50,30 @@ using ::tensorflow::errors::InvalidArgument;
   return ::tensorflow::OkStatus();
 }
 
+// out = field * s(i, j, k) for a real s, cell by cell, in the field's memory when nothing
+// else holds it; parallel over (i, j) rows. row(i, j) returns the functor k -> s of a row.
+template <typename R, typename Row>
+void scale_field(OpKernelContext* ctx, const Tensor& field, i64 cost, Row row) {
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
+  if (field.NumElements() == 0) return;
+  const i64 ny = field.dim_size(1), nz = field.dim_size(2);
+  const R* f = reinterpret_cast<const R*>(field.flat<std::complex<R>>().data());
+  R* o = reinterpret_cast<R*>(out->flat<std::complex<R>>().data());
+  shard(ctx, field.dim_size(0) * ny, cost * nz, [=](i64 r0, i64 r1) {
+    for (i64 r = r0; r < r1; ++r) {
+      const auto scale = row(r / ny, r % ny);
+      const R* a = f + 2 * r * nz;  // may be b (in place): elementwise
+      R* b = o + 2 * r * nz;
+      for (i64 k = 0; k < nz; ++k) {
+        const R v = scale(k);
+        b[2 * k] = a[2 * k] * v;
+        b[2 * k + 1] = a[2 * k + 1] * v;
+      }
+    }
+  });
+}
+
 template <typename R>
 class InverseLaplaceOp : public OpKernel {
  public:
@@ -63,27 +87,15 @@ class InverseLaplaceOp : public OpKernel {
     OP_REQUIRES_OK(ctx, check_axis(op, "kx", ctx->input(1), nx));
     OP_REQUIRES_OK(ctx, check_axis(op, "ky", ctx->input(2), ny));
     OP_REQUIRES_OK(ctx, check_axis(op, "kz", ctx->input(3), nz));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
-    if (field.NumElements() == 0) return;
-    const R* f = reinterpret_cast<const R*>(field.flat<std::complex<R>>().data());
-    R* o = reinterpret_cast<R*>(out->flat<std::complex<R>>().data());
     const R* kx = ctx->input(1).flat<R>().data();
     const R* ky = ctx->input(2).flat<R>().data();
     const R* kz = ctx->input(3).flat<R>().data();
-    shard(ctx, nx * ny, 6 * nz, [=](i64 r0, i64 r1) {
-      for (i64 r = r0; r < r1; ++r) {
-        const i64 i = r / ny, j = r % ny;
-        const R kxy = kx[i] * kx[i] + ky[j] * ky[j];
-        const R* a = f + 2 * r * nz;  // may be b (in place): elementwise
-        R* b = o + 2 * r * nz;
-        for (i64 k = 0; k < nz; ++k) {
-          const R kk = kxy + kz[k] * kz[k];
-          const R s = kk == R(0) ? R(0) : R(1) / kk;
-          b[2 * k] = a[2 * k] * s;
-          b[2 * k + 1] = a[2 * k + 1] * s;
-        }
-      }
+    scale_field<R>(ctx, field, 6, [=](i64 i, i64 j) {
+      const R kxy = kx[i] * kx[i] + ky[j] * ky[j];
+      return [=](i64 k) {
+        const R kk = kxy + kz[k] * kz[k];
+        return kk == R(0) ? R(0) : R(1) / kk;
+      };
     });
   }
 };
@@ -117,24 +129,10 @@ class RadialScaleOp : public OpKernel {
         OP_REQUIRES(ctx, idx[d][n] >= 0 && idx[d][n] < bounds[d],
                     InvalidArgument(op, ": index ", idx[d][n], " of axis ", d,
                                     " is outside the table's ", bounds[d], " entries"));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
-    if (field.NumElements() == 0) return;
-    const R* f = reinterpret_cast<const R*>(field.flat<std::complex<R>>().data());
-    R* o = reinterpret_cast<R*>(out->flat<std::complex<R>>().data());
     const R* tab = table.flat<R>().data();
-    shard(ctx, nx * ny, 4 * nz, [=](i64 r0, i64 r1) {
-      for (i64 r = r0; r < r1; ++r) {
-        const i64 i = r / ny, j = r % ny;
-        const R* row = tab + (static_cast<i64>(ix[i]) * uy + iy[j]) * uz;
-        const R* a = f + 2 * r * nz;
-        R* b = o + 2 * r * nz;
-        for (i64 k = 0; k < nz; ++k) {
-          const R s = row[iz[k]];
-          b[2 * k] = a[2 * k] * s;
-          b[2 * k + 1] = a[2 * k + 1] * s;
-        }
-      }
+    scale_field<R>(ctx, field, 4, [=](i64 i, i64 j) {
+      const R* line = tab + (static_cast<i64>(ix[i]) * uy + iy[j]) * uz;
+      return [=](i64 k) { return line[iz[k]]; };
     });
   }
 };
