@@ -94,6 +94,10 @@ class SimulationGraph:
                                       kernels=kernels)
         init = self.lpt_state
         shape = init.positions.shape
+        # The zeros stay, although the ICs replace them: when the ICs' assignments free
+        # them, the first force and the steps reuse their spans, which have the state's
+        # sizes. Without them the 512^3 ICs were slower and the peak 3 GB higher
+        # (docs/benchmarks.md, "Two ICs experiments, dropped").
         self.variables = lpt.State(*[
             mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
                              initializer=unfolded_zeros_initializer())
