@@ -184,8 +184,13 @@ def cmd_ours(args):
     rt_local = export_local_slice(lowering, rt)
     copy_masters = lowering.copy_masters_to_slices()
     rec["graph_build_s"] = max(comm.allgather(time.perf_counter() - t0))
+    from flowpm_mtf.jobs import runner as job_runner
+    initialize = getattr(job_runner, "initialize_variables", None)   # None before 2026-11-29
     with tf.Session(config=session_config("hvd")) as sess:  # as the jobs (Grappler off)
-        sess.run(tf.global_variables_initializer())
+        if initialize is not None:
+            initialize(sess)        # one by one, as the jobs
+        else:
+            sess.run(tf.global_variables_initializer())
         sess.run(copy_masters)
         for key in ("ics", "ics_warm"):
             comm.Barrier()

@@ -275,6 +275,7 @@ def cmd_bare(args):
 
     from flowpm_mtf.backend import session_config
     from flowpm_mtf.config import SimConfig
+    from flowpm_mtf.jobs import runner
     from flowpm_mtf.jobs.nbody_run import SimulationGraph, sort_due
     from hvd_mesh_impl import HvdSimdMeshImpl
 
@@ -292,7 +293,7 @@ def cmd_bare(args):
     step = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
     sort = tf.group([lowering.lowered_operation(op) for op in sim.sort_ops])
     with tf.Session(config=session_config("hvd")) as sess:
-        sess.run(tf.global_variables_initializer())
+        runner.initialize_variables(sess)          # as the job
         sess.run(lowering.copy_masters_to_slices())
         sess.run(init)
         sess.run(init_force)      # the ICs' two runs (nbody_run.run_init)

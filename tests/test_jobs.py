@@ -194,6 +194,32 @@ def test_session_config_switches_constant_folding_off_unless_asked(backend, monk
     assert _folded(session_config(backend))
 
 
+def test_variables_initialised_one_by_one_in_graph_order():
+    """``runner.session`` initialises every variable, each in its own ``session.run`` in the
+    order of ``tf.global_variables()`` (the allocation order of the state's initial values,
+    which decides the reuse of their memory: :func:`runner.initialize_variables`)."""
+    import tensorflow.compat.v1 as tf
+
+    from flowpm_mtf.jobs import runner
+
+    with tf.Graph().as_default():
+        vs = [tf.get_variable("v%d" % i, initializer=tf.fill([3 + i], float(i)),
+                              use_resource=True) for i in range(4)]
+        calls = []
+
+        class Recorder:
+            def run(self, fetches):
+                calls.append(fetches)
+
+        runner.initialize_variables(Recorder())
+        assert calls == [v.initializer for v in tf.global_variables()]
+        assert calls == [v.initializer for v in vs]
+        with runner.session() as sess:
+            assert sess.run(tf.report_uninitialized_variables()).size == 0
+            for i, v in enumerate(vs):
+                np.testing.assert_array_equal(sess.run(v), np.full(3 + i, float(i)))
+
+
 def test_peak_memory_survives_the_phase_resets():
     """The run's peak [MB] is kept across ``clear_refs`` resets of the kernel's counter
     (which also lower what ``ru_maxrss`` reports afterwards)."""
