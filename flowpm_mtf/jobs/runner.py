@@ -427,9 +427,10 @@ def initialize_variables(sess, variables=None):
     tcmalloc (:mod:`flowpm_mtf.allocator`, release rate 0) that order decides which
     spans the ICs, the first force and the steps reuse: at 512^3 on one rank the same job
     mapped 0.5 GB or 2.7 GB of new memory in its first step and peaked at 16.1 or 18.2 GB
-    (traced runs); initialised one by one, the state's zeros (5.4 GB) are laid out the
-    same way every time, and the runs took the better pattern, peak 15.6 GB
-    (docs/benchmarks.md, "The variables initialised one by one").
+    (traced one-step runs); initialised one by one, the state's zeros (5.4 GB) are laid out
+    the same way every time, and three runs of three took the same pattern: no new memory in
+    the first step, peak 15.6 GB (docs/benchmarks.md, "The variables initialised one by
+    one").
 
     Parameters
     ----------
