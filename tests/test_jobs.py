@@ -194,7 +194,7 @@ def test_session_config_switches_constant_folding_off_unless_asked(backend, monk
     assert _folded(session_config(backend))
 
 
-def test_variables_initialised_one_by_one_in_graph_order():
+def test_variables_initialised_one_by_one_in_graph_order(monkeypatch):
     """``runner.session`` initialises every variable, each in its own ``session.run`` in the
     order of ``tf.global_variables()`` (the allocation order of the state's initial values,
     which decides the reuse of their memory: :func:`runner.initialize_variables`)."""
@@ -202,6 +202,10 @@ def test_variables_initialised_one_by_one_in_graph_order():
 
     from flowpm_mtf.jobs import runner
 
+    used = []
+    one_by_one = runner.initialize_variables
+    monkeypatch.setattr(runner, "initialize_variables",
+                        lambda sess, variables=None: used.append(1) or one_by_one(sess, variables))
     with tf.Graph().as_default():
         vs = [tf.get_variable("v%d" % i, initializer=tf.fill([3 + i], float(i)),
                               use_resource=True) for i in range(4)]
@@ -211,10 +215,11 @@ def test_variables_initialised_one_by_one_in_graph_order():
             def run(self, fetches):
                 calls.append(fetches)
 
-        runner.initialize_variables(Recorder())
+        one_by_one(Recorder())
         assert calls == [v.initializer for v in tf.global_variables()]
         assert calls == [v.initializer for v in vs]
         with runner.session() as sess:
+            assert used == [1]                   # the session initialised through it
             assert sess.run(tf.report_uninitialized_variables()).size == 0
             for i, v in enumerate(vs):
                 np.testing.assert_array_equal(sess.run(v), np.full(3 + i, float(i)))
