@@ -43,7 +43,7 @@ from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_p
                        readout_field, readout_padded, readout_scaled_grad, readout_vjp)
 
 __all__ = ["density", "density_cotangent", "force_field_of_potential", "gradient_tf",
-           "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
+           "gradient_transpose", "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
 
 log = logging.getLogger(__name__)
 
@@ -253,23 +253,34 @@ def gradient_tf(phi, coeffs, margin):
     return tf.stack(comps, axis=-1)
 
 
-@tf.RegisterGradient("FlowpmGradient")
-def _gradient_grad(op, dy):
-    """The transpose of ``FlowpmGradient``: ``FlowpmNegDivergence(dy, -coeffs, margin=-2)``
-    (the four-point difference is antisymmetric), padded back to the input's margins, or
-    (periodic) its margins folded back into the cells they came from."""
-    m = op.get_attr("margin")
-    lib = native.load("cic_ops")
-    dphi = lib.flowpm_neg_divergence(dy, -op.inputs[1], margin=-GRADIENT_REACH)
-    if m > GRADIENT_REACH:
-        p = m - GRADIENT_REACH
+def gradient_transpose(dy, coeffs, margin, shape=None):
+    """The transpose of ``FlowpmGradient(phi, coeffs, margin)`` applied to ``dy`` ``[B, sx,
+    sy, nz, 3]``: ``FlowpmNegDivergence(dy, -coeffs, margin=-2)`` (the four-point difference
+    is antisymmetric), padded back to the input's margins, or (periodic, ``margin`` <= 0)
+    its margins folded back into the cells they came from. Without the native op on
+    ``dy``'s device, the gradient of :func:`gradient_tf` on a potential of ``shape`` ``[B,
+    ax, ay, nz]`` (the map is linear)."""
+    lib = _stencil_ops(dy)
+    if lib is None:
+        phi = tf.zeros(shape, dy.dtype)
+        return tf.gradients(gradient_tf(phi, coeffs, margin), phi, grad_ys=dy)[0]
+    dphi = lib.flowpm_neg_divergence(dy, -coeffs, margin=-GRADIENT_REACH)
+    if margin > GRADIENT_REACH:
+        p = margin - GRADIENT_REACH
         dphi = tf.pad(dphi, [[0, 0], [p, p], [p, p], [0, 0]])
-    elif m <= 0:
-        w = GRADIENT_REACH - m
+    elif margin <= 0:
+        w = GRADIENT_REACH - margin
         dphi = tf.stack([lib.flowpm_interleave_grad(t[..., None], picks=[0, 0], wrap=w,
                                                     widths=[1], N=1)[0][..., 0]
                          for t in tf.unstack(dphi, axis=0)], axis=0)
-    return dphi, None
+    return dphi
+
+
+@tf.RegisterGradient("FlowpmGradient")
+def _gradient_grad(op, dy):
+    """:func:`gradient_transpose` (the op's gradient)."""
+    return gradient_transpose(dy, op.inputs[1], op.get_attr("margin"),
+                              tf.shape(op.inputs[0])), None
 
 
 def _one_block(conf):

@@ -51,7 +51,7 @@ from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import fft, ics, lpt_source, native
+from . import fft, gravity, ics, lpt_source, native
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       interleave_xyz, make_kernels, neg_gradient_potential)
@@ -59,7 +59,8 @@ from .painting import lattice_added_tf
 
 __all__ = ["State", "lpt_init", "lpt_displacements", "field_to_particles",
            "particles_to_lattice_order", "lpt_coefficients", "lattice_combine",
-           "lattice_combine_tf", "lattice_combine_grad_tf", "to_slots_tf"]
+           "lattice_combine_tf", "lattice_combine_grad_tf", "lattice_combine_potentials",
+           "lattice_combine_potentials_tf", "to_slots_tf"]
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,130 @@ def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine
     return list(out)
 
 
+def lattice_combine_potentials_tf(phis, grad_coeffs, coeffs, tile, margins, lattice_output=-1):
+    """``FlowpmLatticeCombinePotentials`` as TensorFlow ops (its reference; the path of a
+    device without the native op): :func:`flowpm_mtf.gravity.gradient_tf` of each potential
+    ``[B, ax, ay, nz]`` with its margin, then :func:`lattice_combine_tf`."""
+    psis = [gravity.gradient_tf(p, grad_coeffs, m) for p, m in zip(phis, margins)]
+    return lattice_combine_tf(psis, coeffs, tile, lattice_output)
+
+
+def _potentials_combine_grad(dys, grad_coeffs, coeffs, tile, margins, shapes):
+    """The gradient of ``FlowpmLatticeCombinePotentials`` with respect to its potentials:
+    ``FlowpmLatticeCombineGrad`` (or its twin), then the transpose of each difference
+    (:func:`flowpm_mtf.gravity.gradient_transpose`). ``shapes``: the potentials'."""
+    b, sx, sy, nz = shapes[0][0], shapes[0][1] - 2 * margins[0], shapes[0][2] - 2 * margins[0], \
+        shapes[0][3]
+    lib = native.ops_for("lpt_ops", *dys)
+    if lib is not None:
+        dpsis = lib.flowpm_lattice_combine_grad(dys, coeffs, tile=list(tile),
+                                                block=[sx, sy, nz], N=len(margins))
+    else:
+        dpsis = lattice_combine_grad_tf(dys, coeffs, tile, [sx, sy, nz])
+    return [gravity.gradient_transpose(tf.reshape(d, [b, sx, sy, nz, 3]), grad_coeffs, m, s)
+            for d, m, s in zip(dpsis, margins, shapes)]
+
+
+@tf.RegisterGradient("FlowpmLatticeCombinePotentials")
+def _lattice_combine_potentials_grad(op, *dys):
+    """:func:`_potentials_combine_grad` (no gradient for the coefficients: constants)."""
+    n = len(op.inputs) - 2
+    dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, op.outputs)]
+    shapes = [p.shape.as_list() for p in op.inputs[:n]]
+    grads = _potentials_combine_grad(dys, op.inputs[n], op.inputs[n + 1], op.get_attr("tile"),
+                                     op.get_attr("margins"), shapes)
+    return grads + [None, None]
+
+
+def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1,
+                               name="lattice_combine"):
+    r""":func:`lattice_combine` of the displacements of potentials, without making them.
+
+    Output ``m`` is :math:`\sum_n c_{mn} \Psi^{(n)}` with :math:`\Psi^{(n)} = D\phi^{(n)}
+    / c` the four-point difference of potential ``n`` (:func:`flowpm_mtf.lpt_source.displacement`),
+    plus the lattice site for ``m == lattice_output``, in the slots of
+    :func:`lattice_combine`. One native pass (``FlowpmLatticeCombinePotentials``,
+    :func:`lattice_combine_potentials_tf` without it): the same bits as
+    :func:`lattice_combine` of :func:`flowpm_mtf.lpt_source.displacement`, without the
+    displacement fields (at 512^3 the 2LPT's two are 3.2 GB, written once and read once
+    by the two passes it replaces).
+
+    Parameters
+    ----------
+    potentials : list of (mtf.Tensor, int)
+        ``N`` potentials [(Mpc/h)^2] on padded blocks ``[bx, by, sx + 2 m, sy + 2 m, z]``
+        (:func:`flowpm_mtf.lpt_source.padded_potential`), each with its margin ``m`` >= 2.
+    coeffs : sequence of sequences of float
+        ``M`` rows of ``N`` coefficients (:func:`lpt_coefficients`), rounded to
+        ``conf.dtype``.
+    conf : SimConfig
+    lattice_output : int
+        The output to add the lattice site to (block-local [cells]), -1 for none.
+    name : str
+
+    Returns
+    -------
+    list of mtf.Tensor
+        ``M`` tensors ``[bx, by, npart, xyz]``, dtype ``conf.dtype``; the gradient with
+        respect to a potential is the transpose of its difference applied to that of
+        :func:`lattice_combine`.
+    """
+    blocks = [b for b, _ in potentials]
+    margins = [int(m) for _, m in potentials]
+    cvals = np.asarray(coeffs, conf.np_dtype)
+    if cvals.ndim != 2 or cvals.shape[1] != len(blocks) or cvals.shape[0] < 1:
+        raise ValueError("lattice_combine_potentials: coefficients must be rows of %d (one "
+                         "per potential), got shape %s" % (len(blocks), cvals.shape))
+    m_out = cvals.shape[0]
+    if not -1 <= lattice_output < m_out:
+        raise ValueError("lattice_combine_potentials: lattice_output %r is not one of the %d "
+                         "outputs" % (lattice_output, m_out))
+    sx, sy, nz = conf.block_shape
+    for b, m in potentials:
+        if m < gravity.GRADIENT_REACH or b.shape.to_integer_list[2:] != [sx + 2 * m,
+                                                                          sy + 2 * m, nz]:
+            raise ValueError("lattice_combine_potentials: a potential of shape %s with margin "
+                             "%d for blocks %s" % (b.shape, m, conf.block_shape))
+    tile = list(layout.slot_tiles(conf))
+    gvals = lpt_source.difference_coeffs(conf)
+    out_shape = mtf.Shape(layout.particle_dims(conf) + [mtf.Dimension(cfg.XYZ, 3)])
+
+    def flat(ts):
+        return [tf.reshape(t, [-1] + t.shape.as_list()[2:]) for t in ts]
+
+    def fn(*ts):
+        nbx, nby = ts[0].shape.as_list()[:2]
+        phis = flat(ts)
+        gc, cf = tf.constant(gvals), tf.constant(cvals)
+        lib = native.ops_for("lpt_ops", *phis)
+        outs = (lib.flowpm_lattice_combine_potentials(
+                    phis, gc, cf, tile=tile, margins=margins, M=m_out,
+                    lattice_output=int(lattice_output))
+                if lib is not None else
+                lattice_combine_potentials_tf(phis, gc, cf, tile, margins, lattice_output))
+        return tuple(tf.reshape(o, [nbx, nby, sx * sy * nz, 3]) for o in outs)
+
+    def grad_fn(*dys):      # [nbx, nby, npart, 3] each -> N padded-block gradients
+        nbx, nby = dys[0].shape.as_list()[:2]
+        shapes = [[nbx * nby] + b.shape.to_integer_list[2:] for b in blocks]
+        grads = _potentials_combine_grad(flat(dys), tf.constant(gvals), tf.constant(cvals),
+                                         tile, margins, shapes)
+        return tuple(tf.reshape(g, [nbx, nby] + s[1:]) for g, s in zip(grads, shapes))
+
+    def gradient(op, *dys):
+        dys = [mtf.zeros_like(o) if d is None else d for d, o in zip(dys, op.outputs)]
+        out = mtf.slicewise(grad_fn, dys, output_shape=[b.shape for b in blocks],
+                            output_dtype=[b.dtype for b in blocks],
+                            splittable_dims=blocks[0].shape.dims[:2], name=name + "_grad")
+        return list(out)
+
+    out = mtf.slicewise(fn, blocks, output_shape=[out_shape] * m_out,
+                        output_dtype=[blocks[0].dtype] * m_out,
+                        splittable_dims=blocks[0].shape.dims[:2], grad_function=gradient,
+                        name=name)
+    return list(out)
+
+
 def _check_linear(linear, conf):
     shape = fft.real_shape(conf)
     if linear.shape != shape:
@@ -351,21 +476,14 @@ def lpt_displacements(linear, conf, order=None, kernels=None, real_space=None):
         ``[psi1]`` or ``[psi1, psi2]``, each ``[bx, by, npart, xyz]`` [cells]:
         :math:`\Psi^{(1)}` and :math:`\Psi^{(2)}` of the module docstring.
     """
-    order = conf.lpt_order if order is None else int(order)
-    if order not in (1, 2):
-        raise ValueError("lpt: order must be 1 or 2, got %r" % order)
-    modes = ics.modes_of(linear)
-    linear = _check_linear(linear, conf)
-    if kernels is None:
-        kernels = make_kernels(conf, linear.mesh)
-    # The modes of ics.linear_field, when it made the field: no FFT round trip.
-    delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
-    if real_space is None:
-        reach = lpt_source.SOURCE_REACH if order == 2 else lpt_source.GRADIENT_REACH
-        real_space = lpt_source.available(conf, linear.dtype, reach)
+    order, delta_k, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, real_space)
     if real_space:
         return _displacements_real_space(delta_k, conf, order, kernels)
+    return _displacements_kspace(delta_k, conf, order, kernels)
 
+
+def _displacements_kspace(delta_k, conf, order, kernels):
+    """:func:`lpt_displacements` by packed complex inverse FFTs."""
     def displacement(dk):
         return field_to_particles(neg_gradient_potential(dk, conf, kernels, sequential=True),
                                   conf)
@@ -395,20 +513,65 @@ def lpt_displacements(linear, conf, order=None, kernels=None, real_space=None):
     return [psi1, displacement(fft.r2c(source, conf, name="lpt2_source_r2c"))]
 
 
-def _displacements_real_space(delta_k, conf, order, kernels):
-    """:func:`lpt_displacements` in real space: each potential by one real inverse FFT,
-    the fields by differences of it (:mod:`flowpm_mtf.lpt_source`)."""
-    def potential(dk, name):
-        pot = kernels.inverse_laplace(dk, name=name + "_inv_laplace")
-        return fft.c2r(pot, conf, name=name + "_c2r")
+def _lpt_inputs(linear, conf, order, kernels, real_space):
+    """The LPT order, the linear modes, the kernels and whether the real-space path serves
+    (:func:`lpt_displacements`'s parameters, checked and defaulted)."""
+    order = conf.lpt_order if order is None else int(order)
+    if order not in (1, 2):
+        raise ValueError("lpt: order must be 1 or 2, got %r" % order)
+    modes = ics.modes_of(linear)
+    linear = _check_linear(linear, conf)
+    if kernels is None:
+        kernels = make_kernels(conf, linear.mesh)
+    # The modes of ics.linear_field, when it made the field: no FFT round trip.
+    delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
+    if real_space is None:
+        reach = lpt_source.SOURCE_REACH if order == 2 else lpt_source.GRADIENT_REACH
+        real_space = lpt_source.available(conf, linear.dtype, reach)
+    return order, delta_k, kernels, real_space
 
-    phi1 = potential(delta_k, "lpt_phi1")
+
+def _potential(dk, conf, kernels, name):
+    r"""The potential :math:`\mathcal{F}^{-1}[\delta_k / |k|^2]`, real ``[x, y, z]``: one real
+    inverse FFT."""
+    return fft.c2r(kernels.inverse_laplace(dk, name=name + "_inv_laplace"), conf,
+                   name=name + "_c2r")
+
+
+def _second_potential(blocks1, conf, kernels, deps=()):
+    r""":math:`\phi^{(2)}` on blocks padded by ``GRADIENT_REACH``, from :math:`\phi^{(1)}` on
+    blocks padded by ``SOURCE_REACH`` (the source's forward FFT after ``deps``)."""
+    source = lpt_source.source(blocks1, conf, name="lpt1_source")
+    if deps:
+        source = after(source, list(deps), name="lpt2_source_after")
+    phi2 = _potential(fft.r2c(source, conf, name="lpt2_source_r2c"), conf, kernels, "lpt_phi2")
+    return lpt_source.padded_potential(phi2, conf, lpt_source.GRADIENT_REACH)
+
+
+def _displacements_real_space(delta_k, conf, order, kernels):
+    r""":func:`lpt_displacements` in real space: each potential by one real inverse FFT,
+    the fields by differences of it (:mod:`flowpm_mtf.lpt_source`); :math:`\Psi^{(1)}`
+    before the source's FFT, so that the padded :math:`\phi^{(1)}` is free by then."""
+    reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
+    phi1 = _potential(delta_k, conf, kernels, "lpt_phi1")
     if order == 1:
-        return [lpt_source.displacement_of_potential(phi1, conf, name="lpt_psi1")]
-    psi1, source = lpt_source.psi1_and_source(phi1, conf, name="lpt1")
-    source = after(source, [psi1], name="lpt2_source_after")
-    phi2 = potential(fft.r2c(source, conf, name="lpt2_source_r2c"), "lpt_phi2")
-    return [psi1, lpt_source.displacement_of_potential(phi2, conf, name="lpt_psi2")]
+        blocks = lpt_source.padded_potential(phi1, conf, reach)
+        return [lpt_source.displacement(blocks, conf, reach, name="lpt_psi1")]
+    blocks1 = lpt_source.padded_potential(phi1, conf, wide)
+    psi1 = lpt_source.displacement(blocks1, conf, wide, name="lpt1_psi1")
+    blocks2 = _second_potential(blocks1, conf, kernels, [psi1])
+    return [psi1, lpt_source.displacement(blocks2, conf, reach, name="lpt_psi2")]
+
+
+def _potentials_real_space(delta_k, conf, order, kernels):
+    """The potentials of :func:`_displacements_real_space` on padded blocks, with their
+    margins, for :func:`lattice_combine_potentials`: ``[(blocks, margin), ...]``."""
+    reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
+    phi1 = _potential(delta_k, conf, kernels, "lpt_phi1")
+    if order == 1:
+        return [(lpt_source.padded_potential(phi1, conf, reach), reach)]
+    blocks1 = lpt_source.padded_potential(phi1, conf, wide)
+    return [(blocks1, wide), (_second_potential(blocks1, conf, kernels), reach)]
 
 
 def lpt_coefficients(conf, a, order=None):
@@ -477,19 +640,25 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     (e.g. in :func:`flowpm_mtf.nbody.nbody`) raises if a particle left its halo.
     """
     a = conf.a_start if a is None else float(a)
-    order = conf.lpt_order if order is None else int(order)
-    psis = lpt_displacements(linear, conf, order, kernels)
+    order, delta_k, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, None)
     coef = lpt_coefficients(conf, a, order)
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
-    # All vectors in one pass, in the slots of layout.slot_tiles, the positions and
-    # momenta in the displacements' memory; the data-independent ids only when they are
-    # needed (ids alike).
+    # All vectors in one pass, in the slots of layout.slot_tiles: in real space from the
+    # potentials (no displacement field), else from the displacements, the positions and
+    # momenta in their memory; the data-independent ids only when they are needed (ids
+    # alike).
     keys = ("x", "p", "f") if forces else ("x", "p")
+    rows = [coef[k] for k in keys]
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
-    vecs = [pad(v) for v in lattice_combine(psis, [coef[k] for k in keys], conf,
-                                            lattice_output=0, name="lpt_state")]
+    if real_space:
+        vecs = lattice_combine_potentials(_potentials_real_space(delta_k, conf, order, kernels),
+                                          rows, conf, lattice_output=0, name="lpt_state")
+    else:
+        vecs = lattice_combine(_displacements_kspace(delta_k, conf, order, kernels), rows, conf,
+                               lattice_output=0, name="lpt_state")
+    vecs = [pad(v) for v in vecs]
     x, fields = vecs[0], vecs[1:]
     ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
     # What uses the positions (the migration, a PM force) waits for the other results

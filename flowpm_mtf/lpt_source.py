@@ -10,7 +10,9 @@ transfer function of the four-point difference
 potential :math:`\phi = \mathcal{F}^{-1}[\delta_k / |k|^2]` in real space:
 
 * :math:`\Psi_d = D_d\phi / c_d` [cells] (native ``FlowpmGradient``, as the PM force
-  field of :func:`flowpm_mtf.gravity.force_field_of_potential`);
+  field of :func:`flowpm_mtf.gravity.force_field_of_potential`; the ICs take the
+  differences inside :func:`flowpm_mtf.lpt.lattice_combine_potentials` instead, from
+  :func:`padded_potential`, without a displacement field);
 * the source :math:`S = \sum_{i<j} h_{ii} h_{jj} - h_{ij}^2` with
   :math:`h_{ij} = D_i D_j \phi` (native ``FlowpmLpt2Source``, one pass over the
   potential's padded blocks; its gradient ``FlowpmLpt2SourceGrad``, registered below).
@@ -31,8 +33,8 @@ from . import layout, native
 from .gravity import GRADIENT_REACH, gradient_tf
 from .halo import field_to_padded, from_blocks
 
-__all__ = ["SOURCE_REACH", "available", "displacement_of_potential", "psi1_and_source",
-           "source_tf"]
+__all__ = ["SOURCE_REACH", "available", "padded_potential", "difference_coeffs", "displacement",
+           "source", "source_tf"]
 
 SOURCE_REACH = 4
 """Cells :math:`D_i D_i` reads on either side (the halo of the potential for the source)."""
@@ -56,10 +58,16 @@ def _coeffs(conf, cells):
                     conf.np_dtype)
 
 
-def _padded_potential(phi, conf, reach):
+def padded_potential(phi, conf, reach):
     """``[bx, by, sx + 2 reach, sy + 2 reach, z]``: the potential's blocks with their
     neighbours' cells (one halo exchange of one field)."""
     return field_to_padded(phi, dataclasses.replace(conf, halo_size=reach))
+
+
+def difference_coeffs(conf):
+    """Coefficients of :math:`D_d / c_d` [1/(Mpc/h)^2]: ``grad_coeffs`` of ``FlowpmGradient``
+    and ``FlowpmLatticeCombinePotentials`` for a displacement in [cells]."""
+    return _coeffs(conf, cells=True)
 
 
 def _particle_shape(conf, rest=()):
@@ -80,10 +88,26 @@ def _per_block(blocks, conf, compute, output_shape, name):
                          splittable_dims=blocks.shape.dims[:2], name=name)
 
 
-def _displacement(blocks, conf, margin, name):
-    """``D_d phi / c_d`` [cells] of padded blocks (``margin`` cells on either side) at the
-    lattice particles ``[bx, by, npart, xyz]``."""
-    coeffs = _coeffs(conf, cells=True)
+def displacement(blocks, conf, margin, name="displacement"):
+    r"""The displacement :math:`D_d\phi / c_d` [cells] of the potential at the lattice
+    particles: :func:`flowpm_mtf.kernels.neg_gradient_potential` of :math:`\delta_k`
+    for :math:`\phi = \mathcal{F}^{-1}[\delta_k/|k|^2]`, to rounding.
+
+    Parameters
+    ----------
+    blocks : mtf.Tensor
+        The potential [(Mpc/h)^2] on padded blocks (:func:`padded_potential`).
+    conf : SimConfig
+    margin : int
+        The blocks' margins [cells], at least :data:`GRADIENT_REACH`.
+    name : str
+
+    Returns
+    -------
+    mtf.Tensor
+        ``[bx, by, npart, xyz]`` [cells], particles in lattice order.
+    """
+    coeffs = difference_coeffs(conf)
 
     def compute(t):
         lib, c = native.ops_for("cic_ops", t), tf.constant(coeffs)
@@ -94,49 +118,24 @@ def _displacement(blocks, conf, margin, name):
                       _particle_shape(conf, [mtf.Dimension(cfg.XYZ, 3)]), name)
 
 
-def displacement_of_potential(phi, conf, name="displacement"):
-    r"""The displacement :math:`D_d\phi / c_d` [cells] of the potential at the lattice
-    particles: :func:`flowpm_mtf.kernels.neg_gradient_potential` of :math:`\delta_k`
-    for :math:`\phi = \mathcal{F}^{-1}[\delta_k/|k|^2]`, to rounding.
+def source(blocks, conf, name="lpt2_source"):
+    r"""The 2LPT source from :math:`\phi^{(1)} = \mathcal{F}^{-1}[\delta_k/|k|^2]`.
 
     Parameters
     ----------
-    phi : mtf.Tensor
-        Real ``[x, y, z]`` potential [(Mpc/h)^2].
+    blocks : mtf.Tensor
+        The potential of the linear field [(Mpc/h)^2] on blocks padded by
+        :data:`SOURCE_REACH` cells (:func:`padded_potential`; the blocks wider than that
+        along x and y).
     conf : SimConfig
-        Blocks wider than :data:`GRADIENT_REACH` cells along x and y.
     name : str
 
     Returns
     -------
     mtf.Tensor
-        ``[bx, by, npart, xyz]`` [cells], particles in lattice order.
-    """
-    blocks = _padded_potential(phi, conf, GRADIENT_REACH)
-    return _displacement(blocks, conf, GRADIENT_REACH, name)
-
-
-def psi1_and_source(phi, conf, name="lpt_real_space"):
-    r""":math:`\Psi^{(1)}` at the lattice particles and the 2LPT source, from
-    :math:`\phi^{(1)} = \mathcal{F}^{-1}[\delta_k/|k|^2]`.
-
-    Parameters
-    ----------
-    phi : mtf.Tensor
-        Real ``[x, y, z]`` potential of the linear field [(Mpc/h)^2].
-    conf : SimConfig
-        Blocks wider than :data:`SOURCE_REACH` cells along x and y.
-    name : str
-
-    Returns
-    -------
-    psi1 : mtf.Tensor
-        ``[bx, by, npart, xyz]`` [cells].
-    source : mtf.Tensor
         Real ``[x, y, z]`` [dimensionless]: :math:`S` of :mod:`flowpm_mtf.lpt`.
     """
     m = SOURCE_REACH
-    blocks = _padded_potential(phi, conf, m)
     coeffs = _coeffs(conf, cells=False)
 
     def compute(t):
@@ -144,9 +143,7 @@ def psi1_and_source(phi, conf, name="lpt_real_space"):
         return (lib.flowpm_lpt2_source(t, c, margin=m) if lib is not None
                 else source_tf(t, c, m))
 
-    source = _per_block(blocks, conf, compute, layout.block_shape(conf), name + "_source")
-    psi1 = _displacement(blocks, conf, m, name + "_psi1")
-    return psi1, from_blocks(source, conf)
+    return from_blocks(_per_block(blocks, conf, compute, layout.block_shape(conf), name), conf)
 
 
 def source_tf(phi, coeffs, margin):

@@ -187,3 +187,153 @@ def test_ids_in_tile_order(case):
             for bj in range(Q):
                 want = ((gi + bi * sx) * conf.nc[1] + (gj + bj * sy)) * nz + gk
                 np.testing.assert_array_equal(got[bi, bj], want)
+
+
+# FlowpmLatticeCombinePotentials: (block (B, sx, sy, nz), tile, margins, M outputs, lattice)
+POT_CASES = [((1, 16, 16, 32), (16, 16, 16), (4, 2), 2, 0),
+             ((2, 8, 4, 12), (8, 4, 4), (4, 2), 3, 0),
+             ((1, 6, 10, 4), (2, 2, 4), (2, 3), 1, -1),
+             ((3, 4, 4, 7), (1, 1, 1), (2,), 2, 1)]
+GRAD_COEFFS = np.array([0.21, -1.3, 0.6])
+
+
+def _potentials(block, margins, dtype, rng):
+    b, sx, sy, nz = block
+    return [rng.randn(b, sx + 2 * m, sy + 2 * m, nz).astype(dtype) for m in margins]
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block,tile,margins,m,lat", POT_CASES)
+def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
+    """``FlowpmLatticeCombinePotentials`` against the two ops it fuses (``FlowpmGradient`` of
+    each potential, then ``FlowpmLatticeCombine``) and against its TensorFlow twin: the same
+    bits; its registered gradient against the twin's TensorFlow gradient to rounding, and by
+    the dot-product test <J v, dy> = <v, J^T dy> (the map is linear without the lattice)."""
+    from flowpm_mtf import gravity
+    lpt_lib, cic_lib = native.load("lpt_ops"), native.load("cic_ops")
+    rng = np.random.RandomState(sum(block) + m + len(margins))
+    phis = _potentials(block, margins, dtype, rng)
+    v = _potentials(block, margins, dtype, rng)
+    n = len(margins)
+    coeffs = COEFFS[:m, :n].astype(dtype)
+    gc = GRAD_COEFFS.astype(dtype)
+    npart = int(np.prod(block[1:]))
+    dys = [rng.randn(block[0], npart, 3).astype(dtype) for _ in range(m)]
+    with tf.Graph().as_default(), tf.Session() as sess:
+        xs = [tf.constant(p) for p in phis]
+        cf, g = tf.constant(coeffs), tf.constant(gc)
+        fused = lpt_lib.flowpm_lattice_combine_potentials(xs, g, cf, tile=list(tile),
+                                                          margins=list(margins), M=m,
+                                                          lattice_output=lat)
+        psis = [cic_lib.flowpm_gradient(x, g, margin=mg) for x, mg in zip(xs, margins)]
+        composed = lpt_lib.flowpm_lattice_combine(psis, cf, tile=list(tile), M=m,
+                                                  lattice_output=lat)
+        twin = lpt.lattice_combine_potentials_tf(xs, g, cf, tile, margins, lat)
+        ys = [tf.constant(d) for d in dys]
+        g_native = tf.gradients(fused, xs, grad_ys=ys)
+        g_twin = tf.gradients(twin, xs, grad_ys=ys)
+        lin = lpt_lib.flowpm_lattice_combine_potentials([tf.constant(a) for a in v], g, cf,
+                                                        tile=list(tile), margins=list(margins),
+                                                        M=m)
+        got, want, got_twin, gn, gt, jv = sess.run([fused, composed, twin, g_native, g_twin,
+                                                    lin])
+    assert max(np.max(np.abs(w)) for w in want) > 0.1
+    for k in range(m):
+        assert got[k].shape == (block[0], npart, 3)
+        np.testing.assert_array_equal(got[k], want[k])
+        np.testing.assert_array_equal(got_twin[k], want[k])
+    eps = 1e-6 if dtype == np.float32 else 1e-14
+    for a, b, p in zip(gn, gt, phis):
+        assert a.shape == p.shape
+        np.testing.assert_allclose(a, b, rtol=0, atol=eps * 10 * np.max(np.abs(b)))
+    lhs = sum(np.sum(j.astype(np.float64) * d) for j, d in zip(jv, dys))
+    rhs = sum(np.sum(gr.astype(np.float64) * w) for gr, w in zip(gn, v))
+    scale = sum(np.sum(np.abs(j.astype(np.float64) * d)) for j, d in zip(jv, dys))
+    assert abs(lhs - rhs) <= (1e-5 if dtype == np.float32 else 1e-12) * scale, (lhs, rhs)
+    assert gravity.GRADIENT_REACH == 2
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+def test_potentials_threads_independent():
+    """One and four threads of the intra-op pool write the same bits."""
+    lib = native.load("lpt_ops")
+    rng = np.random.RandomState(5)
+    phis = _potentials((2, 32, 16, 64), (4, 2), np.float32, rng)
+    outs = []
+    for threads in (1, 4):
+        cfg = tf.ConfigProto(intra_op_parallelism_threads=threads,
+                             inter_op_parallelism_threads=1)
+        with tf.Graph().as_default(), tf.Session(config=cfg) as sess:
+            op = lib.flowpm_lattice_combine_potentials(
+                [tf.constant(p) for p in phis], tf.constant(GRAD_COEFFS, tf.float32),
+                tf.constant([[0.5, 2.0], [1.5, -1.0]], tf.float32), tile=[16, 16, 16],
+                margins=[4, 2], M=2, lattice_output=0)
+            outs.append(sess.run(op))
+    for x, y in zip(*outs):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+def test_potentials_bad_input():
+    """A margin under 2, margins that do not match the potentials, a potential of another
+    block, a tile that does not divide the block: one clear error each."""
+    lib = native.load("lpt_ops")
+    a, b = np.zeros((1, 12, 12, 6), np.float32), np.zeros((1, 8, 8, 6), np.float32)
+    g = np.ones(3, np.float32)
+
+    def op(phis, margins, tile=(4, 4, 2), coeffs=((1.0, 1.0),)):
+        return lib.flowpm_lattice_combine_potentials(phis, g, np.float32(coeffs), tile=list(tile),
+                                                     margins=list(margins), M=len(coeffs))
+
+    cases = [(lambda: op([a, b], [4, 1]), "margins must be >= 2"),
+             (lambda: op([a, b], [4]), "1 margins for 2 potentials"),
+             (lambda: op([a, a], [4, 2]), "potential 1 has the shape"),
+             (lambda: op([a, b], [4, 2], tile=(3, 4, 2)), "does not divide"),
+             (lambda: op([a, b], [4, 2], coeffs=((1.0,),)), "coeffs must be")]
+    for make, message in cases:
+        with tf.Graph().as_default(), tf.Session() as sess:
+            with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
+                sess.run(make())
+
+
+@pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)
+def test_potentials_on_the_mesh(case):
+    """``lpt.lattice_combine_potentials`` against ``lpt.lattice_combine`` of
+    ``lpt_source.displacement`` of the same padded potentials (margins 4 and 2, as the
+    2LPT's), every grid of the world size: the same bits; ``mtf.gradients`` of a quadratic
+    loss with respect to both potentials through either path (the fused op's gradient
+    function against the displacement's and the combine's) agree to rounding, and are not
+    zero. Anisotropic cells, so that a wrong axis shows."""
+    import mesh_tensorflow as mtf
+    import nbody_harness as NH
+    from flowpm_mtf import lpt_source
+    kind, grid = case
+    conf = SimConfig(nc=(16, 16, 8), box_size=(32.0, 24.0, 20.0), grid=grid, halo_size=2,
+                     dtype="float64")
+    rng = np.random.RandomState(11)
+    fields = [rng.randn(*conf.nc) for _ in range(2)]
+    coeffs = [[0.9, -0.3], [1.7, 0.4], [0.2, 2.1]]
+
+    def build(mesh):
+        phis = [NH.import_field(mesh, conf, f) for f in fields]
+        pots = [(lpt_source.padded_potential(p, conf, m), m) for p, m in zip(phis, (4, 2))]
+        fused = lpt.lattice_combine_potentials(pots, coeffs, conf, lattice_output=0)
+        psis = [lpt_source.displacement(b, conf, m) for b, m in pots]
+        composed = lpt.lattice_combine(psis, coeffs, conf, lattice_output=0)
+        out = {}
+        for tag, vecs in (("fused", fused), ("composed", composed)):
+            loss = mtf.add_n([mtf.reduce_sum(mtf.square(v)) for v in vecs])
+            for i, g in enumerate(mtf.gradients([loss], phis)):
+                out["%s_grad%d" % (tag, i)] = g
+            for i, v in enumerate(vecs):
+                out["%s%d" % (tag, i)] = v
+        return out
+
+    out = H.run(kind, conf, build)
+    for i in range(3):
+        np.testing.assert_array_equal(out["fused%d" % i], out["composed%d" % i])
+    for i in range(2):
+        g, want = out["fused_grad%d" % i], out["composed_grad%d" % i]
+        assert np.max(np.abs(want)) > 0.1
+        assert H.rel_err(g, want) <= 1e-12, (i, H.rel_err(g, want))

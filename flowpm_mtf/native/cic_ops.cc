@@ -1124,14 +1124,7 @@ class InterleaveGradOp : public OpKernel {
 };
 
 // ------------------------------------------------------------------ four-point stencils
-// The periodic z indices k + o (o = -2..2) of every k < nz, 5 per k: the z terms of
-// FlowpmNegDivergence and FlowpmGradient.
-inline std::vector<i64> z_neighbours(i64 nz) {
-  std::vector<i64> zi(5 * nz);
-  for (i64 k = 0; k < nz; ++k)
-    for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
-  return zi;
-}
+// z_neighbours (tf_op.h): the periodic z terms of FlowpmNegDivergence and FlowpmGradient.
 
 // ------------------------------------------------------------------ divergence
 // FlowpmNegDivergence (see the header): one pass, parallel over (block, x) rows; per cell

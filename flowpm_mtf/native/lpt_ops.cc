@@ -29,6 +29,14 @@
 //   FlowpmLatticeCombineGrad(dys M x [B, sx sy nz, C], coeffs [M, N], tile, block [3])
 //       -> N x [B, sx, sy, nz, C]: output n = sum_m dys[m] coeffs[m, n] (m in order) in
 //       lattice order (its gradient).
+//   FlowpmLatticeCombinePotentials(phis N x [B, sx + 2 margins[n], sy + 2 margins[n], nz],
+//       grad_coeffs [3], coeffs [M, N], tile, margins, lattice_output) -> M x [B, sx sy nz,
+//       3]: FlowpmLatticeCombine of the displacements FlowpmGradient(phis[n], grad_coeffs,
+//       margins[n]), the same bits, without making them: one pass over (block, tile row)
+//       units, each unit's differences in a per-thread scratch (no 3-component field is
+//       written and read back: at 512^3 the 2LPT ICs' two displacements are 3.2 GB). Its
+//       gradient (flowpm_mtf/lpt.py) is FlowpmLatticeCombineGrad, then the transpose of
+//       the difference.
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
@@ -524,6 +532,168 @@ class LatticeCombineGradOp : public OpKernel {
   int n_;
 };
 
+// ------------------------------------------------------------------ lattice combine of potentials
+// FlowpmLatticeCombinePotentials: FlowpmGradient of each potential, then FlowpmLatticeCombine
+// of the N displacements, in one pass over (block, tile row) units: the differences of a
+// unit's tx x ty columns go to a per-thread scratch (the same expression as FlowpmGradient's
+// cell, the same bits), then to the unit's slots (contiguous: a tile row's tiles follow one
+// another) as FlowpmLatticeCombine writes them. No displacement field is ever made.
+
+// The four-point difference of column (x, y) of block b of phi [B, ax, ay, nz] (input
+// indices; x, y read inside the array), coefficients c[3], written to o[3 k + d]; zi the
+// periodic z neighbours (z_neighbours of tf_op.h) for columns shorter than 5 cells.
+template <typename T>
+inline void difference_column(const T* P, i64 ax, i64 ay, i64 nz, i64 b, i64 x, i64 y,
+                              const T c[3], const std::vector<i64>& zi, T* __restrict o) {
+  auto col = [&](i64 xx, i64 yy) { return P + ((b * ax + xx) * ay + yy) * nz; };
+  const T *cm2 = col(x - 2, y), *cm1 = col(x - 1, y), *cp1 = col(x + 1, y), *cp2 = col(x + 2, y);
+  const T *dm2 = col(x, y - 2), *dm1 = col(x, y - 1), *dp1 = col(x, y + 1), *dp2 = col(x, y + 2);
+  const T* cc = col(x, y);
+  const T c0 = c[0], c1 = c[1], c2 = c[2];
+  auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
+    o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
+    o[3 * k + 1] = c1 * (T(8) * (dp1[k] - dm1[k]) - (dp2[k] - dm2[k]));
+    o[3 * k + 2] = c2 * (T(8) * (cc[zp1] - cc[zm1]) - (cc[zp2] - cc[zm2]));
+  };
+  if (nz < 5) {
+    for (i64 k = 0; k < nz; ++k) {
+      const i64* z = &zi[5 * k];
+      cell(k, z[0], z[1], z[3], z[4]);
+    }
+    return;
+  }
+  for (i64 k = 0; k < 2; ++k) {
+    const i64* z = &zi[5 * k];
+    cell(k, z[0], z[1], z[3], z[4]);
+  }
+  for (i64 k = 2; k < nz - 2; ++k) cell(k, k - 2, k - 1, k + 1, k + 2);
+  for (i64 k = nz - 2; k < nz; ++k) {
+    const i64* z = &zi[5 * k];
+    cell(k, z[0], z[1], z[3], z[4]);
+  }
+}
+
+template <typename T>
+class LatticeCombinePotentialsOp : public OpKernel {
+ public:
+  explicit LatticeCombinePotentialsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &m_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice_output", &lattice_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("margins", &margins_));
+    OP_REQUIRES(ctx, lattice_ >= -1 && lattice_ < m_,
+                InvalidArgument("FlowpmLatticeCombinePotentials: lattice_output ", lattice_,
+                                " is not an output (-1 or 0 .. ", m_ - 1, ")"));
+    for (int mg : margins_)
+      OP_REQUIRES(ctx, mg >= 2,
+                  InvalidArgument("FlowpmLatticeCombinePotentials: margins must be >= 2 (the "
+                                  "difference reads inside the array), got ", mg));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const char* op = "FlowpmLatticeCombinePotentials";
+    ::tensorflow::OpInputList phis;
+    OP_REQUIRES_OK(ctx, ctx->input_list("phis", &phis));
+    const int N = phis.size(), M = m_;
+    OP_REQUIRES(ctx, static_cast<int>(margins_.size()) == N,
+                InvalidArgument(op, ": ", margins_.size(), " margins for ", N, " potentials"));
+    const Tensor& gc = ctx->input(N);
+    const Tensor& cf = ctx->input(N + 1);
+    OP_REQUIRES(ctx, gc.NumElements() == 3,
+                InvalidArgument(op, ": grad_coeffs must have 3 values"));
+    for (int n = 0; n < N; ++n)
+      OP_REQUIRES(ctx, phis[n].dims() == 4,
+                  InvalidArgument(op, ": potentials must be [B, ax, ay, nz], got ",
+                                  phis[n].shape().DebugString()));
+    const Tensor& p0 = phis[0];
+    Tiles t = t_;
+    const i64 nb = p0.dim_size(0), nz = p0.dim_size(3);
+    t.sx = p0.dim_size(1) - 2 * margins_[0], t.sy = p0.dim_size(2) - 2 * margins_[0], t.nz = nz;
+    OP_REQUIRES(ctx, t.sx > 0 && t.sy > 0 && nz > 0,
+                InvalidArgument(op, ": potential 0 ", p0.shape().DebugString(),
+                                " is not larger than its margins ", margins_[0]));
+    for (int n = 1; n < N; ++n) {
+      const Tensor& p = phis[n];
+      const i64 mg = margins_[n];
+      OP_REQUIRES(ctx, p.dim_size(0) == nb && p.dim_size(1) == t.sx + 2 * mg &&
+                           p.dim_size(2) == t.sy + 2 * mg && p.dim_size(3) == nz,
+                  InvalidArgument(op, ": potential ", n, " has the shape ",
+                                  p.shape().DebugString(), ", not the block (", t.sx, ", ",
+                                  t.sy, ", ", nz, ") with margins ", mg));
+    }
+    OP_REQUIRES_OK(ctx, check_tiles(op, t));
+    OP_REQUIRES_OK(ctx, check_coeffs(op, cf, M, N));
+    const i64 cells = t.sx * t.sy * nz, C = 3;
+    std::vector<T*> dst(M);
+    for (int m = 0; m < M; ++m) {
+      Tensor* o = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(m, TensorShape({nb, cells, C}), &o));
+      dst[m] = o->flat<T>().data();
+    }
+    std::vector<const T*> src(N);
+    for (int n = 0; n < N; ++n) src[n] = phis[n].flat<T>().data();
+    const T g[3] = {gc.flat<T>()(0), gc.flat<T>()(1), gc.flat<T>()(2)};
+    std::vector<T> c(M * N);
+    for (i64 e = 0; e < M * N; ++e) c[e] = cf.flat<T>()(e);
+    const std::vector<i64> zi = z_neighbours(nz);
+    const std::vector<int> margins = margins_;
+    const int lat = lattice_;
+    const i64 rows_y = t.sy / t.ty, units = t.sx / t.tx * rows_y;
+    const i64 unit = t.tx * t.ty * nz * C;
+    // one unit per (block, row of tiles along z): its tx x ty columns
+    shard(ctx, nb * units, unit * (6 * N + 2 * N * M), [&](i64 begin, i64 end) {
+      std::vector<T> scratch(N * unit);
+      for (i64 u = begin; u < end; ++u) {
+        const i64 b = u / units, I = (u % units) / rows_y, J = u % rows_y;
+        for (int n = 0; n < N; ++n) {
+          const Tensor& p = phis[n];
+          const i64 mg = margins[n];
+          for (i64 ii = 0; ii < t.tx; ++ii)
+            for (i64 jj = 0; jj < t.ty; ++jj)
+              difference_column<T>(src[n], p.dim_size(1), p.dim_size(2), nz, b,
+                                   I * t.tx + ii + mg, J * t.ty + jj + mg, g, zi,
+                                   scratch.data() + n * unit + (ii * t.ty + jj) * nz * C);
+        }
+        for (i64 ii = 0; ii < t.tx; ++ii)
+          for (i64 jj = 0; jj < t.ty; ++jj) {
+            const i64 i = I * t.tx + ii, j = J * t.ty + jj, col = (ii * t.ty + jj) * nz * C;
+            for (i64 k0 = 0; k0 < nz; k0 += t.tz) {
+              const i64 at = col + k0 * C, len = t.tz * C;
+              const i64 to = (b * cells + t.slot(i, j, k0)) * C;
+              for (int m = 0; m < M; ++m) {
+                T* __restrict o = dst[m] + to;
+                const T* __restrict a = scratch.data() + at;
+                const T c0 = c[m * N];
+                for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
+                for (int n = 1; n < N; ++n) {
+                  const T* __restrict an = scratch.data() + n * unit + at;
+                  const T cn = c[m * N + n];
+                  for (i64 e = 0; e < len; ++e) {
+                    const T term = an[e] * cn;
+                    o[e] = o[e] + term;
+                  }
+                }
+                if (m == lat) {
+                  const T fi = T(i), fj = T(j);
+                  for (i64 kk = 0; kk < t.tz; ++kk) {
+                    o[3 * kk] += fi;
+                    o[3 * kk + 1] += fj;
+                    o[3 * kk + 2] += T(k0 + kk);
+                  }
+                }
+              }
+            }
+          }
+      }
+    });
+  }
+
+ private:
+  Tiles t_;
+  int m_, lattice_;
+  std::vector<int> margins_;
+};
+
 }  // namespace
 
 REGISTER_OP("FlowpmLpt2Source")
@@ -607,3 +777,33 @@ REGISTER_OP("FlowpmLatticeCombineGrad")
 
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLatticeCombine", LatticeCombineOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLatticeCombineGrad", LatticeCombineGradOp);
+
+REGISTER_OP("FlowpmLatticeCombinePotentials")
+    .Input("phis: N * T")
+    .Input("grad_coeffs: T")
+    .Input("coeffs: T")
+    .Output("outputs: M * T")
+    .Attr("N: int >= 1")
+    .Attr("M: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("tile: list(int)")
+    .Attr("margins: list(int)")
+    .Attr("lattice_output: int = -1")
+    .SetShapeFn([](InferenceContext* c) {
+      int m;
+      std::vector<int> margins;
+      TF_RETURN_IF_ERROR(c->GetAttr("M", &m));
+      TF_RETURN_IF_ERROR(c->GetAttr("margins", &margins));
+      if (margins.empty()) return InvalidArgument("FlowpmLatticeCombinePotentials: no margins");
+      ShapeHandle p;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &p));
+      DimensionHandle sx, sy, n;
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(p, 1), 2 * margins[0], &sx));
+      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(p, 2), 2 * margins[0], &sy));
+      TF_RETURN_IF_ERROR(c->Multiply(sx, sy, &n));
+      TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(p, 3), &n));
+      for (int i = 0; i < m; ++i) c->set_output(i, c->MakeShape({c->Dim(p, 0), n, 3}));
+      return ::tensorflow::OkStatus();
+    });
+
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmLatticeCombinePotentials", LatticeCombinePotentialsOp);

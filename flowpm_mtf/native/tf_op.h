@@ -10,6 +10,7 @@
 #define FLOWPM_MTF_NATIVE_TF_OP_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -41,6 +42,15 @@ template <typename Work>
 inline void shard(OpKernelContext* ctx, i64 total, i64 cost, Work&& work) {
   ::tensorflow::Shard(pool_threads(ctx), ctx->device()->tensorflow_cpu_worker_threads()->workers,
                       total, cost, work);
+}
+
+// The periodic z indices k + o (o = -2..2) of every k < nz, 5 per k: the z terms of the
+// four-point difference (FlowpmGradient, FlowpmNegDivergence, FlowpmLatticeCombinePotentials).
+inline std::vector<i64> z_neighbours(i64 nz) {
+  std::vector<i64> zi(5 * nz);
+  for (i64 k = 0; k < nz; ++k)
+    for (i64 o = -2; o <= 2; ++o) zi[5 * k + o + 2] = ((k + o) % nz + nz) % nz;
+  return zi;
 }
 
 }  // namespace
