@@ -104,7 +104,7 @@ from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
 
 __all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
-           "error_from_tf", "bytes_per_migration", "HALO_HINT_MARGIN_CELLS", "lagrangian_halo"]
+           "wrap_sizes", "wrap_tf", "error_from_tf", "bytes_per_migration", "HALO_HINT_MARGIN_CELLS", "lagrangian_halo"]
 
 log = logging.getLogger(__name__)
 
@@ -303,16 +303,33 @@ def _wrap_fn(axes, sizes):
         if lib is not None:
             return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
                                              for ax in range(3)])
-        cols = tf.unstack(x, axis=-1)
-        for ax in axes:
-            s = tf.cast(sizes[ax], x.dtype)
-            w = cols[ax] - s * tf.floor(cols[ax] / s)
-            w = tf.where_v2(w < 0, w + s, w)
-            w = tf.where_v2(w >= s, w - s, w)
-            cols[ax] = tf.minimum(w, _below(sizes[ax], x.dtype))
-        return tf.stack(cols, axis=-1)
+        return wrap_tf(x, [float(sizes[ax]) if ax in axes else 0.0 for ax in range(3)])
 
     return fn
+
+
+def wrap_tf(x, sizes):
+    """``FlowpmWrap`` as TensorFlow ops: ``x`` ``[..., 3]`` wrapped into ``[0, s)`` along
+    every axis of size ``s`` > 0 of ``sizes`` (3 floats; 0: unchanged), the same float
+    operations as the native op."""
+    cols = tf.unstack(x, axis=-1)
+    for ax, size in enumerate(sizes):
+        if size == 0:
+            continue
+        s = tf.cast(size, x.dtype)
+        w = cols[ax] - s * tf.floor(cols[ax] / s)
+        w = tf.where_v2(w < 0, w + s, w)
+        w = tf.where_v2(w >= s, w - s, w)
+        cols[ax] = tf.minimum(w, _below(size, x.dtype))
+    return tf.stack(cols, axis=-1)
+
+
+def wrap_sizes(conf):
+    """The sizes [cells] :func:`migrate` wraps the positions to, per axis: the block's
+    along an axis of one block (x, y; :func:`exchange_axes`), 0 (none) elsewhere."""
+    axes = exchange_axes(conf)
+    return [float(conf.block_shape[ax]) if ax in (0, 1) and ax not in axes else 0.0
+            for ax in range(3)]
 
 
 @tf.RegisterGradient("FlowpmWrap")
@@ -604,7 +621,7 @@ def exchange_axes(conf):
 
 
 def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows=None,
-            name="migrate"):
+            wrapped=False, name="migrate"):
     """Move every particle to the block that contains its position.
 
     Parameters
@@ -627,6 +644,10 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
         Migration rounds (one block per round along each axis).
     send_rows : int, optional
         Rows of a send buffer (default :func:`flowpm_mtf.sizing.send_capacity`).
+    wrapped : bool
+        The positions are already wrapped along the axes of one block (to
+        :func:`wrap_sizes`, e.g. by :func:`flowpm_mtf.lpt.lattice_combine_potentials`):
+        no wrap pass here.
     name : str
 
     Returns
@@ -652,7 +673,7 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     bx, by = x.shape.dims[:2]
     axes = exchange_axes(conf)
     wrap = [ax for ax in (0, 1) if ax not in axes]
-    if wrap:
+    if wrap and not wrapped:
         x = mtf.slicewise(_wrap_fn(wrap, (sx, sy)), [x], output_shape=x.shape,
                           output_dtype=x.dtype, splittable_dims=[bx, by],
                           grad_function=lambda op, dy: [dy], name=name + "_wrap")

@@ -314,12 +314,17 @@ def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine
     return list(out)
 
 
-def lattice_combine_potentials_tf(phis, grad_coeffs, coeffs, tile, margins, lattice_output=-1):
+def lattice_combine_potentials_tf(phis, grad_coeffs, coeffs, tile, margins, lattice_output=-1,
+                                  wrap=(0.0, 0.0, 0.0)):
     """``FlowpmLatticeCombinePotentials`` as TensorFlow ops (its reference; the path of a
     device without the native op): :func:`flowpm_mtf.gravity.gradient_tf` of each potential
-    ``[B, ax, ay, nz]`` with its margin, then :func:`lattice_combine_tf`."""
+    ``[B, ax, ay, nz]`` with its margin, then :func:`lattice_combine_tf`, then output
+    ``lattice_output`` wrapped to the sizes ``wrap`` (:func:`flowpm_mtf.domain.wrap_tf`)."""
     psis = [gravity.gradient_tf(p, grad_coeffs, m) for p, m in zip(phis, margins)]
-    return lattice_combine_tf(psis, coeffs, tile, lattice_output)
+    outs = lattice_combine_tf(psis, coeffs, tile, lattice_output)
+    if any(wrap):
+        outs[lattice_output] = domain.wrap_tf(outs[lattice_output], list(wrap))
+    return outs
 
 
 def _potentials_combine_grad(dys, grad_coeffs, coeffs, tile, margins, shapes):
@@ -349,7 +354,7 @@ def _lattice_combine_potentials_grad(op, *dys):
     return grads + [None, None]
 
 
-def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1,
+def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap=None,
                                name="lattice_combine"):
     r""":func:`lattice_combine` of the displacements of potentials, without making them.
 
@@ -373,6 +378,10 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1,
     conf : SimConfig
     lattice_output : int
         The output to add the lattice site to (block-local [cells]), -1 for none.
+    wrap : sequence of 3 floats, optional
+        That output wrapped into ``[0, s)`` along every axis of size ``s`` > 0 [cells], as
+        the eulerian migration's wrap (:func:`flowpm_mtf.domain.wrap_sizes`; its gradient
+        the identity), in the same pass. Default: none.
     name : str
 
     Returns
@@ -398,6 +407,10 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1,
                                                                           sy + 2 * m, nz]:
             raise ValueError("lattice_combine_potentials: a potential of shape %s with margin "
                              "%d for blocks %s" % (b.shape, m, conf.block_shape))
+    wrap = [0.0, 0.0, 0.0] if wrap is None else [float(w) for w in wrap]
+    if len(wrap) != 3 or min(wrap) < 0 or (any(wrap) and lattice_output < 0):
+        raise ValueError("lattice_combine_potentials: wrap must be 3 sizes >= 0 and needs a "
+                         "lattice_output, got %r" % (wrap,))
     tile = list(layout.slot_tiles(conf))
     gvals = lpt_source.difference_coeffs(conf)
     out_shape = mtf.Shape(layout.particle_dims(conf) + [mtf.Dimension(cfg.XYZ, 3)])
@@ -412,9 +425,10 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1,
         lib = native.ops_for("lpt_ops", *phis)
         outs = (lib.flowpm_lattice_combine_potentials(
                     phis, gc, cf, tile=tile, margins=margins, M=m_out,
-                    lattice_output=int(lattice_output))
+                    lattice_output=int(lattice_output), wrap=wrap)
                 if lib is not None else
-                lattice_combine_potentials_tf(phis, gc, cf, tile, margins, lattice_output))
+                lattice_combine_potentials_tf(phis, gc, cf, tile, margins, lattice_output,
+                                              wrap))
         return tuple(tf.reshape(o, [nbx, nby, sx * sy * nz, 3]) for o in outs)
 
     def grad_fn(*dys):      # [nbx, nby, npart, 3] each -> N padded-block gradients
@@ -652,9 +666,11 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     rows = [coef[k] for k in keys]
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
-    if real_space:
+    if real_space:   # the positions wrapped as the migration would (one pass fewer)
         vecs = lattice_combine_potentials(_potentials_real_space(delta_k, conf, order, kernels),
-                                          rows, conf, lattice_output=0, name="lpt_state")
+                                          rows, conf, lattice_output=0,
+                                          wrap=None if lagrangian else domain.wrap_sizes(conf),
+                                          name="lpt_state")
     else:
         vecs = lattice_combine(_displacements_kspace(delta_k, conf, order, kernels), rows, conf,
                                lattice_output=0, name="lpt_state")
@@ -671,5 +687,5 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     rounds = sizing.migration_rounds(conf, disp)
     x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,
                                            send_rows=sizing.send_capacity(conf, disp, lattice=True),
-                                           name="migrate_lpt")
+                                           wrapped=real_space, name="migrate_lpt")
     return State(x, fields[0], fields[1] if forces else None, ids, stats)

@@ -206,12 +206,15 @@ def _potentials(block, margins, dtype, rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("block,tile,margins,m,lat", POT_CASES)
 def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
-    """``FlowpmLatticeCombinePotentials`` against the two ops it fuses (``FlowpmGradient`` of
-    each potential, then ``FlowpmLatticeCombine``) and against its TensorFlow twin: the same
-    bits; its registered gradient against the twin's TensorFlow gradient to rounding, and by
-    the dot-product test <J v, dy> = <v, J^T dy> (the map is linear without the lattice)."""
+    """``FlowpmLatticeCombinePotentials`` against the ops it fuses (``FlowpmGradient`` of
+    each potential, then ``FlowpmLatticeCombine``, then ``FlowpmWrap`` of the positions along
+    x and z when there is a lattice output) and against its TensorFlow twin: the same bits;
+    its registered gradient against the twin's TensorFlow gradient to rounding, and by the
+    dot-product test <J v, dy> = <v, J^T dy> (the map is linear without the lattice)."""
     from flowpm_mtf import gravity
     lpt_lib, cic_lib = native.load("lpt_ops"), native.load("cic_ops")
+    particle_lib = native.load("particle_ops")
+    wrap = [float(block[1]), 0.0, float(block[3])] if lat >= 0 else [0.0, 0.0, 0.0]
     rng = np.random.RandomState(sum(block) + m + len(margins))
     phis = _potentials(block, margins, dtype, rng)
     v = _potentials(block, margins, dtype, rng)
@@ -225,11 +228,13 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
         cf, g = tf.constant(coeffs), tf.constant(gc)
         fused = lpt_lib.flowpm_lattice_combine_potentials(xs, g, cf, tile=list(tile),
                                                           margins=list(margins), M=m,
-                                                          lattice_output=lat)
+                                                          lattice_output=lat, wrap=wrap)
         psis = [cic_lib.flowpm_gradient(x, g, margin=mg) for x, mg in zip(xs, margins)]
-        composed = lpt_lib.flowpm_lattice_combine(psis, cf, tile=list(tile), M=m,
-                                                  lattice_output=lat)
-        twin = lpt.lattice_combine_potentials_tf(xs, g, cf, tile, margins, lat)
+        composed = list(lpt_lib.flowpm_lattice_combine(psis, cf, tile=list(tile), M=m,
+                                                       lattice_output=lat))
+        if lat >= 0:
+            composed[lat] = particle_lib.flowpm_wrap(composed[lat], sizes=wrap)
+        twin = lpt.lattice_combine_potentials_tf(xs, g, cf, tile, margins, lat, wrap)
         ys = [tf.constant(d) for d in dys]
         g_native = tf.gradients(fused, xs, grad_ys=ys)
         g_twin = tf.gradients(twin, xs, grad_ys=ys)
@@ -239,6 +244,11 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
         got, want, got_twin, gn, gt, jv = sess.run([fused, composed, twin, g_native, g_twin,
                                                     lin])
     assert max(np.max(np.abs(w)) for w in want) > 0.1
+    if lat >= 0:       # wrapped along x and z, not y: positions out of [0, s) remain along y
+        pos = got[lat]
+        assert np.all((pos[..., 0] >= 0) & (pos[..., 0] < block[1]))
+        assert np.all((pos[..., 2] >= 0) & (pos[..., 2] < block[3]))
+        assert np.any(pos[..., 1] < 0) or np.any(pos[..., 1] >= block[2])
     for k in range(m):
         assert got[k].shape == (block[0], npart, 3)
         np.testing.assert_array_equal(got[k], want[k])
@@ -290,7 +300,10 @@ def test_potentials_bad_input():
              (lambda: op([a, b], [4]), "1 margins for 2 potentials"),
              (lambda: op([a, a], [4, 2]), "potential 1 has the shape"),
              (lambda: op([a, b], [4, 2], tile=(3, 4, 2)), "does not divide"),
-             (lambda: op([a, b], [4, 2], coeffs=((1.0,),)), "coeffs must be")]
+             (lambda: op([a, b], [4, 2], coeffs=((1.0,),)), "coeffs must be"),
+             (lambda: lib.flowpm_lattice_combine_potentials(
+                 [a, b], g, np.float32([[1.0, 1.0]]), tile=[4, 4, 2], margins=[4, 2], M=1,
+                 wrap=[4.0, 0.0, 0.0]), "wrap needs a lattice_output")]
     for make, message in cases:
         with tf.Graph().as_default(), tf.Session() as sess:
             with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):

@@ -36,11 +36,15 @@
 //       units, each unit's differences in a per-thread scratch (no 3-component field is
 //       written and read back: at 512^3 the 2LPT ICs' two displacements are 3.2 GB). Its
 //       gradient (flowpm_mtf/lpt.py) is FlowpmLatticeCombineGrad, then the transpose of
-//       the difference.
+//       the difference. Attr wrap [3]: output lattice_output wrapped into [0, s) along
+//       every axis of size s > 0 as FlowpmWrap does it (the eulerian migration's wrap
+//       along the axes of one block, in the same pass; gradient the identity, as
+//       FlowpmWrap's); [0, 0, 0]: none.
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "tf_op.h"
@@ -573,6 +577,23 @@ inline void difference_column(const T* P, i64 ax, i64 ay, i64 nz, i64 b, i64 x, 
   }
 }
 
+// FlowpmWrap (particle_ops.cc) of n positions o[3 i + a], operation for operation: along
+// every axis with size s > 0, w = x - s floor(x / s); w += s if w < 0; w -= s if w >= s;
+// w = min(w, below), below the largest value under s.
+template <typename T>
+inline void wrap_positions(T* o, i64 n, const T size[3], const T below[3]) {
+  for (i64 i = 0; i < n; ++i)
+    for (int a = 0; a < 3; ++a) {
+      const T s = size[a];
+      if (s == T(0)) continue;
+      const T x = o[3 * i + a];
+      T w = x - s * std::floor(x / s);
+      if (w < T(0)) w = w + s;
+      if (w >= s) w = w - s;
+      o[3 * i + a] = std::min(w, below[a]);
+    }
+}
+
 template <typename T>
 class LatticeCombinePotentialsOp : public OpKernel {
  public:
@@ -581,6 +602,18 @@ class LatticeCombinePotentialsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &m_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice_output", &lattice_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margins", &margins_));
+    std::vector<float> wrap;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("wrap", &wrap));
+    OP_REQUIRES(ctx, wrap.size() == 3,
+                InvalidArgument("FlowpmLatticeCombinePotentials: wrap must have 3 sizes"));
+    for (int a = 0; a < 3; ++a) {
+      OP_REQUIRES(ctx, wrap[a] >= 0,
+                  InvalidArgument("FlowpmLatticeCombinePotentials: negative wrap size"));
+      size_[a] = T(wrap[a]);
+      below_[a] = std::nextafter(size_[a], T(0));
+    }
+    OP_REQUIRES(ctx, lattice_ >= 0 || (wrap[0] == 0 && wrap[1] == 0 && wrap[2] == 0),
+                InvalidArgument("FlowpmLatticeCombinePotentials: wrap needs a lattice_output"));
     OP_REQUIRES(ctx, lattice_ >= -1 && lattice_ < m_,
                 InvalidArgument("FlowpmLatticeCombinePotentials: lattice_output ", lattice_,
                                 " is not an output (-1 or 0 .. ", m_ - 1, ")"));
@@ -638,6 +671,9 @@ class LatticeCombinePotentialsOp : public OpKernel {
     const std::vector<i64> zi = z_neighbours(nz);
     const std::vector<int> margins = margins_;
     const int lat = lattice_;
+    const T* size = size_;
+    const T* below = below_;
+    const bool wraps = size_[0] > T(0) || size_[1] > T(0) || size_[2] > T(0);
     const i64 rows_y = t.sy / t.ty, units = t.sx / t.tx * rows_y;
     const i64 unit = t.tx * t.ty * nz * C;
     // one unit per (block, row of tiles along z): its tx x ty columns
@@ -680,6 +716,7 @@ class LatticeCombinePotentialsOp : public OpKernel {
                     o[3 * kk + 1] += fj;
                     o[3 * kk + 2] += T(k0 + kk);
                   }
+                  if (wraps) wrap_positions(o, t.tz, size, below);
                 }
               }
             }
@@ -692,6 +729,7 @@ class LatticeCombinePotentialsOp : public OpKernel {
   Tiles t_;
   int m_, lattice_;
   std::vector<int> margins_;
+  T size_[3], below_[3];
 };
 
 }  // namespace
@@ -789,6 +827,7 @@ REGISTER_OP("FlowpmLatticeCombinePotentials")
     .Attr("tile: list(int)")
     .Attr("margins: list(int)")
     .Attr("lattice_output: int = -1")
+    .Attr("wrap: list(float) = [0, 0, 0]")
     .SetShapeFn([](InferenceContext* c) {
       int m;
       std::vector<int> margins;
