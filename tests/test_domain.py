@@ -235,7 +235,7 @@ def test_simulation_retries_with_larger_capacity(tmp_path):
 
 
 WRAP_EDGES = [0.0, -0.0, 1e-9, -1e-9, 5.999999, 6.0, -6.0, 12.0, 13.25, -13.25, 1e6 + 0.5,
-              -1e6 - 0.5, 3.0]
+              -1e6 - 0.5, 3.0, 1e-40, 3.9999998]
 
 
 @pytest.mark.rank_independent
@@ -264,6 +264,7 @@ def test_native_wrap_matches_the_tensorflow_path_bit_for_bit(dtype, monkeypatch)
             got, ref, g, wv = sess.run([fast, slow, grad, w])
     assert "FlowpmWrap" in fast.op.type
     np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(ref))     # -0 becomes +0
     assert (got[..., 0] >= 0).all() and (got[..., 0] < 6).all()
     assert (got[..., 1] >= 0).all() and (got[..., 1] < 4).all()
     np.testing.assert_array_equal(got[..., 2], x[..., 2])

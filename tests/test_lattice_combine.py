@@ -253,6 +253,7 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
         assert got[k].shape == (block[0], npart, 3)
         np.testing.assert_array_equal(got[k], want[k])
         np.testing.assert_array_equal(got_twin[k], want[k])
+        assert np.array_equal(np.signbit(got[k]), np.signbit(want[k]))
     eps = 1e-6 if dtype == np.float32 else 1e-14
     for a, b, p in zip(gn, gt, phis):
         assert a.shape == p.shape

@@ -579,7 +579,8 @@ inline void difference_column(const T* P, i64 ax, i64 ay, i64 nz, i64 b, i64 x, 
 
 // FlowpmWrap (particle_ops.cc) of n positions o[3 i + a], operation for operation: along
 // every axis with size s > 0, w = x - s floor(x / s); w += s if w < 0; w -= s if w >= s;
-// w = min(w, below), below the largest value under s.
+// w = min(w, below), below the largest value under s; x in (0, s) is kept as FlowpmWrap
+// keeps it.
 template <typename T>
 inline void wrap_positions(T* o, i64 n, const T size[3], const T below[3]) {
   for (i64 i = 0; i < n; ++i)
@@ -587,6 +588,7 @@ inline void wrap_positions(T* o, i64 n, const T size[3], const T below[3]) {
       const T s = size[a];
       if (s == T(0)) continue;
       const T x = o[3 * i + a];
+      if (x > T(0) && x < s) continue;   // inside: the result is x (see FlowpmWrap)
       T w = x - s * std::floor(x / s);
       if (w < T(0)) w = w + s;
       if (w >= s) w = w - s;

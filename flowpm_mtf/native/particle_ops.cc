@@ -254,7 +254,10 @@ class WrapOp : public OpKernel {
         for (int a = 0; a < 3; ++a) {
           const T x = P[3 * i + a];
           const T s = size_[a];
-          if (s == T(0)) {
+          // s = 0: unchanged; x in (0, s): the formula gives x (x / s rounds below 1, so
+          // the floor is 0 and w = x - 0 = x; +-0 take the formula: -0 becomes +0), without
+          // the division, for nearly every particle
+          if (s == T(0) || (x > T(0) && x < s)) {
             O[3 * i + a] = x;
             continue;
           }
