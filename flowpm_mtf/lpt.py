@@ -234,6 +234,19 @@ def _lattice_combine_grad(op, *dys):
     return list(grads) + [None]
 
 
+def _coefficient_rows(coeffs, conf, n, lattice_output, who, what):
+    """``coeffs`` as ``[M, n]`` of ``conf.dtype``, checked with ``lattice_output`` (-1 or an
+    output); a clear ``ValueError`` naming ``who`` otherwise."""
+    cvals = np.asarray(coeffs, conf.np_dtype)
+    if cvals.ndim != 2 or cvals.shape[1] != n or cvals.shape[0] < 1:
+        raise ValueError("%s: coefficients must be rows of %d (one per %s), got shape %s"
+                         % (who, n, what, cvals.shape))
+    if not -1 <= lattice_output < cvals.shape[0]:
+        raise ValueError("%s: lattice_output %r is not one of the %d outputs"
+                         % (who, lattice_output, cvals.shape[0]))
+    return cvals
+
+
 def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine"):
     r"""The particles' initial vectors from the LPT displacements, in the ICs' slot order.
 
@@ -266,14 +279,9 @@ def lattice_combine(psis, coeffs, conf, lattice_output=-1, name="lattice_combine
         respect to displacement ``n`` is :math:`\sum_m c_{mn}` times output ``m``'s, in
         lattice order.
     """
-    cvals = np.asarray(coeffs, conf.np_dtype)
-    if cvals.ndim != 2 or cvals.shape[1] != len(psis) or cvals.shape[0] < 1:
-        raise ValueError("lattice_combine: coefficients must be rows of %d (one per "
-                         "displacement), got shape %s" % (len(psis), cvals.shape))
+    cvals = _coefficient_rows(coeffs, conf, len(psis), lattice_output, "lattice_combine",
+                              "displacement")
     m_out = cvals.shape[0]
-    if not -1 <= lattice_output < m_out:
-        raise ValueError("lattice_combine: lattice_output %r is not one of the %d outputs"
-                         % (lattice_output, m_out))
     sx, sy, nz = conf.block_shape
     tile = list(layout.slot_tiles(conf))
 
@@ -393,14 +401,9 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
     """
     blocks = [b for b, _ in potentials]
     margins = [int(m) for _, m in potentials]
-    cvals = np.asarray(coeffs, conf.np_dtype)
-    if cvals.ndim != 2 or cvals.shape[1] != len(blocks) or cvals.shape[0] < 1:
-        raise ValueError("lattice_combine_potentials: coefficients must be rows of %d (one "
-                         "per potential), got shape %s" % (len(blocks), cvals.shape))
+    cvals = _coefficient_rows(coeffs, conf, len(blocks), lattice_output,
+                              "lattice_combine_potentials", "potential")
     m_out = cvals.shape[0]
-    if not -1 <= lattice_output < m_out:
-        raise ValueError("lattice_combine_potentials: lattice_output %r is not one of the %d "
-                         "outputs" % (lattice_output, m_out))
     sx, sy, nz = conf.block_shape
     for b, m in potentials:
         if m < gravity.GRADIENT_REACH or b.shape.to_integer_list[2:] != [sx + 2 * m,

@@ -1234,7 +1234,7 @@ class GradientOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, sx, sy, nz, 3}), &out));
     const T* P = phi.flat<T>().data();
     T* O = out->flat<T>().data();
-    const T c0 = cf.flat<T>()(0), c1 = cf.flat<T>()(1), c2 = cf.flat<T>()(2);
+    const T cf3[3] = {cf.flat<T>()(0), cf.flat<T>()(1), cf.flat<T>()(2)};
     const std::vector<i64> zi = z_neighbours(nz);
     auto work = [&](int64_t begin, int64_t end) {
       for (i64 r = begin; r < end; ++r) {
@@ -1250,33 +1250,12 @@ class GradientOp : public OpKernel {
         for (i64 j = 0; j < sy; ++j) {
           i64 ys[5];
           for (i64 o = -2; o <= 2; ++o) ys[o + 2] = at(j, o, ay);
-          const T *cm2 = col(xs[0], ys[2]), *cm1 = col(xs[1], ys[2]), *cp1 = col(xs[3], ys[2]),
-                  *cp2 = col(xs[4], ys[2]);
-          const T *dm2 = col(xs[2], ys[0]), *dm1 = col(xs[2], ys[1]), *dp1 = col(xs[2], ys[3]),
-                  *dp2 = col(xs[2], ys[4]);
-          const T* c = col(xs[2], ys[2]);
-          T* o = O + ((b * sx + i) * sy + j) * nz * 3;
-          auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
-            o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
-            o[3 * k + 1] = c1 * (T(8) * (dp1[k] - dm1[k]) - (dp2[k] - dm2[k]));
-            o[3 * k + 2] = c2 * (T(8) * (c[zp1] - c[zm1]) - (c[zp2] - c[zm2]));
-          };
-          if (nz < 5) {
-            for (i64 k = 0; k < nz; ++k) {
-              const i64* z = &zi[5 * k];
-              cell(k, z[0], z[1], z[3], z[4]);
-            }
-            continue;
-          }
-          for (i64 k = 0; k < 2; ++k) {
-            const i64* z = &zi[5 * k];
-            cell(k, z[0], z[1], z[3], z[4]);
-          }
-          for (i64 k = 2; k < nz - 2; ++k) cell(k, k - 2, k - 1, k + 1, k + 2);
-          for (i64 k = nz - 2; k < nz; ++k) {
-            const i64* z = &zi[5 * k];
-            cell(k, z[0], z[1], z[3], z[4]);
-          }
+          const T* xc[4] = {col(xs[0], ys[2]), col(xs[1], ys[2]), col(xs[3], ys[2]),
+                            col(xs[4], ys[2])};
+          const T* yc[4] = {col(xs[2], ys[0]), col(xs[2], ys[1]), col(xs[2], ys[3]),
+                            col(xs[2], ys[4])};
+          four_point_column<T>(xc, yc, col(xs[2], ys[2]), nz, cf3, zi,
+                               O + ((b * sx + i) * sy + j) * nz * 3);
         }
       }
     };

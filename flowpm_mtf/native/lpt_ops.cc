@@ -354,6 +354,42 @@ struct Tiles {
   return ::tensorflow::OkStatus();
 }
 
+// o[e] = ((in[0][at + e] w[0]) + (in[1][at + e] w[step])) + ... over count inputs, each
+// product rounded (no contraction): the sums of FlowpmLatticeCombine (w a row of the
+// coefficients) and of its gradient (w a column), as their TensorFlow twins compute them.
+template <typename T>
+inline void weighted_run(T* __restrict o, const T* const* in, i64 at, i64 len, const T* w,
+                         i64 step, int count) {
+  const T* __restrict a = in[0] + at;
+  const T w0 = w[0];
+  for (i64 e = 0; e < len; ++e) o[e] = a[e] * w0;
+  for (int n = 1; n < count; ++n) {
+    const T* __restrict an = in[n] + at;
+    const T wn = w[n * step];
+    for (i64 e = 0; e < len; ++e) {
+      const T term = an[e] * wn;
+      o[e] = o[e] + term;
+    }
+  }
+}
+
+// Output m's run of tz particles at o (weighted_run of the inputs with row m of c), plus
+// the lattice sites (i, j, k0 + kk) when `lattice`: shared by FlowpmLatticeCombine and
+// FlowpmLatticeCombinePotentials.
+template <typename T>
+inline void combine_run(T* __restrict o, const T* const* in, i64 at, i64 len, const T* c,
+                        int m, int N, bool lattice, i64 i, i64 j, i64 k0, i64 tz) {
+  weighted_run<T>(o, in, at, len, c + m * N, 1, N);
+  if (lattice) {
+    const T fi = T(i), fj = T(j);
+    for (i64 kk = 0; kk < tz; ++kk) {
+      o[3 * kk] += fi;
+      o[3 * kk + 1] += fj;
+      o[3 * kk + 2] += T(k0 + kk);
+    }
+  }
+}
+
 template <typename T>
 class LatticeCombineOp : public OpKernel {
  public:
@@ -431,28 +467,9 @@ class LatticeCombineOp : public OpKernel {
             for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
               const i64 at = col + k0 * C, len = t.tz * C;
               const i64 to = (b * cells + t.slot(i, j, k0)) * C;
-              for (int m = 0; m < M; ++m) {
-                T* __restrict o = dst[m] + to;
-                const T* __restrict a = in[0] + at;
-                const T c0 = c[m * N];
-                for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
-                for (int n = 1; n < N; ++n) {
-                  const T* __restrict an = in[n] + at;
-                  const T cn = c[m * N + n];
-                  for (i64 e = 0; e < len; ++e) {
-                    const T term = an[e] * cn;
-                    o[e] = o[e] + term;
-                  }
-                }
-                if (m == lat) {
-                  const T fi = T(i), fj = T(j);
-                  for (i64 kk = 0; kk < t.tz; ++kk) {
-                    o[3 * kk] += fi;
-                    o[3 * kk + 1] += fj;
-                    o[3 * kk + 2] += T(k0 + kk);
-                  }
-                }
-              }
+              for (int m = 0; m < M; ++m)
+                combine_run<T>(dst[m] + to, in.data(), at, len, c.data(), m, N, m == lat, i, j,
+                               k0, t.tz);
             }
           }
       }
@@ -512,20 +529,8 @@ class LatticeCombineGradOp : public OpKernel {
         const i64 out0 = ((b * t.sx + i) * t.sy + j) * t.nz * C;
         for (i64 k0 = 0; k0 < t.nz; k0 += t.tz) {
           const i64 from = (b * cells + t.slot(i, j, k0)) * C, len = t.tz * C;
-          for (int n = 0; n < N; ++n) {
-            T* __restrict o = dst[n] + out0 + k0 * C;
-            const T* __restrict g = src[0] + from;
-            const T c0 = c[n];
-            for (i64 e = 0; e < len; ++e) o[e] = g[e] * c0;
-            for (int m = 1; m < M; ++m) {
-              const T* __restrict gm = src[m] + from;
-              const T cm = c[m * N + n];
-              for (i64 e = 0; e < len; ++e) {
-                const T term = gm[e] * cm;
-                o[e] = o[e] + term;
-              }
-            }
-          }
+          for (int n = 0; n < N; ++n)
+            weighted_run<T>(dst[n] + out0 + k0 * C, src.data(), from, len, c.data() + n, N, M);
         }
       }
     });
@@ -543,57 +548,25 @@ class LatticeCombineGradOp : public OpKernel {
 // cell, the same bits), then to the unit's slots (contiguous: a tile row's tiles follow one
 // another) as FlowpmLatticeCombine writes them. No displacement field is ever made.
 
-// The four-point difference of column (x, y) of block b of phi [B, ax, ay, nz] (input
-// indices; x, y read inside the array), coefficients c[3], written to o[3 k + d]; zi the
-// periodic z neighbours (z_neighbours of tf_op.h) for columns shorter than 5 cells.
+// The four-point difference (four_point_column, tf_op.h) of column (x, y) of block b of
+// phi [B, ax, ay, nz] (input indices; x, y read inside the array), coefficients c[3],
+// written to o[3 k + d].
 template <typename T>
 inline void difference_column(const T* P, i64 ax, i64 ay, i64 nz, i64 b, i64 x, i64 y,
-                              const T c[3], const std::vector<i64>& zi, T* __restrict o) {
+                              const T c[3], const std::vector<i64>& zi, T* o) {
   auto col = [&](i64 xx, i64 yy) { return P + ((b * ax + xx) * ay + yy) * nz; };
-  const T *cm2 = col(x - 2, y), *cm1 = col(x - 1, y), *cp1 = col(x + 1, y), *cp2 = col(x + 2, y);
-  const T *dm2 = col(x, y - 2), *dm1 = col(x, y - 1), *dp1 = col(x, y + 1), *dp2 = col(x, y + 2);
-  const T* cc = col(x, y);
-  const T c0 = c[0], c1 = c[1], c2 = c[2];
-  auto cell = [&](i64 k, i64 zm2, i64 zm1, i64 zp1, i64 zp2) {
-    o[3 * k] = c0 * (T(8) * (cp1[k] - cm1[k]) - (cp2[k] - cm2[k]));
-    o[3 * k + 1] = c1 * (T(8) * (dp1[k] - dm1[k]) - (dp2[k] - dm2[k]));
-    o[3 * k + 2] = c2 * (T(8) * (cc[zp1] - cc[zm1]) - (cc[zp2] - cc[zm2]));
-  };
-  if (nz < 5) {
-    for (i64 k = 0; k < nz; ++k) {
-      const i64* z = &zi[5 * k];
-      cell(k, z[0], z[1], z[3], z[4]);
-    }
-    return;
-  }
-  for (i64 k = 0; k < 2; ++k) {
-    const i64* z = &zi[5 * k];
-    cell(k, z[0], z[1], z[3], z[4]);
-  }
-  for (i64 k = 2; k < nz - 2; ++k) cell(k, k - 2, k - 1, k + 1, k + 2);
-  for (i64 k = nz - 2; k < nz; ++k) {
-    const i64* z = &zi[5 * k];
-    cell(k, z[0], z[1], z[3], z[4]);
-  }
+  const T* xs[4] = {col(x - 2, y), col(x - 1, y), col(x + 1, y), col(x + 2, y)};
+  const T* ys[4] = {col(x, y - 2), col(x, y - 1), col(x, y + 1), col(x, y + 2)};
+  four_point_column<T>(xs, ys, col(x, y), nz, c, zi, o);
 }
 
-// FlowpmWrap (particle_ops.cc) of n positions o[3 i + a], operation for operation: along
-// every axis with size s > 0, w = x - s floor(x / s); w += s if w < 0; w -= s if w >= s;
-// w = min(w, below), below the largest value under s; x in (0, s) is kept as FlowpmWrap
-// keeps it.
+// FlowpmWrap (particle_ops.cc) of n positions o[3 i + a]: wrap_coordinate (tf_op.h) along
+// every axis with size s > 0.
 template <typename T>
 inline void wrap_positions(T* o, i64 n, const T size[3], const T below[3]) {
   for (i64 i = 0; i < n; ++i)
-    for (int a = 0; a < 3; ++a) {
-      const T s = size[a];
-      if (s == T(0)) continue;
-      const T x = o[3 * i + a];
-      if (x > T(0) && x < s) continue;   // inside: the result is x (see FlowpmWrap)
-      T w = x - s * std::floor(x / s);
-      if (w < T(0)) w = w + s;
-      if (w >= s) w = w - s;
-      o[3 * i + a] = std::min(w, below[a]);
-    }
+    for (int a = 0; a < 3; ++a)
+      if (size[a] != T(0)) o[3 * i + a] = wrap_coordinate(o[3 * i + a], size[a], below[a]);
 }
 
 template <typename T>
@@ -681,6 +654,8 @@ class LatticeCombinePotentialsOp : public OpKernel {
     // one unit per (block, row of tiles along z): its tx x ty columns
     shard(ctx, nb * units, unit * (6 * N + 2 * N * M), [&](i64 begin, i64 end) {
       std::vector<T> scratch(N * unit);
+      std::vector<const T*> in(N);
+      for (int n = 0; n < N; ++n) in[n] = scratch.data() + n * unit;
       for (i64 u = begin; u < end; ++u) {
         const i64 b = u / units, I = (u % units) / rows_y, J = u % rows_y;
         for (int n = 0; n < N; ++n) {
@@ -699,27 +674,9 @@ class LatticeCombinePotentialsOp : public OpKernel {
               const i64 at = col + k0 * C, len = t.tz * C;
               const i64 to = (b * cells + t.slot(i, j, k0)) * C;
               for (int m = 0; m < M; ++m) {
-                T* __restrict o = dst[m] + to;
-                const T* __restrict a = scratch.data() + at;
-                const T c0 = c[m * N];
-                for (i64 e = 0; e < len; ++e) o[e] = a[e] * c0;
-                for (int n = 1; n < N; ++n) {
-                  const T* __restrict an = scratch.data() + n * unit + at;
-                  const T cn = c[m * N + n];
-                  for (i64 e = 0; e < len; ++e) {
-                    const T term = an[e] * cn;
-                    o[e] = o[e] + term;
-                  }
-                }
-                if (m == lat) {
-                  const T fi = T(i), fj = T(j);
-                  for (i64 kk = 0; kk < t.tz; ++kk) {
-                    o[3 * kk] += fi;
-                    o[3 * kk + 1] += fj;
-                    o[3 * kk + 2] += T(k0 + kk);
-                  }
-                  if (wraps) wrap_positions(o, t.tz, size, below);
-                }
+                combine_run<T>(dst[m] + to, in.data(), at, len, c.data(), m, N, m == lat, i, j,
+                               k0, t.tz);
+                if (m == lat && wraps) wrap_positions(dst[m] + to, t.tz, size, below);
               }
             }
           }

@@ -221,7 +221,7 @@ class MaskRowsOp : public OpKernel {
 // ------------------------------------------------------------------ wrap
 // FlowpmWrap(positions [..., 3], sizes [3]) -> positions wrapped into [0, s) along
 // every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.domain's TensorFlow path
-// computes it, operation for operation (the same float results):
+// computes it, operation for operation (the same float results; wrap_coordinate, tf_op.h):
 //   w = x - s * floor(x / s); w += s if w < 0; w -= s if w >= s; w = min(w, below(s))
 // with below(s) the largest float below s. In place when TensorFlow forwards the
 // input; parallel over particles.
@@ -253,18 +253,7 @@ class WrapOp : public OpKernel {
       for (i64 i = begin; i < end; ++i)
         for (int a = 0; a < 3; ++a) {
           const T x = P[3 * i + a];
-          const T s = size_[a];
-          // s = 0: unchanged; x in (0, s): the formula gives x (x / s rounds below 1, so
-          // the floor is 0 and w = x - 0 = x; +-0 take the formula: -0 becomes +0), without
-          // the division, for nearly every particle
-          if (s == T(0) || (x > T(0) && x < s)) {
-            O[3 * i + a] = x;
-            continue;
-          }
-          T w = x - s * std::floor(x / s);
-          if (w < T(0)) w = w + s;
-          if (w >= s) w = w - s;
-          O[3 * i + a] = std::min(w, below_[a]);
+          O[3 * i + a] = size_[a] == T(0) ? x : wrap_coordinate(x, size_[a], below_[a]);
         }
     };
     shard(ctx, n, 30, work);
