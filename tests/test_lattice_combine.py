@@ -304,11 +304,30 @@ def test_potentials_bad_input():
              (lambda: op([a, b], [4, 2], coeffs=((1.0,),)), "coeffs must be"),
              (lambda: lib.flowpm_lattice_combine_potentials(
                  [a, b], g, np.float32([[1.0, 1.0]]), tile=[4, 4, 2], margins=[4, 2], M=1,
-                 wrap=[4.0, 0.0, 0.0]), "wrap needs a lattice_output")]
+                 wrap=[4.0, 0.0, 0.0]), "wrap needs a lattice_output"),
+             (lambda: lib.flowpm_lattice_combine_potentials(
+                 [a, b], g, np.float32([[1.0, 1.0]]), tile=[4, 4, 2], margins=[4, 2], M=1,
+                 lattice_output=1), "is not an output")]
     for make, message in cases:
         with tf.Graph().as_default(), tf.Session() as sess:
             with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
                 sess.run(make())
+    # the mesh-level function says the same before any op runs
+    from flowpm_mtf import lpt_source
+    import nbody_harness as NH
+    conf = SimConfig(nc=(16, 16, 8))
+    with tf.Graph().as_default():
+        mesh = mtf.Mesh(mtf.Graph(), "mesh")
+        phi = NH.import_field(mesh, conf, np.zeros(conf.nc))
+        pots = [(lpt_source.padded_potential(phi, conf, 4), 4)]
+        with pytest.raises(ValueError, match="rows of 1"):
+            lpt.lattice_combine_potentials(pots, [[1.0, 2.0]], conf)
+        with pytest.raises(ValueError, match="not one of the 1 outputs"):
+            lpt.lattice_combine_potentials(pots, [[1.0]], conf, lattice_output=1)
+        with pytest.raises(ValueError, match="with margin 2"):
+            lpt.lattice_combine_potentials([(pots[0][0], 2)], [[1.0]], conf)
+        with pytest.raises(ValueError, match="needs a lattice_output"):
+            lpt.lattice_combine_potentials(pots, [[1.0]], conf, wrap=[16.0, 0.0, 0.0])
 
 
 @pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)

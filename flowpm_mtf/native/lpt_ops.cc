@@ -390,16 +390,23 @@ inline void combine_run(T* __restrict o, const T* const* in, i64 at, i64 len, co
   }
 }
 
+// The attributes both combine ops read: tile, M and lattice_output (-1 or an output).
+::tensorflow::Status combine_attrs(OpKernelConstruction* ctx, const char* op, Tiles* t, int* m,
+                                   int* lattice) {
+  TF_RETURN_IF_ERROR(tiles_of(ctx, t));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("M", m));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("lattice_output", lattice));
+  if (*lattice < -1 || *lattice >= *m)
+    return InvalidArgument(op, ": lattice_output ", *lattice, " is not an output (-1 or 0 .. ",
+                           *m - 1, ")");
+  return ::tensorflow::OkStatus();
+}
+
 template <typename T>
 class LatticeCombineOp : public OpKernel {
  public:
   explicit LatticeCombineOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &m_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice_output", &lattice_));
-    OP_REQUIRES(ctx, lattice_ >= -1 && lattice_ < m_,
-                InvalidArgument("FlowpmLatticeCombine: lattice_output ", lattice_,
-                                " is not an output (-1 or 0 .. ", m_ - 1, ")"));
+    OP_REQUIRES_OK(ctx, combine_attrs(ctx, "FlowpmLatticeCombine", &t_, &m_, &lattice_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -573,9 +580,8 @@ template <typename T>
 class LatticeCombinePotentialsOp : public OpKernel {
  public:
   explicit LatticeCombinePotentialsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, tiles_of(ctx, &t_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &m_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("lattice_output", &lattice_));
+    OP_REQUIRES_OK(ctx, combine_attrs(ctx, "FlowpmLatticeCombinePotentials", &t_, &m_,
+                                      &lattice_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margins", &margins_));
     std::vector<float> wrap;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wrap", &wrap));
@@ -589,9 +595,6 @@ class LatticeCombinePotentialsOp : public OpKernel {
     }
     OP_REQUIRES(ctx, lattice_ >= 0 || (wrap[0] == 0 && wrap[1] == 0 && wrap[2] == 0),
                 InvalidArgument("FlowpmLatticeCombinePotentials: wrap needs a lattice_output"));
-    OP_REQUIRES(ctx, lattice_ >= -1 && lattice_ < m_,
-                InvalidArgument("FlowpmLatticeCombinePotentials: lattice_output ", lattice_,
-                                " is not an output (-1 or 0 .. ", m_ - 1, ")"));
     for (int mg : margins_)
       OP_REQUIRES(ctx, mg >= 2,
                   InvalidArgument("FlowpmLatticeCombinePotentials: margins must be >= 2 (the "
