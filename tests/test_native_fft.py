@@ -365,6 +365,72 @@ def test_packed_real_transforms(shape, blocks, dtype):
          _pack(y64, blocks, 2), x64)])
 
 
+def _output_buffers(sess, fetches, op_types, feed_dict=None):
+    """Run ``fetches`` (fed ``feed_dict``) traced; the buffer address of the output of each op whose type
+    is in ``op_types`` and of each op feeding it: ``{op name: (own ptr, [input ptrs])}``."""
+    meta = tf.RunMetadata()
+    values = sess.run(fetches, feed_dict, run_metadata=meta,
+                      options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
+    ptr = {}
+    for dev in meta.step_stats.dev_stats:
+        for ns in dev.node_stats:
+            if ns.output:
+                ptr[ns.node_name] = ns.output[0].tensor_description.allocation_description.ptr
+    graph = sess.graph
+    found = {op.name: (ptr.get(op.name), [ptr.get(t.op.name) for t in op.inputs])
+             for op in graph.get_operations() if op.type in op_types}
+    return values, found
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("shape", [(16, 12, 64), (3, 2, 6)])
+def test_packed_in_place(shape, dtype):
+    """A packed r2c / c2r whose input nothing else holds runs in place in the input's
+    buffer (same address, checked from the trace) with the bits of the allocating run;
+    an input that is held elsewhere (fetched) is neither taken nor overwritten."""
+    rng = np.random.RandomState(7 + len(dtype))
+    n = shape[-1]
+    x = rng.randn(*shape).astype(dtype)
+    h = (rng.randn(*shape[:-1], n // 2) + 1j * rng.randn(*shape[:-1], n // 2)).astype(
+        COMPLEX[dtype])
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        feeds = {tf.placeholder(v.dtype, v.shape): v for v in (x, h, x, h)}
+        xs, hs, xh, hh = (t * 1 for t in feeds)   # computed (not merged: four feeds)
+        # xs, hs: forwardable; xh, hh: fetched too, so held
+        out = {"r2c_free": fft_local.rfft_packed_along(xs, 2, normalized=True),
+               "c2r_free": fft_local.irfft_packed_along(hs, n, 2, normalized=True),
+               "r2c_held": fft_local.rfft_packed_along(xh, 2, normalized=True),
+               "c2r_held": fft_local.irfft_packed_along(hh, n, 2, normalized=True),
+               "xh": xh, "hh": hh}
+        names = {k: out[k].op.name for k in ("r2c_free", "c2r_free", "r2c_held", "c2r_held")}
+        with tf.Session(config=tf.ConfigProto(intra_op_parallelism_threads=2,
+                                              inter_op_parallelism_threads=1)) as sess:
+            vals, bufs = _output_buffers(sess, out, {"FlowpmFftR2c", "FlowpmFftC2r"}, feeds)
+    for kind in ("r2c", "c2r"):
+        own, (src,) = bufs[names[kind + "_free"]]
+        assert own == src != 0, (kind, own, src)            # in place
+        own, (src,) = bufs[names[kind + "_held"]]
+        assert own != src, (kind, own, src)                 # a new buffer
+        np.testing.assert_array_equal(vals[kind + "_free"], vals[kind + "_held"])
+    np.testing.assert_array_equal(vals["xh"], x)            # held inputs intact
+    np.testing.assert_array_equal(vals["hh"], h)
+    want = _np_packed(np.fft.rfft(x.astype(np.float64), axis=-1), n) / n
+    assert rel_err(vals["r2c_free"], want) < RTOL[dtype]
+    assert rel_err(vals["c2r_free"], np.fft.irfft(_np_unpacked(h.astype(np.complex128), n),
+                                                   n, axis=-1)) < RTOL[dtype]
+
+
+def _np_unpacked(p, n):
+    """The inverse of :func:`_np_packed`: n // 2 + 1 modes, slot 0 split into the zero
+    and Nyquist modes (their imaginary parts zero)."""
+    out = np.zeros(p.shape[:-1] + (n // 2 + 1,), p.dtype)
+    out[..., :n // 2] = p
+    out[..., 0] = p[..., 0].real
+    out[..., n // 2] = p[..., 0].imag
+    return out
+
+
 @needs_native
 def test_packed_and_pairs_equal_tensorflow_path(monkeypatch):
     """The packed transforms and the mirror-pair orders: native op == TF fallback."""
