@@ -264,7 +264,14 @@ def cmd_bare(args):
     """The bare step under mpirun: ICs, then the step as one ``tf.group`` along the
     trajectory; rank 0 writes ``step_s``/``step_cpu_s`` (median after the first: the
     slowest rank's wall time, rank 0's CPU time as the job's ``steps_cpu_s``) and
-    ``steps_s``."""
+    ``steps_s``, and ``positions_sum`` (the sum of the final positions' slots, reduced
+    on the mesh).
+
+    With ``--ops job`` the steps run the job's own lowered ops instead
+    (:func:`flowpm_mtf.jobs.nbody_run.lower_simulation`: the updates ordered after
+    every read, and the migration statistics fetched with each step), in the same
+    process structure: an A/B of the job's graph against the bare one, without the
+    job's Python between the steps. The record says which (``ops``)."""
     from flowpm_mtf import allocator, launch_env
 
     launch_env.apply()
@@ -275,7 +282,7 @@ def cmd_bare(args):
 
     from flowpm_mtf.backend import session_config
     from flowpm_mtf.config import SimConfig
-    from flowpm_mtf.jobs import runner
+    from flowpm_mtf.jobs import nbody_run, runner
     from flowpm_mtf.jobs.nbody_run import SimulationGraph, sort_due
     from hvd_mesh_impl import HvdSimdMeshImpl
 
@@ -287,11 +294,19 @@ def cmd_bare(args):
     graph = mtf.Graph()
     mesh = mtf.Mesh(graph, "mesh")
     sim = SimulationGraph(conf, mesh)
+    # a replicated scalar of the final state (no gather): both --ops reach the same state
+    checksum = mtf.reduce_sum(mtf.cast(sim.variables[0], tf.float64), output_shape=[])
     lowering = mtf.Lowering(graph, {mesh: impl})
-    init = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
-    init_force = tf.group([lowering.lowered_operation(op) for op in sim.init_force_ops])
-    step = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
-    sort = tf.group([lowering.lowered_operation(op) for op in sim.sort_ops])
+    checksum = lowering.export_to_tf_tensor(checksum)
+    if args.ops == "job":
+        ops = nbody_run.lower_simulation(sim, lowering)
+        init, init_force, sort = ops["init"], ops["init_force"], ops["sort"]
+        step = [ops["step"], ops["stats"]["step"]]        # the job's session call
+    else:
+        init = tf.group([lowering.lowered_operation(op) for op in sim.init_ops])
+        init_force = tf.group([lowering.lowered_operation(op) for op in sim.init_force_ops])
+        step = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
+        sort = tf.group([lowering.lowered_operation(op) for op in sim.sort_ops])
     with tf.Session(config=session_config("hvd")) as sess:
         runner.initialize_variables(sess)          # as the job
         sess.run(lowering.copy_masters_to_slices())
@@ -308,8 +323,10 @@ def cmd_bare(args):
                 t = time.perf_counter()
                 sess.run(sort)
                 sorts.append(max(comm.allgather(time.perf_counter() - t)))
+        positions_sum = float(sess.run(checksum))
     if comm.Get_rank() == 0:
-        write_json(args.json, {"steps_s": wall, "steps_cpu_s": cpu, "sorts_s": sorts,
+        write_json(args.json, {"ops": args.ops, "steps_s": wall, "steps_cpu_s": cpu,
+                               "sorts_s": sorts, "positions_sum": positions_sum,
                                "step_s": _median_after_first(wall),
                                "step_cpu_s": _median_after_first(cpu)})
     return 0
@@ -349,6 +366,8 @@ def main(argv=None):
     b.add_argument("--nc", type=int, required=True)
     b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     b.add_argument("--json", required=True)
+    b.add_argument("--ops", choices=("bare", "job"), default="bare",
+                   help="the step as one tf.group (default) or the job's lowered ops")
     args = ap.parse_args(argv)
     if args.cmd == "bare":
         return cmd_bare(args)
