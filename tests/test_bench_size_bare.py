@@ -2,26 +2,20 @@
 ``tf.group`` and the job's own lowered ops (``--ops job``) run the same simulation."""
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-from test_mpi_jobs import clean_env
+from test_mpi_jobs import mpirun
 
 pytestmark = pytest.mark.single_process
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "bench_size.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                      "bench_size.py")
 
 
 def _bare(tmp_path, ops, ranks=2):
     out = tmp_path / ("%s.json" % ops)
-    cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(ranks), sys.executable, SCRIPT,
-           "bare", "--nc", "16", "--steps", "3", "--ops", ops, "--json", str(out)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+    proc, _ = mpirun(ranks, SCRIPT, "bare", "--nc", 16, "--steps", 3, "--ops", ops,
+                     "--json", out, timeout=600)     # an absolute path: not in mpi_scripts/
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f)
