@@ -338,9 +338,13 @@ def lattice_combine_potentials_tf(phis, grad_coeffs, coeffs, tile, margins, latt
 def _potentials_combine_grad(dys, grad_coeffs, coeffs, tile, margins, shapes):
     """The gradient of ``FlowpmLatticeCombinePotentials`` with respect to its potentials:
     ``FlowpmLatticeCombineGrad`` (or its twin), then the transpose of each difference
-    (:func:`flowpm_mtf.gravity.gradient_transpose`). ``shapes``: the potentials'."""
+    (:func:`flowpm_mtf.gravity.gradient_transpose`). ``shapes``: the potentials'. The
+    ``dys`` may have more slots than the lattice's (a capacity): those past it are zero
+    outputs, and get no gradient."""
     b, sx, sy, nz = shapes[0][0], shapes[0][1] - 2 * margins[0], shapes[0][2] - 2 * margins[0], \
         shapes[0][3]
+    cells = sx * sy * nz
+    dys = [d if d.shape.as_list()[1] == cells else d[:, :cells] for d in dys]
     lib = native.ops_for("lpt_ops", *dys)
     if lib is not None:
         dpsis = lib.flowpm_lattice_combine_grad(dys, coeffs, tile=list(tile),
@@ -353,17 +357,18 @@ def _potentials_combine_grad(dys, grad_coeffs, coeffs, tile, margins, shapes):
 
 @tf.RegisterGradient("FlowpmLatticeCombinePotentials")
 def _lattice_combine_potentials_grad(op, *dys):
-    """:func:`_potentials_combine_grad` (no gradient for the coefficients: constants)."""
-    n = len(op.inputs) - 2
+    """:func:`_potentials_combine_grad` (none for the coefficients, constants, nor for the
+    donors, whose values are not read)."""
+    n, k = op.get_attr("N"), op.get_attr("K")
     dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, op.outputs)]
     shapes = [p.shape.as_list() for p in op.inputs[:n]]
     grads = _potentials_combine_grad(dys, op.inputs[n], op.inputs[n + 1], op.get_attr("tile"),
                                      op.get_attr("margins"), shapes)
-    return grads + [None, None]
+    return grads + [None, None] + [None] * k
 
 
 def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap=None,
-                               name="lattice_combine"):
+                               capacity=None, donors=(), name="lattice_combine"):
     r""":func:`lattice_combine` of the displacements of potentials, without making them.
 
     Output ``m`` is :math:`\sum_n c_{mn} \Psi^{(n)}` with :math:`\Psi^{(n)} = D\phi^{(n)}
@@ -390,14 +395,23 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
         That output wrapped into ``[0, s)`` along every axis of size ``s`` > 0 [cells], as
         the eulerian migration's wrap (:func:`flowpm_mtf.domain.wrap_sizes`; its gradient
         the identity), in the same pass. Default: none.
+    capacity : int, optional
+        Slots per block [particles], at least the block's lattice sites: the slots past
+        them are zero (:func:`flowpm_mtf.domain.pad_particles`, in the same pass).
+        Default: the lattice sites.
+    donors : sequence of mtf.Tensor, optional
+        At most ``M`` tensors of the outputs' shape (``[bx, by, capacity, xyz]``), e.g.
+        state variables' values from :func:`flowpm_mtf.donate.take`: output ``m`` is
+        written into donor ``m``'s buffer when nothing else holds it (no fresh memory).
+        Their values are not read; no gradient flows to them.
     name : str
 
     Returns
     -------
     list of mtf.Tensor
-        ``M`` tensors ``[bx, by, npart, xyz]``, dtype ``conf.dtype``; the gradient with
-        respect to a potential is the transpose of its difference applied to that of
-        :func:`lattice_combine`.
+        ``M`` tensors ``[bx, by, npart, xyz]`` (``npart`` of size ``capacity``), dtype
+        ``conf.dtype``; the gradient with respect to a potential is the transpose of its
+        difference applied to that of :func:`lattice_combine` (of the lattice's slots).
     """
     blocks = [b for b, _ in potentials]
     margins = [int(m) for _, m in potentials]
@@ -416,25 +430,40 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
                          "lattice_output, got %r" % (wrap,))
     tile = list(layout.slot_tiles(conf))
     gvals = lpt_source.difference_coeffs(conf)
-    out_shape = mtf.Shape(layout.particle_dims(conf) + [mtf.Dimension(cfg.XYZ, 3)])
+    cells = sx * sy * nz
+    cap = cells if capacity is None else int(capacity)
+    if cap < cells:
+        raise ValueError("lattice_combine_potentials: capacity %d is below the %d lattice "
+                         "sites of a block" % (cap, cells))
+    bdims = layout.particle_dims(conf)[:2]
+    out_shape = mtf.Shape(bdims + [mtf.Dimension(cfg.NPART, cap), mtf.Dimension(cfg.XYZ, 3)])
+    donors = list(donors)
+    if len(donors) > m_out or any(d.shape != out_shape or d.dtype != blocks[0].dtype
+                                  for d in donors):
+        raise ValueError("lattice_combine_potentials: at most %d donors of shape %s and dtype "
+                         "%s, got %s" % (m_out, out_shape, blocks[0].dtype,
+                                         [(d.shape, d.dtype) for d in donors]))
+    n_in = len(blocks)
 
     def flat(ts):
         return [tf.reshape(t, [-1] + t.shape.as_list()[2:]) for t in ts]
 
     def fn(*ts):
         nbx, nby = ts[0].shape.as_list()[:2]
-        phis = flat(ts)
+        phis, gifts = flat(ts[:n_in]), flat(ts[n_in:])
         gc, cf = tf.constant(gvals), tf.constant(cvals)
         lib = native.ops_for("lpt_ops", *phis)
-        outs = (lib.flowpm_lattice_combine_potentials(
-                    phis, gc, cf, tile=tile, margins=margins, M=m_out,
-                    lattice_output=int(lattice_output), wrap=wrap)
-                if lib is not None else
-                lattice_combine_potentials_tf(phis, gc, cf, tile, margins, lattice_output,
-                                              wrap))
-        return tuple(tf.reshape(o, [nbx, nby, sx * sy * nz, 3]) for o in outs)
+        if lib is not None:
+            outs = lib.flowpm_lattice_combine_potentials(
+                phis, gc, cf, gifts, tile=tile, margins=margins, M=m_out,
+                lattice_output=int(lattice_output), wrap=wrap, capacity=cap)
+        else:
+            outs = [tf.pad(o, [[0, 0], [0, cap - cells], [0, 0]]) if cap > cells else o
+                    for o in lattice_combine_potentials_tf(phis, gc, cf, tile, margins,
+                                                           lattice_output, wrap)]
+        return tuple(tf.reshape(o, [nbx, nby, cap, 3]) for o in outs)
 
-    def grad_fn(*dys):      # [nbx, nby, npart, 3] each -> N padded-block gradients
+    def grad_fn(*dys):      # [nbx, nby, capacity, 3] each -> N padded-block gradients
         nbx, nby = dys[0].shape.as_list()[:2]
         shapes = [[nbx * nby] + b.shape.to_integer_list[2:] for b in blocks]
         grads = _potentials_combine_grad(flat(dys), tf.constant(gvals), tf.constant(cvals),
@@ -446,9 +475,9 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
         out = mtf.slicewise(grad_fn, dys, output_shape=[b.shape for b in blocks],
                             output_dtype=[b.dtype for b in blocks],
                             splittable_dims=blocks[0].shape.dims[:2], name=name + "_grad")
-        return list(out)
+        return list(out) + [None] * len(donors)
 
-    out = mtf.slicewise(fn, blocks, output_shape=[out_shape] * m_out,
+    out = mtf.slicewise(fn, blocks + donors, output_shape=[out_shape] * m_out,
                         output_dtype=[blocks[0].dtype] * m_out,
                         splittable_dims=blocks[0].shape.dims[:2], grad_function=gradient,
                         name=name)
@@ -621,7 +650,18 @@ def lpt_coefficients(conf, a, order=None):
     return coef
 
 
-def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
+def state_shape(conf):
+    """Shape ``[bx, by, npart, xyz]`` of the vectors of the state :func:`lpt_init` returns.
+
+    ``npart``: the block's lattice sites for the lagrangian decomposition, else
+    :func:`flowpm_mtf.sizing.capacity` slots (mtf.Shape).
+    """
+    dims = layout.particle_dims(conf)
+    n = (dims[2].size if conf.decomposition == "lagrangian" else sizing.capacity(conf))
+    return mtf.Shape(dims[:2] + [mtf.Dimension(cfg.NPART, n), mtf.Dimension(cfg.XYZ, 3)])
+
+
+def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors=()):
     r"""LPT initial conditions: particles displaced from the lattice at scale factor ``a``.
 
     Parameters
@@ -640,6 +680,12 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
         eulerian migration then carries one field fewer.
     kernels : flowpm_mtf.kernels.Kernels, optional
         Shared with the caller's PM force (built here if None).
+    donors : sequence of mtf.Tensor, optional
+        Buffers for the positions, momenta (and forces), in that order, of the returned
+        state's shape (e.g. the state variables' values from
+        :func:`flowpm_mtf.donate.take`): with the real-space fields the vectors are
+        written into them where nothing else holds them (:func:`lattice_combine_potentials`);
+        otherwise unused.
 
     Returns
     -------
@@ -669,15 +715,16 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None):
     rows = [coef[k] for k in keys]
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
-    if real_space:   # the positions wrapped as the migration would (one pass fewer)
+    if real_space:   # the positions wrapped as the migration would, padded (no more passes)
         vecs = lattice_combine_potentials(_potentials_real_space(delta_k, conf, order, kernels),
                                           rows, conf, lattice_output=0,
                                           wrap=None if lagrangian else domain.wrap_sizes(conf),
-                                          name="lpt_state")
+                                          capacity=None if lagrangian else sizing.capacity(conf),
+                                          donors=list(donors)[:len(rows)], name="lpt_state")
     else:
         vecs = lattice_combine(_displacements_kspace(delta_k, conf, order, kernels), rows, conf,
                                lattice_output=0, name="lpt_state")
-    vecs = [pad(v) for v in vecs]
+        vecs = [pad(v) for v in vecs]
     x, fields = vecs[0], vecs[1:]
     ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
     # What uses the positions (the migration, a PM force) waits for the other results

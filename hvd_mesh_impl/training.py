@@ -12,7 +12,12 @@ snapshot read per variable and step, assignments after it); for other backends
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
-_ASSIGN_TYPES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+# Ops that change a resource variable. FlowpmTakeVariable (flowpm_mtf/native/variable_ops.cc,
+# flowpm_mtf.donate) moves the value out of the variable (its buffer becomes the next value's
+# output) and leaves it uninitialised until the assignment: every read of the step must run
+# before it, as before an assignment.
+_ASSIGN_TYPES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+                 "FlowpmTakeVariable")
 _REF_ASSIGN_TYPES = ("Assign", "AssignAdd", "AssignSub")
 
 
@@ -33,7 +38,9 @@ def ordered_update_op(lowering, update_ops, name="ordered_update"):
     """One TF op running a step's updates after every read of the updated variables.
 
     For each variable assignment (``AssignVariableOp``, ``AssignAdd...``,
-    ``AssignSub...``) that the updates run, every ``ReadVariableOp`` of the same
+    ``AssignSub...``, and the take of a value by ``FlowpmTakeVariable``, which
+    uninitialises the variable until it is assigned) that the updates run, every
+    ``ReadVariableOp`` of the same
     resource variable in the graph becomes a control input of the assignment,
     except reads that come after an assignment by construction (those that
     depend on any assignment, e.g. the value returned by ``tf.assign`` or by

@@ -226,7 +226,7 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
     with tf.Graph().as_default(), tf.Session() as sess:
         xs = [tf.constant(p) for p in phis]
         cf, g = tf.constant(coeffs), tf.constant(gc)
-        fused = lpt_lib.flowpm_lattice_combine_potentials(xs, g, cf, tile=list(tile),
+        fused = lpt_lib.flowpm_lattice_combine_potentials(xs, g, cf, [], tile=list(tile),
                                                           margins=list(margins), M=m,
                                                           lattice_output=lat, wrap=wrap)
         psis = [cic_lib.flowpm_gradient(x, g, margin=mg) for x, mg in zip(xs, margins)]
@@ -238,7 +238,7 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
         ys = [tf.constant(d) for d in dys]
         g_native = tf.gradients(fused, xs, grad_ys=ys)
         g_twin = tf.gradients(twin, xs, grad_ys=ys)
-        lin = lpt_lib.flowpm_lattice_combine_potentials([tf.constant(a) for a in v], g, cf,
+        lin = lpt_lib.flowpm_lattice_combine_potentials([tf.constant(a) for a in v], g, cf, [],
                                                         tile=list(tile), margins=list(margins),
                                                         M=m)
         got, want, got_twin, gn, gt, jv = sess.run([fused, composed, twin, g_native, g_twin,
@@ -278,7 +278,7 @@ def test_potentials_threads_independent():
         with tf.Graph().as_default(), tf.Session(config=cfg) as sess:
             op = lib.flowpm_lattice_combine_potentials(
                 [tf.constant(p) for p in phis], tf.constant(GRAD_COEFFS, tf.float32),
-                tf.constant([[0.5, 2.0], [1.5, -1.0]], tf.float32), tile=[16, 16, 16],
+                tf.constant([[0.5, 2.0], [1.5, -1.0]], tf.float32), [], tile=[16, 16, 16],
                 margins=[4, 2], M=2, lattice_output=0)
             outs.append(sess.run(op))
     for x, y in zip(*outs):
@@ -294,7 +294,8 @@ def test_potentials_bad_input():
     g = np.ones(3, np.float32)
 
     def op(phis, margins, tile=(4, 4, 2), coeffs=((1.0, 1.0),)):
-        return lib.flowpm_lattice_combine_potentials(phis, g, np.float32(coeffs), tile=list(tile),
+        return lib.flowpm_lattice_combine_potentials(phis, g, np.float32(coeffs), [],
+                                                     tile=list(tile),
                                                      margins=list(margins), M=len(coeffs))
 
     cases = [(lambda: op([a, b], [4, 1]), "margins must be >= 2"),
@@ -303,10 +304,10 @@ def test_potentials_bad_input():
              (lambda: op([a, b], [4, 2], tile=(3, 4, 2)), "does not divide"),
              (lambda: op([a, b], [4, 2], coeffs=((1.0,),)), "coeffs must be"),
              (lambda: lib.flowpm_lattice_combine_potentials(
-                 [a, b], g, np.float32([[1.0, 1.0]]), tile=[4, 4, 2], margins=[4, 2], M=1,
+                 [a, b], g, np.float32([[1.0, 1.0]]), [], tile=[4, 4, 2], margins=[4, 2], M=1,
                  wrap=[4.0, 0.0, 0.0]), "wrap needs a lattice_output"),
              (lambda: lib.flowpm_lattice_combine_potentials(
-                 [a, b], g, np.float32([[1.0, 1.0]]), tile=[4, 4, 2], margins=[4, 2], M=1,
+                 [a, b], g, np.float32([[1.0, 1.0]]), [], tile=[4, 4, 2], margins=[4, 2], M=1,
                  lattice_output=1), "is not an output")]
     for make, message in cases:
         with tf.Graph().as_default(), tf.Session() as sess:

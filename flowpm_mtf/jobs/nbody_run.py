@@ -35,7 +35,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import checkpoint, domain, h5dist, ics, io, lpt, nbody, painting, power, sizing, timeloop
+from .. import (checkpoint, domain, donate, h5dist, ics, io, lpt, nbody, painting, power, sizing,
+               timeloop)
 from ..logs import rank0_only
 from ..preflight import unfolded_zeros_initializer
 from . import runner
@@ -90,20 +91,26 @@ class SimulationGraph:
                                             else [float(a) for a in stages])
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
+        shape = lpt.state_shape(conf)
+        # The zeros stay, although the ICs replace them: the ICs write the positions and
+        # momenta into their buffers (donate.take: no fresh pages), and when the first
+        # force's assignment frees the forces' zeros, the steps reuse their span. Without
+        # them the 512^3 ICs were slower and the peak 3 GB higher (docs/benchmarks.md,
+        # "Two ICs experiments, dropped").
+        vecs = [mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
+                                 initializer=unfolded_zeros_initializer())
+                for name in ("positions", "momenta", "forces")]
         self.lpt_state = lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
-                                      kernels=kernels)
+                                      kernels=kernels,
+                                      donors=[donate.take(t, name="take_" + n)
+                                              for t, n in zip(vecs, ("positions", "momenta"))])
         init = self.lpt_state
-        shape = init.positions.shape
-        # The zeros stay, although the ICs replace them: when the ICs' assignments free
-        # them, the first force and the steps reuse their spans, which have the state's
-        # sizes. Without them the 512^3 ICs were slower and the peak 3 GB higher
-        # (docs/benchmarks.md, "Two ICs experiments, dropped").
-        self.variables = lpt.State(*[
-            mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
-                             initializer=unfolded_zeros_initializer())
-            for name in ("positions", "momenta", "forces")],
-            ids=mtf.get_variable(mesh, "ids", init.ids.shape, dtype=init.ids.dtype,
-                                 trainable=False, initializer=unfolded_zeros_initializer()))
+        if init.positions.shape != shape:
+            raise AssertionError("SimulationGraph: the LPT state has the shape %s, its "
+                                 "variables %s" % (init.positions.shape, shape))
+        self.variables = lpt.State(*vecs, ids=mtf.get_variable(
+            mesh, "ids", init.ids.shape, dtype=init.ids.dtype, trainable=False,
+            initializer=unfolded_zeros_initializer()))
         v = self.variables
         # Two runs: the LPT state first (each assignment takes over its value's buffer and
         # frees the variable's old one), then the first PM force from the variables

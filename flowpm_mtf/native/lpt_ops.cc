@@ -39,7 +39,13 @@
 //       the difference. Attr wrap [3]: output lattice_output wrapped into [0, s) along
 //       every axis of size s > 0 as FlowpmWrap does it (the eulerian migration's wrap
 //       along the axes of one block, in the same pass; gradient the identity, as
-//       FlowpmWrap's); [0, 0, 0]: none.
+//       FlowpmWrap's); [0, 0, 0]: none. Attr capacity: slots per block (0: the block's
+//       sx sy nz sites), the slots past the lattice's zero (the eulerian decomposition's
+//       padding, in the same pass). Input donors (K <= M tensors, default none): output
+//       m < K takes over donor m's buffer when nothing else holds it and it has as many
+//       values (e.g. a state variable's value moved out by FlowpmTakeVariable,
+//       variable_ops.cc: the ICs then write no fresh pages); the donors' values are
+//       not read.
 //
 // Threading: TensorFlow's intra-op pool over (block, x) rows; every cell is written by
 // one thread, in a fixed order of terms, so the results do not depend on the thread count.
@@ -583,6 +589,9 @@ class LatticeCombinePotentialsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, combine_attrs(ctx, "FlowpmLatticeCombinePotentials", &t_, &m_,
                                       &lattice_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margins", &margins_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacity", &capacity_));
+    OP_REQUIRES(ctx, capacity_ >= 0,
+                InvalidArgument("FlowpmLatticeCombinePotentials: negative capacity"));
     std::vector<float> wrap;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("wrap", &wrap));
     OP_REQUIRES(ctx, wrap.size() == 3,
@@ -610,6 +619,10 @@ class LatticeCombinePotentialsOp : public OpKernel {
                 InvalidArgument(op, ": ", margins_.size(), " margins for ", N, " potentials"));
     const Tensor& gc = ctx->input(N);
     const Tensor& cf = ctx->input(N + 1);
+    ::tensorflow::OpInputList donors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("donors", &donors));
+    OP_REQUIRES(ctx, donors.size() <= M,
+                InvalidArgument(op, ": ", donors.size(), " donors for ", M, " outputs"));
     OP_REQUIRES(ctx, gc.NumElements() == 3,
                 InvalidArgument(op, ": grad_coeffs must have 3 values"));
     for (int n = 0; n < N; ++n)
@@ -635,10 +648,22 @@ class LatticeCombinePotentialsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, check_tiles(op, t));
     OP_REQUIRES_OK(ctx, check_coeffs(op, cf, M, N));
     const i64 cells = t.sx * t.sy * nz, C = 3;
+    const i64 cap = capacity_ > 0 ? capacity_ : cells;
+    OP_REQUIRES(ctx, cap >= cells,
+                InvalidArgument(op, ": capacity ", cap, " is below the ", cells,
+                                " lattice sites of a block"));
+    // Output m < K takes over donor m's buffer where nothing else holds it (a variable's
+    // value handed over by FlowpmTakeVariable: no fresh pages), else it is allocated. Every
+    // slot is written: the lattice's by the pass, the rest (up to the capacity) zeroed.
     std::vector<T*> dst(M);
     for (int m = 0; m < M; ++m) {
       Tensor* o = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(m, TensorShape({nb, cells, C}), &o));
+      const TensorShape shape({nb, cap, C});
+      if (m < donors.size()) {
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({N + 2 + m}, m, shape, &o));
+      } else {
+        OP_REQUIRES_OK(ctx, ctx->allocate_output(m, shape, &o));
+      }
       dst[m] = o->flat<T>().data();
     }
     std::vector<const T*> src(N);
@@ -675,7 +700,7 @@ class LatticeCombinePotentialsOp : public OpKernel {
             const i64 i = I * t.tx + ii, j = J * t.ty + jj, col = (ii * t.ty + jj) * nz * C;
             for (i64 k0 = 0; k0 < nz; k0 += t.tz) {
               const i64 at = col + k0 * C, len = t.tz * C;
-              const i64 to = (b * cells + t.slot(i, j, k0)) * C;
+              const i64 to = (b * cap + t.slot(i, j, k0)) * C;
               for (int m = 0; m < M; ++m) {
                 combine_run<T>(dst[m] + to, in.data(), at, len, c.data(), m, N, m == lat, i, j,
                                k0, t.tz);
@@ -685,11 +710,16 @@ class LatticeCombinePotentialsOp : public OpKernel {
           }
       }
     });
+    if (cap > cells)
+      for (int m = 0; m < M; ++m)
+        for (i64 b = 0; b < nb; ++b)
+          std::fill(dst[m] + (b * cap + cells) * C, dst[m] + (b + 1) * cap * C, T(0));
   }
 
  private:
   Tiles t_;
   int m_, lattice_;
+  ::tensorflow::int64 capacity_;
   std::vector<int> margins_;
   T size_[3], below_[3];
 };
@@ -782,18 +812,23 @@ REGISTER_OP("FlowpmLatticeCombinePotentials")
     .Input("phis: N * T")
     .Input("grad_coeffs: T")
     .Input("coeffs: T")
+    .Input("donors: K * T")
     .Output("outputs: M * T")
     .Attr("N: int >= 1")
     .Attr("M: int >= 1")
+    .Attr("K: int >= 0 = 0")
     .Attr("T: {float, double}")
     .Attr("tile: list(int)")
     .Attr("margins: list(int)")
     .Attr("lattice_output: int = -1")
     .Attr("wrap: list(float) = [0, 0, 0]")
+    .Attr("capacity: int = 0")
     .SetShapeFn([](InferenceContext* c) {
       int m;
+      ::tensorflow::int64 capacity;
       std::vector<int> margins;
       TF_RETURN_IF_ERROR(c->GetAttr("M", &m));
+      TF_RETURN_IF_ERROR(c->GetAttr("capacity", &capacity));
       TF_RETURN_IF_ERROR(c->GetAttr("margins", &margins));
       if (margins.empty()) return InvalidArgument("FlowpmLatticeCombinePotentials: no margins");
       ShapeHandle p;
@@ -803,6 +838,7 @@ REGISTER_OP("FlowpmLatticeCombinePotentials")
       TF_RETURN_IF_ERROR(c->Subtract(c->Dim(p, 2), 2 * margins[0], &sy));
       TF_RETURN_IF_ERROR(c->Multiply(sx, sy, &n));
       TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(p, 3), &n));
+      if (capacity > 0) n = c->MakeDim(capacity);
       for (int i = 0; i < m; ++i) c->set_output(i, c->MakeShape({c->Dim(p, 0), n, 3}));
       return ::tensorflow::OkStatus();
     });

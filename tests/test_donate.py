@@ -1,0 +1,201 @@
+"""A variable's buffer handed to the op that writes its next value (flowpm_mtf/donate.py,
+``FlowpmTakeVariable`` in flowpm_mtf/native/variable_ops.cc, the donors of
+``FlowpmLatticeCombinePotentials``), and the job's ICs that use it."""
+import mesh_tensorflow as mtf
+import numpy as np
+import pytest
+import tensorflow.compat.v1 as tf
+
+import fpm_harness as H
+from flowpm_mtf import lpt, native
+from flowpm_mtf.config import SimConfig
+
+needs_native = pytest.mark.skipif(
+    native.mode() != "require" and (native.load("variable_ops") is None
+                                    or native.load("lpt_ops") is None),
+    reason="native ops not built (python -m flowpm_mtf.native.build)")
+single = pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+
+
+def _traced(sess, fetches, feed_dict=None):
+    """Run ``fetches`` traced: the values, and the buffer address of every op's outputs
+    (``{op name: {slot: address}}``)."""
+    meta = tf.RunMetadata()
+    values = sess.run(fetches, feed_dict, run_metadata=meta,
+                      options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
+    ptr = {}
+    for dev in meta.step_stats.dev_stats:
+        for ns in dev.node_stats:
+            for out in ns.output:
+                ptr.setdefault(ns.node_name, {})[out.slot] = (
+                    out.tensor_description.allocation_description.ptr)
+    return values, ptr
+
+
+@needs_native
+@single
+def test_take_variable():
+    """The take returns the variable's value and leaves it uninitialised (a read raises
+    FailedPrecondition) until the next assignment; a second take of it raises too; a dtype
+    or shape other than the variable's, one clear error each."""
+    lib = native.load("variable_ops")
+    value = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        v = tf.get_variable("v", initializer=tf.constant(value), use_resource=True)
+        took = lib.flowpm_take_variable(v.handle, dtype=tf.float32, shape=[2, 3, 4])
+        assert took.shape.as_list() == [2, 3, 4]
+        read = v.read_value()
+        put = v.assign(tf.constant(value + 1.0), read_value=False)
+        sess.run(v.initializer)
+        np.testing.assert_array_equal(sess.run(took), value)
+        with pytest.raises(tf.errors.FailedPreconditionError, match="Could not find variable"):
+            sess.run(read)
+        with pytest.raises(tf.errors.FailedPreconditionError, match="is not initialised"):
+            sess.run(took)
+        sess.run(put)
+        np.testing.assert_array_equal(sess.run(read), value + 1.0)
+        for kw, message in (({"dtype": tf.float64, "shape": [2, 3, 4]}, "holds float, not double"),
+                            ({"dtype": tf.float32, "shape": [2, 3, 5]}, "has the shape")):
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                sess.run(lib.flowpm_take_variable(v.handle, **kw))
+        np.testing.assert_array_equal(sess.run(read), value + 1.0)   # refused: still there
+
+
+def _combine_inputs(rng, dtype):
+    block, tile, margins = (2, 8, 4, 12), [8, 4, 4], [4, 2]
+    b, sx, sy, nz = block
+    phis = [rng.randn(b, sx + 2 * m, sy + 2 * m, nz).astype(dtype) for m in margins]
+    coeffs = np.array([[0.9, -0.3], [1.7, 0.4]], dtype)
+    return phis, coeffs, tile, margins, sx * sy * nz
+
+
+@needs_native
+@single
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_combine_capacity_and_donors(dtype):
+    """``FlowpmLatticeCombinePotentials`` with a capacity: the outputs without it, then zero
+    slots (as ``domain.pad_particles``), also in its TensorFlow twin. With donors: an output
+    whose donor nothing else holds is written into the donor's buffer (the trace's addresses),
+    a held donor (also fetched) is neither taken nor changed, and a donor of another size
+    is not taken; the values are the same bits in every case. The gradient ignores the
+    zero slots (to rounding against the twin's TensorFlow gradient)."""
+    lib = native.load("lpt_ops")
+    rng = np.random.RandomState(3)
+    phis, coeffs, tile, margins, cells = _combine_inputs(rng, dtype)
+    cap = cells + 40
+    g = np.array([0.21, -1.3, 0.6], dtype)
+    gifts = [rng.randn(2, cap, 3).astype(dtype) for _ in range(2)]
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        xs = [tf.constant(p) for p in phis]
+        kw = dict(tile=tile, margins=margins, M=2, lattice_output=0)
+        plain = lib.flowpm_lattice_combine_potentials(xs, g, coeffs, [], **kw)
+        padded = lib.flowpm_lattice_combine_potentials(xs, g, coeffs, [], capacity=cap, **kw)
+        feeds = {tf.placeholder(dtype, d.shape): d for d in gifts + gifts}
+        free0, free1, held0, held1 = (t * 1 for t in feeds)     # computed: four buffers
+        donated = lib.flowpm_lattice_combine_potentials(xs, g, coeffs, [free0, free1],
+                                                        capacity=cap, **kw)
+        kept = lib.flowpm_lattice_combine_potentials(xs, g, coeffs, [held0, held1],
+                                                     capacity=cap, **kw)
+        small = tf.placeholder(dtype, [2, cells, 3])
+        small_c = small * 1                                        # free, of another size
+        other = lib.flowpm_lattice_combine_potentials(xs, g, coeffs, [small_c],
+                                                      capacity=cap, **kw)
+        twin = [tf.pad(o, [[0, 0], [0, cap - cells], [0, 0]]) for o in
+                lpt.lattice_combine_potentials_tf(xs, tf.constant(g), tf.constant(coeffs),
+                                                  tile, margins, 0)]
+        ys = [tf.constant(rng.randn(2, cap, 3).astype(dtype)) for _ in range(2)]
+        g_native = tf.gradients(padded, xs, grad_ys=ys)
+        g_twin = tf.gradients(twin, xs, grad_ys=ys)
+        feeds[small] = np.zeros((2, cells, 3), dtype)
+        fetch = {"plain": plain, "padded": padded, "donated": donated, "kept": kept,
+                 "other": other, "twin": twin, "held": [held0, held1], "gn": g_native,
+                 "gt": g_twin}
+        with tf.Session(config=tf.ConfigProto(intra_op_parallelism_threads=2,
+                                              inter_op_parallelism_threads=1)) as sess:
+            vals, ptr = _traced(sess, fetch, feeds)
+        names = {k: fetch[k][0].op.name for k in ("donated", "kept", "other")}
+    for k, (free, held) in enumerate(((free0, held0), (free1, held1))):
+        assert ptr[names["donated"]][k] == ptr[free.op.name][0] != 0
+        assert ptr[names["kept"]][k] != ptr[held.op.name][0]
+    assert ptr[names["other"]][0] not in (0, ptr[small_c.op.name][0])
+    for k in range(2):
+        assert vals["padded"][k].shape == (2, cap, 3)
+        np.testing.assert_array_equal(vals["padded"][k][:, :cells], vals["plain"][k])
+        assert not np.any(vals["padded"][k][:, cells:])
+        for key in ("donated", "kept", "other", "twin"):
+            np.testing.assert_array_equal(vals[key][k], vals["padded"][k])
+        np.testing.assert_array_equal(vals["held"][k], gifts[k])
+    eps = 1e-6 if dtype == np.float32 else 1e-14
+    for a, b in zip(vals["gn"], vals["gt"]):
+        assert np.max(np.abs(b)) > 0.1
+        np.testing.assert_allclose(a, b, rtol=0, atol=eps * 10 * np.max(np.abs(b)))
+
+
+@needs_native
+@single
+def test_combine_donor_and_capacity_errors():
+    """More donors than outputs, a capacity under the block's sites: one clear error each."""
+    lib = native.load("lpt_ops")
+    phis, coeffs, tile, margins, cells = _combine_inputs(np.random.RandomState(1), np.float32)
+    g = np.ones(3, np.float32)
+    kw = dict(tile=tile, margins=margins, M=2, lattice_output=0)
+    d = np.zeros((2, cells, 3), np.float32)
+    cases = [(lambda: lib.flowpm_lattice_combine_potentials(phis, g, coeffs, [d, d, d], **kw),
+              "3 donors for 2 outputs"),
+             (lambda: lib.flowpm_lattice_combine_potentials(phis, g, coeffs, [],
+                                                            capacity=cells - 1, **kw),
+              "below the %d lattice sites" % cells)]
+    for make, message in cases:
+        with tf.Graph().as_default(), tf.Session() as sess:
+            with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+                sess.run(make())
+
+
+def _conf(grid):
+    return SimConfig(nc=(16, 16, 16), box_size=(64.0, 64.0, 64.0), grid=grid, halo_size=4,
+                     a_start=0.1, a_end=1.0, n_steps=2, seed=7)
+
+
+@pytest.mark.parametrize("grid", H.HVD_GRIDS.get(H.SIZE, []), ids=lambda g: "%dx%d" % g)
+def test_job_ics_write_into_the_variables(grid):
+    """The job's ICs (``SimulationGraph``, hvd backend, 1, 2 and 4 ranks) write the positions
+    and momenta into the buffers the variables held (on one block, where no migration
+    moves them: the traced addresses of the take and of the state assigned), and give the
+    state of the same ICs without donors, bit for bit. The ICs run twice (the second take
+    finds the variables initialised by the first run's assignments) to the same state."""
+    from flowpm_mtf import ics, nbody
+    from flowpm_mtf.jobs import nbody_run, runner
+    from hvd_mesh_impl.training import ancestors
+    conf = _conf(grid)
+    impl = H.make_impl("hvd", conf)
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        sim = nbody_run.SimulationGraph(conf, mesh)
+        # the same ICs without donors (the linear field is the seed's, the same values)
+        ref = lpt.lpt_init(ics.linear_field(conf, mesh, name="ref_linear"), conf,
+                           a=sim.stages[0], forces=False,
+                           kernels=nbody.make_kernels(conf, mesh))
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        init = runner.lowered_group(lowering, sim.init_ops)
+        state = [lowering.export_to_tf_tensor(t) for t in sim.variables[:2]]
+        want = [lowering.export_to_tf_tensor(t) for t in (ref.positions, ref.momenta)]
+        takes = [op for op in ancestors([init]) if op.type == "FlowpmTakeVariable"]
+        combine = [op for op in ancestors([init])
+                   if op.type == "FlowpmLatticeCombinePotentials"]
+        assert len(takes) == 2 and len(combine) == 1
+        with tf.Session(config=H.session_config("hvd", conf)) as sess:
+            runner.initialize_variables(sess)
+            _, ptr = _traced(sess, init)
+            got = sess.run(state)
+            sess.run(init)
+            again, ref_vals = sess.run([state, want])
+    took = {("momenta" if "momenta" in op.name else "positions"): ptr[op.name][0]
+            for op in takes}
+    assert len(set(took.values())) == 2 and 0 not in took.values()
+    out = ptr[combine[0].name]
+    assert (out[0], out[1]) == (took["positions"], took["momenta"])
+    for g, a, w in zip(got, again, ref_vals):
+        assert np.max(np.abs(w)) > 0.01
+        np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(a, w)
