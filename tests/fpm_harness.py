@@ -112,3 +112,19 @@ def rel_err(a, b):
     """max |a - b| / max |b|."""
     a, b = np.asarray(a), np.asarray(b)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def traced_buffers(sess, fetches, feed_dict=None):
+    """Run ``fetches`` (fed ``feed_dict``) with a full trace: the values, and the buffer
+    address of every output of every op that ran, ``{op name: {slot: address}}`` (an
+    output that took over an input's buffer has that input's address)."""
+    meta = tf.RunMetadata()
+    values = sess.run(fetches, feed_dict, run_metadata=meta,
+                      options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
+    ptr = {}
+    for dev in meta.step_stats.dev_stats:
+        for ns in dev.node_stats:
+            for out in ns.output:
+                ptr.setdefault(ns.node_name, {})[out.slot] = (
+                    out.tensor_description.allocation_description.ptr)
+    return values, ptr

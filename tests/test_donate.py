@@ -17,21 +17,6 @@ needs_native = pytest.mark.skipif(
 single = pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 
 
-def _traced(sess, fetches, feed_dict=None):
-    """Run ``fetches`` traced: the values, and the buffer address of every op's outputs
-    (``{op name: {slot: address}}``)."""
-    meta = tf.RunMetadata()
-    values = sess.run(fetches, feed_dict, run_metadata=meta,
-                      options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
-    ptr = {}
-    for dev in meta.step_stats.dev_stats:
-        for ns in dev.node_stats:
-            for out in ns.output:
-                ptr.setdefault(ns.node_name, {})[out.slot] = (
-                    out.tensor_description.allocation_description.ptr)
-    return values, ptr
-
-
 @needs_native
 @single
 def test_take_variable():
@@ -112,7 +97,7 @@ def test_combine_capacity_and_donors(dtype):
                  "gt": g_twin}
         with tf.Session(config=tf.ConfigProto(intra_op_parallelism_threads=2,
                                               inter_op_parallelism_threads=1)) as sess:
-            vals, ptr = _traced(sess, fetch, feeds)
+            vals, ptr = H.traced_buffers(sess, fetch, feeds)
         names = {k: fetch[k][0].op.name for k in ("donated", "kept", "other")}
     for k, (free, held) in enumerate(((free0, held0), (free1, held1))):
         assert ptr[names["donated"]][k] == ptr[free.op.name][0] != 0
@@ -186,7 +171,7 @@ def test_job_ics_write_into_the_variables(grid):
         assert len(takes) == 2 and len(combine) == 1
         with tf.Session(config=H.session_config("hvd", conf)) as sess:
             runner.initialize_variables(sess)
-            _, ptr = _traced(sess, init)
+            _, ptr = H.traced_buffers(sess, init)
             got = sess.run(state)
             sess.run(init)
             again, ref_vals = sess.run([state, want])

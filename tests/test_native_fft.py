@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
+import fpm_harness as H
 from flowpm_mtf import fft_local, layout, native
 
 tf.disable_eager_execution()
@@ -368,14 +369,8 @@ def test_packed_real_transforms(shape, blocks, dtype):
 def _output_buffers(sess, fetches, op_types, feed_dict=None):
     """Run ``fetches`` (fed ``feed_dict``) traced; the buffer address of the output of each op whose type
     is in ``op_types`` and of each op feeding it: ``{op name: (own ptr, [input ptrs])}``."""
-    meta = tf.RunMetadata()
-    values = sess.run(fetches, feed_dict, run_metadata=meta,
-                      options=tf.RunOptions(trace_level=tf.RunOptions.FULL_TRACE))
-    ptr = {}
-    for dev in meta.step_stats.dev_stats:
-        for ns in dev.node_stats:
-            if ns.output:
-                ptr[ns.node_name] = ns.output[0].tensor_description.allocation_description.ptr
+    values, ptrs = H.traced_buffers(sess, fetches, feed_dict)
+    ptr = {name: slots.get(0) for name, slots in ptrs.items()}
     graph = sess.graph
     found = {op.name: (ptr.get(op.name), [ptr.get(t.op.name) for t in op.inputs])
              for op in graph.get_operations() if op.type in op_types}
