@@ -178,8 +178,15 @@ def cmd_ours(args):
     init_force = [lowering.lowered_operation(op) for op in getattr(sim, "init_force_ops", [])]
     step_op = tf.group([lowering.lowered_operation(op) for op in sim.step_ops])
     lpt = getattr(sim, "lpt_state", None)  # None in a revision before it
-    lpt_op = (tf.group([export_local_slice(lowering, t) for t in (lpt.positions, lpt.momenta)])
-              if lpt is not None else None)
+    if init_force:
+        # The 2LPT state alone is init_op (the first force is its own run); since 2241518 its
+        # vectors are written into the variables' buffers (flowpm_mtf.donate), so it runs only
+        # with the assignments that give them back.
+        lpt_op = init_op
+    else:
+        lpt_op = (tf.group([export_local_slice(lowering, t) for t in (lpt.positions,
+                                                                       lpt.momenta)])
+                  if lpt is not None else None)
     rho_local = export_local_slice(lowering, sim.rho)
     rt_local = export_local_slice(lowering, rt)
     copy_masters = lowering.copy_masters_to_slices()

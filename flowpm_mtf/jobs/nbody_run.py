@@ -71,7 +71,11 @@ class SimulationGraph:
         Positions, momenta, forces as mtf variables.
     lpt_state : lpt.State
         The 2LPT state at the first stage, before the first PM force (its
-        ``forces`` is None): what ``init_ops`` assigns, less that force.
+        ``forces`` is None): what ``init_ops`` assigns, less that force. Run it
+        only through ``init_ops``: its positions and momenta are written into
+        the variables' buffers (:func:`flowpm_mtf.donate.take`), and a run that
+        does not assign them back leaves the variables uninitialised (the next
+        read raises ``FailedPrecondition``).
     init_ops, init_force_ops, step_ops : list of mtf.Operation
         The IC assignments in two session runs, one after the other
         (:func:`run_init`): ``init_ops`` the 2LPT positions, momenta and ids,
