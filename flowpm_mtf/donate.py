@@ -5,11 +5,14 @@ takes that output over and frees the variable's old buffer. Where the old value 
 needed, the old buffer can be the output instead: :func:`take` moves a Mesh TF variable's
 slice out of its TensorFlow variable (``FlowpmTakeVariable``,
 ``flowpm_mtf/native/variable_ops.cc``), and an op that accepts *donors* (e.g.
-:func:`flowpm_mtf.lpt.lattice_combine_potentials`) writes its output into it. The job's ICs
-do this with the state's initial zeros (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`):
-at 512^3 on one rank the positions and momenta (3.2 GB) are written into memory the process
-has already touched, instead of fresh pages, which this kind of VM fills at 0.5-1 GB/s
-(docs/benchmarks.md, "The ICs' state in the variables' own buffers").
+:func:`flowpm_mtf.lpt.lattice_combine_potentials`), or any TensorFlow op that forwards an
+input it alone holds (the kicks' and the drift's sums and products), writes its output into
+it. The job (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`) does this in its ICs with the
+state's initial zeros, and in every step with the state itself: at 512^3 on one rank the ICs'
+positions and momenta (3.2 GB) are written into memory the process has already touched,
+instead of fresh pages, which this kind of VM fills at 0.5-1 GB/s, and the steps keep one
+copy of the state instead of two (docs/benchmarks.md, "The ICs' state in the variables' own
+buffers").
 
 The take happens only where it is safe and useful: on a mesh implementation whose laid-out
 variable is one TensorFlow resource variable per process (``slice_variable``, as
@@ -22,8 +25,10 @@ Between the take and the assignment, in the same ``session.run``, the variable i
 uninitialised; the take runs after the variable's snapshot read of the run (the read every
 consumer of the variable sees, :class:`hvd_mesh_impl.HvdSimdMeshImpl`), so nothing in the
 run reads it afterwards. A run that fails in between leaves the variable uninitialised, and
-its next read raises ``FailedPrecondition``: the job's ICs run, which assigns every taken
-variable, initialises them again.
+its next read raises ``FailedPrecondition``: nothing is lost that the job needs, since a
+failed ICs or step run ends the job or rebuilds it from the ICs or its last checkpoint (the
+capacity retry of :func:`flowpm_mtf.jobs.runner.run`), whose runs assign every taken
+variable again.
 """
 import mesh_tensorflow as mtf
 

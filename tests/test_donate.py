@@ -184,3 +184,52 @@ def test_job_ics_write_into_the_variables(grid):
         assert np.max(np.abs(w)) > 0.01
         np.testing.assert_array_equal(g, w)
         np.testing.assert_array_equal(a, w)
+
+
+@pytest.mark.parametrize("grid", H.HVD_GRIDS.get(H.SIZE, []), ids=lambda g: "%dx%d" % g)
+def test_job_step_updates_in_place(grid):
+    """The job's step (hvd backend, 1, 2 and 4 ranks) takes the positions, momenta and forces
+    out of their variables and gives the state of the same step computed from the
+    variables' values (a ``kdk_step`` of the snapshot reads, no take) bit for bit, two steps
+    in a row. On one block the new positions and momenta are assigned in the buffers the
+    variables held (traced addresses): the step makes no second copy of them."""
+    from flowpm_mtf import nbody
+    from flowpm_mtf.jobs import nbody_run, runner
+    from hvd_mesh_impl.training import ancestors
+    conf = _conf(grid)
+    impl = H.make_impl("hvd", conf)
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        sim = nbody_run.SimulationGraph(conf, mesh)
+        fac = mtf.import_tf_tensor(mesh, sim.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
+        ref = nbody.kdk_step(sim.variables, conf, kernels=nbody.make_kernels(conf, mesh),
+                             factors=mtf.unstack(fac, fac.shape.dims[0]))
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        ops = nbody_run.lower_simulation(sim, lowering)
+        state = [lowering.export_to_tf_tensor(t) for t in sim.variables[:3]]
+        want = [lowering.export_to_tf_tensor(t) for t in ref[:3]]
+        step_ops = ancestors([ops["step"]])
+        takes = {op.name: op for op in step_ops if op.type == "FlowpmTakeVariable"}
+        assert len(takes) == 3
+        assigned = {}
+        for op in step_ops:
+            if op.type == "AssignVariableOp":
+                for n in ("positions", "momenta"):
+                    if op.inputs[0].op.name.startswith(n + "_slice"):
+                        assigned[n] = op.inputs[1]
+        with tf.Session(config=H.session_config("hvd", conf)) as sess:
+            runner.initialize_variables(sess)
+            nbody_run.run_init(sess, ops["init"], ops["init_force"])
+            for i in range(2):
+                feed = {sim.factors: sim.step_factors[i]}
+                expect = sess.run(want, feed)
+                _, ptr = H.traced_buffers(sess, ops["step"], feed)
+                got = sess.run(state)
+                for g, w in zip(got, expect):
+                    assert np.max(np.abs(w)) > 0.01
+                    np.testing.assert_array_equal(g, w)
+                if conf.n_ranks == 1:
+                    for n, t in assigned.items():
+                        took = [ptr[k][0] for k in takes if "step_take_" + n in k]
+                        assert took and ptr[t.op.name][t.value_index] == took[0] != 0, n

@@ -80,11 +80,13 @@ class SimulationGraph:
         The IC assignments in two session runs, one after the other
         (:func:`run_init`): ``init_ops`` the 2LPT positions, momenta and ids,
         ``init_force_ops`` the first PM force computed from those variables (so
-        the variables' initial buffers and the LPT state are released before
-        the force's fields exist: the ICs' peak memory); and the assignments
-        of one KDK step whose factors
+        the LPT's fields are released before the force's fields exist: the ICs'
+        peak memory); and the assignments of one KDK step whose factors
         are fed through the placeholder ``factors``: ``step_factors[i]`` for
-        step ``i`` (``stages[i] -> stages[i + 1]``).
+        step ``i`` (``stages[i] -> stages[i + 1]``). The ICs and the step take
+        the positions, momenta (and the step the forces) out of their variables
+        and write the new values into those buffers where they can
+        (:mod:`flowpm_mtf.donate`); each runs only as a whole.
     rho, k, pk, modes : mtf.Tensor
         Outputs of the current state (density; its P(k), reduced and replicated).
     """
@@ -96,11 +98,10 @@ class SimulationGraph:
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
         shape = lpt.state_shape(conf)
-        # The zeros stay, although the ICs replace them: the ICs write the positions and
-        # momenta into their buffers (donate.take: no fresh pages), and when the first
-        # force's assignment frees the forces' zeros, the steps reuse their span. Without
-        # them the 512^3 ICs were slower and the peak 3 GB higher (docs/benchmarks.md,
-        # "Two ICs experiments, dropped").
+        # The zeros are the state's buffers: the ICs write the positions and momenta into
+        # them and every step updates the state in them where it can (donate.take: no fresh
+        # pages, no second copy of the state; docs/benchmarks.md, "The ICs' state in the
+        # variables' own buffers").
         vecs = [mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
                                  initializer=unfolded_zeros_initializer())
                 for name in ("positions", "momenta", "forces")]
@@ -116,8 +117,9 @@ class SimulationGraph:
             mesh, "ids", init.ids.shape, dtype=init.ids.dtype, trainable=False,
             initializer=unfolded_zeros_initializer()))
         v = self.variables
-        # Two runs: the LPT state first (each assignment takes over its value's buffer and
-        # frees the variable's old one), then the first PM force from the variables
+        # Two runs: the LPT state first (each assignment takes over its value's buffer: the
+        # variable's own for the positions and momenta), then the first PM force from the
+        # variables
         # (timeloop.initial_state): the force's density, spectra and fields never coexist
         # with a second copy of the positions, momenta and ids.
         self.init_ops = [mtf.assign(v.positions, init.positions),
@@ -130,7 +132,13 @@ class SimulationGraph:
         # paid its first-run graph optimisation once per copy).
         self.factors = tf.placeholder(conf.tf_dtype, [3], name="step_factors")
         fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
-        new = nbody.kdk_step(self.variables, conf, kernels=kernels,
+        # The step updates the positions, momenta and forces in the variables' own buffers
+        # where it can (donate.take: the kicks and the drift forward them): no second copy
+        # of the state.
+        taken = lpt.State(*[donate.take(t, name="step_take_" + n) for t, n in
+                            zip(self.variables[:3], ("positions", "momenta", "forces"))],
+                          ids=self.variables.ids)
+        new = nbody.kdk_step(taken, conf, kernels=kernels,
                              factors=mtf.unstack(fac, fac.shape.dims[0]))
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
         self.step_stats = new.stats      # migration statistics of the step (or None)
