@@ -710,10 +710,13 @@ class LatticeCombinePotentialsOp : public OpKernel {
           }
       }
     });
-    if (cap > cells)
-      for (int m = 0; m < M; ++m)
-        for (i64 b = 0; b < nb; ++b)
-          std::fill(dst[m] + (b * cap + cells) * C, dst[m] + (b + 1) * cap * C, T(0));
+    if (cap > cells)   // the padding slots, one unit per (output, block), on the pool too
+      shard(ctx, M * nb, (cap - cells) * C, [&](i64 begin, i64 end) {
+        for (i64 u = begin; u < end; ++u) {
+          const i64 b = u % nb;
+          std::fill(dst[u / nb] + (b * cap + cells) * C, dst[u / nb] + (b + 1) * cap * C, T(0));
+        }
+      });
   }
 
  private:
