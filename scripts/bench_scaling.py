@@ -356,9 +356,11 @@ def fit_model(records):
 
     Over the successful non-floor runs: ``slots`` the particle slots of a rank's block
     (the eulerian capacity), ``cells`` its padded cells; ``a`` [bytes per slot], ``b``
-    [bytes per padded cell] and M0 [MB] are constrained to be >= 0. The same model and
-    constants serve the preflight estimate (:mod:`flowpm_mtf.preflight`, MODEL_FILE,
-    rewritten by ``render``).
+    [bytes per padded cell] and M0 [MB] are constrained to be >= 0. M0 is then raised by
+    the largest amount the fit falls short of a run (``M0_shift_mb``): the preflight check
+    refuses runs by this model, so it must bound every measured peak, not pass through
+    them. The same model and constants serve the preflight estimate
+    (:mod:`flowpm_mtf.preflight`, MODEL_FILE, rewritten by ``render``).
     """
     from scipy.optimize import nnls
 
@@ -368,8 +370,10 @@ def fit_model(records):
     A = np.array([[1.0, slots_of(r) / MB, r["padded_cells_local"] / MB] for r in rows])
     y = np.array([max(r["peak_mb_per_rank"]) for r in rows])
     coef, _ = nnls(A, y)
+    shift = max(0.0, float(np.max(y - A @ coef)))     # an upper bound of every run
+    coef[0] += shift
     pred = A @ coef
-    return {"M0_mb": float(coef[0]), "bytes_per_slot": float(coef[1]),
+    return {"M0_mb": float(coef[0]), "M0_shift_mb": shift, "bytes_per_slot": float(coef[1]),
             "bytes_per_padded_cell": float(coef[2]),
             "max_rel_residual": float(np.max(np.abs(pred - y) / y)),
             "fitted_on": sorted(r["name"] for r in rows),

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.rank_independent
 
 TRUE = {"M0_mb": 480.0, "bytes_per_slot": 150.0, "bytes_per_padded_cell": 40.0}
 FIT_RTOL = 1e-6  # exact synthetic data: the fit must recover the coefficients
+MB = 2.0**20
 
 
 def _record(name, quick=False):
@@ -54,6 +55,26 @@ def test_fit_recovers_the_model_and_renders():
     assert not bs.model_spans(bs.fit_model(weak))  # 3 runs of one size: not for the preflight
     b = bs.breakdown(records["weak-1"])[0]
     assert b["runtime"] == 440.0 and b["graph_state"] == 35.0 and b["steps"] == 15.0
+
+
+def test_fit_bounds_every_run():
+    """With peaks off the model by a few per cent, the fit's M0 is raised by the largest
+    shortfall: the model is at or above every measured peak (the preflight refuses by it),
+    and touches the run it fell furthest short of."""
+    records = {n: _record(n) for n in bs.CONFIGS}
+    rng = np.random.RandomState(5)
+    for r in records.values():
+        if r["kind"] != "floor":
+            r["peak_mb_per_rank"] = [p * (1 + rng.uniform(-0.05, 0.05))
+                                     for p in r["peak_mb_per_rank"]]
+    model = bs.fit_model(records)
+    assert model["M0_shift_mb"] > 0
+    gaps = []
+    for row in model["rows"]:
+        pred = model["M0_mb"] + (model["bytes_per_slot"] * row["slots_local"]
+                                 + model["bytes_per_padded_cell"] * row["padded_cells_local"]) / MB
+        gaps.append(pred - row["peak_mb"])
+    assert min(gaps) == pytest.approx(0.0, abs=1e-6) and max(gaps) > 1.0
 
 
 def test_update_doc_replaces_only_its_section():

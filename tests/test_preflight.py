@@ -102,17 +102,17 @@ def _advised_grid(msg):
 
 def test_over_memory_refused_with_estimate_available_and_rank_count():
     conf = SimConfig(nc=512, grid=(2, 1))
-    avail = 24 * GB
+    avail = 16 * GB
     with pytest.raises(MemoryBudgetError) as e:
         preflight.check_memory(conf, FakeComm(2), available=avail)
     msg = str(e.value)
-    assert "12.0 GB available per rank (24.0 GB on the node for 2 ranks)" in msg
+    assert "8.0 GB available per rank (16.0 GB on the node for 2 ranks)" in msg
     n, grid = _advised_grid(msg)
     assert preflight._grid_fits(conf, n) == grid
-    assert preflight.estimate_peak_memory(conf, n_ranks=n) <= 12 * GB
+    assert preflight.estimate_peak_memory(conf, n_ranks=n) <= 8 * GB
     for m in range(1, n):  # no smaller valid rank count fits
         if preflight._grid_fits(conf, m):
-            assert preflight.estimate_peak_memory(conf, n_ranks=m) > 12 * GB
+            assert preflight.estimate_peak_memory(conf, n_ranks=m) > 8 * GB
     # following the advice: that grid, with 2 ranks per node, passes the check
     preflight.check_memory(conf.replace(grid=grid), FakeComm(2), available=avail)
     assert "--force" in msg
