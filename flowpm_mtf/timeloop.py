@@ -40,7 +40,7 @@ STAGE_RTOL = 1e-10
 """Relative tolerance for matching a requested scale factor to a stage."""
 
 
-def initial_state(state, conf, kernels):
+def initial_state(state, conf, kernels, escape_checked=None):
     """The state the first kick starts from: the PM force at the initial positions.
 
     Parameters
@@ -49,6 +49,13 @@ def initial_state(state, conf, kernels):
         Positions and momenta at the first stage (the LPT force is replaced).
     conf : SimConfig
     kernels : from :func:`flowpm_mtf.kernels.make_kernels`
+    escape_checked : bool, optional
+        Whether a migration's gate has already checked that every particle fits its
+        padded block (:func:`flowpm_mtf.domain.migrate`): then the force's paint and
+        readout skip their own escape check, as in
+        :func:`flowpm_mtf.nbody.kdk_step`. Default: ``state.stats is not None`` (the
+        positions come straight out of a migration, e.g. the eulerian
+        :func:`flowpm_mtf.lpt.lpt_init`).
 
     Returns
     -------
@@ -56,8 +63,11 @@ def initial_state(state, conf, kernels):
         ``state`` with ``forces = pm_forces(positions)`` [cells].
     """
     from .domain import weights
+    if escape_checked is None:
+        escape_checked = state.stats is not None
     return state._replace(forces=pm_forces(state.positions, conf, kernels,
-                                           weights(state.ids, conf)))
+                                           weights(state.ids, conf),
+                                           escape_checked=bool(escape_checked)))
 
 
 def check_stages(stages):

@@ -358,3 +358,29 @@ def test_simulation_job_snapshots_equal_unrolled_nbody(tmp_path):
     assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
     for a in stages[1:]:
         assert (tmp_path / ("power_a%.4f.txt" % a)).exists()
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="graph structure, one process")
+@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
+def test_first_force_escape_check_only_where_unchecked(decomposition):
+    """The job's first force (``SimulationGraph.init_force_ops``) and ``nbody.forward``'s skip
+    the escape count (``FlowpmCicEscaped``) where the eulerian ICs' migration gate has
+    checked every particle into its block, and keep it in the lagrangian decomposition,
+    where nothing has checked them; the step has one where it has none before (lagrangian)."""
+    from flowpm_mtf.jobs import nbody_run
+    from hvd_mesh_impl.training import ancestors
+    conf = SimConfig(nc=(16, 16, 16), box_size=(64.0, 64.0, 64.0), grid=(1, 1), halo_size=4,
+                     a_start=0.1, a_end=1.0, n_steps=2, decomposition=decomposition)
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        sim = nbody_run.SimulationGraph(conf, mesh)
+        lowering = mtf.Lowering(graph, {mesh: H.make_impl("hvd", conf)})
+        ops = nbody_run.lower_simulation(sim, lowering)
+
+        def escapes(group):
+            return [op for op in ancestors([ops[group]]) if op.type == "FlowpmCicEscaped"]
+
+        checked = decomposition == "eulerian"
+        assert (len(escapes("init_force")) == 0) == checked
+        assert (len(escapes("step")) == 0) == checked
