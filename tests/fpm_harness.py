@@ -10,6 +10,8 @@ of three implementations:
 * ``"single"``: ``PlacementMeshImpl`` on a 1-processor mesh while the
   configuration has a 2 x 2 grid: every processor holds several blocks.
 """
+import contextlib
+
 import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
@@ -54,6 +56,21 @@ def make_impl(kind, conf):
     if kind == "single":
         return make_mesh_impl("placement", [("row", 1), ("col", 1)], conf.layout_rules)
     raise ValueError(kind)
+
+
+@contextlib.contextmanager
+def job_graph(grid, **overrides):
+    """``(conf, impl, graph, mesh, sim)``: the job's ``SimulationGraph`` of a small config
+    (16^3, 2 steps; ``overrides`` replace its fields) on the hvd backend, in a new TF graph."""
+    from flowpm_mtf.config import SimConfig
+    from flowpm_mtf.jobs import nbody_run
+    kw = dict(nc=(16, 16, 16), box_size=(64.0, 64.0, 64.0), grid=grid, halo_size=4,
+              a_start=0.1, a_end=1.0, n_steps=2, seed=7)
+    conf = SimConfig(**dict(kw, **overrides))
+    with tf.Graph().as_default():
+        graph = mtf.Graph()
+        mesh = mtf.Mesh(graph, "mesh")
+        yield conf, make_impl("hvd", conf), graph, mesh, nbody_run.SimulationGraph(conf, mesh)
 
 
 def session_config(kind, conf):

@@ -1,8 +1,6 @@
 """A variable's buffer handed to the op that writes its next value (flowpm_mtf/donate.py,
 ``FlowpmTakeVariable`` in flowpm_mtf/native/variable_ops.cc, the donors of
 ``FlowpmLatticeCombinePotentials``), and the job's ICs that use it."""
-import contextlib
-
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -138,19 +136,6 @@ def test_combine_donor_and_capacity_errors():
                 sess.run(make())
 
 
-@contextlib.contextmanager
-def _job_graph(grid):
-    """``(conf, impl, graph, mesh, sim)``: the job's ``SimulationGraph`` of a small config on
-    the hvd backend, in a new TF graph."""
-    from flowpm_mtf.jobs import nbody_run
-    conf = SimConfig(nc=(16, 16, 16), box_size=(64.0, 64.0, 64.0), grid=grid, halo_size=4,
-                     a_start=0.1, a_end=1.0, n_steps=2, seed=7)
-    with tf.Graph().as_default():
-        graph = mtf.Graph()
-        mesh = mtf.Mesh(graph, "mesh")
-        yield conf, H.make_impl("hvd", conf), graph, mesh, nbody_run.SimulationGraph(conf, mesh)
-
-
 @pytest.mark.parametrize("grid", H.HVD_GRIDS.get(H.SIZE, []), ids=lambda g: "%dx%d" % g)
 def test_job_ics_write_into_the_variables(grid):
     """The job's ICs (``SimulationGraph``, hvd backend, 1, 2 and 4 ranks) write the positions
@@ -161,7 +146,7 @@ def test_job_ics_write_into_the_variables(grid):
     from flowpm_mtf import ics, nbody
     from flowpm_mtf.jobs import runner
     from hvd_mesh_impl.training import ancestors
-    with _job_graph(grid) as (conf, impl, graph, mesh, sim):
+    with H.job_graph(grid) as (conf, impl, graph, mesh, sim):
         # the same ICs without donors (the linear field is the seed's, the same values)
         ref = lpt.lpt_init(ics.linear_field(conf, mesh, name="ref_linear"), conf,
                            a=sim.stages[0], forces=False,
@@ -201,7 +186,7 @@ def test_job_step_updates_in_place(grid):
     from flowpm_mtf import nbody
     from flowpm_mtf.jobs import nbody_run, runner
     from hvd_mesh_impl.training import ancestors
-    with _job_graph(grid) as (conf, impl, graph, mesh, sim):
+    with H.job_graph(grid) as (conf, impl, graph, mesh, sim):
         fac = mtf.import_tf_tensor(mesh, sim.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
         ref = nbody.kdk_step(sim.variables, conf, kernels=nbody.make_kernels(conf, mesh),
                              factors=mtf.unstack(fac, fac.shape.dims[0]))

@@ -370,14 +370,9 @@ def test_first_force_escape_check_only_where_unchecked(decomposition):
     from flowpm_mtf import ics
     from flowpm_mtf.jobs import nbody_run
     from hvd_mesh_impl.training import ancestors
-    conf = SimConfig(nc=(16, 16, 16), box_size=(64.0, 64.0, 64.0), grid=(1, 1), halo_size=4,
-                     a_start=0.1, a_end=1.0, n_steps=2, decomposition=decomposition)
-    with tf.Graph().as_default():
-        graph = mtf.Graph()
-        mesh = mtf.Mesh(graph, "mesh")
-        sim = nbody_run.SimulationGraph(conf, mesh)
+    with H.job_graph((1, 1), decomposition=decomposition) as (conf, impl, graph, mesh, sim):
         final, _ = nbody.forward(ics.linear_field(conf, mesh, name="forward_linear"), conf)
-        lowering = mtf.Lowering(graph, {mesh: H.make_impl("hvd", conf)})
+        lowering = mtf.Lowering(graph, {mesh: impl})
         ops = nbody_run.lower_simulation(sim, lowering)
         ops["forward"] = lowering.export_to_tf_tensor(final.positions).op
 
