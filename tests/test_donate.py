@@ -8,7 +8,6 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import lpt, native
-from flowpm_mtf.config import SimConfig
 
 needs_native = pytest.mark.skipif(
     native.mode() != "require" and (native.load("variable_ops") is None
