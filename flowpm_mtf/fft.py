@@ -114,7 +114,7 @@ from hvd_mesh_impl.mtf_compat import enable_complex_gradients, enable_lazy_maste
 
 from . import config as cfg
 from . import fft_local  # the lowering calls fft_local.uses_native: one switch for both
-from . import layout
+from . import layout, native
 from .fft_local import (complex_dtype, fft_along, fft_of_real_along, ifft_real_part_along,
                         irfft_packed_along, pairs_extend, pairs_fold, real_dtype,
                         rfft_packed_along)
@@ -238,26 +238,12 @@ class FFT3DOperation(mtf.Operation):
                 "must put (x, ky, bx) on one mesh axis, (y, kz, by) on another and leave "
                 "z and kx unsplit (see SimConfig.layout_rules)"
                 % (self.name, self._in_dims, in_axes, self._out_dims, out_axes))
-        # Per-stage normalisation and the factor left for the end: TF's ifft
-        # divides by n at every stage, so y = s * (its result); the native op
-        # can scale by 1/n inside each stage at no extra pass, so a factor of
-        # 1/N (r2c, grad c2r) or 1 (c2r, grad r2c) relative to the unnormalised
-        # transform costs no multiplication at all.
+        # Per-stage normalisation and the factor left for the end (stage_normalisation)
         t = lowering.tensors[x]
         native_slice = fft_local.uses_native(t.to_laid_out_tensor().tensor_list[0])
-        unnorm = self._scale / self._n if self._inverse else self._scale
-        if not native_slice:
-            normalized, factor = self._inverse, self._scale
-        elif np.isclose(unnorm, 1.0 / self._n, rtol=1e-12, atol=0):
-            normalized, factor = True, 1.0
-        else:
-            normalized, factor = False, unnorm
-
-        def trivial(mesh_axis):
-            return mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1
-
-        P = 1 if trivial(a) else mesh_impl.shape[a].size
-        Q = 1 if trivial(b) else mesh_impl.shape[b].size
+        normalized, factor = stage_normalisation(native_slice, self._inverse, self._scale,
+                                                 self._n)
+        P, Q = split_size(mesh_impl, a), split_size(mesh_impl, b)
         sizes = [x.shape.dims[i].size for i in pos]
         real_in = not self._inverse and not x.dtype.is_complex
         real_out = self._inverse and self._real_output
@@ -269,117 +255,219 @@ class FFT3DOperation(mtf.Operation):
         lowering.set_tensor_lowering(y, t)
 
     def _lower_full(self, mesh_impl, t, pos, a, b, normalized, factor):
-        """All ``n`` modes through every stage (any input, any ``MeshImpl``, any batch
-        dimensions): complex 1D FFTs (real-to-complex first for a real input, the real
-        part last for a real output) that write (forward) or read (inverse) each k axis
-        in mirror-pair order while it is local, around the two all-to-alls."""
-        (a, P), (b, Q) = a, b
-        inv = self._inverse
-        cdtype = complex_dtype(self.inputs[0].dtype)
-
-        def scaled(u):
-            return u * tf.constant(factor, u.dtype) if factor != 1.0 else u
-
-        def exchange(u, mesh_axis, size, split, concat):
-            return u if size == 1 else mesh_impl.alltoall(u, mesh_axis, split, concat)
-
-        if not inv:
-            def first(u):
-                if not u.dtype.is_complex:  # r2c: no cast, half the work
-                    return fft_of_real_along(u, pos[2], normalized=normalized, out_pairs=True)
-                return fft_along(u, pos[2], False, normalized, out_pairs=True)
-
-            def last(u):
-                u = scaled(fft_along(u, pos[0], False, normalized, out_pairs=True))
-                return tf.math.real(u) if self._real_output else u
-
-            t = mesh_impl.slicewise(first, t)
-            t = exchange(t, b, Q, pos[2], pos[1])
-            t = mesh_impl.slicewise(
-                lambda u: fft_along(u, pos[1], False, normalized, out_pairs=True), t)
-            t = exchange(t, a, P, pos[1], pos[0])
-            return mesh_impl.slicewise(last, t)
-
-        def first(u):
-            u = tf.cast(u, cdtype) if not u.dtype.is_complex else u
-            return fft_along(u, pos[0], True, normalized, in_pairs=True)
-
-        def last(u):
-            if self._real_output:  # c2r: half the work
-                return scaled(ifft_real_part_along(u, pos[2], normalized=normalized,
-                                                   in_pairs=True))
-            return scaled(fft_along(u, pos[2], True, normalized, in_pairs=True))
-
-        t = mesh_impl.slicewise(first, t)
-        t = exchange(t, a, P, pos[0], pos[1])
-        t = mesh_impl.slicewise(
-            lambda u: fft_along(u, pos[1], True, normalized, in_pairs=True), t)
-        t = exchange(t, b, Q, pos[1], pos[2])
-        return mesh_impl.slicewise(last, t)
+        """All ``n`` modes through every stage: :func:`full_stages`."""
+        return full_stages(mesh_impl, t, pos, a, b, normalized, factor, self._inverse,
+                           self._real_output, complex_dtype(self.inputs[0].dtype))
 
     def _lower_half(self, mesh_impl, t, a, b, nz, normalized, factor):
         """The transform of a real field (forward) or to a real field (inverse) on half
         the spectrum (native path, ``x, y, z`` fields, even sizes and even ``ky``,
         ``kz`` blocks): every stage and both all-to-alls move ``nz / 2`` of the ``nz``
-        modes, as an FFTW-based distributed FFT does.
-
-        Forward (x, y, z on a, b, -): packed rfft along z (``nz / 2`` values, the
-        Nyquist mode in the zero mode's slot), in Q blocks; exchange on b; FFT along y
-        (mirror-pair order out), in P blocks; exchange on a; FFT along x (pair order
-        out); :func:`pairs_extend` completes each kz block from its representatives,
-        whose mirrors are on the rank (pair order). Inverse: :func:`pairs_fold`, the
-        FFTs along kx and ky (pair order in), the exchanges, the packed irfft along z.
-        With a ``MeshImpl`` that exchanges laid-out pieces (``alltoall_pieces``, e.g.
-        ``HvdSimdMeshImpl``) the FFT ops write the pieces of the next exchange and read
-        those of the last one (``in_blocks`` / ``out_blocks``): no transposes.
-        """
-        (a, P), (b, Q) = a, b
-        pieces = getattr(mesh_impl, "alltoall_pieces", None)
-        bp = P if pieces is not None else 1  # blocked layouts on a / on b
-        bq = Q if pieces is not None else 1
-        pcoords = [mesh_impl.laid_out_pcoord(m) for m, size in ((a, P), (b, Q)) if size > 1]
-
-        def firsts(*pc):
-            pc = list(pc)
-            flags = [tf.equal(pc.pop(0), 0) if size > 1 else tf.constant(True)
-                     for size in (P, Q)]
-            return tf.cast(tf.stack(flags), tf.int32)
-
-        def scaled(u):
-            return u * tf.constant(factor, u.dtype) if factor != 1.0 else u
-
+        modes, as an FFTW-based distributed FFT does: :func:`half_forward` with
+        :func:`pairs_extend`, or :func:`pairs_fold` then :func:`half_inverse`."""
         if not self._inverse:
-            t = mesh_impl.slicewise(
-                lambda u: rfft_packed_along(u, 2, normalized=normalized, out_blocks=bq), t)
-            if Q > 1:
-                t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 2, 1)
-            t = mesh_impl.slicewise(
-                lambda u: fft_along(u, 1, False, normalized, in_blocks=bq, out_blocks=bp,
-                                    out_pairs=True), t)
-            if P > 1:
-                if pieces is not None:  # [P, x / P, ..]: the x blocks in order
-                    t = mesh_impl.slicewise(
-                        lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), pieces(t, a))
-                else:
-                    t = mesh_impl.alltoall(t, a, 1, 0)
-            return mesh_impl.slicewise(
-                lambda u, *pc: pairs_extend(
-                    scaled(fft_along(u, 0, False, normalized, out_pairs=True)), firsts(*pc)),
-                t, *pcoords)
+            return half_forward(mesh_impl, t, a, b, normalized, factor, extend=True)
+        return half_inverse(mesh_impl, t, a, b, nz, normalized, factor, fold=True)
 
+
+# ----------------------------------------------------------------------------- stages
+def stage_normalisation(native_slice, inverse, scale, n):
+    """``(normalized, factor)`` of the stages of ``y = scale * T(x)`` (``T`` the
+    unnormalised DFT, or its inverse when ``inverse``; ``n`` its length): TF's ifft
+    divides by ``n`` at every stage, so ``y = factor * (its result)``; the native op can
+    scale by ``1/n`` inside each stage at no extra pass, so a factor of ``1/n`` (r2c,
+    grad c2r) or 1 (c2r, grad r2c) relative to the unnormalised transform costs no
+    multiplication at all."""
+    unnorm = scale / n if inverse else scale
+    if not native_slice:
+        return inverse, scale
+    if np.isclose(unnorm, 1.0 / n, rtol=1e-12, atol=0):
+        return True, 1.0
+    return False, unnorm
+
+
+def half_path_serves(conf, mesh_impl, field_slice, library):
+    """Whether an operation on a real ``[x, y, z]`` field of ``conf`` that runs
+    :func:`half_forward` (and :func:`half_inverse`) around a native op of ``library`` serves
+    this slice (e.g. :class:`flowpm_mtf.radial_filter.RadialFilterOperation`).
+
+    Parameters
+    ----------
+    conf : SimConfig
+    mesh_impl : mtf.MeshImpl
+    field_slice : tf.Tensor
+        One laid-out slice of the field.
+    library : str
+        The stem of the native op library of the middle op (``kspace_ops``, ``power_ops``).
+
+    Returns
+    -------
+    bool
+        The native FFT op and ``library`` serve the slice (a CPU), and the mesh and its
+        ``ky``, ``kz`` blocks are even (:func:`half_spectrum_fits` on the ranks of the mesh
+        axes of ``x`` and ``y``).
+    """
+    if not fft_local.uses_native(field_slice):
+        return False
+    if native.ops_for(library, field_slice, dtypes=None) is None:
+        return False
+    grid = tuple(split_size(mesh_impl, mesh_impl.tensor_dimension_to_mesh_axis(d))
+                 for d in real_shape(conf).dims[:2])
+    return half_spectrum_fits(conf.nc, grid)
+
+
+def _scaler(factor):
+    """``u -> factor * u`` (nothing for a factor of 1)."""
+    return lambda u: u * tf.constant(factor, u.dtype) if factor != 1.0 else u
+
+
+def split_size(mesh_impl, mesh_axis):
+    """Ranks along ``mesh_axis`` (1 for None or a trivial axis)."""
+    if mesh_axis is None or mesh_impl.shape[mesh_axis].size == 1:
+        return 1
+    return mesh_impl.shape[mesh_axis].size
+
+
+def full_stages(mesh_impl, t, pos, a, b, normalized, factor, inverse, real_output, cdtype):
+    """All ``n`` modes through every stage (any input, any ``MeshImpl``, any batch
+    dimensions): complex 1D FFTs (real-to-complex first for a real input, the real
+    part last for a real output) that write (forward) or read (inverse) each k axis
+    in mirror-pair order while it is local, around the two all-to-alls.
+
+    ``pos``: the tensor positions of the three transformed axes; ``a``, ``b``: ``(mesh
+    axis, size)`` of the first two (forward) or last two (inverse); ``cdtype``: the
+    complex dtype of the stages.
+    """
+    (a, P), (b, Q) = a, b
+    inv = inverse
+    scaled = _scaler(factor)
+
+    def exchange(u, mesh_axis, size, split, concat):
+        return u if size == 1 else mesh_impl.alltoall(u, mesh_axis, split, concat)
+
+    if not inv:
+        def first(u):
+            if not u.dtype.is_complex:  # r2c: no cast, half the work
+                return fft_of_real_along(u, pos[2], normalized=normalized, out_pairs=True)
+            return fft_along(u, pos[2], False, normalized, out_pairs=True)
+
+        def last(u):
+            u = scaled(fft_along(u, pos[0], False, normalized, out_pairs=True))
+            return tf.math.real(u) if real_output else u
+
+        t = mesh_impl.slicewise(first, t)
+        t = exchange(t, b, Q, pos[2], pos[1])
+        t = mesh_impl.slicewise(
+            lambda u: fft_along(u, pos[1], False, normalized, out_pairs=True), t)
+        t = exchange(t, a, P, pos[1], pos[0])
+        return mesh_impl.slicewise(last, t)
+
+    def first(u):
+        u = tf.cast(u, cdtype) if not u.dtype.is_complex else u
+        return fft_along(u, pos[0], True, normalized, in_pairs=True)
+
+    def last(u):
+        if real_output:  # c2r: half the work
+            return scaled(ifft_real_part_along(u, pos[2], normalized=normalized,
+                                               in_pairs=True))
+        return scaled(fft_along(u, pos[2], True, normalized, in_pairs=True))
+
+    t = mesh_impl.slicewise(first, t)
+    t = exchange(t, a, P, pos[0], pos[1])
+    t = mesh_impl.slicewise(
+        lambda u: fft_along(u, pos[1], True, normalized, in_pairs=True), t)
+    t = exchange(t, b, Q, pos[1], pos[2])
+    return mesh_impl.slicewise(last, t)
+
+
+# ----------------------------------------------------------------------------- half stages
+def _first_blocks(mesh_impl, a, b):
+    """The laid-out coordinates of the mesh axes ``a``, ``b`` (``(axis, size)`` pairs) that
+    are split, and the function of their slices giving :func:`pairs_extend`'s ``firsts``."""
+    (a, P), (b, Q) = a, b
+    pcoords = [mesh_impl.laid_out_pcoord(m) for m, size in ((a, P), (b, Q)) if size > 1]
+
+    def firsts(*pc):
+        pc = list(pc)
+        flags = [tf.equal(pc.pop(0), 0) if size > 1 else tf.constant(True) for size in (P, Q)]
+        return tf.cast(tf.stack(flags), tf.int32)
+    return pcoords, firsts
+
+
+def half_forward(mesh_impl, t, a, b, normalized, factor, extend=True):
+    """The forward half-spectrum stages of a real ``x, y, z`` field (laid out on mesh axes
+    ``a = (axis, P)``, ``b = (axis, Q)``, z local), native path.
+
+    Packed rfft along z (``nz / 2`` values, the Nyquist mode in the zero mode's slot), in
+    Q blocks; exchange on b; FFT along y (mirror-pair order out), in P blocks; exchange on
+    a; FFT along x (pair order out), times ``factor``. With ``extend``, :func:`pairs_extend`
+    then completes each kz block from its representatives (whose mirrors are on the rank):
+    the full ``[kx, ky, kz]`` slices of :class:`FFT3DOperation`. Without it, each slice is
+    ``[nx, ny / P, nz / 2Q]``: the representatives of the rank's kz block, the first block's
+    slot 0 packing the zero and Nyquist planes (:func:`pairs_extend`'s input). With a
+    ``MeshImpl`` that exchanges laid-out pieces (``alltoall_pieces``, e.g.
+    ``HvdSimdMeshImpl``) the FFT ops write the pieces of the next exchange and read those
+    of the last one (``in_blocks`` / ``out_blocks``): no transposes.
+    """
+    (a, P), (b, Q) = a, b
+    pieces = getattr(mesh_impl, "alltoall_pieces", None)
+    bp = P if pieces is not None else 1  # blocked layouts on a / on b
+    bq = Q if pieces is not None else 1
+    scaled = _scaler(factor)
+    t = mesh_impl.slicewise(
+        lambda u: rfft_packed_along(u, 2, normalized=normalized, out_blocks=bq), t)
+    if Q > 1:
+        t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 2, 1)
+    t = mesh_impl.slicewise(
+        lambda u: fft_along(u, 1, False, normalized, in_blocks=bq, out_blocks=bp,
+                            out_pairs=True), t)
+    if P > 1:
+        if pieces is not None:  # [P, x / P, ..]: the x blocks in order
+            t = mesh_impl.slicewise(
+                lambda u: tf.reshape(u, [-1] + u.shape.as_list()[2:]), pieces(t, a))
+        else:
+            t = mesh_impl.alltoall(t, a, 1, 0)
+    if not extend:
+        return mesh_impl.slicewise(
+            lambda u: scaled(fft_along(u, 0, False, normalized, out_pairs=True)), t)
+    pcoords, firsts = _first_blocks(mesh_impl, (a, P), (b, Q))
+    return mesh_impl.slicewise(
+        lambda u, *pc: pairs_extend(
+            scaled(fft_along(u, 0, False, normalized, out_pairs=True)), firsts(*pc)),
+        t, *pcoords)
+
+
+def half_inverse(mesh_impl, t, a, b, nz, normalized, factor, fold=True):
+    """The inverse half-spectrum stages to a real ``x, y, z`` field, native path: the
+    mirror of :func:`half_forward` (``t`` its output for the same ``fold`` as ``extend``).
+
+    With ``fold``, :func:`pairs_fold` first takes each full kz block to the representatives
+    of its Hermitian part; then the FFTs along kx and ky (pair order in), the exchanges,
+    the packed irfft along z, times ``factor``.
+    """
+    (a, P), (b, Q) = a, b
+    pieces = getattr(mesh_impl, "alltoall_pieces", None)
+    bp = P if pieces is not None else 1
+    bq = Q if pieces is not None else 1
+    scaled = _scaler(factor)
+    if fold:
+        pcoords, firsts = _first_blocks(mesh_impl, (a, P), (b, Q))
         t = mesh_impl.slicewise(
             lambda u, *pc: fft_along(pairs_fold(u, firsts(*pc)), 0, True, normalized,
                                      out_blocks=bp, in_pairs=True), t, *pcoords)
-        if P > 1:
-            t = pieces(t, a) if pieces is not None else mesh_impl.alltoall(t, a, 0, 1)
+    else:
         t = mesh_impl.slicewise(
-            lambda u: fft_along(u, 1, True, normalized, in_blocks=bp, out_blocks=bq,
-                                in_pairs=True), t)
-        if Q > 1:
-            t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 1, 2)
-        return mesh_impl.slicewise(
-            lambda u: scaled(irfft_packed_along(u, nz, 2, normalized=normalized,
-                                                in_blocks=bq)), t)
+            lambda u: fft_along(u, 0, True, normalized, out_blocks=bp, in_pairs=True), t)
+    if P > 1:
+        t = pieces(t, a) if pieces is not None else mesh_impl.alltoall(t, a, 0, 1)
+    t = mesh_impl.slicewise(
+        lambda u: fft_along(u, 1, True, normalized, in_blocks=bp, out_blocks=bq,
+                            in_pairs=True), t)
+    if Q > 1:
+        t = pieces(t, b) if pieces is not None else mesh_impl.alltoall(t, b, 1, 2)
+    return mesh_impl.slicewise(
+        lambda u: scaled(irfft_packed_along(u, nz, 2, normalized=normalized, in_blocks=bq)),
+        t)
 
 
 def r2c(field, conf, name="r2c"):

@@ -43,7 +43,8 @@ from . import fft, layout, linear_power, native
 from . import noise as noise_mod
 
 __all__ = ["k_range", "power_function", "linear_amplitude", "radial_kernel",
-           "apply_radial_kernel", "radial_scale_tf", "linear_modes", "linear_field", "modes_of"]
+           "apply_radial_kernel", "radial_scale_tf", "linear_modes", "linear_field", "modes_of",
+           "noise_of"]
 
 log = logging.getLogger(__name__)
 
@@ -372,15 +373,26 @@ def linear_modes(conf, mesh, power=None, a=1.0, noise=None, name="linear_modes")
         normalisation (``r2c = fftn / N``): :math:`\langle|\delta_k|^2\rangle = P/V`
         [dimensionless]; the ``k = 0`` mode is 0.
     """
+    noise = _noise(conf, mesh, noise, name)
+    return _coloured(noise, conf, _amplitude_values(conf, power, a), name)
+
+
+def _noise(conf, mesh, noise, name):
+    """``noise``, checked, or the seeded white noise when it is None."""
     if noise is None:
-        noise = noise_mod.white_noise(mesh, fft.real_shape(conf), conf.seed, conf.tf_dtype,
-                                      name=name + "_white_noise")
-    elif noise.shape != fft.real_shape(conf):
+        return noise_mod.white_noise(mesh, fft.real_shape(conf), conf.seed, conf.tf_dtype,
+                                     name=name + "_white_noise")
+    if noise.shape != fft.real_shape(conf):
         raise ValueError("noise must have the shape %s, got %s" % (fft.real_shape(conf),
                                                                     noise.shape))
-    # apply_kernel with linear_amplitude, without the full-size kernel
-    return apply_radial_kernel(fft.r2c(noise, conf, name=name + "_r2c"), conf,
-                               _amplitude_values(conf, power, a), name=name)
+    return noise
+
+
+def _coloured(noise, conf, amplitude, name):
+    """``r2c(noise)`` times the radial ``amplitude`` (apply_kernel with linear_amplitude,
+    without the full-size kernel)."""
+    return apply_radial_kernel(fft.r2c(noise, conf, name=name + "_r2c"), conf, amplitude,
+                               name=name)
 
 
 def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field"):
@@ -418,11 +430,14 @@ def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field")
         the k range of the mesh (message gives both ranges) or a callable
         returns invalid values there.
     """
-    kfield = linear_modes(conf, mesh, power, a, noise, name=name + "_modes")
+    noise = _noise(conf, mesh, noise, name + "_modes")
+    amplitude = _amplitude_values(conf, power, a)
+    kfield = _coloured(noise, conf, amplitude, name + "_modes")
     field = fft.c2r(kfield, conf, name=name)
     # LPT needs r2c(field) == kfield: let it skip that FFT (and this c2r, if the
-    # field itself is not used), see modes_of.
+    # field itself is not used), see modes_of; or filter the noise itself, see noise_of.
     field._flowpm_linear_modes = kfield
+    field._flowpm_linear_noise = (noise, amplitude)
     return field
 
 
@@ -447,3 +462,26 @@ def modes_of(field):
         Complex ``[kx, ky, kz]`` modes of :func:`linear_modes`.
     """
     return getattr(field, "_flowpm_linear_modes", None)
+
+
+def noise_of(field):
+    """The white noise and the amplitude a :func:`linear_field` output was coloured with,
+    or None.
+
+    :func:`flowpm_mtf.lpt.lpt_init` filters the noise by ``amplitude(|k|) / k^2`` in one
+    radial filter (:func:`flowpm_mtf.radial_filter.radial_filter`) for the first-order
+    potential, instead of transforming the modes of :func:`modes_of`: the full spectrum
+    of the linear field is then never made. Gradients flow to the noise as through the
+    modes.
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+
+    Returns
+    -------
+    (mtf.Tensor, callable) or None
+        The real ``[x, y, z]`` noise and the float64 ``|k|`` [h/Mpc] -> ``sqrt(N P(|k|)
+        D_1^2(a) / V)`` function (numpy) of :func:`linear_amplitude`.
+    """
+    return getattr(field, "_flowpm_linear_noise", None)

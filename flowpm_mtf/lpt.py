@@ -51,7 +51,7 @@ from . import config as cfg
 from . import layout
 from . import cosmology as cosmo_mod
 from . import domain, sizing
-from . import fft, gravity, ics, lpt_source, native
+from . import fft, gravity, ics, lpt_source, native, radial_filter
 from .ordering import after
 from .kernels import (HESSIAN_PAIRS, gradient_spec, hessian_spec, inverse_after,
                       interleave_xyz, make_kernels, neg_gradient_potential)
@@ -522,10 +522,10 @@ def lpt_displacements(linear, conf, order=None, kernels=None, real_space=None):
         ``[psi1]`` or ``[psi1, psi2]``, each ``[bx, by, npart, xyz]`` [cells]:
         :math:`\Psi^{(1)}` and :math:`\Psi^{(2)}` of the module docstring.
     """
-    order, delta_k, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, real_space)
+    order, linear, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, real_space)
     if real_space:
-        return _displacements_real_space(delta_k, conf, order, kernels)
-    return _displacements_kspace(delta_k, conf, order, kernels)
+        return _displacements_real_space(linear, conf, order, kernels)
+    return _displacements_kspace(_modes(linear, conf), conf, order, kernels)
 
 
 def _displacements_kspace(delta_k, conf, order, kernels):
@@ -560,64 +560,91 @@ def _displacements_kspace(delta_k, conf, order, kernels):
 
 
 def _lpt_inputs(linear, conf, order, kernels, real_space):
-    """The LPT order, the linear modes, the kernels and whether the real-space path serves
+    """The LPT order, the linear field, the kernels and whether the real-space path serves
     (:func:`lpt_displacements`'s parameters, checked and defaulted)."""
     order = conf.lpt_order if order is None else int(order)
     if order not in (1, 2):
         raise ValueError("lpt: order must be 1 or 2, got %r" % order)
-    modes = ics.modes_of(linear)
-    linear = _check_linear(linear, conf)
+    checked = _check_linear(linear, conf)
+    for attr in ("_flowpm_linear_modes", "_flowpm_linear_noise"):   # ics.modes_of, noise_of
+        if checked is not linear and hasattr(linear, attr):
+            setattr(checked, attr, getattr(linear, attr))
     if kernels is None:
-        kernels = make_kernels(conf, linear.mesh)
-    # The modes of ics.linear_field, when it made the field: no FFT round trip.
-    delta_k = fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
+        kernels = make_kernels(conf, checked.mesh)
     if real_space is None:
         reach = lpt_source.SOURCE_REACH if order == 2 else lpt_source.GRADIENT_REACH
-        real_space = lpt_source.available(conf, linear.dtype, reach)
-    return order, delta_k, kernels, real_space
+        real_space = lpt_source.available(conf, checked.dtype, reach)
+    return order, checked, kernels, real_space
 
 
-def _potential(dk, conf, kernels, name):
-    r"""The potential :math:`\mathcal{F}^{-1}[\delta_k / |k|^2]`, real ``[x, y, z]``: one real
-    inverse FFT."""
-    return fft.c2r(kernels.inverse_laplace(dk, name=name + "_inv_laplace"), conf,
-                   name=name + "_c2r")
+def _modes(linear, conf):
+    """The Fourier modes of the linear field: those of :func:`flowpm_mtf.ics.linear_field`
+    when it made the field (no FFT round trip, :func:`flowpm_mtf.ics.modes_of`), else its
+    r2c."""
+    modes = ics.modes_of(linear)
+    return fft.r2c(linear, conf, name="lpt_r2c") if modes is None else modes
 
 
-def _second_potential(blocks1, conf, kernels, deps=()):
+def _linear_potential(linear, conf, kernels):
+    r"""The first-order potential :math:`\mathcal{F}^{-1}[\delta_k / |k|^2]`, real
+    ``[x, y, z]``.
+
+    For a :func:`flowpm_mtf.ics.linear_field` output, one radial filter of its white noise
+    by :math:`\sqrt{N P / V} / k^2` (:func:`flowpm_mtf.ics.noise_of`,
+    :mod:`flowpm_mtf.radial_filter`: the full spectrum is never made); for a field given
+    by its modes alone (:func:`flowpm_mtf.ics.modes_of`), the inverse Laplacian of the
+    modes and one c2r; otherwise the radial filter :math:`1 / k^2` of the field.
+    """
+    recipe = ics.noise_of(linear)
+    if recipe is not None:
+        noise, amplitude = recipe
+        return radial_filter.radial_filter(
+            noise, conf, lambda k: amplitude(k) * radial_filter.inverse_laplace_values(k),
+            name="lpt_phi1")
+    modes = ics.modes_of(linear)
+    if modes is not None:
+        return fft.c2r(kernels.inverse_laplace(modes, name="lpt_phi1_inv_laplace"), conf,
+                       name="lpt_phi1_c2r")
+    return radial_filter.radial_filter(linear, conf, radial_filter.inverse_laplace_values,
+                                       name="lpt_phi1")
+
+
+def _second_potential(blocks1, conf, deps=()):
     r""":math:`\phi^{(2)}` on blocks padded by ``GRADIENT_REACH``, from :math:`\phi^{(1)}` on
-    blocks padded by ``SOURCE_REACH`` (the source's forward FFT after ``deps``)."""
+    blocks padded by ``SOURCE_REACH``: the radial filter :math:`1 / k^2` of the 2LPT source
+    (:mod:`flowpm_mtf.radial_filter`), whose forward FFT runs after ``deps``."""
     source = lpt_source.source(blocks1, conf, name="lpt1_source")
     if deps:
         source = after(source, list(deps), name="lpt2_source_after")
-    phi2 = _potential(fft.r2c(source, conf, name="lpt2_source_r2c"), conf, kernels, "lpt_phi2")
+    phi2 = radial_filter.radial_filter(source, conf, radial_filter.inverse_laplace_values,
+                                       name="lpt_phi2")
     return lpt_source.padded_potential(phi2, conf, lpt_source.GRADIENT_REACH)
 
 
-def _displacements_real_space(delta_k, conf, order, kernels):
+def _displacements_real_space(linear, conf, order, kernels):
     r""":func:`lpt_displacements` in real space: each potential by one real inverse FFT,
     the fields by differences of it (:mod:`flowpm_mtf.lpt_source`); :math:`\Psi^{(1)}`
     before the source's FFT, so that the padded :math:`\phi^{(1)}` is free by then."""
     reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
-    phi1 = _potential(delta_k, conf, kernels, "lpt_phi1")
+    phi1 = _linear_potential(linear, conf, kernels)
     if order == 1:
         blocks = lpt_source.padded_potential(phi1, conf, reach)
         return [lpt_source.displacement(blocks, conf, reach, name="lpt_psi1")]
     blocks1 = lpt_source.padded_potential(phi1, conf, wide)
     psi1 = lpt_source.displacement(blocks1, conf, wide, name="lpt1_psi1")
-    blocks2 = _second_potential(blocks1, conf, kernels, [psi1])
+    blocks2 = _second_potential(blocks1, conf, [psi1])
     return [psi1, lpt_source.displacement(blocks2, conf, reach, name="lpt_psi2")]
 
 
-def _potentials_real_space(delta_k, conf, order, kernels):
+def _potentials_real_space(linear, conf, order, kernels):
     """The potentials of :func:`_displacements_real_space` on padded blocks, with their
     margins, for :func:`lattice_combine_potentials`: ``[(blocks, margin), ...]``."""
     reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
-    phi1 = _potential(delta_k, conf, kernels, "lpt_phi1")
+    phi1 = _linear_potential(linear, conf, kernels)
     if order == 1:
         return [(lpt_source.padded_potential(phi1, conf, reach), reach)]
     blocks1 = lpt_source.padded_potential(phi1, conf, wide)
-    return [(blocks1, wide), (_second_potential(blocks1, conf, kernels), reach)]
+    return [(blocks1, wide), (_second_potential(blocks1, conf), reach)]
 
 
 def lpt_coefficients(conf, a, order=None):
@@ -703,7 +730,7 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
     (e.g. in :func:`flowpm_mtf.nbody.nbody`) raises if a particle left its halo.
     """
     a = conf.a_start if a is None else float(a)
-    order, delta_k, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, None)
+    order, linear, kernels, real_space = _lpt_inputs(linear, conf, order, kernels, None)
     coef = lpt_coefficients(conf, a, order)
     log.debug("lpt_init: order %d at a=%g, coefficients %s", order, a, coef)
 
@@ -716,13 +743,14 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
     lagrangian = conf.decomposition == "lagrangian"
     pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
     if real_space:   # the positions wrapped as the migration would, padded (no more passes)
-        vecs = lattice_combine_potentials(_potentials_real_space(delta_k, conf, order, kernels),
+        vecs = lattice_combine_potentials(_potentials_real_space(linear, conf, order, kernels),
                                           rows, conf, lattice_output=0,
                                           wrap=None if lagrangian else domain.wrap_sizes(conf),
                                           capacity=None if lagrangian else sizing.capacity(conf),
                                           donors=list(donors)[:len(rows)], name="lpt_state")
     else:
-        vecs = lattice_combine(_displacements_kspace(delta_k, conf, order, kernels), rows, conf,
+        vecs = lattice_combine(_displacements_kspace(_modes(linear, conf), conf, order, kernels),
+                               rows, conf,
                                lattice_output=0, name="lpt_state")
         vecs = [pad(v) for v in vecs]
     x, fields = vecs[0], vecs[1:]

@@ -1,7 +1,8 @@
 // Real k-space kernels applied to a complex field in one pass, on the CPU.
 //
 // Ops (the Python side, gradients and TensorFlow twins included, is flowpm_mtf/kernels.py
-// for the first and flowpm_mtf/ics.py for the second):
+// for the first, flowpm_mtf/ics.py for the second and flowpm_mtf/radial_filter.py for the
+// third):
 //
 //   FlowpmInverseLaplace(field C [nx, ny, nz], kx R [nx], ky R [ny], kz R [nz]) -> C
 //       out[i, j, k] = field[i, j, k] * s with kk = (kx[i] kx[i] + ky[j] ky[j]) + kz[k] kz[k]
@@ -14,8 +15,22 @@
 //       out[i, j, k] = field[i, j, k] * table[ix[i], iy[j], iz[k]]: the three TensorFlow
 //       gathers of a radial kernel (flowpm_mtf.ics.radial_kernel), its cast to complex and
 //       the product in one pass, bit for bit (the same argument).
+//   FlowpmRadialScaleHalf(field C [nx, ly, h], table R [ux, uy, uz], ix int32 [nx],
+//                         iy int32 [ly], iz int32 [2 h], firsts int32 [2]) -> C
+//       The same product on the half spectrum of a real field (flowpm_mtf.fft.half_forward
+//       without the extend, flowpm_mtf.radial_filter): kx and a ky block in mirror-pair
+//       order, the representatives j of a kz block of 2 h positions (iz indexes that block:
+//       slot j is position 2 j). out[i, j, k] = field[i, j, k] * table[ix[i], iy[j],
+//       iz[2 k]], except in the first kz block (firsts[1]) slot 0, which packs the zero and
+//       Nyquist planes as P = A + i B: there out = K0 (P + Pm) / 2 + Kn (P - Pm) / 2, with
+//       Pm = conj(field[-kx, -ky, 0]) (the mirror row: FlowpmPairs' rule, firsts[0] for
+//       the ky block) and K0, Kn the table at iz[0], iz[1]: i.e. K0 A + i Kn B, what
+//       FlowpmPairs' extend, FlowpmRadialScale and FlowpmPairs' fold give, to the last bit.
+//       In place, the packed slots of a row and its mirror are written by one thread from
+//       both inputs. Its gradient with respect to the field is itself (a real symmetric
+//       operator in the inner product of the full spectrum it represents).
 //
-// Both write in the field's buffer when nothing else holds it, and never allocate a
+// The three write in the field's buffer when nothing else holds it, and never allocate a
 // full-size kernel: the TensorFlow path made a real [nx, ny, nz] kernel, its complex copy
 // and the product (three full-size passes and 2.5 field sizes of new memory; at 512^3 on
 // one rank 0.27 + 0.54 GB, and 3.6 s of gathers in the ICs). Each is its own gradient
@@ -137,7 +152,88 @@ class RadialScaleOp : public OpKernel {
   }
 };
 
-// The shape function of both: the field's.
+// The half-spectrum product (see the header): one thread per (i, j) row; the packed slot
+// of a row and of its mirror row by the thread of the smaller of the two.
+template <typename R>
+class RadialScaleHalfOp : public OpKernel {
+ public:
+  explicit RadialScaleHalfOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    typedef std::complex<R> Cx;
+    const char* op = "FlowpmRadialScaleHalf";
+    const Tensor& field = ctx->input(0);
+    const Tensor& table = ctx->input(1);
+    const Tensor& firsts = ctx->input(5);
+    OP_REQUIRES_OK(ctx, check_field(op, field));
+    OP_REQUIRES(ctx, table.dims() == 3,
+                InvalidArgument(op, ": the table must be [ux, uy, uz], got ",
+                                table.shape().DebugString()));
+    OP_REQUIRES(ctx, firsts.NumElements() == 2,
+                InvalidArgument(op, ": firsts must hold 2 values"));
+    const i64 nx = field.dim_size(0), ly = field.dim_size(1), h = field.dim_size(2);
+    OP_REQUIRES(ctx, nx % 2 == 0 && ly % 2 == 0,
+                InvalidArgument(op, ": the kx and ky extents must be even, got ", nx, ", ", ly));
+    const i64 ux = table.dim_size(0), uy = table.dim_size(1), uz = table.dim_size(2);
+    OP_REQUIRES_OK(ctx, check_axis(op, "ix", ctx->input(2), nx));
+    OP_REQUIRES_OK(ctx, check_axis(op, "iy", ctx->input(3), ly));
+    OP_REQUIRES_OK(ctx, check_axis(op, "iz", ctx->input(4), 2 * h));
+    const int32_t* ix = ctx->input(2).flat<int32_t>().data();
+    const int32_t* iy = ctx->input(3).flat<int32_t>().data();
+    const int32_t* iz = ctx->input(4).flat<int32_t>().data();
+    const i64 lens[3] = {nx, ly, 2 * h}, bounds[3] = {ux, uy, uz};
+    const int32_t* idx[3] = {ix, iy, iz};
+    for (int d = 0; d < 3; ++d)
+      for (i64 n = 0; n < lens[d]; ++n)
+        OP_REQUIRES(ctx, idx[d][n] >= 0 && idx[d][n] < bounds[d],
+                    InvalidArgument(op, ": index ", idx[d][n], " of axis ", d,
+                                    " is outside the table's ", bounds[d], " entries"));
+    const auto f = firsts.flat<int32_t>();
+    const bool first_y = f(0) != 0, first_z = f(1) != 0;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, field.shape(), &out));
+    if (field.NumElements() == 0) return;
+    const Cx* in = field.flat<Cx>().data();
+    Cx* o = out->flat<Cx>().data();  // may be `in` (in place)
+    const R* tab = table.flat<R>().data();
+    auto mirror = [](i64 p, bool first) { return (first && p < 2) ? p : (p ^ 1); };
+    auto line = [=](i64 i, i64 j) { return tab + (static_cast<i64>(ix[i]) * uy + iy[j]) * uz; };
+    // K0 A + i Kn B of a packed slot P with its mirror's conjugate Pm
+    auto packed = [](Cx P, Cx Pm, R k0, R kn) {
+      const Cx a = R(0.5) * (P + Pm), d = P - Pm;
+      const Cx b = R(0.5) * Cx(d.imag(), -d.real());    // (P - Pm) / 2i
+      const Cx ka(a.real() * k0, a.imag() * k0), kb(b.real() * kn, b.imag() * kn);
+      return ka + Cx(-kb.imag(), kb.real());
+    };
+    shard(ctx, nx * ly, 4 * h + 16, [&](i64 r0, i64 r1) {
+      for (i64 r = r0; r < r1; ++r) {
+        const i64 i = r / ly, j = r % ly;
+        const R* l = line(i, j);
+        const Cx* src = in + r * h;
+        Cx* dst = o + r * h;
+        i64 k0 = 0;
+        if (first_z) {
+          k0 = 1;
+          const i64 m = mirror(i, true) * ly + mirror(j, first_y);
+          if (r <= m) {   // this row's thread writes both packed slots
+            const Cx P = src[0], Q = in[m * h];
+            const R* lm = line(m / ly, m % ly);
+            const Cx out_r = packed(P, std::conj(Q), l[iz[0]], l[iz[1]]);
+            const Cx out_m = packed(Q, std::conj(P), lm[iz[0]], lm[iz[1]]);
+            dst[0] = out_r;
+            o[m * h] = out_m;
+          }
+        }
+        for (i64 k = k0; k < h; ++k) {
+          const R v = l[iz[2 * k]];
+          dst[k] = Cx(src[k].real() * v, src[k].imag() * v);
+        }
+      }
+    });
+  }
+};
+
+// The shape function of all three: the field's.
 ::tensorflow::Status same_as_field(InferenceContext* c) {
   ShapeHandle field;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &field));
@@ -168,6 +264,18 @@ REGISTER_OP("FlowpmRadialScale")
     .Attr("R: {float, double}")
     .SetShapeFn(same_as_field);
 
+REGISTER_OP("FlowpmRadialScaleHalf")
+    .Input("field: C")
+    .Input("table: R")
+    .Input("ix: int32")
+    .Input("iy: int32")
+    .Input("iz: int32")
+    .Input("firsts: int32")
+    .Output("out: C")
+    .Attr("C: {complex64, complex128}")
+    .Attr("R: {float, double}")
+    .SetShapeFn(same_as_field);
+
 #define FLOWPM_REGISTER_KSPACE(name, Kernel)                                                 \
   REGISTER_KERNEL_BUILDER(Name(name)                                                         \
                               .Device(DEVICE_CPU)                                            \
@@ -182,3 +290,4 @@ REGISTER_OP("FlowpmRadialScale")
 
 FLOWPM_REGISTER_KSPACE("FlowpmInverseLaplace", InverseLaplaceOp);
 FLOWPM_REGISTER_KSPACE("FlowpmRadialScale", RadialScaleOp);
+FLOWPM_REGISTER_KSPACE("FlowpmRadialScaleHalf", RadialScaleHalfOp);

@@ -1,0 +1,188 @@
+r"""Radial filters of real fields, :math:`f \mapsto \mathrm{c2r}[K(|\mathbf k|)\,\mathrm{r2c}(f)]`,
+as one operation on half the spectrum.
+
+The initial conditions' potentials are such filters of real fields: the first-order
+potential :math:`\phi^{(1)} = \mathrm{c2r}[\delta_k / k^2]` with :math:`\delta_k =
+\mathrm{r2c}(z)\sqrt{N P / V}` is the filter :math:`K = \sqrt{N P / V} / k^2` of the white
+noise :math:`z`, and the second-order one the filter :math:`1 / k^2` of the 2LPT source.
+Composed of :func:`flowpm_mtf.fft.r2c`, a kernel and :func:`flowpm_mtf.fft.c2r`, each
+filter writes the full spectrum of a real field (``pairs_extend``, one complex field of
+``N`` modes: 1.07 GB of fresh pages at 512^3 in float32), multiplies all ``N`` modes, and
+folds it back (``pairs_fold``) before the inverse transform. :class:`RadialFilterOperation`
+lowers the same map without the full spectrum (:func:`flowpm_mtf.fft.half_forward` without
+the extend, the native ``FlowpmRadialScaleHalf`` on the representatives, then
+:func:`flowpm_mtf.fft.half_inverse` without the fold): ``N / 2`` modes, in the real field's
+buffer where TensorFlow lets the ops take it over. Where that path does not serve (odd
+sizes or blocks, no native op, a GPU), it lowers the composition.
+
+The kernel is a function of :math:`|\mathbf k|` alone, evaluated in numpy (float64) once per
+distinct :math:`|\mathbf k|` of each rank's k-space slice at run time
+(:func:`flowpm_mtf.ics._radial_tables`, as :func:`flowpm_mtf.ics.apply_radial_kernel`): the
+same values on every process grid, no k-space constant in the graph.
+
+Gradient: for real, even :math:`K` the filter is a real symmetric operator (a convolution
+with an even kernel), so its gradient is the same filter of the cotangent. Tested by a
+dot-product test and against numpy in ``tests/test_radial_filter.py``.
+"""
+import mesh_tensorflow as mtf
+import numpy as np
+import tensorflow.compat.v1 as tf
+
+from . import fft, fft_local, ics, layout, native
+
+__all__ = ["RadialFilterOperation", "radial_filter", "radial_scale_half",
+           "inverse_laplace_values"]
+
+
+def radial_scale_half(field, table, ix, iy, iz, firsts):
+    """The native ``FlowpmRadialScaleHalf`` (kspace_ops.cc): ``field`` times a radial kernel
+    on the representatives of a real field's spectrum.
+
+    Parameters
+    ----------
+    field : tf.Tensor
+        Complex ``[nx, ly, h]``: :func:`flowpm_mtf.fft.half_forward`'s slice without the
+        extend (the first kz block's slot 0 packs the zero and Nyquist planes).
+    table, ix, iy : tf.Tensor
+        The kernel's table of distinct ``|k|`` and the indices along ``kx`` and the ``ky``
+        block (:func:`flowpm_mtf.ics._radial_tables`).
+    iz : tf.Tensor
+        int32 ``[2 h]``: the indices of the rank's full ``kz`` block (mirror-pair order:
+        slot ``j`` is position ``2 j``; the Nyquist plane of the packed slot is position 1).
+    firsts : tf.Tensor
+        int32 ``[2]``: whether the ``ky`` and the ``kz`` block are the first.
+
+    Returns
+    -------
+    tf.Tensor
+        Of ``field``'s shape and dtype: what ``pairs_extend``, ``FlowpmRadialScale`` and
+        ``pairs_fold`` give, to the last bit, in one pass and in ``field``'s buffer when
+        nothing else holds it. CPU only.
+    """
+    return native.load("kspace_ops").flowpm_radial_scale_half(field, table, ix, iy, iz, firsts)
+
+
+class RadialFilterOperation(mtf.Operation):
+    """``c2r(K(|k|) r2c(field))`` of a real ``[x, y, z]`` field (:func:`radial_filter`).
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+        Real ``[x, y, z]`` of ``conf.dtype``.
+    kvecs : list of 3 mtf.Tensor
+        float64 ``[kx]``, ``[ky]``, ``[kz]`` [h/Mpc] (:func:`flowpm_mtf.layout.kvec_tensors`).
+    values : callable
+        float64 ``|k|`` [h/Mpc] (positive) -> float64 kernel values (numpy); the kernel is
+        0 at ``k = 0``.
+    conf : SimConfig
+    name : str
+    """
+
+    def __init__(self, field, kvecs, values, conf, name):
+        super().__init__([field] + list(kvecs), name=name)
+        self._values = values
+        self._conf = conf
+        self._outputs = [mtf.Tensor(self, field.shape, field.dtype)]
+
+    def gradient(self, grad_ys):
+        # a real even kernel: the filter is symmetric, its adjoint is itself
+        return [radial_filter(grad_ys[0], self._conf, self._values, name=self.name + "_grad"),
+                None, None, None]
+
+    def lower(self, lowering):
+        mesh_impl = lowering.mesh_impl(self)
+        conf, x = self._conf, self.inputs[0]
+        axes = [mesh_impl.tensor_dimension_to_mesh_axis(d) for d in x.shape.dims]
+        kaxes = [mesh_impl.tensor_dimension_to_mesh_axis(k.shape.dims[0])
+                 for k in self.inputs[1:]]
+        a, b = axes[0], axes[1]
+        if axes[2] is not None or kaxes != [None, a, b]:
+            raise ValueError(
+                "%s: unsupported layout: x, y, z on mesh axes %s and kx, ky, kz on %s; the "
+                "layout rules must put (x, ky) on one mesh axis, (y, kz) on another and leave "
+                "z and kx unsplit (see SimConfig.layout_rules)" % (self.name, axes, kaxes))
+        P, Q = fft.split_size(mesh_impl, a), fft.split_size(mesh_impl, b)
+        t = lowering.tensors[x]
+        ks = [lowering.tensors[k] for k in self.inputs[1:]]
+        first = t.to_laid_out_tensor().tensor_list[0]
+        n, nz = conf.n_cells, x.shape.dims[2].size
+        values, name = self._values, self.name
+        cdtype = fft_local.complex_dtype(x.dtype)
+        if fft.half_path_serves(conf, mesh_impl, first, "kspace_ops"):
+            pcoords, firsts = fft._first_blocks(mesh_impl, (a, P), (b, Q))
+
+            def scale(f, kx, ky, kz, *pc):
+                small, ix, iy, iz = ics._radial_tables(conf, values, name, kx, ky, kz)
+                return radial_scale_half(f, small, ix, iy, iz, firsts(*pc))
+
+            normalized, factor = fft.stage_normalisation(True, False, 1.0 / n, n)
+            u = fft.half_forward(mesh_impl, t, (a, P), (b, Q), normalized, factor,
+                                 extend=False)
+            u = mesh_impl.slicewise(scale, u, *ks, *pcoords)
+            normalized, factor = fft.stage_normalisation(True, True, float(n), n)
+            y = fft.half_inverse(mesh_impl, u, (a, P), (b, Q), nz, normalized, factor,
+                                 fold=False)
+        else:
+            native_fft = fft_local.uses_native(first)
+
+            def scale(f, kx, ky, kz):
+                small, ix, iy, iz = ics._radial_tables(conf, values, name, kx, ky, kz)
+                lib = native.ops_for("kspace_ops", f, dtypes=None)
+                if lib is None:
+                    return ics.radial_scale_tf(f, small, ix, iy, iz)
+                return lib.flowpm_radial_scale(f, small, ix, iy, iz)
+
+            pos = [0, 1, 2]
+            normalized, factor = fft.stage_normalisation(native_fft, False, 1.0 / n, n)
+            u = fft.full_stages(mesh_impl, t, pos, (a, P), (b, Q), normalized, factor,
+                                False, False, cdtype)
+            u = mesh_impl.slicewise(scale, u, *ks)
+            normalized, factor = fft.stage_normalisation(native_fft, True, float(n), n)
+            y = fft.full_stages(mesh_impl, u, pos, (a, P), (b, Q), normalized, factor,
+                                True, True, cdtype)
+        lowering.set_tensor_lowering(self.outputs[0], y)
+
+
+def radial_filter(field, conf, values, name="radial_filter"):
+    r"""``c2r(K(|k|) r2c(field))``: a real field filtered by a radial kernel.
+
+    Equal, to rounding, to ``fft.c2r(ics.apply_radial_kernel(fft.r2c(field, conf), conf,
+    values), conf)``, without the full spectrum where the half-spectrum path serves (see
+    the module docstring).
+
+    Parameters
+    ----------
+    field : mtf.Tensor
+        Real ``[x, y, z]`` field of ``conf.dtype``.
+    conf : SimConfig
+    values : callable
+        float64 ``|k|`` [h/Mpc] (positive) -> float64 kernel values (numpy), e.g.
+        ``lambda k: 1 / k**2``; the kernel is 0 at ``k = 0``. It must be a function of
+        ``|k|`` alone (it is evaluated once per distinct ``|k|`` of a rank's slice).
+    name : str, optional
+
+    Returns
+    -------
+    mtf.Tensor
+        Real, shape and dtype of ``field`` [the field's units times the kernel's].
+
+    Raises
+    ------
+    ValueError
+        If ``field`` is not a ``[x, y, z]`` field of ``conf.dtype``.
+    """
+    shape = fft.real_shape(conf)
+    if field.shape != shape:
+        raise ValueError("radial_filter: the field must be %s, got %s" % (shape, field.shape))
+    if field.dtype != conf.tf_dtype:
+        raise ValueError("radial_filter: the field must have dtype %s, got %s"
+                         % (conf.dtype, field.dtype.name))
+    kvecs = layout.kvec_tensors(conf, field.mesh, tf.float64, name)
+    return RadialFilterOperation(field, kvecs, values, conf, name).outputs[0]
+
+
+def inverse_laplace_values(k):
+    r""":math:`1 / k^2` [(Mpc/h)^2] of ``|k|`` [h/Mpc] (numpy, positive ``k``): the
+    kernel of :meth:`flowpm_mtf.kernels.Kernels.inverse_laplace` as a radial function."""
+    k = np.asarray(k, np.float64)
+    return 1.0 / (k * k)
