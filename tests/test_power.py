@@ -9,8 +9,9 @@
   in the shell of their wave vector, mode counts of the first shells, the
   expected white-noise level;
 * gradients: finite differences of a weighted sum of the binned power;
-* both paths of the shell sums (the native ``FlowpmShellSums`` and the TensorFlow
-  ops) against numpy, and the native op's sums independent of the thread count.
+* every path of the shell sums (the native ``FlowpmShellSumsHalf`` on the half spectrum,
+  the native ``FlowpmShellSums`` and the TensorFlow ops) against numpy, the native ops'
+  sums independent of the thread count; the half path makes no full spectrum.
 """
 import numpy as np
 import pytest
@@ -98,12 +99,15 @@ def run_power(case, conf, field, edges=None, deconvolve_cic=False, variants=None
 
 
 HAS_NATIVE = native.load("power_ops") is not None
-# The shell sums' two paths: the native op where its library is built, the TensorFlow ops.
-PATHS = ["native", "tf"] if HAS_NATIVE else ["tf"]
+# The shell sums' paths: the native half-spectrum op where the mesh's blocks are even (else
+# the native full one), the native full one with the half path off, the TensorFlow ops.
+PATHS = ["native", "full", "tf"] if HAS_NATIVE else ["tf"]
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
+    if request.param in ("full", "tf"):
+        monkeypatch.setattr(fft, "half_path_serves", lambda *a: False)
     if request.param == "tf":
         monkeypatch.setattr(power, "_power_ops", lambda t: None)
     return request.param
@@ -300,3 +304,113 @@ def test_shell_sums_op_bad_shapes():
         with pytest.raises(tf.errors.InvalidArgumentError, match="edges must be"):
             sess.run(lib.flowpm_shell_sums(v, *k, tf.placeholder_with_default(
                 tf.constant([0.1], tf.float64), [None])))
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("ctype", [np.complex64, np.complex128])
+def test_shell_sums_half_op_against_full(ctype):
+    """``FlowpmShellSumsHalf`` of a half spectrum equals ``FlowpmShellSums`` of |F|^2 of its
+    extension (``pairs_extend``), for every combination of first blocks, on one and four
+    threads."""
+    from flowpm_mtf import fft_local
+    lib = native.load("power_ops")
+    rng = np.random.RandomState(8)
+    lx, ly, h = 6, 4, 3
+
+    def mirrored(n, first):
+        """|k| along an axis in mirror-pair order: equal at a position and its mirror."""
+        k = rng.rand(n) * 0.3
+        for p in range(n):
+            m = p if (first and p < 2) else p ^ 1
+            k[p] = k[min(p, m)]
+        return k
+
+    edges = np.linspace(0.0, 0.7, 8)
+    rtype = np.float32 if ctype == np.complex64 else np.float64
+    for first_y in (0, 1):
+        for first_z in (0, 1):
+            kx, ky = mirrored(lx, True), mirrored(ly, first_y)
+            kz = np.repeat(rng.rand(h) * 0.3, 2)     # a representative and its mirror
+            kx[0] = 0.0
+            if first_y:
+                ky[0] = 0.0
+            if first_z:
+                kz[0], kz[1] = 0.0, 0.31             # the packed zero and Nyquist planes
+            f = (rng.randn(lx, ly, h) + 1j * rng.randn(lx, ly, h)).astype(ctype)
+            firsts = np.array([first_y, first_z], np.int32)
+            outs = []
+            for threads in (1, 4):
+                cfg = tf.ConfigProto(intra_op_parallelism_threads=threads,
+                                     inter_op_parallelism_threads=1)
+                with tf.Graph().as_default(), tf.Session(config=cfg) as sess:
+                    full = fft_local.pairs_extend(tf.constant(f), tf.constant(firsts))
+                    v = tf.math.real(full * tf.math.conj(full))
+                    outs.append(sess.run({
+                        "half": lib.flowpm_shell_sums_half(f, kx, ky, kz, edges, firsts,
+                                                           T=rtype),
+                        "full": lib.flowpm_shell_sums(v, kx, ky, kz, edges)}))
+            for key in ("half", "full"):
+                for a, b in zip(outs[0][key], outs[1][key]):
+                    np.testing.assert_array_equal(a, b)
+            half, full = outs[0]["half"], outs[0]["full"]
+            np.testing.assert_array_equal(half[0], full[0])
+            assert half[0].sum() == lx * ly * 2 * h - (1 if first_y and first_z else 0)   # k = 0
+            np.testing.assert_allclose(half[1], full[1], rtol=1e-12)
+            np.testing.assert_allclose(half[2], full[2], rtol=1e-5 if rtype == np.float32
+                                       else 1e-12)
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+def test_shell_sums_half_op_bad_shapes():
+    """k vectors of the wrong length, odd extents, a missing first flag: one error each."""
+    lib = native.load("power_ops")
+    f = np.zeros((4, 2, 3), np.complex64)
+    k = [np.zeros(n) for n in (4, 2, 6)]
+    e = np.array([0.0, 1.0])
+    fs = np.array([1, 1], np.int32)
+    cases = [
+        (lambda: lib.flowpm_shell_sums_half(f, k[0], k[1], k[0], e, fs, T=np.float32),
+         "k vector 2 must be \\[6\\]"),
+        (lambda: lib.flowpm_shell_sums_half(f[:3], k[0][:3], k[1], k[2], e, fs, T=np.float32),
+         "extents must be even"),
+        (lambda: lib.flowpm_shell_sums_half(f, k[0], k[1], k[2], e, fs[:1], T=np.float32),
+         "firsts must hold 2 values"),
+    ]
+    for make, message in cases:
+        with tf.Graph().as_default(), tf.Session() as sess:
+            with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
+                sess.run(make())
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a graph inspection on one rank")
+def test_half_path_makes_no_full_spectrum():
+    """On an even mesh the power spectrum runs ``FlowpmShellSumsHalf`` and no
+    ``FlowpmPairs`` (no full spectrum, no |F|^2 field); its gradient (the composition's)
+    still flows."""
+    conf = conf_for(("hvd", (1, 1)), "cubic")
+    field = np.random.RandomState(9).randn(*conf.nc)
+    seen = {}
+
+    def build(mesh):
+        f = mtf.import_tf_tensor(mesh, tf.constant(field), fft.real_shape(conf))
+        k, p, n = power.power_spectrum(f, conf)
+        seen["p"] = p
+        g, = mtf.gradients([mtf.reduce_sum(p)], [f])
+        return {"p": p, "g": g}
+
+    def extra(lowering, impl):
+        ops, stack, names = set(), [t.op for t in lowering.tensors[seen["p"]]
+                                    .to_laid_out_tensor().tensor_list], set()
+        while stack:
+            op = stack.pop()
+            if op.name in names:
+                continue
+            names.add(op.name)
+            ops.add(op.type)
+            stack.extend(i.op for i in op.inputs)
+        seen["ops"] = ops
+        return {}
+
+    out = H.run("hvd", conf, build, extra=extra)
+    assert "FlowpmShellSumsHalf" in seen["ops"] and "FlowpmPairs" not in seen["ops"]
+    assert np.max(np.abs(out["g"])) > 0
