@@ -8,8 +8,9 @@ slice out of its TensorFlow variable (``FlowpmTakeVariable``,
 :func:`flowpm_mtf.lpt.lattice_combine_potentials`), or any TensorFlow op that forwards an
 input it alone holds (the kicks' and the drift's sums and products), writes its output into
 it. The job (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`) does this in its ICs with the
-state's initial zeros, and in every step with the state itself: at 512^3 on one rank the ICs'
-positions and momenta (3.2 GB) are written into memory the process has already touched,
+state's initial zeros (the first force too: ``FlowpmCicReadoutInto``), and in every step with
+the state itself: at 512^3 on one rank the ICs' positions, momenta and forces (4.8 GB) are
+written into memory the process has already touched,
 instead of fresh pages, which this kind of VM fills at 0.5-1 GB/s, and the steps keep one
 copy of the state instead of two (docs/benchmarks.md, "The ICs' state in the variables' own
 buffers").

@@ -74,7 +74,7 @@ def density(positions, conf, weight=None, escape_checked=False):
                        escape_checked=escape_checked)
 
 
-def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
+def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False, donor=None):
     r"""FastPM particle-mesh force at the particle positions.
 
     Parameters
@@ -91,6 +91,10 @@ def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
     escape_checked : bool, optional
         As in :func:`density`: the paint and the readout skip their escape
         checks (two passes over the particles and two reductions per force).
+    donor : mtf.Tensor, optional
+        ``[bx, by, npart, xyz]`` of the positions' dtype: a buffer the readout writes the
+        force into where nothing else holds it (:func:`flowpm_mtf.painting.readout_padded`;
+        e.g. :func:`flowpm_mtf.donate.take` of the forces variable); its values are unused.
 
     Returns
     -------
@@ -105,10 +109,10 @@ def pm_forces(positions, conf, kernels=None, weight=None, escape_checked=False):
     # The three components in one readout: one stencil, one halo fill.
     if padded:
         force = readout_padded(grad, positions, conf, name="force_readout",
-                               escape_checked=escape_checked)
+                               escape_checked=escape_checked, donor=donor)
     else:
         force = readout_field(grad, positions, conf, name="force_readout",
-                              escape_checked=escape_checked)
+                              escape_checked=escape_checked, donor=donor)
     force = force * (1.5 * conf.cosmology.Omega_m)
     return force if weight is None else force * weight
 

@@ -180,18 +180,20 @@ def _paint_grad(op, grad):
 
 
 def _readout_grad(op, grad):
-    """Gradient of ``FlowpmCicReadout`` w.r.t. the mesh and the positions (exact).
+    """Gradient of ``FlowpmCicReadout`` (and ``FlowpmCicReadoutInto``, whose donor is not
+    read and gets none) w.r.t. the mesh and the positions (exact).
 
     One fused op (``FlowpmCicReadoutGrad``: the paint of ``grad`` and the position
     gradient with one stencil per particle), equal bit for bit to the paint and
     ``FlowpmCicReadoutGradPos``."""
     lib = native.load("cic_ops")
-    field, pos = op.inputs
+    field, pos = op.inputs[:2]
     d_field, d_pos = lib.flowpm_cic_readout_grad(field, pos, grad, halo=op.get_attr("halo"))
-    return d_field, d_pos
+    return (d_field, d_pos) + (None,) * (len(op.inputs) - 2)   # the donor: not read
 
 
-for _op_type, _fn in (("FlowpmCicPaint", _paint_grad), ("FlowpmCicReadout", _readout_grad)):
+for _op_type, _fn in (("FlowpmCicPaint", _paint_grad), ("FlowpmCicReadout", _readout_grad),
+                      ("FlowpmCicReadoutInto", _readout_grad)):
     try:
         tf.RegisterGradient(_op_type)(_fn)
     except KeyError:  # already registered (module reloaded)
@@ -210,13 +212,18 @@ def _native_paint(lib, pos, w, conf):
     return tf.reshape(field, [nbx, nby, px, py, nz])
 
 
-def _native_readout(lib, m, pos, conf, n_comp):
-    """Native readout of ``m`` (``[nbx, nby, px, py, nz, ...]``) -> ``[nbx, nby, n, C]``."""
+def _native_readout(lib, m, pos, conf, n_comp, donor=None):
+    """Native readout of ``m`` (``[nbx, nby, px, py, nz, ...]``) -> ``[nbx, nby, n, C]``
+    (``FlowpmCicReadoutInto`` the ``donor``'s buffer when one is given)."""
     nbx, nby, n, _ = pos.shape.as_list()
     px, py, nz = conf.padded_block_shape
     field = tf.reshape(m, [nbx * nby, px, py, nz, n_comp])
-    vals = lib.flowpm_cic_readout(field, tf.reshape(pos, [nbx * nby, n, 3]),
-                                  halo=conf.halo_size)
+    flat = tf.reshape(pos, [nbx * nby, n, 3])
+    if donor is None:
+        vals = lib.flowpm_cic_readout(field, flat, halo=conf.halo_size)
+    else:
+        vals = lib.flowpm_cic_readout_into(field, flat, tf.reshape(donor, [nbx * nby, n, n_comp]),
+                                           halo=conf.halo_size)
     return tf.reshape(vals, [nbx, nby, n, n_comp])
 
 
@@ -494,13 +501,17 @@ def cic_readout(mesh, positions, conf, name="cic_readout"):
     return _readout_filled(mesh, positions, conf, name)
 
 
-def readout_padded(mesh, positions, conf, name="readout_padded", escape_checked=False):
+def readout_padded(mesh, positions, conf, name="readout_padded", escape_checked=False,
+                   donor=None):
     """:func:`cic_readout` of padded blocks whose margins are already filled.
 
     E.g. the force field of one block written with its periodic margins
     (:func:`flowpm_mtf.kernels.xyz_from_packed` with ``padded_conf``): no halo
     exchange and no copy of the field. Same checks and escape check
-    (``escape_checked`` as in :func:`cic_paint`).
+    (``escape_checked`` as in :func:`cic_paint`). ``donor``: a tensor of the output's
+    shape and dtype whose buffer the native readout writes into where nothing else holds
+    it (``FlowpmCicReadoutInto``; e.g. :func:`flowpm_mtf.donate.take` of the variable the
+    values are assigned to); its values are not read, and it gets no gradient.
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
@@ -508,7 +519,7 @@ def readout_padded(mesh, positions, conf, name="readout_padded", escape_checked=
     _check_components(mesh.shape.dims[5:], positions, name)
     if not escape_checked:
         mesh = _assert_none_escaped(mesh, escaped_count(positions, conf), name)
-    return _readout_filled(mesh, positions, conf, name)
+    return _readout_filled(mesh, positions, conf, name, donor)
 
 
 def _check_components(extra, positions, name):
@@ -517,25 +528,30 @@ def _check_components(extra, positions, name):
                          "dimensions %s" % (name, extra, positions.shape.dims[:-1]))
 
 
-def _readout_filled(mesh, positions, conf, name):
-    """The readout of :func:`cic_readout` from padded blocks whose margins are filled."""
+def _readout_filled(mesh, positions, conf, name, donor=None):
+    """The readout of :func:`cic_readout` from padded blocks whose margins are filled
+    (into ``donor``'s buffer where it can, see :func:`readout_padded`)."""
     mesh = _check_shape(mesh, padded_shape(conf), name, trailing=True)
     extra = mesh.shape.dims[5:]
     n_comp = int(np.prod([d.size for d in extra]))
     out_shape = mtf.Shape(positions.shape.dims[:-1] + extra)
+    if donor is not None and (donor.shape != out_shape or donor.dtype != mesh.dtype):
+        raise ValueError("%s: the donor must be %s of %s, got %s of %s"
+                         % (name, out_shape, mesh.dtype.name, donor.shape, donor.dtype.name))
 
-    def fn(m, pos):
+    def fn(m, pos, *donors):
         local = _local_particles(pos)
         lib = _native_ops(m, local)
         if lib is not None:
-            vals = _native_readout(lib, m, local, conf, n_comp)
+            vals = _native_readout(lib, m, local, conf, n_comp, *donors)
         else:
             idx, kernel = _stencil(local, conf)
             rows = tf.gather(tf.reshape(m, [-1, n_comp]), idx)     # [nbx, nby, n, 8, C]
             vals = tf.reduce_sum(rows * kernel[..., None], axis=-2)
         return tf.reshape(vals, pos.shape.as_list()[:-1] + [d.size for d in extra])
 
-    return mtf.slicewise(fn, [mesh, positions], output_shape=out_shape,
+    return mtf.slicewise(fn, [mesh, positions] + ([] if donor is None else [donor]),
+                         output_shape=out_shape,
                          output_dtype=mesh.dtype, splittable_dims=positions.shape.dims[:2],
                          grad_function=_isolated_grad(fn, positions.shape.dims[:2], name),
                          name=name)
@@ -810,7 +826,8 @@ def paint_field(positions, conf, weight=None, name="paint_field", escape_checked
                                       _unreduced=True, escape_checked=escape_checked), conf)
 
 
-def readout_field(field, positions, conf, name="readout_field", escape_checked=False):
+def readout_field(field, positions, conf, name="readout_field", escape_checked=False,
+                  donor=None):
     """CIC-read a real-space field ``[x, y, z]`` (optionally followed by component
     dimensions, e.g. ``xyz``) at the particle positions.
 
@@ -818,14 +835,14 @@ def readout_field(field, positions, conf, name="readout_field", escape_checked=F
     blocks are padded (:func:`~flowpm_mtf.halo.field_to_padded`: one copy of the
     field per axis instead of three); the same values. The escape check runs
     before the halo exchange, as in :func:`cic_readout` (``escape_checked`` as in
-    :func:`cic_paint`).
+    :func:`cic_paint`; ``donor`` as in :func:`readout_padded`).
     """
     _check_particles(positions, name)
     _check_halo(conf, name)
     _check_components(field.shape.dims[3:], positions, name)
     if not escape_checked:
         field = _assert_none_escaped(field, escaped_count(positions, conf), name)
-    return _readout_filled(field_to_padded(field, conf), positions, conf, name)
+    return _readout_filled(field_to_padded(field, conf), positions, conf, name, donor)
 
 
 # ----------------------------------------------------------------------------- 2D planes

@@ -40,7 +40,7 @@ STAGE_RTOL = 1e-10
 """Relative tolerance for matching a requested scale factor to a stage."""
 
 
-def initial_state(state, conf, kernels, escape_checked=None):
+def initial_state(state, conf, kernels, escape_checked=None, donor=None):
     """The state the first kick starts from: the PM force at the initial positions.
 
     Parameters
@@ -56,6 +56,10 @@ def initial_state(state, conf, kernels, escape_checked=None):
         :func:`flowpm_mtf.nbody.kdk_step`. Default: ``state.stats is not None`` (the
         positions come straight out of a migration, e.g. the eulerian
         :func:`flowpm_mtf.lpt.lpt_init`).
+    donor : mtf.Tensor, optional
+        A buffer of the forces' shape the force's readout writes into where nothing else
+        holds it (:func:`flowpm_mtf.gravity.pm_forces`; the job's forces variable,
+        :func:`flowpm_mtf.donate.take`).
 
     Returns
     -------
@@ -67,7 +71,8 @@ def initial_state(state, conf, kernels, escape_checked=None):
         escape_checked = state.stats is not None
     return state._replace(forces=pm_forces(state.positions, conf, kernels,
                                            weights(state.ids, conf),
-                                           escape_checked=bool(escape_checked)))
+                                           escape_checked=bool(escape_checked),
+                                           donor=donor))
 
 
 def check_stages(stages):

@@ -217,3 +217,74 @@ def test_job_step_updates_in_place(grid):
                     for n, t in assigned.items():
                         took = [ptr[k][0] for k in takes if "step_take_" + n in k]
                         assert took and ptr[t.op.name][t.value_index] == took[0] != 0, n
+
+
+@needs_native
+@single
+def test_readout_into_donor():
+    """``FlowpmCicReadoutInto`` gives ``FlowpmCicReadout``'s values bit for bit, written into a
+    donor nothing else holds (the traced addresses), not into a held one (left unchanged);
+    its gradient is the readout's (none for the donor); a donor of another shape is
+    refused with one clear error."""
+    lib = native.load("cic_ops")
+    rng = np.random.RandomState(4)
+    b, px, py, nz, c, n, halo = 2, 8, 8, 6, 3, 50, 1
+    field = rng.randn(b, px, py, nz, c).astype(np.float32)
+    pos = (rng.rand(b, n, 3) * [px - 2 * halo - 1, py - 2 * halo - 1, nz]).astype(np.float32)
+    gift = rng.randn(b, n, c).astype(np.float32)
+    with tf.Graph().as_default(), tf.device("/cpu:0"):
+        f, p = tf.constant(field), tf.constant(pos)
+        ph = tf.placeholder(tf.float32, gift.shape)
+        free, held = ph * 1, ph * 2
+        plain = lib.flowpm_cic_readout(f, p, halo=halo)
+        into = lib.flowpm_cic_readout_into(f, p, free, halo=halo)
+        kept = lib.flowpm_cic_readout_into(f, p, held, halo=halo)
+        dy = tf.constant(rng.randn(b, n, c).astype(np.float32))
+        g_plain = tf.gradients(plain, [f, p], grad_ys=dy)
+        g_into = tf.gradients(into, [f, p, free], grad_ys=dy)
+        fetch = {"plain": plain, "into": into, "kept": kept, "held": held,
+                 "gp": g_plain, "gi": g_into[:2]}
+        with tf.Session() as sess:
+            vals, ptr = H.traced_buffers(sess, fetch, {ph: gift})
+            with pytest.raises(tf.errors.InvalidArgumentError, match="the donor must be"):
+                sess.run(lib.flowpm_cic_readout_into(f, p, ph[:, :-1], halo=halo), {ph: gift})
+    assert g_into[2] is None
+    assert ptr[into.op.name][0] == ptr[free.op.name][0] != 0
+    assert ptr[kept.op.name][0] != ptr[held.op.name][0]
+    assert np.max(np.abs(vals["plain"])) > 0.1
+    for key in ("into", "kept"):
+        np.testing.assert_array_equal(vals[key], vals["plain"])
+    np.testing.assert_array_equal(vals["held"], 2 * gift)
+    for a, w in zip(vals["gi"], vals["gp"]):
+        np.testing.assert_array_equal(a, w)
+
+
+@pytest.mark.parametrize("grid", H.HVD_GRIDS.get(H.SIZE, []), ids=lambda g: "%dx%d" % g)
+def test_job_first_force_into_the_forces_variable(grid):
+    """The job's first force (hvd backend, 1, 2 and 4 ranks) is the PM force of the ICs'
+    positions computed without a donor, bit for bit, and on one block it is read out into
+    the buffer the forces variable held (its zeros, taken): no fresh output."""
+    from flowpm_mtf import nbody, timeloop
+    from flowpm_mtf.jobs import nbody_run, runner
+    from hvd_mesh_impl.training import ancestors
+    with H.job_graph(grid) as (conf, impl, graph, mesh, sim):
+        ref = timeloop.initial_state(sim.variables._replace(forces=None), conf,
+                                     nbody.make_kernels(conf, mesh), escape_checked=True)
+        lowering = mtf.Lowering(graph, {mesh: impl})
+        ops = nbody_run.lower_simulation(sim, lowering)
+        got_t = lowering.export_to_tf_tensor(sim.variables.forces)
+        want_t = lowering.export_to_tf_tensor(ref.forces)
+        force_ops = ancestors([ops["init_force"]])
+        takes = [op for op in force_ops if op.type == "FlowpmTakeVariable"]
+        reads = [op for op in force_ops if op.type == "FlowpmCicReadoutInto"]
+        assert len(takes) == 1 and "take_forces" in takes[0].name and len(reads) == 1
+        with tf.Session(config=H.session_config("hvd", conf)) as sess:
+            runner.initialize_variables(sess)
+            sess.run(ops["init"])
+            want = sess.run(want_t)
+            _, ptr = H.traced_buffers(sess, ops["init_force"])
+            got = sess.run(got_t)
+    assert np.max(np.abs(want)) > 1e-3
+    np.testing.assert_array_equal(got, want)
+    if conf.n_ranks == 1:
+        assert ptr[reads[0].name][0] == ptr[takes[0].name][0] != 0

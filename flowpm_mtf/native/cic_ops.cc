@@ -8,6 +8,10 @@
 //       field[b, c] = sum_p w[b, p] K_c(pos[b, p])   (w = 1 when weights is empty)
 //   FlowpmCicReadout(field [B, px, py, nz, C], positions [B, n, 3], halo)
 //       -> values [B, n, C]:  values[b, p] = sum_c K_c(pos[b, p]) field[b, c]
+//   FlowpmCicReadoutInto(field, positions, donor [B, n, C], halo)
+//       FlowpmCicReadout written into the donor's buffer when nothing else holds it (e.g.
+//       a state variable's old value, flowpm_mtf.donate.take: the job's first PM force
+//       into the forces' zeros, no fresh output); the donor's values are not read.
 //   FlowpmCicReadoutGradPos(field [B, px, py, nz, C], positions [B, n, 3],
 //                           dvalues [B, n, C] or [0], halo) -> dpos [B, n, 3]
 //       dpos[b, p, a] = sum_C dv[b, p, C] sum_c dK_c/dx_a(pos[b, p]) field[b, c, C]
@@ -364,6 +368,7 @@ class CicReadoutOp : public OpKernel {
     int v;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("halo", &v));
     halo_ = v;
+    into_ = def().op() == "FlowpmCicReadoutInto";
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -374,7 +379,16 @@ class CicReadoutOp : public OpKernel {
     const i64 nb = pos.dim_size(0), n = pos.dim_size(1), C = field.dim_size(4);
     Geometry g{field.dim_size(1), field.dim_size(2), field.dim_size(3), C, halo_};
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({nb, n, C}), &out));
+    const TensorShape shape({nb, n, C});
+    if (into_) {   // FlowpmCicReadoutInto: the values in the donor's buffer if it is free
+      const Tensor& donor = ctx->input(2);
+      OP_REQUIRES(ctx, donor.shape() == shape,
+                  InvalidArgument("FlowpmCicReadoutInto: the donor must be ",
+                                  shape.DebugString(), ", got ", donor.shape().DebugString()));
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 0, shape, &out));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    }
     const T* P = pos.flat<T>().data();
     const T* F = field.flat<T>().data();
     T* V = out->flat<T>().data();
@@ -393,6 +407,7 @@ class CicReadoutOp : public OpKernel {
 
  private:
   i64 halo_;
+  bool into_;
 };
 
 // The position gradient of one particle (stencil ax, ay, az) from its block's field fb:
@@ -1364,6 +1379,15 @@ REGISTER_OP("FlowpmCicReadout")
     .Attr("halo: int >= 0")
     .SetShapeFn(readout_shape);
 
+REGISTER_OP("FlowpmCicReadoutInto")
+    .Input("field: T")
+    .Input("positions: T")
+    .Input("donor: T")
+    .Output("values: T")
+    .Attr("T: {float, double}")
+    .Attr("halo: int >= 0")
+    .SetShapeFn(readout_shape);
+
 REGISTER_OP("FlowpmCicReadoutGradPos")
     .Input("field: T")
     .Input("positions: T")
@@ -1496,6 +1520,7 @@ REGISTER_OP("FlowpmCicEscaped")
 
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicPaint", CicPaintOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadout", CicReadoutOp);
+FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutInto", CicReadoutOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGradPos", CicReadoutGradPosOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicReadoutGrad", CicReadoutGradOp);
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmCicEscaped", CicEscapedOp);
