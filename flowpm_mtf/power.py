@@ -337,9 +337,7 @@ class ShellSumsOperation(mtf.Operation):
         super().__init__([values] + kvec, name=name or "shell_sums")
         self._conf = conf
         self._edges = _check_edges(edges)
-        kbin = mtf.Shape([mtf.Dimension(KBIN, self._edges.size - 1)])
-        self._outputs = [mtf.Tensor(self, kbin, tf.float64), mtf.Tensor(self, kbin, tf.float64),
-                         mtf.Tensor(self, kbin, values.dtype)]
+        self._outputs = _shell_outputs(self, self._edges, values.dtype)
 
     @property
     def has_gradient(self):
@@ -380,6 +378,14 @@ def _slice_shell_sums(v, kx, ky, kz, edges):
                  for t in (tf.ones_like(k), k, v))
 
 
+def _shell_outputs(op, edges, dtype):
+    """The outputs of a shell-sum operation: modes and |k| sums (float64) and the values'
+    sums (``dtype``), each ``[kbin]``."""
+    kbin = mtf.Shape([mtf.Dimension(KBIN, edges.size - 1)])
+    return [mtf.Tensor(op, kbin, tf.float64), mtf.Tensor(op, kbin, tf.float64),
+            mtf.Tensor(op, kbin, dtype)]
+
+
 def _set_reduced(lowering, mesh_impl, outputs, outs, x):
     """The per-slice sums ``outs`` summed over the mesh axes that split ``x``, as ``outputs``."""
     axes = _reduced_mesh_axes(mesh_impl, x)
@@ -418,9 +424,7 @@ class PowerShellSumsOperation(mtf.Operation):
         super().__init__([field] + kvec, name=name)
         self._conf = conf
         self._edges = edges
-        kbin = mtf.Shape([mtf.Dimension(KBIN, edges.size - 1)])
-        self._outputs = [mtf.Tensor(self, kbin, tf.float64), mtf.Tensor(self, kbin, tf.float64),
-                         mtf.Tensor(self, kbin, field.dtype)]
+        self._outputs = _shell_outputs(self, edges, field.dtype)
 
     @property
     def has_gradient(self):

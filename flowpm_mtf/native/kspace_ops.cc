@@ -65,6 +65,28 @@ using ::tensorflow::errors::InvalidArgument;
   return ::tensorflow::OkStatus();
 }
 
+// The table (input 1) and its index vectors (inputs 2-4) of the radial ops: a rank-3 table,
+// vectors of nx, ny, nz indices, every index inside the table (as in a gather; checked
+// before any write).
+::tensorflow::Status check_table(const char* op, OpKernelContext* ctx, i64 nx, i64 ny, i64 nz) {
+  const Tensor& table = ctx->input(1);
+  if (table.dims() != 3)
+    return InvalidArgument(op, ": the table must be [ux, uy, uz], got ",
+                           table.shape().DebugString());
+  const i64 lens[3] = {nx, ny, nz};
+  const char* names[3] = {"ix", "iy", "iz"};
+  for (int d = 0; d < 3; ++d) {
+    TF_RETURN_IF_ERROR(check_axis(op, names[d], ctx->input(2 + d), lens[d]));
+    const int32_t* idx = ctx->input(2 + d).flat<int32_t>().data();
+    const i64 bound = table.dim_size(d);
+    for (i64 n = 0; n < lens[d]; ++n)
+      if (idx[n] < 0 || idx[n] >= bound)
+        return InvalidArgument(op, ": index ", idx[n], " of axis ", d,
+                               " is outside the table's ", bound, " entries");
+  }
+  return ::tensorflow::OkStatus();
+}
+
 // out = field * s(i, j, k) for a real s, cell by cell, in the field's memory when nothing
 // else holds it; parallel over (i, j) rows. row(i, j) returns the functor k -> s of a row.
 template <typename R, typename Row>
@@ -125,25 +147,12 @@ class RadialScaleOp : public OpKernel {
     const Tensor& field = ctx->input(0);
     const Tensor& table = ctx->input(1);
     OP_REQUIRES_OK(ctx, check_field(op, field));
-    OP_REQUIRES(ctx, table.dims() == 3,
-                InvalidArgument(op, ": the table must be [ux, uy, uz], got ",
-                                table.shape().DebugString()));
     const i64 nx = field.dim_size(0), ny = field.dim_size(1), nz = field.dim_size(2);
-    const i64 ux = table.dim_size(0), uy = table.dim_size(1), uz = table.dim_size(2);
-    OP_REQUIRES_OK(ctx, check_axis(op, "ix", ctx->input(2), nx));
-    OP_REQUIRES_OK(ctx, check_axis(op, "iy", ctx->input(3), ny));
-    OP_REQUIRES_OK(ctx, check_axis(op, "iz", ctx->input(4), nz));
+    OP_REQUIRES_OK(ctx, check_table(op, ctx, nx, ny, nz));
+    const i64 uy = table.dim_size(1), uz = table.dim_size(2);
     const int32_t* ix = ctx->input(2).flat<int32_t>().data();
     const int32_t* iy = ctx->input(3).flat<int32_t>().data();
     const int32_t* iz = ctx->input(4).flat<int32_t>().data();
-    // an index outside the table is an error, as in a gather (checked before any write)
-    const i64 lens[3] = {nx, ny, nz}, bounds[3] = {ux, uy, uz};
-    const int32_t* idx[3] = {ix, iy, iz};
-    for (int d = 0; d < 3; ++d)
-      for (i64 n = 0; n < lens[d]; ++n)
-        OP_REQUIRES(ctx, idx[d][n] >= 0 && idx[d][n] < bounds[d],
-                    InvalidArgument(op, ": index ", idx[d][n], " of axis ", d,
-                                    " is outside the table's ", bounds[d], " entries"));
     const R* tab = table.flat<R>().data();
     scale_field<R>(ctx, field, 4, [=](i64 i, i64 j) {
       const R* line = tab + (static_cast<i64>(ix[i]) * uy + iy[j]) * uz;
@@ -166,28 +175,16 @@ class RadialScaleHalfOp : public OpKernel {
     const Tensor& table = ctx->input(1);
     const Tensor& firsts = ctx->input(5);
     OP_REQUIRES_OK(ctx, check_field(op, field));
-    OP_REQUIRES(ctx, table.dims() == 3,
-                InvalidArgument(op, ": the table must be [ux, uy, uz], got ",
-                                table.shape().DebugString()));
     OP_REQUIRES(ctx, firsts.NumElements() == 2,
                 InvalidArgument(op, ": firsts must hold 2 values"));
     const i64 nx = field.dim_size(0), ly = field.dim_size(1), h = field.dim_size(2);
     OP_REQUIRES(ctx, nx % 2 == 0 && ly % 2 == 0,
                 InvalidArgument(op, ": the kx and ky extents must be even, got ", nx, ", ", ly));
-    const i64 ux = table.dim_size(0), uy = table.dim_size(1), uz = table.dim_size(2);
-    OP_REQUIRES_OK(ctx, check_axis(op, "ix", ctx->input(2), nx));
-    OP_REQUIRES_OK(ctx, check_axis(op, "iy", ctx->input(3), ly));
-    OP_REQUIRES_OK(ctx, check_axis(op, "iz", ctx->input(4), 2 * h));
+    OP_REQUIRES_OK(ctx, check_table(op, ctx, nx, ly, 2 * h));
+    const i64 uy = table.dim_size(1), uz = table.dim_size(2);
     const int32_t* ix = ctx->input(2).flat<int32_t>().data();
     const int32_t* iy = ctx->input(3).flat<int32_t>().data();
     const int32_t* iz = ctx->input(4).flat<int32_t>().data();
-    const i64 lens[3] = {nx, ly, 2 * h}, bounds[3] = {ux, uy, uz};
-    const int32_t* idx[3] = {ix, iy, iz};
-    for (int d = 0; d < 3; ++d)
-      for (i64 n = 0; n < lens[d]; ++n)
-        OP_REQUIRES(ctx, idx[d][n] >= 0 && idx[d][n] < bounds[d],
-                    InvalidArgument(op, ": index ", idx[d][n], " of axis ", d,
-                                    " is outside the table's ", bounds[d], " entries"));
     const auto f = firsts.flat<int32_t>();
     const bool first_y = f(0) != 0, first_z = f(1) != 0;
     Tensor* out = nullptr;

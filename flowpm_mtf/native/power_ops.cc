@@ -42,6 +42,36 @@
 
 namespace {
 
+// The shell of |k| among the edges E[0..nb], starting from the guess b (the previous
+// cell's; along z mostly the same one): -1 outside every shell or at k = 0.
+inline i64 shell_of(const double* E, i64 nb, double k, i64* b) {
+  if (k >= E[nb] || k < E[0]) return -1;
+  if (!(E[*b] <= k && k < E[*b + 1])) *b = (std::upper_bound(E, E + nb + 1, k) - E) - 1;
+  return k == 0.0 ? -1 : *b;
+}
+
+// The outputs from the per x plane sums (modes, ksum, vsum of each shell: 3 nb doubles per
+// plane), the planes added in x order: independent of the thread count.
+template <typename T>
+void sum_planes(const std::vector<double>& planes, i64 lx, i64 nb, Tensor* modes, Tensor* ksum,
+                Tensor* vsum) {
+  double* M = modes->flat<double>().data();
+  double* K = ksum->flat<double>().data();
+  T* P = vsum->flat<T>().data();
+  std::vector<double> p(nb, 0.0);
+  std::fill(M, M + nb, 0.0);
+  std::fill(K, K + nb, 0.0);
+  for (i64 i = 0; i < lx; ++i) {
+    const double* s = planes.data() + i * 3 * nb;
+    for (i64 b = 0; b < nb; ++b) {
+      M[b] += s[b];
+      K[b] += s[nb + b];
+      p[b] += s[2 * nb + b];
+    }
+  }
+  for (i64 b = 0; b < nb; ++b) P[b] = static_cast<T>(p[b]);
+}
+
 template <typename T>
 class ShellSumsOp : public OpKernel {
  public:
@@ -84,44 +114,21 @@ class ShellSumsOp : public OpKernel {
         for (i64 j = 0; j < ly; ++j) {
           const double kxy = kx2 + KY[j] * KY[j];
           const T* row = V + (i * ly + j) * lz;
-          i64 b = 0;  // the previous cell's shell: along z, mostly the same one
+          i64 b = 0;
           for (i64 l = 0; l < lz; ++l) {
             const double k = std::sqrt(kxy + kz2[l]);
-            if (k >= E[nb] || k < E[0]) continue;  // outside every shell
-            if (!(E[b] <= k && k < E[b + 1])) b = (std::upper_bound(E, E + nb + 1, k) - E) - 1;
-            if (k == 0.0) continue;
-            s[b] += 1.0;
-            s[nb + b] += k;
-            s[2 * nb + b] += static_cast<double>(row[l]);
+            const i64 sb = shell_of(E, nb, k, &b);
+            if (sb < 0) continue;
+            s[sb] += 1.0;
+            s[nb + sb] += k;
+            s[2 * nb + sb] += static_cast<double>(row[l]);
           }
         }
       }
     });
-    double* M = modes->flat<double>().data();
-    double* K = ksum->flat<double>().data();
-    T* P = vsum->flat<T>().data();
-    std::vector<double> p(nb, 0.0);
-    std::fill(M, M + nb, 0.0);
-    std::fill(K, K + nb, 0.0);
-    for (i64 i = 0; i < lx; ++i) {  // x order: independent of the thread count
-      const double* s = planes.data() + i * 3 * nb;
-      for (i64 b = 0; b < nb; ++b) {
-        M[b] += s[b];
-        K[b] += s[nb + b];
-        p[b] += s[2 * nb + b];
-      }
-    }
-    for (i64 b = 0; b < nb; ++b) P[b] = static_cast<T>(p[b]);
+    sum_planes<T>(planes, lx, nb, modes, ksum, vsum);
   }
 };
-
-// The shell of |k| among the edges E[0..nb], starting from the guess b (the previous
-// cell's): -1 outside every shell or at k = 0.
-inline i64 shell_of(const double* E, i64 nb, double k, i64* b) {
-  if (k >= E[nb] || k < E[0]) return -1;
-  if (!(E[*b] <= k && k < E[*b + 1])) *b = (std::upper_bound(E, E + nb + 1, k) - E) - 1;
-  return k == 0.0 ? -1 : *b;
-}
 
 template <typename R>
 class ShellSumsHalfOp : public OpKernel {
@@ -202,21 +209,7 @@ class ShellSumsHalfOp : public OpKernel {
         }
       }
     });
-    double* M = modes->flat<double>().data();
-    double* K = ksum->flat<double>().data();
-    R* P = vsum->flat<R>().data();
-    std::vector<double> p(nb, 0.0);
-    std::fill(M, M + nb, 0.0);
-    std::fill(K, K + nb, 0.0);
-    for (i64 i = 0; i < lx; ++i) {  // x order: independent of the thread count
-      const double* s = planes.data() + i * 3 * nb;
-      for (i64 b = 0; b < nb; ++b) {
-        M[b] += s[b];
-        K[b] += s[nb + b];
-        p[b] += s[2 * nb + b];
-      }
-    }
-    for (i64 b = 0; b < nb; ++b) P[b] = static_cast<R>(p[b]);
+    sum_planes<R>(planes, lx, nb, modes, ksum, vsum);
   }
 };
 
