@@ -66,9 +66,11 @@ FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 10, "nbody_step": 3}
 REAL_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 3, "nbody_step": 1}
 # The real-space path (flowpm_mtf.gravity.force_field_of_potential, flowpm_mtf.lpt_source):
 # every field comes from a potential by one real inverse transform and differences, so
-# every transform is real: LPT noise r2c + linear c2r + phi1 c2r + source r2c + phi2 c2r
-# = 5; step r2c + c2r = 2.
-REAL_SPACE_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 5, "nbody_step": 2}
+# every transform is real. LPT: the linear field's noise r2c and c2r (lowered with it,
+# though the potentials do not use them), and two radial filters of a forward and an
+# inverse transform each (flowpm_mtf.radial_filter: the noise to phi1, the 2LPT source to
+# phi2) = 6; step r2c + c2r = 2.
+REAL_SPACE_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 6, "nbody_step": 2}
 
 
 def real_space_paths(nc, grid, halo):

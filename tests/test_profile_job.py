@@ -43,7 +43,9 @@ def test_profile_records_ics_and_traced_steps(tmp_path):
     kinds = {name: {k for k, _, _ in runs[name]["ops"]} for name in
              ("ICs: 2LPT state", "ICs: first force", "step 2", "step 3")}
     assert "FlowpmLpt2Source" in kinds["ICs: 2LPT state"]
-    for name in ("ICs: first force", "step 2", "step 3"):
+    # the first force is read out into the forces variable's zeros (FlowpmCicReadoutInto)
+    assert {"FlowpmCicPaint", "FlowpmCicReadoutInto"} <= kinds["ICs: first force"]
+    for name in ("step 2", "step 3"):
         assert {"FlowpmCicPaint", "FlowpmCicReadout"} <= kinds[name]
     for name in kinds:
         r = runs[name]
@@ -52,9 +54,10 @@ def test_profile_records_ics_and_traced_steps(tmp_path):
         assert sum(t for _, t, _ in r["ops"]) > 0
         assert len(r["top"]) >= 1
     # the other runs, kept from 0 s, traced: the final fetch's P(k) shell sums among them
+    # (on the half spectrum of the density: FlowpmShellSumsHalf)
     others = [r for r in rec["runs"] if r["run"] == "other"]
     assert others and all("ops" in r for r in others)
-    assert any(k == "FlowpmShellSums" for r in others for k, _, _ in r["ops"])
+    assert any(k == "FlowpmShellSumsHalf" for r in others for k, _, _ in r["ops"])
     assert rec["allocator"] in ("tcmalloc", "tf", "lean")
     with open(os.path.join(out, "profile_job.md")) as f:
         md = f.read()
