@@ -213,6 +213,18 @@ class ShellSumsHalfOp : public OpKernel {
   }
 };
 
+// The shape function of both shell-sum ops: a rank-3 field, edges [nb + 1] (input 4) ->
+// three vectors [nb].
+::tensorflow::Status shell_sums_shape(InferenceContext* c) {
+  ShapeHandle v, e;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &v));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &e));
+  DimensionHandle nb;
+  TF_RETURN_IF_ERROR(c->Subtract(c->Dim(e, 0), 1, &nb));
+  for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(nb));
+  return ::tensorflow::OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("FlowpmShellSumsHalf")
@@ -227,15 +239,7 @@ REGISTER_OP("FlowpmShellSumsHalf")
     .Output("vsum: T")
     .Attr("C: {complex64, complex128}")
     .Attr("T: {float, double}")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle v, e;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &v));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &e));
-      DimensionHandle nb;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(e, 0), 1, &nb));
-      for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(nb));
-      return ::tensorflow::OkStatus();
-    });
+    .SetShapeFn(shell_sums_shape);
 
 REGISTER_KERNEL_BUILDER(Name("FlowpmShellSumsHalf")
                             .Device(DEVICE_CPU)
@@ -258,14 +262,6 @@ REGISTER_OP("FlowpmShellSums")
     .Output("ksum: float64")
     .Output("vsum: T")
     .Attr("T: {float, double}")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle v, e;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &v));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 1, &e));
-      DimensionHandle nb;
-      TF_RETURN_IF_ERROR(c->Subtract(c->Dim(e, 0), 1, &nb));
-      for (int i = 0; i < 3; ++i) c->set_output(i, c->Vector(nb));
-      return ::tensorflow::OkStatus();
-    });
+    .SetShapeFn(shell_sums_shape);
 
 FLOWPM_REGISTER_FLOAT_KERNELS("FlowpmShellSums", ShellSumsOp);
