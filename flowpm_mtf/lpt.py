@@ -384,7 +384,9 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
     ----------
     potentials : list of (mtf.Tensor, int)
         ``N`` potentials [(Mpc/h)^2] on padded blocks ``[bx, by, sx + 2 m, sy + 2 m, z]``
-        (:func:`flowpm_mtf.lpt_source.padded_potential`), each with its margin ``m`` >= 2.
+        (:func:`flowpm_mtf.lpt_source.padded_potential`), each with its margin ``m`` >= 2,
+        or, where one block holds the whole mesh along x and y, unpadded with ``m`` = 0
+        (read periodically; :func:`flowpm_mtf.lpt_source.potential_blocks`).
     coeffs : sequence of sequences of float
         ``M`` rows of ``N`` coefficients (:func:`lpt_coefficients`), rounded to
         ``conf.dtype``.
@@ -420,10 +422,12 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
     m_out = cvals.shape[0]
     sx, sy, nz = conf.block_shape
     for b, m in potentials:
-        if m < gravity.GRADIENT_REACH or b.shape.to_integer_list[2:] != [sx + 2 * m,
-                                                                          sy + 2 * m, nz]:
+        if ((m < gravity.GRADIENT_REACH and not (m == 0 and lpt_source.one_block(conf)))
+                or b.shape.to_integer_list[2:] != [sx + 2 * m, sy + 2 * m, nz]):
             raise ValueError("lattice_combine_potentials: a potential of shape %s with margin "
-                             "%d for blocks %s" % (b.shape, m, conf.block_shape))
+                             "%d for blocks %s (margins >= %d, or 0 for one block holding "
+                             "the whole mesh along x and y)"
+                             % (b.shape, m, conf.block_shape, gravity.GRADIENT_REACH))
     wrap = [0.0, 0.0, 0.0] if wrap is None else [float(w) for w in wrap]
     if len(wrap) != 3 or min(wrap) < 0 or (any(wrap) and lattice_output < 0):
         raise ValueError("lattice_combine_potentials: wrap must be 3 sizes >= 0 and needs a "
@@ -609,16 +613,18 @@ def _linear_potential(linear, conf, kernels):
                                        name="lpt_phi1")
 
 
-def _second_potential(blocks1, conf, deps=()):
-    r""":math:`\phi^{(2)}` on blocks padded by ``GRADIENT_REACH``, from :math:`\phi^{(1)}` on
-    blocks padded by ``SOURCE_REACH``: the radial filter :math:`1 / k^2` of the 2LPT source
-    (:mod:`flowpm_mtf.radial_filter`), whose forward FFT runs after ``deps``."""
-    source = lpt_source.source(blocks1, conf, name="lpt1_source")
+def _second_potential(first, conf, deps=()):
+    r"""``(blocks, margin)`` of :math:`\phi^{(2)}` for the displacement's reach
+    (:func:`flowpm_mtf.lpt_source.potential_blocks`), from ``(blocks, margin)`` of
+    :math:`\phi^{(1)}` for the source's: the radial filter :math:`1 / k^2` of the 2LPT
+    source (:mod:`flowpm_mtf.radial_filter`), whose forward FFT runs after ``deps``."""
+    blocks1, margin1 = first
+    source = lpt_source.source(blocks1, conf, margin1, name="lpt1_source")
     if deps:
         source = after(source, list(deps), name="lpt2_source_after")
     phi2 = radial_filter.radial_filter(source, conf, radial_filter.inverse_laplace_values,
                                        name="lpt_phi2")
-    return lpt_source.padded_potential(phi2, conf, lpt_source.GRADIENT_REACH)
+    return lpt_source.potential_blocks(phi2, conf, lpt_source.GRADIENT_REACH)
 
 
 def _displacements_real_space(linear, conf, order, kernels):
@@ -628,23 +634,25 @@ def _displacements_real_space(linear, conf, order, kernels):
     reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
     phi1 = _linear_potential(linear, conf, kernels)
     if order == 1:
-        blocks = lpt_source.padded_potential(phi1, conf, reach)
-        return [lpt_source.displacement(blocks, conf, reach, name="lpt_psi1")]
-    blocks1 = lpt_source.padded_potential(phi1, conf, wide)
-    psi1 = lpt_source.displacement(blocks1, conf, wide, name="lpt1_psi1")
-    blocks2 = _second_potential(blocks1, conf, [psi1])
-    return [psi1, lpt_source.displacement(blocks2, conf, reach, name="lpt_psi2")]
+        blocks, margin = lpt_source.potential_blocks(phi1, conf, reach)
+        return [lpt_source.displacement(blocks, conf, margin, name="lpt_psi1")]
+    first = lpt_source.potential_blocks(phi1, conf, wide)
+    psi1 = lpt_source.displacement(first[0], conf, first[1], name="lpt1_psi1")
+    blocks2, margin2 = _second_potential(first, conf, [psi1])
+    return [psi1, lpt_source.displacement(blocks2, conf, margin2, name="lpt_psi2")]
 
 
 def _potentials_real_space(linear, conf, order, kernels):
-    """The potentials of :func:`_displacements_real_space` on padded blocks, with their
-    margins, for :func:`lattice_combine_potentials`: ``[(blocks, margin), ...]``."""
+    """The potentials of :func:`_displacements_real_space` on blocks, with their margins,
+    for :func:`lattice_combine_potentials`: ``[(blocks, margin), ...]``
+    (:func:`flowpm_mtf.lpt_source.potential_blocks`: padded, or one unpadded block read
+    periodically, margin 0)."""
     reach, wide = lpt_source.GRADIENT_REACH, lpt_source.SOURCE_REACH
     phi1 = _linear_potential(linear, conf, kernels)
     if order == 1:
-        return [(lpt_source.padded_potential(phi1, conf, reach), reach)]
-    blocks1 = lpt_source.padded_potential(phi1, conf, wide)
-    return [(blocks1, wide), (_second_potential(blocks1, conf), reach)]
+        return [lpt_source.potential_blocks(phi1, conf, reach)]
+    first = lpt_source.potential_blocks(phi1, conf, wide)
+    return [first, _second_potential(first, conf)]
 
 
 def lpt_coefficients(conf, a, order=None):

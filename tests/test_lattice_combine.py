@@ -193,7 +193,9 @@ def test_ids_in_tile_order(case):
 POT_CASES = [((1, 16, 16, 32), (16, 16, 16), (4, 2), 2, 0),
              ((2, 8, 4, 12), (8, 4, 4), (4, 2), 3, 0),
              ((1, 6, 10, 4), (2, 2, 4), (2, 3), 1, -1),
-             ((3, 4, 4, 7), (1, 1, 1), (2,), 2, 1)]
+             ((3, 4, 4, 7), (1, 1, 1), (2,), 2, 1),
+             ((1, 16, 8, 32), (16, 8, 16), (0, 0), 2, 0),      # one block, read periodically
+             ((2, 3, 6, 4), (1, 2, 4), (0,), 1, 0)]
 GRAD_COEFFS = np.array([0.21, -1.3, 0.6])
 
 
@@ -263,6 +265,27 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
     scale = sum(np.sum(np.abs(j.astype(np.float64) * d)) for j, d in zip(jv, dys))
     assert abs(lhs - rhs) <= (1e-5 if dtype == np.float32 else 1e-12) * scale, (lhs, rhs)
     assert gravity.GRADIENT_REACH == 2
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_potentials_periodic_equals_padded(dtype):
+    """Margins 0 (one block holding the whole mesh, read periodically) give the bits of
+    margins (4, 2) on the same potentials padded by their own cells."""
+    lib = native.load("lpt_ops")
+    rng = np.random.RandomState(11)
+    phis = _potentials((2, 8, 16, 16), (0, 0), dtype, rng)
+    kw = dict(tile=[8, 8, 4], M=2, lattice_output=0, wrap=[8.0, 16.0, 16.0])
+    g, cf = GRAD_COEFFS.astype(dtype), COEFFS[:2, :2].astype(dtype)
+    pads = [np.pad(p, [(0, 0), (m, m), (m, m), (0, 0)], mode="wrap") for p, m in
+            zip(phis, (4, 2))]
+    with tf.Graph().as_default(), tf.Session() as sess:
+        periodic = lib.flowpm_lattice_combine_potentials(phis, g, cf, [], margins=[0, 0], **kw)
+        padded = lib.flowpm_lattice_combine_potentials(pads, g, cf, [], margins=[4, 2], **kw)
+        got, want = sess.run([periodic, padded])
+    for a, b in zip(got, want):
+        assert np.max(np.abs(b)) > 0.1
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")

@@ -41,10 +41,12 @@ def _wrap_pad(periodic, m):
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 @pytest.mark.parametrize("margin,shape", [(4, (2, 6, 7, 5)), (4, (1, 5, 4, 9)),
-                                          (5, (1, 4, 6, 3)), (4, (1, 8, 5, 1))])
+                                          (5, (1, 4, 6, 3)), (4, (1, 8, 5, 1)),
+                                          (0, (2, 6, 7, 5)), (0, (1, 3, 9, 4))])
 def test_source_native_tf_numpy(margin, shape):
-    """FlowpmLpt2Source and source_tf on a periodic field padded by its own cells against
-    the spectral numpy source (axes shorter than the stencil's reach of 4 included);
+    """FlowpmLpt2Source and source_tf on a periodic field padded by its own cells (margin
+    0: the field itself, read periodically) against the spectral numpy source (axes
+    shorter than the stencil's reach of 4 included);
     the registered gradient against the twin's TensorFlow gradient, and against central
     differences, which are exact for a quadratic map: S(p + v) - S(p - v) = 2 dS(p)[v]."""
     lib = native.load("lpt_ops")
@@ -75,8 +77,38 @@ def test_source_native_tf_numpy(margin, shape):
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_source_periodic_equals_padded(dtype):
+    """Margin 0 (one block, read periodically) is margin 4 on the field padded by its own
+    cells, bit for bit; its gradient is the padded gradient with its margins folded back
+    onto the cells they copy (the transpose of the padding), to rounding."""
+    lib = native.load("lpt_ops")
+    rng = np.random.RandomState(7)
+    periodic = rng.randn(2, 12, 10, 8).astype(dtype)
+    coeffs = (np.array([0.4, -1.1, 0.7]) / 12).astype(dtype)
+    dy = rng.randn(*periodic.shape).astype(dtype)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        p, padded = tf.constant(periodic), tf.constant(_wrap_pad(periodic, 4))
+        c, y = tf.constant(coeffs), tf.constant(dy)
+        s0, s4 = lib.flowpm_lpt2_source(p, c, margin=0), lib.flowpm_lpt2_source(padded, c,
+                                                                                margin=4)
+        g0, = tf.gradients(s0, [p], grad_ys=[y])
+        g4, = tf.gradients(s4, [padded], grad_ys=[y])
+        got0, got4, gr0, gr4 = sess.run([s0, s4, g0, g4])
+    np.testing.assert_array_equal(got0, got4)
+    assert np.max(np.abs(got0)) > 0.1
+    folded = np.zeros(periodic.shape, np.float64)
+    nx, ny = periodic.shape[1:3]
+    for i in range(nx + 8):
+        for j in range(ny + 8):
+            folded[:, (i - 4) % nx, (j - 4) % ny] += gr4[:, i, j]
+    tol = (1e-5 if dtype == np.float32 else 1e-13) * np.max(np.abs(folded))
+    np.testing.assert_allclose(gr0, folded, rtol=0, atol=tol)
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 def test_source_rejects_bad_input():
-    """A margin below the reach of 4, a potential not larger than its margins and a wrong
+    """A margin below the reach of 4 (other than 0), a potential not larger than its margins and a wrong
     weight shape are refused with one clear line each."""
     lib = native.load("lpt_ops")
     with tf.Graph().as_default():

@@ -8,11 +8,13 @@
 //       along axis d: the four-point difference of flowpm_mtf.kernels, whose transfer
 //       function is the gradient kernel i k~_d, so h_ij is the Hessian of the k-space path
 //       (-k~_i k~_j) to rounding. z periodic; x and y read inside the array (margin >= 4,
-//       the reach of D_i D_i: a block padded by at least 4 cells).
+//       the reach of D_i D_i: a block padded by at least 4 cells) or periodic (margin 0:
+//       one block holding the whole mesh along x and y, no padded copy of it).
 //   FlowpmLpt2SourceGrad(phi, sbar [B, ax - 2 margin, ay - 2 margin, nz], coeffs, margin)
 //       -> phibar [B, ax, ay, nz]: the gradient of FlowpmLpt2Source,
 //       phibar = sum_ij D_i D_j (sbar dS/dh_ij), the weights extended by zeros beyond the
-//       output (D_i D_j is its own transpose: D is antisymmetric). Two passes: the six
+//       output (periodically for margin 0; D_i D_j is its own transpose: D is
+//       antisymmetric). Two passes: the six
 //       weight fields (a temporary of 6 output fields), then the same stencil on them.
 //   FlowpmLatticeCombine(inputs N x [B, sx, sy, nz, C], coeffs [M, N], tile [3],
 //                        lattice_output) -> M x [B, sx sy nz, C]: the LPT state of the
@@ -32,7 +34,9 @@
 //   FlowpmLatticeCombinePotentials(phis N x [B, sx + 2 margins[n], sy + 2 margins[n], nz],
 //       grad_coeffs [3], coeffs [M, N], tile, margins, lattice_output) -> M x [B, sx sy nz,
 //       3]: FlowpmLatticeCombine of the displacements FlowpmGradient(phis[n], grad_coeffs,
-//       margins[n]), the same bits, without making them: one pass over (block, tile row)
+//       margins[n]) (margin >= 2: inside the array; 0: periodic along x and y, the
+//       potential of one block holding the whole mesh, unpadded), the same bits, without
+//       making them: one pass over (block, tile row)
 //       units, each unit's differences in a per-thread scratch (no 3-component field is
 //       written and read back: at 512^3 the 2LPT ICs' two displacements are 3.2 GB). Its
 //       gradient (flowpm_mtf/lpt.py) is FlowpmLatticeCombineGrad, then the transpose of
@@ -61,6 +65,23 @@ namespace {
 constexpr int O4[4] = {-2, -1, 1, 2};
 constexpr double W4[4] = {1, -8, 8, -1};
 constexpr double V9[9] = {1, -16, 64, 16, -130, 16, 64, -16, 1};
+
+// The index of position v along an axis of n cells: v mod n when `periodic` (margin 0: the
+// stencils read one block holding the whole mesh along x and y), else v itself (inside the
+// padded array). A table over v in [-kReach, n + kReach): no division per column read.
+class Axis {
+ public:
+  static constexpr i64 kReach = 8;
+  Axis(i64 n, bool periodic) : periodic_(periodic) {
+    if (periodic)
+      for (i64 v = -kReach; v < n + kReach; ++v) wrap_.push_back(((v % n) + n) % n);
+  }
+  i64 operator()(i64 v) const { return periodic_ ? wrap_[v + kReach] : v; }
+
+ private:
+  bool periodic_;
+  std::vector<i64> wrap_;
+};
 
 // The six fields a second-difference stencil reads (the same one, phi, in the forward
 // op; the six weights in its gradient) at the columns around one (x, y): xx[s] at x + s
@@ -188,6 +209,14 @@ inline ::tensorflow::Status check_inputs(const char* op, const Tensor& phi, cons
   return ::tensorflow::OkStatus();
 }
 
+// The source's margin: 0 (periodic) or at least the reach of D_i D_i, 4.
+inline ::tensorflow::Status check_margin(const char* op, int m) {
+  if (m != 0 && m < 4)
+    return InvalidArgument(op, ": margin must be 0 (periodic) or >= 4 (the reach of D_i D_i), "
+                           "got ", m);
+  return ::tensorflow::OkStatus();
+}
+
 // column(base, h) for every output column of phi [B, ax, ay, nz] with margins m: base is
 // the index of its first cell in [B, ax - 2m, ay - 2m, nz], h[f * nz + k] its six second
 // differences with the coefficients applied, {xx, yy, zz, xy, xz, yz}; parallel over
@@ -198,13 +227,14 @@ void for_each_hessian(OpKernelContext* ctx, const Tensor& phi, i64 m, const T q[
   const i64 nb = phi.dim_size(0), ax = phi.dim_size(1), ay = phi.dim_size(2),
             nz = phi.dim_size(3), sx = ax - 2 * m, sy = ay - 2 * m;
   const T* P = phi.flat<T>().data();
+  const Axis wx(ax, m == 0), wy(ay, m == 0);
   shard(ctx, nb * sx, sy * nz * cost, [&](int64_t begin, int64_t end) {
     Columns<T> c;
     ColumnScratch<T> s(nz);
     T* h = s.h.data();
     for (i64 r = begin; r < end; ++r) {
       const i64 b = r / sx, i = r % sx;
-      auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + x) * ay + y) * nz; };
+      auto col = [&](int, i64 x, i64 y) { return P + ((b * ax + wx(x)) * ay + wy(y)) * nz; };
       for (i64 j = 0; j < sy; ++j) {
         gather_columns<T>(col, i + m, j + m, &c);
         second_differences<T>(c, &s);
@@ -221,6 +251,7 @@ class Lpt2SourceOp : public OpKernel {
  public:
   explicit Lpt2SourceOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+    OP_REQUIRES_OK(ctx, check_margin("FlowpmLpt2Source", margin_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -254,6 +285,7 @@ class Lpt2SourceGradOp : public OpKernel {
  public:
   explicit Lpt2SourceGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("margin", &margin_));
+    OP_REQUIRES_OK(ctx, check_margin("FlowpmLpt2SourceGrad", margin_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -295,8 +327,10 @@ class Lpt2SourceGradOp : public OpKernel {
         for (i64 k = 0; k < nz; ++k) wf[k] = T(-2) * g[k] * hf[k] * q[f];
       }
     });
-    // 2. phibar = the same stencil on the weights, zero beyond the output cells
+    // 2. phibar = the same stencil on the weights, zero beyond the output cells (margin 0:
+    // the weights periodic, the output cells are the input's)
     const std::vector<T> zeros(nz, T(0));
+    const Axis wx(sx, m == 0), wy(sy, m == 0);
     shard(ctx, nb * ax, ay * nz * 200, [&](int64_t begin, int64_t end) {
       Columns<T> c;
       ColumnScratch<T> s(nz);
@@ -304,7 +338,7 @@ class Lpt2SourceGradOp : public OpKernel {
       for (i64 r = begin; r < end; ++r) {
         const i64 b = r / ax, x0 = r % ax;
         auto col = [&](int f, i64 x, i64 y) -> const T* {
-          const i64 i = x - m, j = y - m;
+          const i64 i = wx(x - m), j = wy(y - m);
           if (i < 0 || i >= sx || j < 0 || j >= sy) return zeros.data();
           return Wt + f * field + ((b * sx + i) * sy + j) * nz;
         };
@@ -562,12 +596,14 @@ class LatticeCombineGradOp : public OpKernel {
 // another) as FlowpmLatticeCombine writes them. No displacement field is ever made.
 
 // The four-point difference (four_point_column, tf_op.h) of column (x, y) of block b of
-// phi [B, ax, ay, nz] (input indices; x, y read inside the array), coefficients c[3],
+// phi [B, ax, ay, nz] (input indices; x, y read inside the array, or periodically),
+// coefficients c[3],
 // written to o[3 k + d].
 template <typename T>
 inline void difference_column(const T* P, i64 ax, i64 ay, i64 nz, i64 b, i64 x, i64 y,
-                              const T c[3], const std::vector<i64>& zi, T* o) {
-  auto col = [&](i64 xx, i64 yy) { return P + ((b * ax + xx) * ay + yy) * nz; };
+                              const Axis& wx, const Axis& wy, const T c[3],
+                              const std::vector<i64>& zi, T* o) {
+  auto col = [&](i64 xx, i64 yy) { return P + ((b * ax + wx(xx)) * ay + wy(yy)) * nz; };
   const T* xs[4] = {col(x - 2, y), col(x - 1, y), col(x + 1, y), col(x + 2, y)};
   const T* ys[4] = {col(x, y - 2), col(x, y - 1), col(x, y + 1), col(x, y + 2)};
   four_point_column<T>(xs, ys, col(x, y), nz, c, zi, o);
@@ -605,9 +641,10 @@ class LatticeCombinePotentialsOp : public OpKernel {
     OP_REQUIRES(ctx, lattice_ >= 0 || (wrap[0] == 0 && wrap[1] == 0 && wrap[2] == 0),
                 InvalidArgument("FlowpmLatticeCombinePotentials: wrap needs a lattice_output"));
     for (int mg : margins_)
-      OP_REQUIRES(ctx, mg >= 2,
+      OP_REQUIRES(ctx, mg >= 2 || mg == 0,
                   InvalidArgument("FlowpmLatticeCombinePotentials: margins must be >= 2 (the "
-                                  "difference reads inside the array), got ", mg));
+                                  "difference reads inside the array) or 0 (periodic), got ",
+                                  mg));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -673,6 +710,11 @@ class LatticeCombinePotentialsOp : public OpKernel {
     for (i64 e = 0; e < M * N; ++e) c[e] = cf.flat<T>()(e);
     const std::vector<i64> zi = z_neighbours(nz);
     const std::vector<int> margins = margins_;
+    std::vector<Axis> axes;   // x and y of each potential
+    for (int n = 0; n < N; ++n) {
+      axes.emplace_back(phis[n].dim_size(1), margins[n] == 0);
+      axes.emplace_back(phis[n].dim_size(2), margins[n] == 0);
+    }
     const int lat = lattice_;
     const T* size = size_;
     const T* below = below_;
@@ -692,7 +734,8 @@ class LatticeCombinePotentialsOp : public OpKernel {
           for (i64 ii = 0; ii < t.tx; ++ii)
             for (i64 jj = 0; jj < t.ty; ++jj)
               difference_column<T>(src[n], p.dim_size(1), p.dim_size(2), nz, b,
-                                   I * t.tx + ii + mg, J * t.ty + jj + mg, g, zi,
+                                   I * t.tx + ii + mg, J * t.ty + jj + mg, axes[2 * n],
+                                   axes[2 * n + 1], g, zi,
                                    scratch.data() + n * unit + (ii * t.ty + jj) * nz * C);
         }
         for (i64 ii = 0; ii < t.tx; ++ii)
@@ -734,10 +777,11 @@ REGISTER_OP("FlowpmLpt2Source")
     .Input("coeffs: T")
     .Output("source: T")
     .Attr("T: {float, double}")
-    .Attr("margin: int >= 4")
+    .Attr("margin: int >= 0")
     .SetShapeFn([](InferenceContext* c) {
       int m;
       TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      TF_RETURN_IF_ERROR(check_margin("FlowpmLpt2Source", m));
       ShapeHandle phi;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 4, &phi));
       DimensionHandle sx, sy;
@@ -753,8 +797,11 @@ REGISTER_OP("FlowpmLpt2SourceGrad")
     .Input("coeffs: T")
     .Output("phibar: T")
     .Attr("T: {float, double}")
-    .Attr("margin: int >= 4")
+    .Attr("margin: int >= 0")
     .SetShapeFn([](InferenceContext* c) {
+      int m;
+      TF_RETURN_IF_ERROR(c->GetAttr("margin", &m));
+      TF_RETURN_IF_ERROR(check_margin("FlowpmLpt2SourceGrad", m));
       c->set_output(0, c->input(0));
       return ::tensorflow::OkStatus();
     });
