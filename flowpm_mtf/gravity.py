@@ -34,7 +34,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import fft, native
+from . import fft, native, radial_filter
 from . import config as cfg
 from .halo import field_to_padded, from_blocks, padded_shape, reduced_to_field, to_blocks
 from .layout import block_shape
@@ -134,12 +134,15 @@ def _field_of_density(rho, conf, kernels, stencil=None):
     ``stencil``: the real-space path (:func:`force_field_of_potential`), the
     k-space one (False), or the real-space one where it serves (None).
     """
-    delta_k = fft.r2c(rho, conf, name="force_r2c")
     if stencil is None:
         stencil = _native_stencil(conf, rho.dtype)
     if stencil:
-        pot = kernels.inverse_laplace(delta_k, name="force_inv_laplace")
-        return force_field_of_potential(fft.c2r(pot, conf, name="force_c2r"), conf), True
+        # the potential c2r(r2c(rho) / k^2) as one radial filter: on the half spectrum
+        # where that path serves, without the full spectrum (radial_filter.py)
+        pot = radial_filter.radial_filter(rho, conf, radial_filter.inverse_laplace_values,
+                                          name="force_potential")
+        return force_field_of_potential(pot, conf), True
+    delta_k = fft.r2c(rho, conf, name="force_r2c")
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
     # rank): written directly as the padded block with its periodic margins.
