@@ -165,7 +165,7 @@ def _mode_numbers(k, dk):
     return m.astype(np.int64)
 
 
-def _radial_numpy(kx, ky, kz, values, dtype, dk=None):
+def _radial_numpy(kx, ky, kz, values, dtype, dk=None, summed=False):
     """``values(|k|)`` on the distinct ``(|kx|, |ky|, |kz|)`` of 1-d k slices.
 
     Returns the kernel on the grid of distinct values (about 1/8 of the cells of a
@@ -196,6 +196,12 @@ def _radial_numpy(kx, ky, kz, values, dtype, dk=None):
         the distinct float64 ``k^2 = kx^2 + ky^2 + kz^2`` (``np.unique``), and the
         result equals a per-cell evaluation bit for bit. Either way the kernel is a
         function of the mode alone, the same on every process grid.
+    summed : bool, optional
+        On the lattice of ``dk``, return the 1-d table over ``n`` itself and per axis
+        the squared mode number of each entry (int32): the kernel at ``(i, j, k)`` is
+        ``table[ix[i] + iy[j] + iz[k]]`` (the native radial ops read both forms,
+        kspace_ops.cc), the same values as the grid's without building it. Off that
+        lattice, the grid form all the same.
     """
     (ux, ix), (uy, iy), (uz, iz) = _fold_axis(kx), _fold_axis(ky), _fold_axis(kz)
     ms = None if dk is None else [_mode_numbers(u, dk) for u in (ux, uy, uz)]
@@ -207,6 +213,8 @@ def _radial_numpy(kx, ky, kz, values, dtype, dk=None):
         table = np.zeros(top + 1, np.float64)
         table[1:] = values(dk * np.sqrt(np.arange(1, top + 1, dtype=np.float64)))
         table = table.astype(dtype)
+        if summed and itype == np.int32:
+            return table, sqx[ix], sqy[iy], sqz[iz]
         small = np.empty((sqx.size, sqy.size, sqz.size), dtype)
         plane = sqy[:, None] + sqz[None, :]
         for a in range(sqx.size):         # one (y, z) plane at a time: no 3-d index array
@@ -222,16 +230,20 @@ def _radial_numpy(kx, ky, kz, values, dtype, dk=None):
     return small, ix.astype(np.int32), iy.astype(np.int32), iz.astype(np.int32)
 
 
-def _radial_tables(conf, values, name, kx, ky, kz):
+def _radial_tables(conf, values, name, kx, ky, kz, summed=False):
     """The kernel table of one slice and its gather indices (:func:`_radial_numpy`), at run
-    time (``tf.numpy_function``: no k-space constant in the graph)."""
+    time (``tf.numpy_function``: no k-space constant in the graph). ``summed``: the 1-d
+    table where the box allows it (for the native ops only; the TensorFlow gathers of
+    :func:`_gather_radial` need the grid)."""
     np_dtype = conf.np_dtype
     box = np.asarray(conf.box_size, np.float64)
     dk = 2 * np.pi / box[0] if np.all(box == box[0]) else None   # a cubic box
+    summed = bool(summed) and dk is not None
     small, ix, iy, iz = tf.numpy_function(
-        lambda x, y, z: _radial_numpy(x, y, z, values, np_dtype, dk),
+        lambda x, y, z: _radial_numpy(x, y, z, values, np_dtype, dk, summed),
         [kx, ky, kz], [conf.tf_dtype, tf.int32, tf.int32, tf.int32], name=name + "_values")
-    small.set_shape([None, None, None])
+    if not summed:
+        small.set_shape([None, None, None])
     return (small, tf.reshape(ix, [kx.shape[0]]), tf.reshape(iy, [ky.shape[0]]),
             tf.reshape(iz, [kz.shape[0]]))
 
@@ -314,11 +326,11 @@ def apply_radial_kernel(kfield, conf, values, name):
     kvecs = layout.kvec_tensors(conf, kfield.mesh, tf.float64, name)
 
     def fn(f, kx, ky, kz):
-        small, ix, iy, iz = _radial_tables(conf, values, name, kx, ky, kz)
         lib = native.ops_for("kspace_ops", f, dtypes=None)
-        if lib is None or f.dtype.real_dtype != small.dtype:   # a field of another dtype
-            return radial_scale_tf(f, small, ix, iy, iz)
-        return lib.flowpm_radial_scale(f, small, ix, iy, iz)
+        if lib is None or f.dtype.real_dtype != conf.tf_dtype:   # a field of another dtype
+            return radial_scale_tf(f, *_radial_tables(conf, values, name, kx, ky, kz))
+        return lib.flowpm_radial_scale(f, *_radial_tables(conf, values, name, kx, ky, kz,
+                                                          summed=True))
 
     def gradient(op, dy):
         return [apply_radial_kernel(dy, conf, values, name + "_grad"), None, None, None]

@@ -15,10 +15,12 @@ the extend, the native ``FlowpmRadialScaleHalf`` on the representatives, then
 buffer where TensorFlow lets the ops take it over. Where that path does not serve (odd
 sizes or blocks, no native op, a GPU), it lowers the composition.
 
-The kernel is a function of :math:`|\mathbf k|` alone, evaluated in numpy (float64) once per
-distinct :math:`|\mathbf k|` of each rank's k-space slice at run time
-(:func:`flowpm_mtf.ics._radial_tables`, as :func:`flowpm_mtf.ics.apply_radial_kernel`): the
-same values on every process grid, no k-space constant in the graph.
+The kernel is a function of :math:`|\mathbf k|` alone, evaluated in numpy (float64) at run
+time (:func:`flowpm_mtf.ics._radial_tables`, as :func:`flowpm_mtf.ics.apply_radial_kernel`):
+in a cubic box once per integer :math:`n = m_x^2 + m_y^2 + m_z^2` up to the rank's largest,
+as a 1-d table the native ops index by the squared mode numbers; otherwise once per distinct
+:math:`|\mathbf k|` of the rank's slice. The same values on every process grid, no k-space
+constant in the graph.
 
 Gradient: for real, even :math:`K` the filter is a real symmetric operator (a convolution
 with an even kernel), so its gradient is the same filter of the cotangent. Tested by a
@@ -44,11 +46,13 @@ def radial_scale_half(field, table, ix, iy, iz, firsts):
         Complex ``[nx, ly, h]``: :func:`flowpm_mtf.fft.half_forward`'s slice without the
         extend (the first kz block's slot 0 packs the zero and Nyquist planes).
     table, ix, iy : tf.Tensor
-        The kernel's table of distinct ``|k|`` and the indices along ``kx`` and the ``ky``
-        block (:func:`flowpm_mtf.ics._radial_tables`).
+        The kernel's table and the indices along ``kx`` and the ``ky`` block
+        (:func:`flowpm_mtf.ics._radial_tables`): the grid of distinct ``|k|``, or the 1-d
+        table over ``n = mx^2 + my^2 + mz^2`` with the squared mode numbers (summed).
     iz : tf.Tensor
-        int32 ``[2 h]``: the indices of the rank's full ``kz`` block (mirror-pair order:
-        slot ``j`` is position ``2 j``; the Nyquist plane of the packed slot is position 1).
+        int32 ``[2 h]``: the indices (or squared mode numbers) of the rank's full ``kz``
+        block (mirror-pair order: slot ``j`` is position ``2 j``; the Nyquist plane of the
+        packed slot is position 1).
     firsts : tf.Tensor
         int32 ``[2]``: whether the ``ky`` and the ``kz`` block are the first.
 
@@ -112,7 +116,8 @@ class RadialFilterOperation(mtf.Operation):
             pcoords, firsts = fft._first_blocks(mesh_impl, (a, P), (b, Q))
 
             def scale(f, kx, ky, kz, *pc):
-                small, ix, iy, iz = ics._radial_tables(conf, values, name, kx, ky, kz)
+                small, ix, iy, iz = ics._radial_tables(conf, values, name, kx, ky, kz,
+                                                       summed=True)
                 return radial_scale_half(f, small, ix, iy, iz, firsts(*pc))
 
             normalized, factor = fft.stage_normalisation(True, False, 1.0 / n, n)
@@ -126,11 +131,12 @@ class RadialFilterOperation(mtf.Operation):
             native_fft = fft_local.uses_native(first)
 
             def scale(f, kx, ky, kz):
-                small, ix, iy, iz = ics._radial_tables(conf, values, name, kx, ky, kz)
                 lib = native.ops_for("kspace_ops", f, dtypes=None)
+                tables = ics._radial_tables(conf, values, name, kx, ky, kz,
+                                            summed=lib is not None)
                 if lib is None:
-                    return ics.radial_scale_tf(f, small, ix, iy, iz)
-                return lib.flowpm_radial_scale(f, small, ix, iy, iz)
+                    return ics.radial_scale_tf(f, *tables)
+                return lib.flowpm_radial_scale(f, *tables)
 
             pos = [0, 1, 2]
             normalized, factor = fft.stage_normalisation(native_fft, False, 1.0 / n, n)

@@ -108,8 +108,8 @@ def test_source_periodic_equals_padded(dtype):
 
 @pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
 def test_source_rejects_bad_input():
-    """A margin below the reach of 4 (other than 0), a potential not larger than its margins and a wrong
-    weight shape are refused with one clear line each."""
+    """A margin below the reach of 4 (other than 0), a potential not larger than its
+    margins and a wrong weight shape are refused with one clear line each."""
     lib = native.load("lpt_ops")
     with tf.Graph().as_default():
         c = tf.constant(np.ones(3))

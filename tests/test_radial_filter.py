@@ -117,6 +117,38 @@ def test_op_bad_input():
                 sess.run(make())
 
 
+@pytest.mark.skipif(H.SIZE != 1, reason="a single-process TensorFlow test")
+@pytest.mark.parametrize("rtype,ctype", PAIRS)
+def test_summed_table_equals_grid(rtype, ctype):
+    """The 1-d table over n = mx^2 + my^2 + mz^2 with the squared mode numbers
+    (``_radial_numpy(summed=True)``) gives both radial ops the bits of the grid of distinct
+    |k| (slices of a cubic box's k with both signs and the Nyquist mode); a summed index
+    past the table's end is refused with one clear error."""
+    lib = native.load("kspace_ops")
+    box, n = 100.0, 8
+    dk = 2 * np.pi / box
+    kfull = 2 * np.pi * np.fft.fftfreq(n, d=box / n)
+    kx, ky, kz = kfull, kfull[[0, 1, 7, 6]], kfull[:6]       # ky block in mirror pairs
+    rng = np.random.RandomState(3)
+    f = (rng.randn(n, 4, 6) + 1j * rng.randn(n, 4, 6)).astype(ctype)
+    half = (rng.randn(n, 4, 3) + 1j * rng.randn(n, 4, 3)).astype(ctype)
+    grid = ics._radial_numpy(kx, ky, kz, _values, rtype, dk)
+    summed = ics._radial_numpy(kx, ky, kz, _values, rtype, dk, summed=True)
+    assert grid[0].ndim == 3 and summed[0].ndim == 1
+    fs = np.array([1, 1], np.int32)
+    with tf.Graph().as_default(), tf.Session() as sess:
+        got = sess.run([lib.flowpm_radial_scale(f, *grid), lib.flowpm_radial_scale(f, *summed),
+                        lib.flowpm_radial_scale_half(half, *grid, fs),
+                        lib.flowpm_radial_scale_half(half, *summed, fs)])
+    assert np.max(np.abs(got[0])) > 0.1
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_array_equal(got[2], got[3])
+    table, ix, iy, iz = summed
+    with tf.Graph().as_default(), tf.Session() as sess:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="summed indices reach"):
+            sess.run(lib.flowpm_radial_scale(f, table[:-1], ix, iy, iz))
+
+
 def _values(k):
     return np.sqrt(1e3 * k ** -1.5 * np.exp(-k)) / (k * k)
 
