@@ -7,8 +7,10 @@ One evaluation (as ``flowpm.tfpm.force`` with ``pm_nc_factor=1``):
    density :math:`1 + \delta` (one particle per cell on average);
 2. forward FFT (:func:`flowpm_mtf.fft.r2c`);
 3. the potential :math:`\mathcal{F}^{-1}[\delta_k / |k|^2]` (one inverse FFT;
-   the :math:`k = 0` mode is dropped, so the mean density does not matter),
-   its halos filled two cells wider than the readout's, and the three
+   the :math:`k = 0` mode is dropped, so the mean density does not matter;
+   steps 2 and 3 as one radial filter, :mod:`flowpm_mtf.radial_filter`, on
+   the half spectrum where that path serves), its halos filled two cells
+   wider than the readout's, and the three
    components of the force field from it in real space by the four-point
    difference whose transfer function is FastPM's gradient kernel
    :math:`i\tilde k_d` (native ``FlowpmGradient``, :func:`force_field_of_potential`:
