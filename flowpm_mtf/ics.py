@@ -41,6 +41,7 @@ import tensorflow.compat.v1 as tf
 from . import cosmology as cosmo_mod
 from . import fft, layout, linear_power, native
 from . import noise as noise_mod
+from .radial_filter import gather_radial, radial_scale_tf, radial_tables
 
 __all__ = ["k_range", "power_function", "linear_amplitude", "radial_kernel",
            "apply_radial_kernel", "radial_scale_tf", "linear_modes", "linear_field", "modes_of",
@@ -152,112 +153,6 @@ def power_function(conf, power=None, a=1.0):
     return pk
 
 
-def _fold_axis(k):
-    """Distinct ``|k|`` of a 1-d k slice and the index of each entry among them."""
-    return np.unique(np.abs(k), return_inverse=True)
-
-
-def _mode_numbers(k, dk):
-    """``|k| / dk`` as integers (int64), or None if ``k`` is not on that lattice."""
-    m = np.rint(np.abs(k) / dk)
-    if not np.allclose(m * dk, np.abs(k), rtol=1e-9, atol=0):
-        return None
-    return m.astype(np.int64)
-
-
-def _radial_numpy(kx, ky, kz, values, dtype, dk=None, summed=False):
-    """``values(|k|)`` on the distinct ``(|kx|, |ky|, |kz|)`` of 1-d k slices.
-
-    Returns the kernel on the grid of distinct values (about 1/8 of the cells of a
-    full-spectrum slice: ``+k`` and ``-k`` give the same ``|k|``), 0 at ``k = 0``,
-    and per axis the index of each entry of the slice among them (int32), to be
-    gathered along the three axes (:func:`radial_kernel`). ``values`` is called
-    once per integer ``n`` up to the largest (``dk``: 49152 times at 256^3 on one
-    rank) or per distinct ``|k|`` (86145 times without ``dk``), instead of 2146689
-    times per cell.
-
-    Parameters
-    ----------
-    kx, ky, kz : ndarray
-        1-d float64 wave numbers of the slice [h/Mpc].
-    values : callable
-        float64 ``|k|`` [h/Mpc] (positive) -> float64 values.
-    dtype : numpy dtype
-        Of the returned kernel.
-    dk : float, optional
-        The common spacing ``2 pi / L`` of the three axes [h/Mpc] (a cubic box).
-        Then ``k^2 = dk^2 n`` with the integer ``n = mx^2 + my^2 + mz^2``: ``values``
-        on every ``n`` of ``1 .. max n`` (a 1-d table), gathered one ``(y, z)`` plane
-        at a time, instead of a sort of the float ``k^2`` (290 ms at 256^3 on one
-        rank for Eisenstein & Hu; at 512^3 with 1/k^2 0.08 s against 0.17-0.53 s for
-        the table of the ``n`` present and a 3-d index array); ``values`` gets
-        ``|k| = dk sqrt(n)``, which may differ from ``sqrt(kx^2 + ky^2 + kz^2)`` in the
-        last bit. Without ``dk`` (or if the slices are not on its lattice),
-        the distinct float64 ``k^2 = kx^2 + ky^2 + kz^2`` (``np.unique``), and the
-        result equals a per-cell evaluation bit for bit. Either way the kernel is a
-        function of the mode alone, the same on every process grid.
-    summed : bool, optional
-        On the lattice of ``dk``, return the 1-d table over ``n`` itself and per axis
-        the squared mode number of each entry (int32): the kernel at ``(i, j, k)`` is
-        ``table[ix[i] + iy[j] + iz[k]]`` (the native radial ops read both forms,
-        kspace_ops.cc), the same values as the grid's without building it. Off that
-        lattice, the grid form all the same.
-    """
-    (ux, ix), (uy, iy), (uz, iz) = _fold_axis(kx), _fold_axis(ky), _fold_axis(kz)
-    ms = None if dk is None else [_mode_numbers(u, dk) for u in (ux, uy, uz)]
-    if ms is not None and all(m is not None for m in ms):
-        sq = [m * m for m in ms]
-        top = int(sum(q.max() for q in sq))
-        itype = np.int32 if top < 2**31 else np.int64
-        sqx, sqy, sqz = (q.astype(itype) for q in sq)
-        table = np.zeros(top + 1, np.float64)
-        table[1:] = values(dk * np.sqrt(np.arange(1, top + 1, dtype=np.float64)))
-        table = table.astype(dtype)
-        if summed and itype == np.int32:
-            return table, sqx[ix], sqy[iy], sqz[iz]
-        small = np.empty((sqx.size, sqy.size, sqz.size), dtype)
-        plane = sqy[:, None] + sqz[None, :]
-        for a in range(sqx.size):         # one (y, z) plane at a time: no 3-d index array
-            np.take(table, plane + sqx[a], out=small[a])
-    else:
-        k2 = ux[:, None, None]**2 + uy[None, :, None]**2 + uz[None, None, :]**2
-        u, inv = np.unique(k2, return_inverse=True)
-        k = np.sqrt(u)
-        per_k2 = np.zeros(k.shape, np.float64)
-        pos = k > 0
-        per_k2[pos] = values(k[pos])
-        small = per_k2.astype(dtype)[inv].reshape(k2.shape)
-    return small, ix.astype(np.int32), iy.astype(np.int32), iz.astype(np.int32)
-
-
-def _radial_tables(conf, values, name, kx, ky, kz, summed=False):
-    """The kernel table of one slice and its gather indices (:func:`_radial_numpy`), at run
-    time (``tf.numpy_function``: no k-space constant in the graph). ``summed``: the 1-d
-    table where the box allows it (for the native ops only; the TensorFlow gathers of
-    :func:`_gather_radial` need the grid)."""
-    np_dtype = conf.np_dtype
-    box = np.asarray(conf.box_size, np.float64)
-    dk = 2 * np.pi / box[0] if np.all(box == box[0]) else None   # a cubic box
-    summed = bool(summed) and dk is not None
-    small, ix, iy, iz = tf.numpy_function(
-        lambda x, y, z: _radial_numpy(x, y, z, values, np_dtype, dk, summed),
-        [kx, ky, kz], [conf.tf_dtype, tf.int32, tf.int32, tf.int32], name=name + "_values")
-    if not summed:
-        small.set_shape([None, None, None])
-    return (small, tf.reshape(ix, [kx.shape[0]]), tf.reshape(iy, [ky.shape[0]]),
-            tf.reshape(iz, [kz.shape[0]]))
-
-
-def _gather_radial(small, ix, iy, iz):
-    """The full kernel of a slice from its table: gathers along z (1/4 of the cells), y
-    (1/2), then x, which copies whole (y, z) planes."""
-    out = tf.gather(small, iz, axis=2)
-    out = tf.gather(out, iy, axis=1)
-    out = tf.gather(out, ix, axis=0)
-    out.set_shape([ix.shape[0], iy.shape[0], iz.shape[0]])
-    return out
-
-
 def radial_kernel(conf, mesh, values, name):
     """Real k-space kernel ``values(|k|)`` [whatever ``values`` gives], 0 at ``k = 0``.
 
@@ -278,19 +173,10 @@ def radial_kernel(conf, mesh, values, name):
     shape = fft.k_shape(conf)
 
     def fn(kx, ky, kz):
-        return _gather_radial(*_radial_tables(conf, values, name, kx, ky, kz))
+        return gather_radial(*radial_tables(conf, values, name, kx, ky, kz))
 
     return mtf.slicewise(fn, kvecs, output_shape=shape, output_dtype=conf.tf_dtype,
                          splittable_dims=shape.dims, grad_function=0, name=name)
-
-
-def radial_scale_tf(field, small, ix, iy, iz):
-    """The TensorFlow twin of the native ``FlowpmRadialScale`` (one slice):
-    ``field * small[ix, iy, iz]`` by the gathers of :func:`radial_kernel`, the cast
-    to complex and the product of :func:`flowpm_mtf.complex_ops.apply_kernel`."""
-    with tf.control_dependencies([field.op]):     # no full-size kernel before it is needed
-        k = tf.cast(_gather_radial(small, ix, iy, iz), field.dtype)
-    return field * k
 
 
 def apply_radial_kernel(kfield, conf, values, name):
@@ -328,8 +214,8 @@ def apply_radial_kernel(kfield, conf, values, name):
     def fn(f, kx, ky, kz):
         lib = native.ops_for("kspace_ops", f, dtypes=None)
         if lib is None or f.dtype.real_dtype != conf.tf_dtype:   # a field of another dtype
-            return radial_scale_tf(f, *_radial_tables(conf, values, name, kx, ky, kz))
-        return lib.flowpm_radial_scale(f, *_radial_tables(conf, values, name, kx, ky, kz,
+            return radial_scale_tf(f, *radial_tables(conf, values, name, kx, ky, kz))
+        return lib.flowpm_radial_scale(f, *radial_tables(conf, values, name, kx, ky, kz,
                                                           summed=True))
 
     def gradient(op, dy):

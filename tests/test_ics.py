@@ -19,7 +19,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import cosmology, fft, ics, linear_power, noise, power
+from flowpm_mtf import cosmology, fft, ics, linear_power, noise, power, radial_filter
 from flowpm_mtf.config import SimConfig
 
 # Agreement with FlowPM on the same noise: both evaluate the same float64 P(k)
@@ -227,7 +227,7 @@ def test_bad_callable_and_arguments():
 @pytest.mark.rank_independent
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_radial_kernel_values_once_per_distinct_k(dtype):
-    """_radial_numpy calls ``values`` once, on each distinct |k| only, and its folded
+    """radial_table_numpy calls ``values`` once, on each distinct |k| only, and its folded
     grid expands to the per-cell evaluation bit for bit (a non-cubic box, a slice of
     k with both signs and the Nyquist mode), 0 at k = 0."""
     from flowpm_mtf import ics
@@ -241,7 +241,7 @@ def test_radial_kernel_values_once_per_distinct_k(dtype):
         calls.append(np.array(k))
         return np.exp(-k) * np.log1p(k) / k
 
-    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype)
+    small, ix, iy, iz = radial_filter.radial_table_numpy(kx, ky, kz, values, dtype)
     k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
     want = np.zeros(k.shape)
     want[k > 0] = values(k[k > 0])
@@ -257,7 +257,7 @@ def test_radial_kernel_values_once_per_distinct_k(dtype):
 @pytest.mark.rank_independent
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_radial_kernel_cubic_box_integer_modes(dtype):
-    """In a cubic box (``dk`` given) _radial_numpy keys the modes by the integer
+    """In a cubic box (``dk`` given) radial_table_numpy keys the modes by the integer
     ``n = mx^2 + my^2 + mz^2``: ``values`` is called once, on ``dk sqrt(n)`` for each
     ``n`` of ``1 .. max n`` of the folded grid, and the expanded kernel equals the per-cell
     evaluation to rounding (float64: 1e-14 relative; float32: the same as the float64
@@ -276,7 +276,7 @@ def test_radial_kernel_cubic_box_integer_modes(dtype):
         calls.append(np.array(k))
         return np.exp(-k) * np.log1p(k) / k
 
-    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype, dk)
+    small, ix, iy, iz = radial_filter.radial_table_numpy(kx, ky, kz, values, dtype, dk)
     k = np.sqrt(kx[:, None, None]**2 + ky[None, :, None]**2 + kz[None, None, :]**2)
     want = np.zeros(k.shape)
     want[k > 0] = values(k[k > 0])
@@ -295,5 +295,5 @@ def test_radial_kernel_cubic_box_integer_modes(dtype):
     np.testing.assert_array_equal(calls[0], dk * np.sqrt(np.arange(1, n.max() + 1.0)))
     # not on the lattice of dk (a wrong spacing): the float64 k^2 path, bit for bit
     calls.clear()
-    small, ix, iy, iz = ics._radial_numpy(kx, ky, kz, values, dtype, dk * 1.5)
+    small, ix, iy, iz = radial_filter.radial_table_numpy(kx, ky, kz, values, dtype, dk * 1.5)
     np.testing.assert_array_equal(small[ix][:, iy][:, :, iz], want.astype(dtype))

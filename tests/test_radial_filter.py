@@ -121,7 +121,7 @@ def test_op_bad_input():
 @pytest.mark.parametrize("rtype,ctype", PAIRS)
 def test_summed_table_equals_grid(rtype, ctype):
     """The 1-d table over n = mx^2 + my^2 + mz^2 with the squared mode numbers
-    (``_radial_numpy(summed=True)``) gives both radial ops the bits of the grid of distinct
+    (``radial_table_numpy(summed=True)``) gives both radial ops the bits of the grid of distinct
     |k| (slices of a cubic box's k with both signs and the Nyquist mode); a summed index
     past the table's end is refused with one clear error."""
     lib = native.load("kspace_ops")
@@ -132,8 +132,8 @@ def test_summed_table_equals_grid(rtype, ctype):
     rng = np.random.RandomState(3)
     f = (rng.randn(n, 4, 6) + 1j * rng.randn(n, 4, 6)).astype(ctype)
     half = (rng.randn(n, 4, 3) + 1j * rng.randn(n, 4, 3)).astype(ctype)
-    grid = ics._radial_numpy(kx, ky, kz, _values, rtype, dk)
-    summed = ics._radial_numpy(kx, ky, kz, _values, rtype, dk, summed=True)
+    grid = radial_filter.radial_table_numpy(kx, ky, kz, _values, rtype, dk)
+    summed = radial_filter.radial_table_numpy(kx, ky, kz, _values, rtype, dk, summed=True)
     assert grid[0].ndim == 3 and summed[0].ndim == 1
     fs = np.array([1, 1], np.int32)
     with tf.Graph().as_default(), tf.Session() as sess:
