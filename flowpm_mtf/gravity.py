@@ -148,7 +148,7 @@ def _field_of_density(rho, conf, kernels, stencil=None):
     # [x, y, z, xyz]; the two packed transforms one after the other (half the
     # live spectra and all-to-all buffers of a batched pair). One block (one
     # rank): written directly as the padded block with its periodic margins.
-    one_block = _one_block(conf)
+    one_block = single_block(conf)
     return neg_gradient_potential(delta_k, conf, kernels, sequential=True,
                                   padded=one_block), one_block
 
@@ -161,7 +161,7 @@ def _native_stencil(conf, dtype):
     """Whether :func:`_field_of_density` takes the real-space path (native ``FlowpmGradient``)."""
     if native.load("cic_ops") is None or dtype not in (tf.float32, tf.float64):
         return False
-    return _one_block(conf) or conf.halo_size + GRADIENT_REACH < min(conf.block_shape[:2])
+    return single_block(conf) or conf.halo_size + GRADIENT_REACH < min(conf.block_shape[:2])
 
 
 def force_field_of_potential(phi, conf, name="force_field"):
@@ -200,7 +200,7 @@ def force_field_of_potential(phi, conf, name="force_field"):
     """
     r = GRADIENT_REACH
     h = conf.halo_size
-    one_block = _one_block(conf)
+    one_block = single_block(conf)
     if not one_block and h + r >= min(conf.block_shape[:2]):
         raise ValueError("force_field_of_potential: halo %d + %d cells must be narrower "
                          "than the blocks %s"
@@ -292,7 +292,11 @@ def _gradient_grad(op, dy):
                               tf.shape(op.inputs[0])), None
 
 
-def _one_block(conf):
+def single_block(conf):
+    """Whether one block holds the whole mesh along x and y (one process along both, a
+    halo no wider than the block): the stencils then read their fields periodically, with
+    no padded copy (the force field here, the ICs' potentials in
+    :func:`flowpm_mtf.lpt_source.potential_blocks`)."""
     sx, sy, _ = conf.block_shape
     return tuple(conf.grid) == (1, 1) and conf.halo_size <= min(sx, sy)
 
@@ -338,7 +342,7 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
     if kernels is None:
         kernels = make_kernels(conf, positions.mesh)
     scale = 1.5 * conf.cosmology.Omega_m
-    if _native_cotangent(conf, positions.dtype, _one_block(conf)):
+    if _native_cotangent(conf, positions.dtype, single_block(conf)):
         # the cotangents' paint with the density's (one slab scan), the force field, the
         # density's cotangent (the divergence in real space, one FFT round trip), then
         # one pass over the particles: the force, its readout's position gradient and
@@ -347,7 +351,7 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
                                     name=name + "_paint", escape_checked=escape_checked)
         grad, is_padded = _field_of_density(reduced_to_field(painted, conf), conf, kernels)
         padded = grad if is_padded else field_to_padded(grad, conf)
-        rho_bar = density_cotangent(dmesh, conf, kernels, _one_block(conf),
+        rho_bar = density_cotangent(dmesh, conf, kernels, single_block(conf),
                                     name=name + "_density")
         return readout_scaled_grad(padded, positions, cotangents, conf, scale, weight,
                                    density_bar=field_to_padded(rho_bar, conf), name=name)

@@ -422,7 +422,7 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
     m_out = cvals.shape[0]
     sx, sy, nz = conf.block_shape
     for b, m in potentials:
-        if ((m < gravity.GRADIENT_REACH and not (m == 0 and lpt_source.one_block(conf)))
+        if ((m < gravity.GRADIENT_REACH and not (m == 0 and gravity.single_block(conf)))
                 or b.shape.to_integer_list[2:] != [sx + 2 * m, sy + 2 * m, nz]):
             raise ValueError("lattice_combine_potentials: a potential of shape %s with margin "
                              "%d for blocks %s (margins >= %d, or 0 for one block holding "

@@ -30,10 +30,10 @@ import tensorflow.compat.v1 as tf
 
 from . import config as cfg
 from . import layout, native
-from .gravity import GRADIENT_REACH, gradient_tf
+from .gravity import GRADIENT_REACH, gradient_tf, single_block
 from .halo import field_to_padded, from_blocks, to_blocks
 
-__all__ = ["SOURCE_REACH", "available", "padded_potential", "one_block", "potential_blocks",
+__all__ = ["SOURCE_REACH", "available", "padded_potential", "potential_blocks",
            "difference_coeffs", "displacement", "source", "source_tf"]
 
 SOURCE_REACH = 4
@@ -64,24 +64,18 @@ def padded_potential(phi, conf, reach):
     return field_to_padded(phi, dataclasses.replace(conf, halo_size=reach))
 
 
-def one_block(conf):
-    """Whether one block holds the whole mesh along x and y (one process along both): the
-    stencils then read the potential periodically, margin 0, with no padded copy."""
-    return tuple(conf.block_shape[:2]) == tuple(conf.nc[:2])
-
-
 def potential_blocks(phi, conf, reach):
     """``(blocks, margin)``: the potential on blocks for stencils that read ``reach`` cells
     on either side along x and y.
 
-    :func:`padded_potential` with margin ``reach``; where :func:`one_block` holds, the
-    block itself with margin 0, which the native stencils (``FlowpmGradient``,
-    ``FlowpmLpt2Source``, ``FlowpmLatticeCombinePotentials``) and their TensorFlow twins
-    read periodically: the same values, without the padded copy (at 512^3 on one rank
-    the two potentials' padded copies took 4 concatenations, 2.6 s of the 2LPT state's
-    12.1 s under the profiler).
+    :func:`padded_potential` with margin ``reach``; where
+    :func:`flowpm_mtf.gravity.single_block` holds, the block itself with margin 0, which
+    the native stencils (``FlowpmGradient``, ``FlowpmLpt2Source``,
+    ``FlowpmLatticeCombinePotentials``) and their TensorFlow twins read periodically: the
+    same values, without the padded copy (at 512^3 on one rank the two potentials' padded
+    copies took 4 concatenations, 2.6 s of the 2LPT state's 12.1 s under the profiler).
     """
-    if one_block(conf):
+    if single_block(conf):
         return to_blocks(phi, conf), 0
     return padded_potential(phi, conf, reach), reach
 
@@ -153,7 +147,7 @@ def source(blocks, conf, margin=SOURCE_REACH, name="lpt2_source"):
     margin : int
         At least :data:`SOURCE_REACH` (:func:`padded_potential`; the blocks wider than
         that along x and y), or 0: one block holding the whole mesh along x and y, read
-        periodically (:func:`one_block`).
+        periodically (:func:`flowpm_mtf.gravity.single_block`).
     name : str
 
     Returns
@@ -165,7 +159,7 @@ def source(blocks, conf, margin=SOURCE_REACH, name="lpt2_source"):
     if m != 0 and m < SOURCE_REACH:
         raise ValueError("lpt_source.source: margin %d must be 0 or at least %d"
                          % (m, SOURCE_REACH))
-    if m == 0 and not one_block(conf):
+    if m == 0 and not single_block(conf):
         raise ValueError("lpt_source.source: margin 0 (periodic) needs one block holding the "
                          "whole mesh along x and y, got blocks %s of a mesh %s"
                          % (conf.block_shape, tuple(conf.nc)))
