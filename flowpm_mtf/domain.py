@@ -47,11 +47,11 @@ rows):
 3. *plan*: the slots that keep their particle and, for each received row, the
    slot it fills (the first empty slots, in order), computed once per round;
 4. *merge*, one field at a time: the leavers' slots are zeroed and the
-   received rows scatter-added into their slots (``tensor_scatter_nd_add``,
-   which TensorFlow runs in place on the zeroed copy). No tensor of the whole
-   buffer times all fields exists: each field is rebuilt on its own, and each
-   merge waits for the previous one (:func:`flowpm_mtf.ordering.after`), so a
-   round holds at most one extra copy of a field ``[slots, 3]`` and the small
+   received rows scatter-added into their slots (``tensor_scatter_nd_add``, or on
+   the CPU the native ``FlowpmScatterAddRows``; in place on the zeroed copy). No
+   tensor of the whole buffer times all fields exists: each field is rebuilt on its
+   own, and each merge waits for the previous one (:func:`flowpm_mtf.ordering.after`),
+   so a round holds at most one extra copy of a field ``[slots, 3]`` and the small
    send buffers.
 
 Along an axis with a single block nothing is exchanged: the positions are
@@ -278,6 +278,26 @@ def _mask_rows_grad(op, dy):
     return [_mask_rows(dy, op.inputs[1]), None]
 
 
+def _scatter_add_rows(x, rows, updates):
+    """``x`` ``[N, C]`` with row ``r`` of ``updates`` ``[R, C]`` added into row ``rows[r]``.
+
+    ``tf.tensor_scatter_nd_add(x, rows[:, None], updates)``. On the CPU the native
+    ``FlowpmScatterAddRows`` (in place, the same bits, a fraction of TensorFlow's ~60 ns
+    per update row; gradient below), else TensorFlow's op.
+    """
+    lib = _particle_ops(x, floating=False)
+    if lib is not None and x.dtype in (tf.float32, tf.float64, tf.int32, tf.int64):
+        return lib.flowpm_scatter_add_rows(x, rows, updates)
+    return tf.tensor_scatter_nd_add(x, tf.reshape(rows, [-1, 1]), updates)
+
+
+@tf.RegisterGradient("FlowpmScatterAddRows")
+def _scatter_add_rows_grad(op, dy):
+    """Linear: ``x`` gets ``dy``, update ``r`` gets row ``rows[r]`` of ``dy`` (as
+    TensorFlow's gradient of ``tensor_scatter_nd_add``)."""
+    return [dy, None, tf.gather(dy, op.inputs[1])]
+
+
 def _leaving(x, ids, axis, s):
     """Masks ``[.., C]`` of the valid particles below (``< 0``) and above (``>= s``) the block."""
     pos = x[..., axis]
@@ -419,8 +439,7 @@ def _merge_fn(col):
     def fn(field, recv, keep, target):
         out = _mask_rows(tf.reshape(field, [-1, 3]), tf.reshape(keep, [-1]))
         upd = tf.reshape(recv[..., col:col + 3], [-1, 3])
-        return tf.reshape(tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), upd),
-                          field.shape)
+        return tf.reshape(_scatter_add_rows(out, tf.reshape(target, [-1]), upd), field.shape)
 
     return fn
 
@@ -432,8 +451,8 @@ def _merge_ids_fn(ids, recv, keep, target):
     rid = tf.where_v2(recv[..., -1] > 0.5, rid + 1, 0)             # +1: an unused row adds 0
     # In the ids' own dtype (int32 below 2**31 particles: no int64 copy of the slots).
     rid = tf.cast(rid, ids.dtype)
-    out = tf.reshape(tf.where_v2(keep, ids + 1, tf.zeros([], ids.dtype)), [-1])
-    out = tf.tensor_scatter_nd_add(out, tf.reshape(target, [-1, 1]), tf.reshape(rid, [-1])) - 1
+    out = tf.reshape(tf.where_v2(keep, ids + 1, tf.zeros([], ids.dtype)), [-1, 1])
+    out = _scatter_add_rows(out, tf.reshape(target, [-1]), tf.reshape(rid, [-1, 1])) - 1
     return tf.reshape(out, ids.shape)
 
 

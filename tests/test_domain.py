@@ -380,7 +380,8 @@ def test_native_merge_matches_the_tensorflow_path(dtype, monkeypatch):
         slow = build()
         with tf.Session() as sess:
             got, ref = sess.run([fast, slow])
-    assert any(op.type == "FlowpmMaskRows" for op in fast[0].graph.get_operations())
+    types = {op.type for op in fast[0].graph.get_operations()}
+    assert {"FlowpmMaskRows", "FlowpmScatterAddRows"} <= types, types
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g, r)
     valid = ids >= 0
@@ -390,3 +391,76 @@ def test_native_merge_matches_the_tensorflow_path(dtype, monkeypatch):
     np.testing.assert_array_equal(got[1][..., 1], (valid & ~lo & ~hi).sum(-1)
                                   + (recv[..., -1] > 0.5).sum(-1))
     np.testing.assert_array_equal(got[3][~(valid & ~lo & ~hi)], 0)     # d field of leavers
+
+
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_native_scatter_add_rows_matches_tensorflow(dtype, monkeypatch):
+    """FlowpmScatterAddRows (particle_ops.cc) gives tf.tensor_scatter_nd_add's bits, with
+    repeated rows (most updates into row 0, as the merge's unused rows), both when it
+    runs in place and when its input is still read elsewhere (a copy); its gradient is
+    TensorFlow's; the ids' merge (int32) agrees too; a row outside [0, N) is refused."""
+    from flowpm_mtf import native
+
+    if native.load("particle_ops") is None:
+        pytest.skip("native ops not built")
+    rng = np.random.RandomState(8)
+    n, r, c = 5000, 700, 3
+    rows = np.where(rng.uniform(size=r) < 0.6, 0, rng.randint(0, n, r)).astype(np.int32)
+    x = (rng.normal(size=(n, c)) * 1e3).astype(dtype)
+    upd = (rng.normal(size=(r, c)) * 1e3).astype(dtype)
+
+    def build():
+        xt, ut, it = tf.constant(x), tf.constant(upd), tf.constant(rows)
+        fresh = xt * tf.ones([], xt.dtype)                 # only the op reads it: in place
+        shared = xt + tf.zeros([], xt.dtype)               # read again below: a copy
+        outs = [domain._scatter_add_rows(fresh, it, ut), domain._scatter_add_rows(shared, it, ut)]
+        return outs + [shared]
+
+    with tf.Graph().as_default():
+        fast = build()
+        monkeypatch.setattr(native, "load", lambda name: None)
+        slow = build()
+        with tf.Session() as sess:
+            got, ref = sess.run([fast, slow])
+    assert fast[0].op.type == "FlowpmScatterAddRows" and slow[0].op.type == "TensorScatterAdd"
+    for g, rr in zip(got, ref):
+        np.testing.assert_array_equal(g, rr)
+    np.testing.assert_array_equal(got[2], x)                # the shared input is unchanged
+    want = x.copy()
+    for k in range(r):
+        want[rows[k]] = want[rows[k]] + upd[k]
+    np.testing.assert_array_equal(got[0], want)
+    monkeypatch.undo()
+    with tf.Graph().as_default():
+        bad = domain._scatter_add_rows(tf.constant(x), tf.constant(np.array([0, n], np.int32)),
+                                       tf.constant(upd[:2]))
+        with tf.Session() as sess, pytest.raises(tf.errors.InvalidArgumentError,
+                                                 match="outside \\[0, %d\\)" % n):
+            sess.run(bad)
+
+
+@pytest.mark.rank_independent
+def test_native_scatter_add_rows_gradient_dot_product():
+    """<dy, J (dx, du)> = <J^T dy, (dx, du)> for FlowpmScatterAddRows (linear in x and the
+    updates), float64, with repeated rows."""
+    from flowpm_mtf import native
+
+    if native.load("particle_ops") is None:
+        pytest.skip("native ops not built")
+    rng = np.random.RandomState(9)
+    n, r = 400, 90
+    rows = rng.randint(0, n // 4, r).astype(np.int32)
+    x, u = rng.normal(size=(n, 3)), rng.normal(size=(r, 3))
+    dx, du, dy = rng.normal(size=(n, 3)), rng.normal(size=(r, 3)), rng.normal(size=(n, 3))
+    with tf.Graph().as_default():
+        xt, ut = tf.constant(x), tf.constant(u)
+        y = domain._scatter_add_rows(xt, tf.constant(rows), ut)
+        assert y.op.type == "FlowpmScatterAddRows"
+        gx, gu = tf.gradients(y, [xt, ut], grad_ys=tf.constant(dy))
+        jvp = domain._scatter_add_rows(tf.constant(dx), tf.constant(rows), tf.constant(du))
+        with tf.Session() as sess:
+            gx, gu, jvp = sess.run([gx, gu, jvp])
+    lhs = float(np.sum(dy * jvp))
+    rhs = float(np.sum(gx * dx) + np.sum(gu * du))
+    assert abs(lhs - rhs) <= 1e-12 * (abs(lhs) + 1.0), (lhs, rhs)
