@@ -18,6 +18,21 @@ FD_EPS = 1e-4
 FD_RTOL = 1e-8
 
 
+
+def native_and_tf(build, monkeypatch):
+    """``build()`` with the native ops, then again with ``native.load`` patched out (the
+    TensorFlow path), in one graph: ``(native tensors, TensorFlow tensors, their values)``."""
+    from flowpm_mtf import native
+
+    with tf.Graph().as_default():
+        fast = build()
+        monkeypatch.setattr(native, "load", lambda name: None)
+        slow = build()
+        with tf.Session() as sess:
+            got, ref = sess.run([fast, slow])
+    return fast, slow, got, ref
+
+
 def conf_for(grid, **kw):
     """float64, 8x8x4 cells; capacity: the lattice count of a block + 24 (the tests fill
     fewer slots than that), 24 send rows."""
@@ -294,13 +309,11 @@ def test_native_particle_stats_match_the_tensorflow_path(dtype, id_dtype, monkey
     ids[1, 0, 20] = -1
     disp = rng.normal(0, 3, shape + (3,)).astype(dtype)
     fn = domain._particle_stats_fn((sx, sy, h))
-    with tf.Graph().as_default():
+    def build():
         args = [tf.constant(x), tf.constant(ids)]
-        fast = [fn(*args, tf.constant(disp)), fn(*args)]
-        monkeypatch.setattr(native, "load", lambda name: None)
-        slow = [fn(*args, tf.constant(disp)), fn(*args)]
-        with tf.Session() as sess:
-            got, ref = sess.run([fast, slow])
+        return [fn(*args, tf.constant(disp)), fn(*args)]
+
+    fast, slow, got, ref = native_and_tf(build, monkeypatch)
     assert fast[0].op.type == "Reshape" and "FlowpmParticleStats" in fast[0].op.inputs[0].op.type
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g, r)
@@ -332,13 +345,8 @@ def test_native_select_rows_match_the_tensorflow_path(monkeypatch):
     sel[1] = False
     sel[2] = True
     ms = [0, 1, 17, 300, 6000]
-    with tf.Graph().as_default():
-        st = tf.constant(sel)
-        fast = [domain._rows_of(st, m, nb) for m in ms]
-        monkeypatch.setattr(native, "load", lambda name: None)
-        slow = [domain._rows_of(st, m, nb) for m in ms]
-        with tf.Session() as sess:
-            got, ref = sess.run([fast, slow])
+    fast, slow, got, ref = native_and_tf(
+        lambda: [domain._rows_of(tf.constant(sel), m, nb) for m in ms], monkeypatch)
     assert fast[0][0].op.type == "FlowpmSelectRows"
     for m, (rows, count), (rrows, rcount) in zip(ms, got, ref):
         np.testing.assert_array_equal(rows, rrows)
@@ -374,12 +382,7 @@ def test_native_merge_matches_the_tensorflow_path(dtype, monkeypatch):
         out = domain._merge_fn(3)(ft, rt, keep, target)
         return [out, stats, target] + tf.gradients(out, [ft, rt], grad_ys=tf.constant(dy))
 
-    with tf.Graph().as_default():
-        fast = build()
-        monkeypatch.setattr(native, "load", lambda name: None)
-        slow = build()
-        with tf.Session() as sess:
-            got, ref = sess.run([fast, slow])
+    fast, slow, got, ref = native_and_tf(build, monkeypatch)
     types = {op.type for op in fast[0].graph.get_operations()}
     assert {"FlowpmMaskRows", "FlowpmScatterAddRows"} <= types, types
     for g, r in zip(got, ref):
@@ -417,12 +420,7 @@ def test_native_scatter_add_rows_matches_tensorflow(dtype, monkeypatch):
         outs = [domain._scatter_add_rows(fresh, it, ut), domain._scatter_add_rows(shared, it, ut)]
         return outs + [shared]
 
-    with tf.Graph().as_default():
-        fast = build()
-        monkeypatch.setattr(native, "load", lambda name: None)
-        slow = build()
-        with tf.Session() as sess:
-            got, ref = sess.run([fast, slow])
+    fast, slow, got, ref = native_and_tf(build, monkeypatch)
     assert fast[0].op.type == "FlowpmScatterAddRows" and slow[0].op.type == "TensorScatterAdd"
     for g, rr in zip(got, ref):
         np.testing.assert_array_equal(g, rr)
