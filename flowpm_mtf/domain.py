@@ -285,8 +285,8 @@ def _scatter_add_rows(x, rows, updates):
     ``FlowpmScatterAddRows`` (in place, the same bits, a fraction of TensorFlow's ~60 ns
     per update row; gradient below), else TensorFlow's op.
     """
-    lib = _particle_ops(x, floating=False)
-    if lib is not None and x.dtype in (tf.float32, tf.float64, tf.int32, tf.int64):
+    lib = native.ops_for("particle_ops", x, dtypes=(tf.float32, tf.float64, tf.int32, tf.int64))
+    if lib is not None:
         return lib.flowpm_scatter_add_rows(x, rows, updates)
     return tf.tensor_scatter_nd_add(x, tf.reshape(rows, [-1, 1]), updates)
 
