@@ -491,14 +491,59 @@ def test_arch_flags_and_stamps(monkeypatch):
 
     monkeypatch.delenv("FLOWPM_MTF_NATIVE_ARCH", raising=False)
     x86 = platform.machine().lower() in ("x86_64", "amd64")
-    assert native.arch_flags() == (["-msse4.1"] if x86 else [])
+    off = "-ffp-contract=off"
+    assert native.arch_flags() == (["-msse4.1"] if x86 else []) + [off]
     default = native.build_stamp("cic_ops")
     assert default.startswith(native.expected_stamp("cic_ops") + native.ARCH_TAG)
     monkeypatch.setenv("FLOWPM_MTF_NATIVE_ARCH", "x86-64-v3")
-    assert native.arch_flags() == ["-march=x86-64-v3"]
+    assert native.arch_flags() == ["-march=x86-64-v3", off]
     assert native.build_stamp("cic_ops") != default
     assert native.build_stamp("cic_ops").split(native.ARCH_TAG)[0] == \
         default.split(native.ARCH_TAG)[0]
     monkeypatch.setenv("FLOWPM_MTF_NATIVE_ARCH", "none")
-    assert native.arch_flags() == []
-    assert native.build_stamp("cic_ops").endswith(native.ARCH_TAG + "-")
+    assert native.arch_flags() == [off]
+    assert native.build_stamp("cic_ops").endswith(native.ARCH_TAG + off)
+
+
+_FMA_PROBE = """
+void axpy(float* __restrict y, const float* __restrict x, float a, long n) {
+  for (long i = 0; i < n; ++i) y[i] += a * x[i];
+}
+__attribute__((target_clones("avx2", "default"))) void axpy_clone(float* __restrict y,
+    const float* __restrict x, float a, long n) {
+  for (long i = 0; i < n; ++i) y[i] += a * x[i];
+}
+"""
+
+
+def test_arch_flags_never_fuse_multiply_add(monkeypatch, tmp_path):
+    """Built with the native ops' flags at an instruction-set level that has fused
+    multiply-adds (x86-64-v3), a multiply and add stays two instructions (the results
+    are the default build's bit for bit), and so does the AVX2 clone of a function the
+    sources clone (tf_op.h, lpt_ops.cc); the same source built without
+    -ffp-contract=off does fuse them (g++'s C++ default), so the check can fail."""
+    import platform
+    import shutil
+    import subprocess
+
+    from flowpm_mtf import native
+    from flowpm_mtf.native import build
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 instruction sets")
+    if shutil.which("g++") is None or shutil.which("objdump") is None:
+        pytest.skip("needs g++ and objdump")
+    src = tmp_path / "probe.cc"
+    src.write_text(_FMA_PROBE)
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE_ARCH", "x86-64-v3")
+
+    def fused(flags):
+        out = tmp_path / "probe.so"
+        subprocess.run(["g++"] + flags + [str(src), "-o", str(out)], check=True)
+        dis = subprocess.run(["objdump", "-d", str(out)], check=True, capture_output=True,
+                             text=True).stdout
+        return sum(dis.count(op) for op in ("vfmadd", "vfmsub", "vfnmadd", "vfnmsub"))
+
+    flags = build.CXXFLAGS + native.arch_flags()
+    assert fused(flags) == 0
+    assert fused([f for f in flags if f != native.NO_CONTRACTION]) > 0
