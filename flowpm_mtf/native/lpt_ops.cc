@@ -140,9 +140,11 @@ inline void periodic_pad4(const T* col, i64 nz, T* ext) {
 // both cores, warm: 3.2 -> 2.0 s; at 256^3 0.44 -> 0.16 s.) An AVX2 clone is chosen at
 // load time (8 lanes instead of SSE's 4, the same sums lane by lane: no fused
 // multiply-add, -ffp-contract=off): FlowpmLpt2Source at 384^3, both cores, warm 0.63 ->
-// 0.44 s.
+// 0.48 s, the same bits. (The four-point column of the force field and of the 2LPT
+// displacements, tf_op.h, gained nothing from one: those ops wait on memory.)
 template <typename T>
-__attribute__((target_clones("avx2", "default"))) void second_differences(const Columns<T>& c, ColumnScratch<T>* s) {
+__attribute__((target_clones("avx2", "default"))) void second_differences(
+    const Columns<T>& c, ColumnScratch<T>* s) {
   const i64 nz = s->nz, pz = nz + 8;
   T* __restrict h = s->h.data();
   T* ext = s->ext.data();

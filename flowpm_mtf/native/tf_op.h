@@ -60,7 +60,7 @@ inline std::vector<i64> z_neighbours(i64 nz) {
 // the y neighbours' ys alike, z periodic inside the column cc (zi: z_neighbours(nz)).
 // FlowpmGradient (cic_ops.cc) and FlowpmLatticeCombinePotentials (lpt_ops.cc).
 template <typename T>
-__attribute__((target_clones("avx2", "default"))) void four_point_column(const T* const xs[4], const T* const ys[4], const T* cc, i64 nz,
+inline void four_point_column(const T* const xs[4], const T* const ys[4], const T* cc, i64 nz,
                               const T c[3], const std::vector<i64>& zi, T* o) {
   const T *cm2 = xs[0], *cm1 = xs[1], *cp1 = xs[2], *cp2 = xs[3];
   const T *dm2 = ys[0], *dm1 = ys[1], *dp1 = ys[2], *dp2 = ys[3];
