@@ -163,8 +163,9 @@ def safety_hooks(job, args, run_dir):
     """Runner hooks: checks before the compute, then the locked run directory; publish at the end.
 
     Before any graph is built (collective, every rank raises the same error): the
-    job's own preflight, the numerics of the inputs and the estimated peak memory
-    per rank (N-body jobs; ``--force`` skips the memory check), then
+    native CPU ops the memory model assumes (:func:`flowpm_mtf.preflight.check_native_ops`),
+    the job's own preflight, the numerics of the inputs and the estimated peak memory
+    per rank (N-body jobs; ``--force`` skips the memory checks), then
     :meth:`RunDir.open`. After the outputs are written: :meth:`RunDir.publish`.
     """
     from . import preflight
@@ -172,6 +173,7 @@ def safety_hooks(job, args, run_dir):
 
     def check(ctx):
         ctx.force = args.force           # the jobs' own memory checks honour --force too
+        preflight.check_native_ops(force=args.force)
         checked_config(job.preflight, ctx)
         if job.name not in NO_NBODY_JOBS:
             preflight.check_numerics(ctx.conf)

@@ -539,6 +539,72 @@ def test_fft_demo_estimate_matches_measured_peaks(nc):
     assert est / 2**20 == pytest.approx(FFT_DEMO_PEAKS_MB[nc], rel=MODEL_RTOL)
 
 
+def _stale(monkeypatch, *names):
+    """The native libraries ``names`` look stale (their expected stamp changed), the others
+    as they are; the default mode, no GPU."""
+    from flowpm_mtf import native
+
+    expected = native.expected_stamp
+    monkeypatch.setattr(native, "expected_stamp",
+                        lambda n: "changed" if n in names else expected(n))
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE", "auto")
+    monkeypatch.setattr(native, "gpu_visible", lambda: False)
+    return native
+
+
+def test_cpu_job_stops_without_its_native_ops(monkeypatch):
+    """A stale native library stops a CPU job in the default mode (one line naming it and
+    the build command; the TensorFlow path would take more memory than the estimate), as
+    does one not built; --force only logs it; FLOWPM_MTF_NATIVE=0 (the TensorFlow path on
+    purpose) and a visible GPU pass; the libraries as set-up built them pass."""
+    native = _stale(monkeypatch)
+    assert native.unusable() == {}          # as set-up built them (the suite requires them)
+    assert preflight.check_native_ops() is None
+    native = _stale(monkeypatch, "cic_ops", "lpt_ops")
+    assert sorted(native.unusable()) == ["cic_ops", "lpt_ops"]
+    with pytest.raises(MemoryBudgetError) as e:
+        preflight.check_native_ops()
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert re.search(r"native CPU ops not usable: \S*libcic_ops\S* is stale .*\(and lpt_ops\)",
+                     msg), msg
+    assert "python -m flowpm_mtf.native.build" in msg and "FLOWPM_MTF_NATIVE=0" in msg
+    assert preflight.check_native_ops(force=True) is None
+    monkeypatch.setattr(native, "library_path", lambda n: "/nonexistent/lib%s.so" % n)
+    with pytest.raises(MemoryBudgetError, match="libadjoint_ops.so is not built"):
+        preflight.check_native_ops()
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE", "0")
+    assert native.unusable() == {}
+    assert preflight.check_native_ops() is None
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE", "auto")
+    monkeypatch.setattr(native, "gpu_visible", lambda: True)
+    assert preflight.check_native_ops() is None
+
+
+def test_command_line_checks_the_native_ops_first(monkeypatch):
+    """The command line's checks (cli.safety_hooks) stop on a stale library before the
+    job's own preflight, the memory estimate and the run directory; --force goes on."""
+    from types import SimpleNamespace
+
+    from flowpm_mtf import cli
+
+    _stale(monkeypatch, "cic_ops")
+    calls = []
+    monkeypatch.setattr(preflight, "check_memory", lambda *a, **k: calls.append("memory"))
+    monkeypatch.setattr(preflight, "check_numerics", lambda conf: calls.append("numerics"))
+    job = SimpleNamespace(name="simulate", preflight=lambda ctx: calls.append("job"))
+    run_dir = SimpleNamespace(open=lambda: calls.append("open"))
+    ctx = SimpleNamespace(conf=SimConfig(nc=16), comm=FakeComm(1),
+                          backend=SimpleNamespace(name="hvd", mesh_impl=None))
+    check = cli.safety_hooks(job, SimpleNamespace(force=False), run_dir).preflight[0]
+    with pytest.raises(MemoryBudgetError, match="libcic_ops.* is stale"):
+        check(ctx)
+    assert calls == []
+    check = cli.safety_hooks(job, SimpleNamespace(force=True), run_dir).preflight[0]
+    check(ctx)
+    assert calls == ["job", "numerics", "memory", "open"]
+
+
 def test_job_memory_check_runs_once_and_honours_force():
     class Backend:
         name = "hvd"

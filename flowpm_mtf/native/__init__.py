@@ -170,6 +170,44 @@ def expected_stamp(name):
     return "%s tf-%s" % (h.hexdigest()[:16], tf_version())
 
 
+def unusable_reason(name):
+    """Why the library ``name`` cannot be loaded (not built, or stale), or None if it can."""
+    path = library_path(name)
+    if not os.path.exists(path):
+        return "%s is not built" % path
+    try:
+        with open(path + ".stamp") as f:
+            stamp = f.read().strip()
+    except OSError:
+        stamp = None
+    if stamp is None or stamp.split(ARCH_TAG)[0] != expected_stamp(name):
+        return "%s is stale (built for other sources or another TensorFlow)" % path
+    return None
+
+
+def unusable():
+    """``{name: reason}`` of every library of this folder that :func:`load` would not load
+    (empty with ``FLOWPM_MTF_NATIVE=0``: none is wanted)."""
+    if mode() == "0":
+        return {}
+    reasons = {n: unusable_reason(n) for n in names()}
+    return {n: r for n, r in reasons.items() if r is not None}
+
+
+_gpu_visible = None  # whether TensorFlow sees a GPU, asked once
+
+
+def gpu_visible():
+    """Whether TensorFlow sees a GPU (asked once): unplaced ops then run there, and the
+    native CPU ops serve none of them."""
+    global _gpu_visible
+    if _gpu_visible is None:
+        import tensorflow as tf
+
+        _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
+    return _gpu_visible
+
+
 def load(name):
     """Load the op library ``lib<name>.tf<TF version>.so``, or ``None`` if not usable.
 
@@ -194,17 +232,7 @@ def load(name):
     lib = None
     if m != "0":
         path = library_path(name)
-        reason = None
-        if not os.path.exists(path):
-            reason = "%s is not built" % path
-        else:
-            try:
-                with open(path + ".stamp") as f:
-                    stamp = f.read().strip()
-            except OSError:
-                stamp = None
-            if stamp is None or stamp.split(ARCH_TAG)[0] != expected_stamp(name):
-                reason = "%s is stale (built for other sources or another TensorFlow)" % path
+        reason = unusable_reason(name)
         if reason is not None:
             if m == "require":
                 raise RuntimeError("%s; run: python -m flowpm_mtf.native.build" % reason)
@@ -219,8 +247,6 @@ def load(name):
 
 
 
-_gpu_visible = None  # whether TensorFlow sees a GPU, asked once
-
 
 def runs_on_cpu(t):
     """Whether an op consuming the tf.Tensor ``t`` runs on a CPU (a native op serves it).
@@ -229,15 +255,12 @@ def runs_on_cpu(t):
     (an unplaced op goes to the GPU when there is one): on a GPU the TensorFlow
     ops stay the path.
     """
-    global _gpu_visible
     import tensorflow as tf
 
     kind = tf.DeviceSpec.from_string(t.device or "").device_type
     if kind:
         return kind.upper() == "CPU"
-    if _gpu_visible is None:
-        _gpu_visible = bool(tf.config.list_physical_devices("GPU"))
-    return not _gpu_visible
+    return not gpu_visible()
 
 
 FLOATS = ("float32", "float64")  # the dtypes the floating-point ops are registered for
