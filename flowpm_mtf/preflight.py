@@ -632,13 +632,13 @@ def check_native_ops(force=False):
     :func:`flowpm_mtf.cli.safety_hooks`), on every rank, naming the library and the
     command that builds it; ``FLOWPM_MTF_NATIVE=0`` runs the TensorFlow path on
     purpose (with a warning that the estimate assumes the native ops), ``--force``
-    (``force``) only logs the message. Nothing to check where TensorFlow sees a GPU
-    (the native ops serve CPU tensors only) or with ``FLOWPM_MTF_NATIVE=require``
-    (loading raises).
+    (``force``) only logs the message. With ``FLOWPM_MTF_NATIVE=require`` the same
+    one-line error (not the traceback of the first load). Nothing to check where
+    TensorFlow sees a GPU (the native ops serve CPU tensors only).
     """
     from . import native
 
-    if native.mode() == "require" or native.gpu_visible():
+    if native.gpu_visible():
         return None
     if native.mode() == "0":
         log.warning("FLOWPM_MTF_NATIVE=0: the TensorFlow path instead of the native ops; the "

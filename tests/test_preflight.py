@@ -555,8 +555,8 @@ def _stale(monkeypatch, *names):
 def test_cpu_job_stops_without_its_native_ops(monkeypatch):
     """A stale native library stops a CPU job in the default mode (one line naming it and
     the build command; the TensorFlow path would take more memory than the estimate), as
-    does one not built; --force only logs it; FLOWPM_MTF_NATIVE=0 (the TensorFlow path on
-    purpose) and a visible GPU pass; the libraries as set-up built them pass."""
+    does one not built (with FLOWPM_MTF_NATIVE=require too); --force only logs it;
+    FLOWPM_MTF_NATIVE=0 (the TensorFlow path on purpose) and a visible GPU pass; the libraries as set-up built them pass."""
     native = _stale(monkeypatch)
     assert native.unusable() == {}          # as set-up built them (the suite requires them)
     assert preflight.check_native_ops() is None
@@ -571,6 +571,9 @@ def test_cpu_job_stops_without_its_native_ops(monkeypatch):
     assert "python -m flowpm_mtf.native.build" in msg and "FLOWPM_MTF_NATIVE=0" in msg
     assert preflight.check_native_ops(force=True) is None
     monkeypatch.setattr(native, "library_path", lambda n: "/nonexistent/lib%s.so" % n)
+    with pytest.raises(MemoryBudgetError, match="libadjoint_ops.so is not built"):
+        preflight.check_native_ops()
+    monkeypatch.setenv("FLOWPM_MTF_NATIVE", "require")
     with pytest.raises(MemoryBudgetError, match="libadjoint_ops.so is not built"):
         preflight.check_native_ops()
     monkeypatch.setenv("FLOWPM_MTF_NATIVE", "0")

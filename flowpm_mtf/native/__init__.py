@@ -231,7 +231,6 @@ def load(name):
     m = mode()
     lib = None
     if m != "0":
-        path = library_path(name)
         reason = unusable_reason(name)
         if reason is not None:
             if m == "require":
@@ -241,11 +240,9 @@ def load(name):
         else:
             import tensorflow as tf
 
-            lib = tf.load_op_library(path)
+            lib = tf.load_op_library(library_path(name))
     _cache[name] = lib
     return lib
-
-
 
 
 def runs_on_cpu(t):
