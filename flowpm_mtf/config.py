@@ -26,6 +26,10 @@ from .layout import (BX, BY, COL, K_DIMS, KX, KY, KZ, NPART, PX, PY, REAL_DIMS, 
 
 _DTYPES = {"float32": "complex64", "float64": "complex128"}
 
+#: Integers of a configuration lie within 64 bits, ``[-2**63, 2**63)`` (numpy's and
+#: TensorFlow's int64).
+INT64_LIMIT = 2**63
+
 DECOMPOSITIONS = ("eulerian", "lagrangian")
 """Values of :attr:`SimConfig.decomposition` (see :mod:`flowpm_mtf.domain`)."""
 
@@ -77,9 +81,18 @@ def _triple(value, name, kind):
                          % (name, what, value))
     if kind is int:
         for v in value:
-            if not (np.isfinite(v) and float(v).is_integer()):
+            # a Python int of any size is an integer (np.isfinite cannot take one beyond
+            # 64 bits); a float must be finite and whole
+            if not (isinstance(v, (int, np.integer)) or (np.isfinite(v) and
+                                                          float(v).is_integer())):
                 raise ValueError("%s must hold integers, got %r" % (name, value))
-    return tuple(kind(v) for v in value)
+            if not -INT64_LIMIT <= v < INT64_LIMIT:
+                raise ValueError("%s must hold 64-bit integers (-2**63 to 2**63 - 1), got %r"
+                                 % (name, value))
+    try:
+        return tuple(kind(v) for v in value)
+    except OverflowError:   # an int beyond the float range
+        raise ValueError("%s must hold finite numbers, got %r" % (name, value)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +334,9 @@ class SimConfig:
                         (self.lpt_order, "lpt_order"), (self.seed, "seed")):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ValueError("%s must be an int, got %r" % (name, v))
+            if not -INT64_LIMIT <= v < INT64_LIMIT:
+                raise ValueError("%s must be a 64-bit integer (-2**63 to 2**63 - 1), got %r"
+                                 % (name, v))
         set_("halo_size", int(self.halo_size))
         set_("n_steps", int(self.n_steps))
         set_("lpt_order", int(self.lpt_order))

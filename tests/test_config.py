@@ -99,6 +99,11 @@ def test_cosmology_matches_flowpm_planck15():
     (dict(nc=(8, 0, 8)), r"nc must be positive.*\(8, 0, 8\)"),
     (dict(nc=(8, 8)), r"nc must be a scalar or have 3 entries"),
     (dict(nc=8.5), r"nc must hold integers"),
+    # beyond 64 bits: numpy's isfinite cannot take the int (it raised its ufunc TypeError)
+    (dict(nc=99999999999999999999999), r"nc must hold 64-bit integers.*9{23}"),
+    (dict(nc=(16, 16, -2**63 - 1)), r"nc must hold 64-bit integers"),
+    (dict(box_size=10**400), r"box_size must hold finite numbers"),
+    (dict(n_steps=10**23), r"n_steps must be a 64-bit integer.*10{23}"),
     (dict(box_size=(100.0, -1.0, 100.0)), r"box_size must be positive.*-1.0"),
     (dict(seed=-3), r"seed must be in.*-3"),
     (dict(cosmology=Cosmology(h=0.7).to_dict() | {"h": -0.1}), r"Cosmology.h must be positive"),

@@ -126,6 +126,21 @@ def test_config_not_an_object_or_not_utf8(tmp_path, capsys):
     ({"cosmology": {"h": "0.7"}}, [r"'cosmology.h': expected a number, got \"0.7\""]),
     ({"cosmology": None}, [r"'cosmology': expected an object of cosmology fields.*got null"]),
     ({"grid": "2by1"}, [r"'grid': expected \[P, Q\].*got \"2by1\""]),
+    # JSON integers have no limit: one beyond 64 bits is named with its key (numpy's
+    # "ufunc 'isfinite' not supported" before), for every field
+    ({"nc": 99999999999999999999999}, [r"'nc': 9{23} does not fit in 64 bits"]),
+    ({"nc": [16, 16, -2**63 - 1]}, [r"'nc': -9223372036854775809 does not fit in 64 bits"]),
+    ({"seed": 99999999999999999999999}, [r"'seed': 9{23} does not fit in 64 bits"]),
+    ({"config": {"n_steps": 2**64}}, [r"'n_steps': 18446744073709551616 does not fit"]),
+    ({"cosmology": {"h": 10**400}}, [r"'cosmology': 10{400} does not fit in 64 bits"]),
+    # a key twice is refused, not resolved to the last value (json's default)
+    ('{"nc": 16,\n "nc": 32}', [r"key 'nc' appears twice in one object \(again at line 2\)"]),
+    ('{"config": {"seed": 1, "seed": 2}}', [r"key 'seed' appears twice in one object"]),
+    ('{"cosmology": {"h": 0.7, "h": 0.6}}', [r"key 'h' appears twice in one object"]),
+    ({"nc": 16, "config": {"nc": 32}}, [r"'nc' is set twice, at the top level and in section "
+                                        r"'config'; give it once"]),
+    ({"cosmology": {"h": 0.7}, "config": {"cosmology": {"h": 0.6}}},
+     [r"'cosmology.h' is set twice, at the top level and in section 'config'"]),
 ])
 def test_config_values_of_the_issue(tmp_path, capsys, data, patterns):
     path = write_config(tmp_path, data)
@@ -137,12 +152,13 @@ def test_valid_config_file_forms(tmp_path, capsys):
     """The forms the checks must keep accepting (flat, per section, null = automatic)."""
     path = write_config(tmp_path, {"nc": [16, 16, 8], "grid": "1x1", "halo_size": None,
                                    "config": {"cosmology": {"sigma8": 0.7}, "n_steps": 3},
-                                   "simulate": {"snapshots": 0.5}, "box_size": 100})
+                                   "simulate": {"snapshots": 0.5}, "box_size": 100,
+                                   "cosmology": {"h": 0.7}})   # other cosmology keys: merged
     code, lines, configs = run_cli(["simulate", "--config", path], capsys)
     assert code == 0 and lines == [], lines
     conf = configs["config"]
     assert conf.nc == (16, 16, 8) and conf.grid == (1, 1) and conf.halo_size == 2
-    assert conf.cosmology.sigma8 == 0.7 and conf.n_steps == 3
+    assert conf.cosmology.sigma8 == 0.7 and conf.cosmology.h == 0.7 and conf.n_steps == 3
     assert configs["simulate"].snapshots == (0.5,)
 
 

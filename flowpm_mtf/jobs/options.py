@@ -16,7 +16,9 @@ A ``--config`` JSON file sets the same fields by name: flat keys
 (``{"nc": 32, "z_source": [1.0], "iterations": 50}``) or per section, with the
 section names of ``summary.json`` (``{"config": {...}, "lensing": {...}}``);
 ``cosmology`` takes a dict of Cosmology fields. Precedence: the job's
-defaults, then ``--config``, then the flags.
+defaults, then ``--config``, then the flags. A file sets each key once: the
+same key twice (in one object, or flat and in its section) is an error, not
+the last value silently.
 """
 import argparse
 import dataclasses
@@ -197,7 +199,8 @@ def read_config_file(path):
     ------
     ConfigError
         One line naming the file: missing, a directory, unreadable, not UTF-8,
-        invalid JSON (with line and column) or not a JSON object.
+        invalid JSON (with line and column), a key twice in one object (``json``
+        alone keeps the last value) or not a JSON object.
     """
     from ..errors import ConfigError
 
@@ -217,14 +220,47 @@ def read_config_file(path):
     except OSError as e:
         raise ConfigError("%s: cannot be read: %s" % (where, e.strerror or e)) from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         raise ConfigError("%s: invalid JSON at line %d, column %d: %s"
                           % (where, e.lineno, e.colno, e.msg)) from None
+    except _DuplicateKey as e:
+        line = _second_key_line(text, e.key)
+        raise ConfigError("%s: key %s appears twice in one object%s; JSON would keep only "
+                          "the last value: give it once"
+                          % (where, repr(e.key), " (again at line %d)" % line if line else "")
+                          ) from None
     if not isinstance(data, dict):
         raise ConfigError("%s: expected a JSON object {\"key\": value, ...}, got %s"
                           % (where, _shown(data)))
     return data
+
+
+class _DuplicateKey(ValueError):
+    """A key twice in one JSON object."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs):
+    """``object_pairs_hook`` of :func:`json.loads`: a dict, or :class:`_DuplicateKey`
+    (``json.loads`` alone keeps the last of two equal keys without a word)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _second_key_line(text, key):
+    """The line (1-based) of the second ``"key":`` of ``text`` when it holds exactly two,
+    else ``None`` (written with escapes, or also used in another object: ambiguous)."""
+    hits = [m.start() for m in re.finditer(
+        re.escape(json.dumps(key, ensure_ascii=False)) + r"\s*:", text)]
+    return text.count("\n", 0, hits[1]) + 1 if len(hits) == 2 else None
 
 
 def _shown(value):
@@ -243,6 +279,20 @@ def _number(v):
 def _integer(v):
     return _number(v) and (isinstance(v, int) or (v == v and abs(v) != float("inf")
                                                   and float(v).is_integer()))
+
+
+def _beyond_64_bits(value):
+    """The first integer of ``value`` (a JSON value: lists and objects walked) outside
+    ``[-2**63, 2**63)``, or ``None``."""
+    from ..config import INT64_LIMIT
+
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return next((h for h in map(_beyond_64_bits, value) if h is not None), None)
+    if _number(value) and isinstance(value, int) and not -INT64_LIMIT <= value < INT64_LIMIT:
+        return value
+    return None
 
 
 def _kind(f, default):
@@ -286,8 +336,8 @@ def check_file_value(section, name, value, path):
 
     The value's range (positive, below a limit, ...) is the dataclass's to
     check; this checks what JSON can get wrong: a string, ``null`` or a list
-    where a number is expected, or the reverse, and the keys of the nested
-    cosmology. ``"grid": "PxQ"`` becomes ``[P, Q]``.
+    where a number is expected, or the reverse, an integer beyond 64 bits (JSON
+    has no limit), and the keys of the nested cosmology. ``"grid": "PxQ"`` becomes ``[P, Q]``.
 
     Parameters
     ----------
@@ -314,6 +364,10 @@ def check_file_value(section, name, value, path):
     f = {g.name: g for g in dataclasses.fields(section.cls)}[name]
     default = section.default(name)
     where = "--config %s: %s" % (path, repr(name))
+    huge = _beyond_64_bits(value)
+    if huge is not None:   # JSON integers have no limit; every field's number has
+        raise ConfigError("%s: %d does not fit in 64 bits (integers lie in -2**63 to 2**63 - 1)"
+                          % (where, huge))
     if dataclasses.is_dataclass(default):          # the nested cosmology: a dict of numbers
         names = [g.name for g in dataclasses.fields(default)]
         if not isinstance(value, dict):
@@ -399,7 +453,8 @@ def job_values(job, args, config_file=None):
     ------
     ConfigError
         (a ``ValueError``) For a file that cannot be read, is no JSON object, has
-        an unknown key or a value of the wrong type (:func:`check_file_value`).
+        an unknown key, a key set twice (in one object, or flat and in its
+        section) or a value of the wrong type (:func:`check_file_value`).
     """
     from ..errors import ConfigError
 
@@ -409,6 +464,7 @@ def job_values(job, args, config_file=None):
     owner = {f.name: sec.key for sec in sections for f in dataclasses.fields(sec.cls)}
     if config_file:
         data = read_config_file(config_file)
+        given = {}   # key ("cosmology.h" for the nested ones) -> where the file sets it
         for key, value in data.items():
             if key in values and key not in owner:
                 if not isinstance(value, dict):
@@ -424,6 +480,8 @@ def job_values(job, args, config_file=None):
                 if owner.get(name) is None:
                     raise _unknown_key(job, name, owner, values, config_file, inside)
                 v = check_file_value(by_key[owner[name]], name, v, config_file)
+                _set_once(given, name, v, "in section %s" % repr(inside) if inside
+                          else "at the top level", config_file)
                 _merge(values[owner[name]], name, v)
     for dest, value in sorted(vars(args).items()):
         if ":" not in dest:
@@ -435,6 +493,20 @@ def job_values(job, args, config_file=None):
         else:
             values[key][name] = value
     return values
+
+
+def _set_once(given, name, value, where, path):
+    """Record that the ``--config`` file sets ``name`` (``where``); a key set twice, flat and
+    in its section (or a cosmology parameter at both places), is a ConfigError."""
+    from ..errors import ConfigError
+
+    keys = (["%s.%s" % (name, k) for k in value] if name == _NESTED and isinstance(value, dict)
+            else [name])
+    for key in keys:
+        if key in given:
+            raise ConfigError("--config %s: %s is set twice, %s and %s; give it once"
+                              % (path, repr(key), given[key], where))
+        given[key] = where
 
 
 def _merge(section_values, name, value):
