@@ -27,6 +27,8 @@ import horovod
 import horovod.tensorflow as hvd
 from mpi4py import MPI
 
+from . import liveness
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -103,6 +105,7 @@ def init(comm=None):
                             "(see hvd_mesh_impl.runtime.PATCHED_HOROVOD_VERSION)",
                             horovod.__version__, PATCHED_HOROVOD_VERSION)
             _register_exit_barrier(comm)
+            liveness.start(comm)   # collective; after the barrier's handler (stop follows it)
         if hvd.size() != comm.Get_size():
             raise RuntimeError(
                 "Horovod runs on %d ranks but the communicator given has %d; "
@@ -118,6 +121,7 @@ def horovod_patched():
 def _register_exit_barrier(comm):
     if os.environ.get("FLOWPM_MTF_EXIT_BARRIER", "1") == "0":
         log.warning("FLOWPM_MTF_EXIT_BARRIER=0: no barrier before Horovod shuts down at exit")
+        atexit.register(liveness.stop)
         return
     _exit["comm"] = comm.Dup()  # collective: every rank is in init
     # atexit runs handlers last-in first-out: this one before Horovod's shutdown.
@@ -136,6 +140,7 @@ def _at_exit():
         sys.stderr.write("[rank %d] exiting on an uncaught exception: aborting the MPI job\n"
                          % MPI.COMM_WORLD.Get_rank())
         sys.stderr.flush()
+        liveness.stop("abort")
         MPI.COMM_WORLD.Abort(1)
     exit_barrier()
 
@@ -169,12 +174,14 @@ def exit_barrier(timeout=None):
         if timeout and waited > timeout:
             log.error("rank %d: other ranks did not reach their exit within %.0f s; "
                       "aborting the MPI job", comm.Get_rank(), timeout)
+            liveness.stop("abort")
             comm.Abort(1)
         if waited > next_note:
             log.warning("rank %d: waiting %.0f s at exit for the other ranks",
                         comm.Get_rank(), waited)
             next_note += 60.0
         time.sleep(0.01)
+    liveness.stop()  # every rank is at its exit: the peer watchdogs stop
 
 
 def shutdown():
@@ -291,6 +298,7 @@ def install_abort_on_exception():
                              % (rank, exc_type.__name__))
             sys.stderr.flush()
         finally:
+            liveness.stop("abort")
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = _hook

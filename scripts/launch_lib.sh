@@ -31,11 +31,21 @@ stack_requirements() {
 # --bind-to none (Open MPI's default binds each rank to one core when there are at most
 # 2 ranks: a 1-rank job would get one core), --allow-run-as-root as root, and
 # --oversubscribe on this host alone ("local", the default; not with a host list).
+# With a host list ("hosts"), TCP keepalive on mpirun's links to its remote daemons
+# (idle 20 s, then 4 probes 5 s apart; Open MPI's default is 300 s + 9 x 20 s): mpirun
+# notices a cut-off node on an idle link within ~40 s. (The ranks end within
+# FLOWPM_MTF_PEER_TIMEOUT by themselves; mpirun, once it has an unacknowledged order for
+# the lost daemon, waits for TCP's retransmission limit: docs/clusters.md.)
 #   mapfile -t MPI_OPTS < <(mpirun_options)
 mpirun_options() {
   printf '%s\n' --bind-to none
   if [ "$(id -u)" -eq 0 ]; then printf '%s\n' --allow-run-as-root; fi
-  if [ "${1:-local}" = local ]; then printf '%s\n' --oversubscribe; fi
+  if [ "${1:-local}" = local ]; then
+    printf '%s\n' --oversubscribe
+  else
+    printf '%s\n' --mca oob_tcp_keepalive_time 20 --mca oob_tcp_keepalive_intvl 5 \
+      --mca oob_tcp_keepalive_probes 4
+  fi
 }
 
 # exec_subcommand VENV COMMAND OUT LAUNCHER... -- ARGS...: replace the shell by COMMAND

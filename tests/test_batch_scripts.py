@@ -18,7 +18,8 @@ SBATCH = sorted(glob.glob(os.path.join(REPO, "slurm", "*.sbatch")))
 SHELL = sorted(glob.glob(os.path.join(REPO, "scripts", "*.sh")))
 # Scripts of the batch/launch issue: held to shellcheck's default severity (style
 # notes included); every other script must be free of shellcheck errors.
-OWN = SBATCH + [os.path.join(REPO, "scripts", f) for f in ("run_mpirun.sh", "run_horovodrun.sh")]
+OWN = SBATCH + [os.path.join(REPO, "scripts", f)
+             for f in ("run_mpirun.sh", "run_horovodrun.sh", "sim_cluster.sh")]
 # Things a portable template must not contain: absolute site paths and fixed accounts.
 SITE_PATTERNS = (r"/(home|scratch|gpfs|lustre|project|projects|work|sw|apps)/",
                  r"^#SBATCH\s+--(account|partition|qos)\b", r"^#SBATCH\s+-[Ap]\b")
