@@ -45,6 +45,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
 from .backend import BACKENDS, default_grid, world  # noqa: F401 (re-exported)
@@ -92,8 +93,38 @@ def add_run_arguments(parser, job):
                                 "match the checkpoint)")
 
 
+class _NumberArgument:
+    """The test argparse makes of an argument that starts with ``-``: a number, or a comma list
+    of numbers (``-0.5,0.5,1.0``, ``-1e-3``, ``-inf``) or a grid (``-1x2``), is a value, not an
+    option.
+
+    argparse's own test (``^-\\d+$|^-\\d*\\.\\d+$``) knows only ``-5`` and ``-0.5``: it
+    read ``--nz-bins -0.5,0.5,1.0`` as the option ``-0.5,0.5,1.0`` and failed with
+    "expected one argument". The value then gets its option's own checks (a negative
+    bin edge: the rule it breaks). No ``flowpm-mtf`` option looks like a number.
+    """
+
+    @staticmethod
+    def match(text):
+        if not text.startswith("-") or text.startswith("--"):
+            return False
+        if re.fullmatch(r"-\d+x-?\d+", text, re.I):    # a process grid PxQ: --grid -1x2
+            return True
+        try:
+            for part in text.split(","):
+                float(part)
+        except ValueError:
+            return False
+        return True
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse raising :class:`ConfigError` (printed once) instead of exiting on every rank."""
+    """argparse raising :class:`ConfigError` (printed once) instead of exiting on every rank,
+    and taking negative numbers and comma lists of them as values (:class:`_NumberArgument`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NumberArgument()   # sub-commands: this class too
 
     def error(self, message):
         from .errors import ConfigError

@@ -193,9 +193,13 @@ class LensingConfig:
         if bins and not (sm or self.nz_file):
             raise ValueError("LensingConfig: nz_bins=%r without an n(z) (nz_smail or nz_file)"
                              % (bins,))
-        if bins and (bins[0] < 0 or np.any(np.diff(bins) <= 0)):
-            raise ValueError("LensingConfig: nz_bins must be increasing redshifts >= 0, got %r"
-                             % (bins,))
+        if bins and bins[0] < 0:
+            raise ValueError("LensingConfig: nz_bins: redshifts are >= 0, got the edge %g in %r"
+                             % (min(bins), bins))
+        if bins and np.any(np.diff(bins) <= 0):
+            i = int(np.nonzero(np.diff(bins) <= 0)[0][0])
+            raise ValueError("LensingConfig: nz_bins must be increasing redshifts, got %g after "
+                             "%g in %r" % (bins[i + 1], bins[i], bins))
 
     @property
     def n_bins(self):

@@ -274,6 +274,29 @@ def test_every_numeric_option_at_zero_negative_nan_inf(capsys, job, flag, dest, 
 @pytest.mark.parametrize("grid", ["0x1", "1x0", "-1x2"])
 def test_grid_option_zero_or_negative(capsys, grid):
     assert_config_error(*run_cli(["simulate", "--grid=" + grid], capsys)[:2], r"grid")
+    assert_config_error(*run_cli(["simulate", "--grid", grid], capsys)[:2], r"grid")
+
+
+NEGATIVE_VALUES = ("-0.5,0.5,1.0", "-1e-3", "-2,-2,-2")
+NEGATIVE_CASES = [(name, flag) for name in sorted(REGISTRY)
+                  for flag, _ in _numeric_options(name)]
+
+
+@pytest.mark.parametrize("job, flag", NEGATIVE_CASES, ids=["%s%s" % c for c in NEGATIVE_CASES])
+def test_negative_value_after_a_space_is_a_value(capsys, job, flag):
+    """``--nz-bins -0.5,0.5,1.0``: argparse took a negative comma list (or ``-1e-3``) for an
+    option and failed with "expected one argument"; now ``--flag V`` is ``--flag=V``: the
+    value reaches the option's own checks (the same verdict, the same line)."""
+    for value in NEGATIVE_VALUES:
+        spaced = run_cli([job, flag, value], capsys)[:2]
+        assert not any("expected one argument" in line for line in spaced[1]), spaced
+        assert spaced == run_cli([job, "%s=%s" % (flag, value)], capsys)[:2]
+
+
+def test_negative_nz_bin_edge_is_the_rule_it_breaks(capsys):
+    assert_config_error(*run_cli(["lensing", "--nz-smail", "2,1.5,0.3", "--nz-bins",
+                                  "-0.5,0.5,1.0"], capsys)[:2],
+                        re.escape("nz_bins: redshifts are >= 0, got the edge -0.5"))
 
 
 def test_numeric_option_list_is_not_empty():

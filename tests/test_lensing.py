@@ -284,8 +284,10 @@ def test_nz_bad_input(tmp_path):
         L.LensingConfig(nz_smail=(2, 1.5, 0.3), nz_file="x", nz_bins=(0.1, 0.5))
     with pytest.raises(ValueError, match="alpha,beta,z0"):
         L.LensingConfig(nz_smail=(2, 0, 0.3), nz_bins=(0.1, 0.5))
-    with pytest.raises(ValueError, match="increasing"):
+    with pytest.raises(ValueError, match="increasing redshifts, got 0.1 after 0.5"):
         L.LensingConfig(nz_smail=(2, 1, 0.3), nz_bins=(0.5, 0.1))
+    with pytest.raises(ValueError, match="redshifts are >= 0, got the edge -0.5"):
+        L.LensingConfig(nz_smail=(2, 1, 0.3), nz_bins=(-0.5, 0.5, 1.0))
 
 
 # ----------------------------------------------------------------------------- shear
