@@ -87,7 +87,7 @@ from .nbody import kdk_step
 from .painting import cic_paint_plane
 
 __all__ = ["SRC", "THX", "THY", "LensingConfig", "LightconeGeometry", "geometry",
-           "lightcone_stages", "source_nz", "nz_efficiency", "density_plane",
+           "lightcone_stages", "source_nz", "read_nz_table", "nz_efficiency", "density_plane",
            "interpolation_weights", "born_coefficients",
            "born_convergence", "kaiser_squires_kernels", "shear_maps", "lightcone_forward",
            "kappa_power_spectrum",
@@ -397,25 +397,93 @@ def source_nz(lconf):
     Raises
     ------
     ValueError
-        If the table file cannot be read, is not two columns of increasing z with
-        n >= 0, or is all zero.
+        If the table file breaks a rule of :func:`read_nz_table` (named with its
+        line).
     """
     if lconf.nz_smail:
         alpha, beta, z0 = lconf.nz_smail
         return lambda z: np.asarray(z, np.float64)**alpha * np.exp(-(np.asarray(z) / z0)**beta)
     if not lconf.nz_file:
         return None
-    try:
-        tab = np.loadtxt(lconf.nz_file, ndmin=2)
-    except (OSError, ValueError) as exc:
-        raise ValueError("nz_file=%s: cannot read a table of z, n(z): %s"
-                         % (lconf.nz_file, exc)) from None
-    if tab.shape[1] != 2 or tab.shape[0] < 2 or np.any(np.diff(tab[:, 0]) <= 0) \
-            or np.any(tab[:, 1] < 0) or not np.all(np.isfinite(tab)) or not np.any(tab[:, 1] > 0):
-        raise ValueError("nz_file=%s: expected two columns, z increasing and n(z) >= 0 not all "
-                         "zero, got shape %s" % (lconf.nz_file, tab.shape))
-    z_t, n_t = tab[:, 0].copy(), tab[:, 1].copy()
+    z_t, n_t = read_nz_table(lconf.nz_file)
     return lambda z: np.interp(z, z_t, n_t, left=0.0, right=0.0)
+
+
+def read_nz_table(path):
+    """The table of a source redshift distribution: two columns, z and n(z).
+
+    Text, one row per line, the two numbers separated by blanks; ``#`` starts a
+    comment, blank lines are skipped.
+
+    Parameters
+    ----------
+    path : str
+
+    Returns
+    -------
+    z, n : ndarray
+        float64: redshifts [dimensionless], >= 0 and strictly increasing, and
+        n(z) [arbitrary units], >= 0, not all zero.
+
+    Raises
+    ------
+    ValueError
+        One line ``nz_file=PATH: ...`` naming the rule that failed and, for a
+        row, its line: the file cannot be read; a row without exactly two
+        columns; a value that is no number, or NaN or infinite; a negative z or
+        n(z); z not increasing; fewer than two rows; n(z) zero everywhere.
+    """
+    where = "nz_file=%s" % path
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError("%s: cannot read a table of z, n(z): not text (byte %d)"
+                         % (where, e.start)) from None
+    except OSError as e:
+        raise ValueError("%s: cannot read a table of z, n(z): %s"
+                         % (where, e.strerror or e)) from None
+    rows, at = [], []
+    for number, line in enumerate(lines, 1):
+        cols = line.split("#", 1)[0].split()
+        if not cols:
+            continue
+        if len(cols) != 2:
+            raise ValueError("%s: line %d has %d columns, expected 2 (z and n(z)): %r"
+                             % (where, number, len(cols), line.strip()))
+        try:
+            z, n = float(cols[0]), float(cols[1])
+        except ValueError:
+            raise ValueError("%s: line %d: %r is not a number" % (
+                where, number, next(c for c in cols if not _is_float(c)))) from None
+        for name, v in (("z", z), ("n(z)", n)):
+            if not np.isfinite(v):
+                raise ValueError("%s: line %d: %s = %s; z and n(z) must be finite"
+                                 % (where, number, name, cols[0 if name == "z" else 1]))
+            if v < 0:
+                raise ValueError("%s: line %d: %s = %g is negative; %s"
+                                 % (where, number, name, v, "redshifts are >= 0" if name == "z"
+                                    else "n(z) is a density of sources, >= 0"))
+        if rows and z <= rows[-1][0]:
+            raise ValueError("%s: line %d: z = %g after z = %g on line %d; z must increase "
+                             "from row to row" % (where, number, z, rows[-1][0], at[-1]))
+        rows.append((z, n))
+        at.append(number)
+    if len(rows) < 2:
+        raise ValueError("%s: %d row%s of z, n(z); the table needs at least two"
+                         % (where, len(rows), "" if len(rows) == 1 else "s"))
+    tab = np.asarray(rows, np.float64)
+    if not np.any(tab[:, 1] > 0):
+        raise ValueError("%s: n(z) is zero on every row; there are no sources" % where)
+    return tab[:, 0].copy(), tab[:, 1].copy()
+
+
+def _is_float(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def nz_efficiency(cosmo, nz, bins, r):

@@ -2,6 +2,8 @@
 an analytic plane, the same convergence map on every process grid, finite-difference
 gradient of a convergence loss with respect to the initial field, the flat-sky C_ell
 estimator, and bad input."""
+import re
+
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -273,7 +275,7 @@ def test_nz_bad_input(tmp_path):
                                          nz_bins=(0.0, 0.1)))
     bad = tmp_path / "bad.txt"
     np.savetxt(bad, [[0.1, 1.0], [0.05, 2.0]])
-    with pytest.raises(ValueError, match="z increasing"):
+    with pytest.raises(ValueError, match="z must increase"):
         L.geometry(conf, L.LensingConfig(z_source=0.1, n_planes=3, nz_file=str(bad),
                                          nz_bins=(0.0, 0.1)))
     with pytest.raises(ValueError, match="need nz_bins with at least two"):
@@ -288,6 +290,46 @@ def test_nz_bad_input(tmp_path):
         L.LensingConfig(nz_smail=(2, 1, 0.3), nz_bins=(0.5, 0.1))
     with pytest.raises(ValueError, match="redshifts are >= 0, got the edge -0.5"):
         L.LensingConfig(nz_smail=(2, 1, 0.3), nz_bins=(-0.5, 0.5, 1.0))
+
+
+# Each broken rule of an n(z) table gets its own line, with the file and the line of the row
+# (one generic "expected two columns, z increasing and n(z) >= 0" line before; a ragged row
+# passed on numpy's advice to "use `usecols`"; a negative z was accepted).
+NZ_TABLE_CASES = [
+    ("0.0 1\n0.1 -2\n0.2 1\n", r"line 2: n\(z\) = -2 is negative"),
+    ("0.0 1\n0.2 2\n0.1 1\n", r"line 3: z = 0.1 after z = 0.2 on line 2; z must increase"),
+    ("0.0 1\n0.1 2\n0.1 1\n", r"line 3: z = 0.1 after z = 0.1 on line 2; z must increase"),
+    ("0.0 1\n0.1 nan\n0.2 1\n", r"line 2: n\(z\) = nan; z and n\(z\) must be finite"),
+    ("0.0 1\ninf 2\n", r"line 2: z = inf; z and n\(z\) must be finite"),
+    ("0.0 1\n0.1 2 3\n0.2 1\n", r"line 2 has 3 columns, expected 2 \(z and n\(z\)\)"),
+    ("0.0\n0.1 2\n", r"line 1 has 1 columns, expected 2"),
+    ("-0.1 1\n0.1 2\n0.2 1\n", r"line 1: z = -0.1 is negative; redshifts are >= 0"),
+    ("# z n(z)\n\n0.0 1\n0.1 abc\n", r"line 4: 'abc' is not a number"),
+    ("# z n(z)\n0.1 1\n", r"1 row of z, n\(z\); the table needs at least two"),
+    ("", r"0 rows of z, n\(z\)"),
+    ("0 0\n0.1 0\n", r"n\(z\) is zero on every row"),
+]
+
+
+@pytest.mark.parametrize("text, match", NZ_TABLE_CASES)
+def test_nz_table_rules(tmp_path, text, match):
+    path = tmp_path / "nz.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        L.source_nz(L.LensingConfig(z_source=0.1, nz_file=str(path), nz_bins=(0.0, 0.1)))
+    msg = str(err.value)
+    assert msg.startswith("nz_file=%s: " % path) and "\n" not in msg and \
+        re.search(match, msg), msg
+
+
+def test_nz_table_comments_blank_lines_and_savetxt(tmp_path):
+    path = tmp_path / "nz.txt"
+    path.write_text("# z n(z)\n\n0.0 0.0  # first row\n0.1\t2.5\n0.3 1e0\n")
+    z, n = L.read_nz_table(str(path))
+    np.testing.assert_array_equal(z, [0.0, 0.1, 0.3])
+    np.testing.assert_array_equal(n, [0.0, 2.5, 1.0])
+    np.savetxt(path, np.column_stack([[0.0, 0.5], [1.0, 2.0]]))
+    assert L.read_nz_table(str(path))[1].tolist() == [1.0, 2.0]
 
 
 # ----------------------------------------------------------------------------- shear
