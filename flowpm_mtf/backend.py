@@ -220,6 +220,24 @@ class Backend:
         """This process's rank in ``comm``."""
         return int(self.comm.rank)
 
+    def placement(self):
+        """Where this process runs (host, ranks of its node, thread pools), for summaries.
+
+        Returns
+        -------
+        dict
+            hvd: :func:`hvd_mesh_impl.runtime.node_placement`; placement: this host, one
+            process (``local_rank`` 0, ``local_size`` 1), TensorFlow's default threads (0).
+        """
+        if self.name == "hvd":
+            from hvd_mesh_impl import runtime
+
+            return runtime.node_placement()
+        import socket
+
+        return {"host": socket.gethostname(), "rank": self.rank, "local_rank": 0,
+                "local_size": 1, "intra_threads": 0, "inter_threads": 0}
+
 
 def make_backend(backend, conf, comm=None):
     """The :class:`Backend` of ``backend`` for a ``SimConfig``'s process grid.

@@ -19,6 +19,7 @@ be waiting for this one in a collective). See :func:`exit_barrier`.
 import atexit
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -262,6 +263,24 @@ def thread_counts(local_size=None):
     intra = int(os.environ.get("FLOWPM_MTF_INTRA_THREADS", intra))
     inter = int(os.environ.get("FLOWPM_MTF_INTER_THREADS", inter))
     return intra, inter
+
+
+def node_placement():
+    """Where this rank runs: its host, its place among the ranks of that host, its threads.
+
+    Horovod's local rank and size count the ranks that share this rank's node (MPI's
+    shared-memory split), so they follow each rank's own host when a job spans hosts;
+    the thread pools of :func:`thread_counts` divide that node's cores among them.
+
+    Returns
+    -------
+    dict
+        ``host`` (hostname), ``rank``, ``local_rank``, ``local_size``, ``intra_threads``,
+        ``inter_threads``.
+    """
+    intra, inter = thread_counts()
+    return {"host": socket.gethostname(), "rank": hvd.rank(), "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(), "intra_threads": intra, "inter_threads": inter}
 
 
 def session_config(local_size=None, **kwargs):

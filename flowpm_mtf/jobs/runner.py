@@ -626,6 +626,9 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions(),
                    allocator=allocator.active(),
                    memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
+    # where each rank ran: host, ranks on its node, thread pools (docs/output.md)
+    summary["ranks"] = ctx.comm.allgather(backend.placement())
+    summary["hosts"] = sorted({r["host"] for r in summary["ranks"]})
     if resume:
         summary["resumed"] = True
     if ctx.writes:
