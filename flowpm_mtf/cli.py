@@ -246,17 +246,16 @@ def resume_configs(job, args):
     Raises
     ------
     ResumeError
-        No valid checkpoint in the directory, one written by another job, or an
-        option that contradicts it.
+        No valid checkpoint in the directory (it holds a complete run, or
+        nothing to continue), one written by another job, or an option that
+        contradicts it.
     """
-    from . import checkpoint
+    from . import checkpoint, rundir
     from .errors import ResumeError
 
     found = checkpoint.candidates(args.resume)
-    if not found:
-        raise ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K "
-                          "to write checkpoints, or start a new run)"
-                          % (args.resume, checkpoint.checkpoint_root(args.resume)))
+    if not found:   # a complete run (its checkpoints removed at publish) or none at all
+        raise rundir.nothing_to_resume(args.resume)
     path, manifest = found[0]
     if manifest.get("job") not in (None, job.name):   # before its configs are read as ours
         raise ResumeError(checkpoint.check_identity(

@@ -256,6 +256,35 @@ def has_checkpoint(out):
     return any(re.fullmatch(r"step_\d+", n) and os.path.isdir(os.path.join(d, n)) for n in names)
 
 
+def nothing_to_resume(out):
+    """The :class:`ResumeError` of ``--resume OUT`` when OUT holds no checkpoint.
+
+    A complete run (:func:`locate`: also one whose publish was killed midway) is
+    said to be complete, with the job that wrote it, not "no checkpoint": the
+    checkpoints of a run are removed when it publishes. Exit code 6 like every
+    resume that has nothing to continue (docs/running.md).
+
+    Parameters
+    ----------
+    out : str or os.PathLike
+
+    Returns
+    -------
+    ResumeError
+    """
+    out = os.fspath(out)
+    where = locate(out)
+    if where is not None:
+        job = (read_manifest(where) or {}).get("job")
+        return ResumeError("--resume %s: the %srun there is complete (%s): nothing to resume; "
+                           "its outputs are in %s (to run it again: --out %s --overwrite, "
+                           "without --resume)" % (out, "%r " % job if job else "", MANIFEST, out,
+                                                  out))
+    return ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K to "
+                       "write checkpoints, or start a new run)"
+                       % (out, os.path.join(out, CHECKPOINT)))
+
+
 def _remove(path):
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -587,9 +616,7 @@ class RunDir:
         checkpoint = has_checkpoint(out)
         if self.resume:
             if not checkpoint:
-                raise ResumeError("--resume %s: %s; run without --resume" % (
-                    out, "the run there is complete, nothing to resume" if complete
-                    else "no checkpoint in %s" % self.checkpoint_dir))
+                raise nothing_to_resume(out)
         elif not self.overwrite:
             if complete:
                 raise OutputDirError("--out %s holds a complete run (%s); pass --overwrite to "

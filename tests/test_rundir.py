@@ -227,8 +227,35 @@ def test_checkpointed_run_needs_resume_or_overwrite(tmp_path):
 
 @single
 def test_resume_without_checkpoint_fails(tmp_path):
-    with pytest.raises(ResumeError, match="no checkpoint"):
+    with pytest.raises(ResumeError, match="no valid checkpoint in .*--checkpoint-every K"):
         RunDir(tmp_path / "new", "simulate", resume=True).open()
+
+
+@single
+@pytest.mark.parametrize("where", ["out", "killed_publish"])
+def test_resume_of_a_complete_run_says_it_is_complete(tmp_path, capsys, where):
+    """``flowpm-mtf JOB --resume OUT`` of a finished run: one line saying that the run there
+    is complete (it said "no valid checkpoint ... run with --checkpoint-every K"), exit 6
+    (a resume with nothing to continue, docs/running.md), OUT untouched; also when the
+    complete run sits next to OUT after a killed publish, and from RunDir itself."""
+    from flowpm_mtf import cli
+
+    out = tmp_path / "run"
+    complete_run(out, {"a.txt": "x"})
+    if where == "killed_publish":
+        os.rename(out, rundir.swap_paths(out)[0])   # OUT absent, the run in .run.flowpm-new
+    before = snapshot_tree(tmp_path)
+    assert cli.main(["simulate", "--resume", str(out), "--backend", "placement"]) == \
+        ResumeError.exit_code == 6
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if line.startswith("flowpm-mtf: error: ")]
+    assert errors == ["flowpm-mtf: error: --resume %s: the 'simulate' run there is complete "
+                      "(manifest.json): nothing to resume; its outputs are in %s (to run it "
+                      "again: --out %s --overwrite, without --resume)" % (out, out, out)], lines
+    assert snapshot_tree(tmp_path) == before
+    if where == "out":
+        with pytest.raises(ResumeError, match="the 'simulate' run there is complete"):
+            RunDir(out, "simulate", resume=True).open()
 
 
 @single
