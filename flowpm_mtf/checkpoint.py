@@ -80,6 +80,9 @@ agree at a step boundary (one small allreduce): the signal may reach only some
 ranks, or at different times, but every rank sees the same answer at the same
 step, finishes that step, writes the checkpoint and exits 0 (a job that does not
 checkpoint stops there with an error instead, see :mod:`flowpm_mtf.jobs.runner`).
+A signal after the last step lets the run finish; the ``flowpm-mtf`` command
+(``StopRequest(until_exit=True)``) then ignores SIGTERM until the process has
+exited, so a rank shutting down is not ended by it (exit 0, not 143).
 """
 import glob
 import hashlib
@@ -1061,33 +1064,57 @@ class StopRequest:
         mpi4py-like communicator (``allreduce``).
     signals : tuple of int
         Signals to catch (default SIGTERM).
+    until_exit : bool
+        The process ends after the block (the ``flowpm-mtf`` command): a block
+        left without an exception leaves the signals **ignored** instead of
+        restoring the previous handlers, so that a signal after the last step
+        (the run complete, or stopped after its checkpoint) cannot kill the rank
+        while it shuts down (Horovod, MPI, the interpreter: about a second) and
+        make ``mpirun`` report "exited on signal 15" (exit 143). Ignored, not
+        caught: Python resets the handlers it called to the default action
+        while it finalizes, an ignored signal stays ignored. A block left by an
+        exception restores the previous handlers (the failing rank stays
+        killable).
+
+    Attributes
+    ----------
+    received : int or None
+        The first signal recorded on this rank.
+    finished : bool
+        Set once the job's loop is done (:func:`flowpm_mtf.jobs.runner.run`):
+        a signal after it lets the run finish, which the log then says.
 
     Notes
     -----
-    Use as a context manager; the previous handlers are restored on exit. The
-    handler only sets a flag, so the current ``session.run`` completes.
+    Use as a context manager; the previous handlers are restored on exit
+    (see ``until_exit``). The handler only sets a flag, so the current
+    ``session.run`` completes.
     """
 
-    def __init__(self, comm, signals=(signal.SIGTERM,)):
+    def __init__(self, comm, signals=(signal.SIGTERM,), until_exit=False):
         self.comm = comm
         self.signals = tuple(signals)
+        self.until_exit = bool(until_exit)
         self.received = None
+        self.finished = False
         self._previous = {}
 
     def _handler(self, signum, frame):
         if self.received is None:
             self.received = signum
-            log.warning("received %s: stopping at the end of the current step (or iteration)",
-                        signal.Signals(signum).name)
+            log.warning("received %s: %s", signal.Signals(signum).name,
+                        "the last step is done, finishing the run (outputs, exit 0)"
+                        if self.finished else
+                        "stopping at the end of the current step (or iteration)")
 
     def __enter__(self):
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.until_exit and exc_type is None else h)
         self._previous = {}
         return False
 

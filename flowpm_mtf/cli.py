@@ -279,7 +279,7 @@ def resume_configs(job, args):
     return configs
 
 
-def main(argv=None, startup_error=None):
+def main(argv=None, startup_error=None, until_exit=False):
     """Parse the command line and run one job; returns the exit code (see :func:`report_error`).
 
     Parameters
@@ -289,6 +289,12 @@ def main(argv=None, startup_error=None):
     startup_error : FlowpmError, optional
         An error of the entry point before this process could start (the
         allocator, :func:`entry`): reported like any other, nothing runs.
+    until_exit : bool
+        The process exits after this call (the command, :func:`entry`): from
+        the end of the run on, SIGTERM is ignored until it has exited, so a
+        signal after the last step cannot end a rank during Horovod's, MPI's
+        and Python's shutdown (exit 0 as docs/running.md says, not 143). False
+        for a caller that goes on (a test): its handler is restored.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     verbose = "--verbose" in argv
@@ -315,7 +321,7 @@ def main(argv=None, startup_error=None):
         # oneDNN is on (FLOWPM_MTF_ALLOCATOR=tf or a bad mode: no re-execution)
         from .jobs import runner
 
-        run_job(registry[args.command], args, backend_mod, runner)
+        run_job(registry[args.command], args, backend_mod, runner, until_exit=until_exit)
         return EXIT_OK   # also a run stopped by SIGTERM after its checkpoint
     except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)
         return report_error(e, args, verbose)
@@ -338,8 +344,9 @@ def check_run_options(args, job=None):
         raise ConfigError("--checkpoint-every takes a number of %ss >= 1, got %d" % (unit, every))
 
 
-def run_job(job, args, backend_mod, runner):
-    """Configs (new run, or ``--resume``), backend, run directory, then the runner."""
+def run_job(job, args, backend_mod, runner, until_exit=False):
+    """Configs (new run, or ``--resume``), backend, run directory, then the runner
+    (``until_exit``: see :func:`main`)."""
     from .errors import ResumeError
     from .rundir import RunDir
 
@@ -361,11 +368,31 @@ def run_job(job, args, backend_mod, runner):
     run_dir = RunDir(out, job.name, comm=backend.comm, overwrite=args.overwrite,
                      resume=bool(resume))
     try:
-        return runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
-                          hooks=safety_hooks(job, args, run_dir), checkpoint_every=every,
-                          resume=bool(resume))
+        summary = runner.run(job, configs, backend, run_dir, plot=not args.no_plot,
+                             hooks=safety_hooks(job, args, run_dir), checkpoint_every=every,
+                             resume=bool(resume), until_exit=until_exit)
+        _test_pause()
+        return summary
     finally:
         run_dir.close()
+
+
+#: Test hook: seconds every rank waits after its run returned (the outputs published), so
+#: that a test's signal lands there (tests/test_restart.py); unset in a normal run.
+PAUSE_ENV = "FLOWPM_MTF_TEST_PAUSE_AFTER_RUN"
+
+
+def _test_pause():
+    """Wait ``$FLOWPM_MTF_TEST_PAUSE_AFTER_RUN`` seconds, if set (a test hook)."""
+    import time
+
+    try:
+        seconds = float(os.environ.get(PAUSE_ENV, "0"))
+    except ValueError:
+        seconds = 0.0
+    if seconds > 0:
+        log.info("%s: pausing %g s after the run", PAUSE_ENV, seconds)
+        time.sleep(seconds)
 
 
 def _as_user_error(exc, args):
@@ -478,7 +505,7 @@ def entry():
         allocator.ensure()
     except allocator.AllocatorError as e:
         return main(startup_error=e)
-    return main()
+    return main(until_exit=True)
 
 
 if __name__ == "__main__":

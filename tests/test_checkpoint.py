@@ -263,6 +263,31 @@ def test_sigterm_on_one_rank_is_agreed_by_all():
 
 
 @pytest.mark.rank_independent
+def test_sigterm_stays_ignored_after_a_run_until_the_process_exits():
+    """``until_exit`` (the flowpm-mtf command): a block left normally leaves SIGTERM ignored
+    (the rank shuts down next; a signal there ended it with "exited on signal 15"); a block
+    left by an error restores the previous handler; the default restores it always."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with checkpoint.StopRequest(SelfComm(), until_exit=True) as stop:
+            stop.finished = True
+            os.kill(os.getpid(), signal.SIGTERM)   # after the last step: recorded only
+        assert stop.received == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)       # ignored: this process lives on
+        signal.signal(signal.SIGTERM, previous)
+        with pytest.raises(RuntimeError):
+            with checkpoint.StopRequest(SelfComm(), until_exit=True):
+                raise RuntimeError("a failed run")
+        assert signal.getsignal(signal.SIGTERM) == previous
+        with checkpoint.StopRequest(SelfComm()):
+            pass
+        assert signal.getsignal(signal.SIGTERM) == previous
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.rank_independent
 def test_manifest_records_files_and_checksums():
     out = tempfile.mkdtemp(prefix="ckpt")
     conf = SimConfig(nc=NC, grid=(2, 2), halo_size=1)

@@ -80,21 +80,23 @@ def _rank_pid(mpirun_pid, rank, timeout=60):
     raise AssertionError("rank %d of mpirun %d not found" % (rank, mpirun_pid))
 
 
-def _run_and_sigterm(np_, out, rank, args=None, after=SIGNAL_AFTER):
-    """Run on ``np_`` ranks; send SIGTERM to ``rank`` only, once rank 0 logged ``after``."""
+def _run_and_sigterm(np_, out, rank, args=None, after=SIGNAL_AFTER, env=None):
+    """Run on ``np_`` ranks; send SIGTERM to ``rank`` only (a list: to each of them), once
+    rank 0 logged ``after``."""
     cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(np_)]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     args = [*ARGS, "--checkpoint-every", "20"] if args is None else args
     cmd += [sys.executable, "-m", "flowpm_mtf.cli", *args, "--out", out]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=clean_env())
-    pid = _rank_pid(proc.pid, rank)
+                            env=dict(clean_env(), **(env or {})))
+    pids = [_rank_pid(proc.pid, r) for r in (rank if isinstance(rank, list) else [rank])]
     lines, sent = [], False
     for line in proc.stdout:
         lines.append(line)
         if not sent and after in line:
-            os.kill(pid, signal.SIGTERM)
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
             sent = True
     rc = proc.wait(timeout=600)
     return rc, sent, "".join(lines)
@@ -158,6 +160,24 @@ def test_sigterm_checkpoints_and_exits_zero_on_every_rank(runs):
     assert _snapshot_name(SNAPSHOT_A) in outputs
     assert len([o for o in outputs if o.startswith("power_a")]) == manifest["step"]
     assert not os.path.exists(os.path.join(d["sig"], ".staging"))
+
+
+def test_sigterm_after_the_publish_exits_zero_on_every_rank():
+    """The issue's case: SIGTERM to every rank after the last step and the publish, while
+    the ranks are on their way out (held there by the test hook): the complete run stays
+    and every rank exits 0 (it was "rank 1 exited on signal 15", mpirun exit 143: the
+    handler was restored to the default action when the run returned)."""
+    from flowpm_mtf import cli, rundir
+
+    out = os.path.join(tempfile.mkdtemp(prefix="sigend"), "run")
+    args = ["simulate", "--nc", "16", "--steps", "40", "--checkpoint-every", "5", "--no-plot"]
+    rc, sent, log = _run_and_sigterm(2, out, [0, 1], args=args, after="pausing",
+                                     env={cli.PAUSE_ENV: "5"})
+    assert sent, log[-4000:]
+    assert rc == 0 and "signal 15" not in log, log[-4000:]
+    assert rundir.verify_manifest(out) == [] and not os.path.exists(
+        os.path.join(out, "checkpoint"))
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
 
 
 def _snapshot_name(a):

@@ -519,7 +519,7 @@ MAX_CAPACITY_RETRIES = 3
 
 
 def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_every=None,
-        resume=False):
+        resume=False, until_exit=False):
     """Run one job: preflight, build, lower, execute, summarise, write.
 
     Parameters
@@ -539,6 +539,11 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_e
         Checkpoint every K steps (jobs with a time loop).
     resume : bool
         Continue from the newest valid checkpoint in ``run_dir``.
+    until_exit : bool
+        The process exits after the run (the ``flowpm-mtf`` command): a run
+        that returns leaves SIGTERM ignored until then, so a signal after the
+        last step never kills a rank (:class:`flowpm_mtf.checkpoint.StopRequest`);
+        default: the previous handler is restored.
 
     Returns
     -------
@@ -557,7 +562,7 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_e
     """
     # SIGTERM is recorded from here on (graph build, ICs, steps) and acted on by the
     # time loop at the first step boundary all ranks agree on.
-    with checkpoint.StopRequest(backend.comm) as stop:
+    with checkpoint.StopRequest(backend.comm, until_exit=until_exit) as stop:
         return _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, stop)
 
 
@@ -598,6 +603,7 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
                             raise _not_resumable(job, stopped) from None
                         return {"stopped": True, "step": stopped.step,
                                 "checkpoint": stopped.checkpoint, "timings": timings}
+                    stop.finished = True   # a signal from now on lets the run finish
                     ctx.mark("steps")
             break
         except tf.errors.InvalidArgumentError as exc:
