@@ -107,7 +107,10 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
     ValueError
         If the communicator size differs from the mesh size, a mesh axis has a
         non-positive size or a duplicate name, or a layout rule names a mesh
-        axis that does not exist. Every rank raises the same error.
+        axis that does not exist. Every rank raises the same error, before
+        Horovod starts. A tensor dimension that is not divisible by the mesh
+        axis it is split over raises at graph construction
+        (:meth:`tensor_layout`).
     """
 
     slice_only_variables = True
@@ -174,6 +177,47 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
                 raise ValueError(
                     "layout rule (%r, %r) names mesh axis %r, which is not in the mesh %s"
                     % (tensor_dim, mesh_axis, mesh_axis, names))
+
+    def tensor_layout(self, arg):
+        """Mesh TF's layout of a tensor or shape, each split dimension checked.
+
+        Mesh TF asks for the layout of every tensor it lowers, so a bad dimension
+        fails at graph construction (``mtf.Lowering``, imports, variables), on every
+        rank alike (all build the same graph) and before any collective of the
+        graph runs.
+
+        Parameters
+        ----------
+        arg : mtf.Tensor or mtf.Shape
+
+        Returns
+        -------
+        mtf.TensorLayout
+
+        Raises
+        ------
+        ValueError
+            If a dimension is not divisible by the size of the mesh axis its layout
+            rule splits it over (every rank holds an equal slice); the message names
+            the dimension, the axis and their sizes. Mesh TF's own error if two
+            dimensions of one tensor map to the same mesh axis.
+        """
+        layout = super().tensor_layout(arg)
+        shape = arg.shape if isinstance(arg, mtf.Tensor) else mtf.convert_to_shape(arg)
+        for dim, axis in zip(shape.dims, layout.tensor_axis_to_mesh_axis):
+            if axis is None:
+                continue
+            mesh_dim = self.shape.dims[axis]
+            if dim.size % mesh_dim.size:
+                raise ValueError(
+                    "tensor dimension %r (size %d) is split over mesh axis %r (size %d) by "
+                    "the layout rule (%r, %r) but is not divisible by it: every rank holds an "
+                    "equal slice; make %r a multiple of %d or change the layout (tensor "
+                    "shape %s, mesh %s)"
+                    % (dim.name, dim.size, mesh_dim.name, mesh_dim.size, dim.name,
+                       mesh_dim.name, dim.name, mesh_dim.size, shape.to_string,
+                       self.shape.to_string))
+        return layout
 
     def _axis_groups(self, axis):
         """Groups of ranks differing only along ``axis``, each ordered by that coordinate."""
