@@ -6,6 +6,11 @@ imports on TensorFlow >= 2.13 whichever module imports it first (the shims are
 applied when ``mesh_tensorflow`` is imported; nothing changes on TF 2.12).
 ``hvd_mesh_impl.tf_compat`` is loaded from its file here, without running
 ``hvd_mesh_impl/__init__.py`` (which imports Mesh TF).
+
+The public API (:mod:`flowpm_mtf.api`: ``linear_field``, ``lpt_init``, ``cic_paint``,
+``power_spectrum``, ``SimConfig``, ...) is re-exported here and loaded on first use of
+one of its names (module ``__getattr__``). Its names that are also submodules of the
+package (``nbody``) stay the submodules: ``import flowpm_mtf.api as fpm`` holds them all.
 """
 import sys as _sys
 
@@ -27,3 +32,25 @@ def _load_tf_compat():
 
 
 _load_tf_compat().install_import_hook()
+
+
+# flowpm_mtf.api's __all__ without the names of submodules (nbody): kept equal to it by
+# tests/test_api_flowpm.py. Listed here so that the package imports no TensorFlow.
+_API_NAMES = frozenset((
+    "SimConfig", "Cosmology", "LensingConfig", "LightconeGeometry", "State", "ModelGradient",
+    "Backend", "Lightcone", "default_stages", "process_grid", "backend_for",
+    "linear_matter_power", "linear_field", "lpt_init", "cic_paint", "cic_readout",
+    "global_positions", "power_spectrum", "lensing_geometry", "density_plane",
+    "born_convergence", "lightcone", "adjoint_gradient"))
+
+
+def __getattr__(name):  # lazy: flowpm_mtf.api imports TensorFlow and Mesh TF
+    if name in _API_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(".api", __name__), name)
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
+
+
+def __dir__():
+    return sorted(set(globals()) | _API_NAMES)
