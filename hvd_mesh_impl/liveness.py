@@ -221,14 +221,20 @@ class Watchdog:
     def peers(self):
         return [r for r in range(self.size) if r != self.rank] if self.rank == 0 else [0]
 
-    def lost(self, r, why):
-        host = self.table[r]["host"]
+    def describe(self, ranks):
+        """``rank 2 on host node2`` / ``ranks 2, 3 on host node2``."""
+        hosts = sorted({self.table[r]["host"] for r in ranks})
+        return "rank%s %s on host%s %s" % ("s" if len(ranks) > 1 else "",
+                                          ", ".join(str(r) for r in ranks),
+                                          "s" if len(hosts) > 1 else "", ", ".join(hosts))
+
+    def lost(self, ranks, why):
         if self.rank == 0:
             for p in self.peers():
-                if p != r and p not in self.done:
+                if p not in ranks and p not in self.done:
                     for _ in range(3):
-                        self.send(p, "lost %d %s" % (r, why))
-        self.end("lost rank %d on host %s: %s" % (r, host, why))
+                        self.send(p, "lost %s %s" % (",".join(str(r) for r in ranks), why))
+        self.end("lost %s: %s" % (self.describe(ranks), why))
 
     def end(self, text):
         sys.stderr.write("flowpm-mtf: error: %s; ending rank %d on host %s (peer watchdog, "
@@ -255,10 +261,11 @@ class Watchdog:
                     if p not in self.done:
                         self.send(p, "hb %d" % self.rank)
                 next_beat = now + self.heartbeat
-            for p in self.peers():
-                if p not in self.done and now - self.last[p] > self.timeout:
-                    self.lost(p, "no heartbeat for %.0f s (node down or network cut)"
-                              % (now - self.last[p]))
+            silent = [p for p in self.peers()
+                      if p not in self.done and now - self.last[p] > self.timeout]
+            if silent:
+                self.lost(silent, "no heartbeat for %.0f s (node down or network cut)"
+                          % max(now - self.last[p] for p in silent))
             ready, _, _ = select.select([self.sock, self.control], [], [],
                                         max(0.0, next_beat - time.monotonic()))
             if self.control in ready:
@@ -274,10 +281,16 @@ class Watchdog:
                 except OSError:
                     continue
                 words = data.decode(errors="replace").split(" ", 2)
-                if len(words) < 2 or not words[1].isdigit():
+                if len(words) < 2 or not words[1].replace(",", "").isdigit():
                     continue
-                r = int(words[1])
-                if not 0 <= r < self.size or r == self.rank:
+                ranks = [int(w) for w in words[1].split(",") if w]
+                if not ranks or any(not 0 <= r < self.size for r in ranks):
+                    continue
+                if words[0] == "lost" and len(words) == 3:
+                    self.end("lost %s: %s (reported by rank 0)"
+                             % (self.describe(ranks), words[2]))
+                r = ranks[0]
+                if r == self.rank:
                     continue
                 if words[0] == "hb" and r not in self.done:
                     self.last[r] = time.monotonic()
@@ -287,10 +300,7 @@ class Watchdog:
                     if self.rank != 0:   # rank 0 is done: nothing more to watch
                         return
                 elif words[0] == "dead":
-                    self.lost(r, "its process ended without reaching the end of the job")
-                elif words[0] == "lost" and len(words) == 3:
-                    self.end("lost rank %d on host %s: %s (reported by rank 0)"
-                             % (r, self.table[r]["host"], words[2]))
+                    self.lost([r], "its process ended without reaching the end of the job")
 
 
 def main():

@@ -221,6 +221,30 @@ def comm_bytes(workload, nc, grid, halo, itemsize=4, readouts=None, half_spectru
                         "receive": receive}}
 
 
+def internode_bytes(workload, nc, grid, halo, itemsize=4, half_spectrum=True):
+    """Bytes one rank receives over the first mesh axis (P) in one run of a workload.
+
+    When each row of the P x Q grid runs on a node of its own (ranks ``p Q .. p Q + Q - 1``
+    on node p, as Open MPI fills a hostfile's slots with ``ppr:Q:node``), this is what
+    crosses the network into the rank: the P-axis part of :func:`comm_bytes`' wire bytes
+    (the all-to-all pieces from the other rows, the halo margins along x), without the
+    4-byte scalar reductions.
+
+    Returns
+    -------
+    float
+        [bytes]
+    """
+    P, Q = grid
+    if P == 1:
+        return 0.0
+    c = 2 * itemsize * nc**3 // (P * Q)
+    f = fft_fields(workload, nc, grid, half_spectrum, halo)
+    halo_p = sum(k * 2 * w * nc * itemsize * (nc // Q + 2 * w)
+                 for k, w in halo_ops(workload, nc, grid, halo))
+    return f * c * (P - 1) / P + halo_p
+
+
 def record_readouts(rec):
     """Readouts per force of the code a benchmark record measured (None: unknown)."""
     return rec.get("code", {}).get("readouts_per_force")

@@ -162,19 +162,20 @@ cmd_exec() {
   enter "$node" "$@"
 }
 
-# ssh [OPTIONS] HOST COMMAND...: like ssh, a fresh login environment on HOST running COMMAND
+# ssh [OPTIONS] HOST [OPTIONS] COMMAND...: like OpenSSH (which reads options after the
+# host too, as horovodrun writes them), a fresh login environment on HOST running COMMAND
 # through the shell (Open MPI passes its orted command line as words to join)
 cmd_ssh() {
+  local host="" words=()
   while [ $# -gt 0 ]; do
     case "$1" in
-      -[46AaCfGgKkMNnqsTtVvXxYy]*) shift ;;
       -[BbcDEeFIiJLlmOoPpQRSWw]) shift 2 ;;
       -*) shift ;;
-      *) break ;;
+      *) if [ -z "$host" ]; then host="$1"; shift; else words=("$@"); break; fi ;;
     esac
   done
-  [ $# -ge 1 ] || die "ssh stand-in: no host given"
-  local host="$1"; shift
+  [ -n "$host" ] || die "ssh stand-in: no host given"
+  set -- "${words[@]}"
   check_node "$host"
   local cmd="$*"
   [ -n "$cmd" ] || die "ssh stand-in: no command for $host (no interactive logins)"
