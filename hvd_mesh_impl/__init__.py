@@ -8,7 +8,8 @@ and :func:`hvd_mesh_impl.mtf_compat.enable_lazy_masters` (build Mesh TF graphs a
 Horovod itself is imported only when :class:`HvdSimdMeshImpl` (or ``runtime``) is used;
 :func:`ordered_update_op` and :class:`FullSizeError` need no Horovod. The TensorFlow
 shims that Mesh TF 0.1.21 needs on TF >= 2.13 (:mod:`hvd_mesh_impl.tf_compat`) are
-applied first.
+applied first; if that imports TensorFlow for the first time, TensorFlow's C++ start-up
+lines are hidden (``FLOWPM_MTF_TF_LOGS=1`` shows them).
 """
 from . import tf_compat
 

@@ -94,8 +94,14 @@ build_native() {
 }
 
 # ---------------------------------------------------------------- 2. venv
+# startup_hook_ok: the start-up file of setup.py (flowpm_mtf_startup.pth) ran in a fresh
+# interpreter (no TensorFlow import): without it the editable install below runs again.
+startup_hook_ok() {
+  (cd / && "$VENV/bin/python" -c "import _flowpm_mtf_startup as s; assert s.installed()") 2>/dev/null
+}
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$(inputs_hash)" ] \
-   && "$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm_bench" 2>/dev/null; then
+   && "$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm_bench" 2>/dev/null \
+   && startup_hook_ok; then
   build_native
   log "environment up to date: $VENV"
   exit 0
@@ -184,14 +190,20 @@ fi
 # ---------------------------------------------------------------- 5. this package
 # Editable: flowpm_mtf, hvd_mesh_impl and flowpm_bench (the scripts' library) import from
 # this checkout. setup.py is an input of the stamp's hash, so a new package re-runs this.
+# Its develop command (re)writes site-packages/flowpm_mtf_startup.pth: Mesh TF imports in
+# any order (hvd_mesh_impl/tf_compat.py).
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e "$REPO"
 
 # ---------------------------------------------------------------- 6. verify
 check="$("$VENV/bin/horovodrun" --check-build)"
 grep -q "\[X\] MPI"  <<<"$check" || { log "horovod built without MPI";  echo "$check"; exit 1; }
 grep -q "\[X\] Gloo" <<<"$check" || { log "horovod built without Gloo"; echo "$check"; exit 1; }
-# flowpm_mtf first: on TF >= 2.13 Mesh TF imports only after its shims (hvd_mesh_impl/tf_compat.py)
 "$VENV/bin/python" -c "import flowpm_mtf, hvd_mesh_impl, horovod.tensorflow, mesh_tensorflow, flowpm, flowpm_bench, mpi4py"
+# Mesh TF first, in a fresh interpreter outside the checkout: the start-up hook applies its
+# TF >= 2.13 shims (README quick start order)
+(cd / && "$VENV/bin/python" -c "import mesh_tensorflow") \
+  || { log "import mesh_tensorflow fails in a fresh interpreter: flowpm_mtf_startup.pth" \
+           "is missing from site-packages or does not run"; exit 1; }
 build_native
 inputs_hash > "$STAMP"
 log "environment ready: $VENV"
