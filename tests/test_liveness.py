@@ -1,0 +1,125 @@
+"""The peer watchdog (hvd_mesh_impl/liveness.py) on its own: two watchdog processes on this
+host, each guarding a stand-in rank (a ``sleep`` process), this test playing the ranks' side
+of the pipe. A killed rank is reported at once, a silent one after the timeout, each with
+one line naming the lost rank and host, and the other rank is ended; goodbyes end the
+watchdogs and nobody. (Across hosts, with real jobs: tests/test_sim_cluster.py.)"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.rank_independent
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIVENESS = os.path.join(REPO, "hvd_mesh_impl", "liveness.py")
+TIMEOUT_S = 3.0       # the watchdogs' peer timeout in these tests
+HEARTBEAT_S = 0.2
+BOUND_S = 10.0        # a test fails when nothing happened within this
+
+
+def _load():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_liveness_under_test", LIVENESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _start_pair():
+    """Two watchdogs (ranks 0, 1) guarding two sleepers; returns (watchdogs, sleepers)."""
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(2)]
+    code = ("import importlib.util as u; s = u.spec_from_file_location('w', %r); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()" % LIVENESS)
+    dogs = [subprocess.Popen([sys.executable, "-S", "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    ports = [int(d.stdout.readline()) for d in dogs]
+    host = socket.gethostname()
+    table = [{"host": host, "addrs": ["127.0.0.1"], "port": p} for p in ports]
+    for rank, (dog, sleeper) in enumerate(zip(dogs, sleepers)):
+        setup = {"rank": rank, "size": 2, "timeout": TIMEOUT_S, "heartbeat": HEARTBEAT_S,
+                 "parent": sleeper.pid, "table": table}
+        dog.stdin.write((json.dumps(setup) + "\n").encode())
+        dog.stdin.flush()
+    return dogs, sleepers
+
+
+def _wait(proc, timeout=BOUND_S):
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return time.monotonic() - t0
+
+
+def _cleanup(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_peer_timeout_from_the_environment():
+    liveness = _load()
+    assert liveness.peer_timeout({}) == liveness.PEER_TIMEOUT_S == 60.0
+    assert liveness.peer_timeout({"FLOWPM_MTF_PEER_TIMEOUT": "0"}) == 0.0
+    assert liveness.peer_timeout({"FLOWPM_MTF_PEER_TIMEOUT": "12.5"}) == 12.5
+    for bad in ("-1", "abc", "inf", "nan", "1"):
+        with pytest.raises(ValueError, match="FLOWPM_MTF_PEER_TIMEOUT must be"):
+            liveness.peer_timeout({"FLOWPM_MTF_PEER_TIMEOUT": bad})
+
+
+def test_a_killed_rank_is_reported_at_once():
+    dogs, sleepers = _start_pair()
+    try:
+        time.sleep(3 * HEARTBEAT_S)
+        sleepers[1].kill()
+        dogs[1].stdin.close()          # the rank's end of the pipe closes without goodbye
+        took = _wait(sleepers[0])
+        assert took is not None and took < TIMEOUT_S, took    # not the timeout: at once
+        assert sleepers[0].returncode == -signal.SIGKILL
+        err = dogs[0].stderr.read().decode()
+        assert err.count("\n") == 1 and err.startswith(
+            "flowpm-mtf: error: lost rank 1 on host %s: its process ended" % socket.gethostname()), err
+    finally:
+        _cleanup(dogs + sleepers)
+
+
+def test_a_silent_rank_is_lost_after_the_timeout_and_rank_0_tells_the_others():
+    dogs, sleepers = _start_pair()
+    try:
+        time.sleep(3 * HEARTBEAT_S)
+        t0 = time.monotonic()
+        os.kill(dogs[1].pid, signal.SIGSTOP)    # silent, as behind a cut link
+        took = _wait(sleepers[0])
+        assert took is not None and TIMEOUT_S - 2 * HEARTBEAT_S <= time.monotonic() - t0, took
+        err0 = dogs[0].stderr.read().decode()
+        assert "lost rank 1 on host" in err0 and "no heartbeat for 3 s" in err0, err0
+        os.kill(dogs[1].pid, signal.SIGCONT)    # it comes back to rank 0's "lost" message
+        assert _wait(sleepers[1]) is not None
+        err1 = dogs[1].stderr.read().decode()
+        assert "(reported by rank 0); ending rank 1" in err1 or "lost rank 0" in err1, err1
+    finally:
+        _cleanup(dogs + sleepers)
+
+
+def test_goodbyes_end_the_watchdogs_and_no_rank():
+    dogs, sleepers = _start_pair()
+    try:
+        time.sleep(3 * HEARTBEAT_S)
+        for d in dogs:
+            d.stdin.write(b"bye\n")
+            d.stdin.flush()
+        for d in dogs:
+            assert _wait(d) is not None and d.returncode == 0
+            assert d.stderr.read() == b""
+        time.sleep(TIMEOUT_S + 2 * HEARTBEAT_S)
+        assert all(s.poll() is None for s in sleepers)
+    finally:
+        _cleanup(dogs + sleepers)
