@@ -18,6 +18,14 @@ Requirements: root (``SlurmUser=root``: slurmd starts job steps as the
 submitting user) and the Debian packages ``slurmctld slurmd slurm-client
 munge`` (``scripts/setup_env.sh`` installs them when run as root).
 :func:`unavailable_reason` says why a cluster cannot be started here.
+
+:class:`SimSlurmCluster` is the same on the nodes of a simulated cluster
+(``scripts/sim_cluster.sh up N``: network + UTS namespaces ``node1..nodeN`` with
+addresses on a bridge): slurmctld runs in node1's namespaces and listens on node1's
+address, one slurmd per node runs in that node's namespaces (``sim_cluster.sh exec
+nodeK slurmd -N nodeK``; own spool, pid and log files through ``%n``), the client
+commands run on node1. One munged serves all of them: its socket is a file on the
+shared file system, which every namespace reaches.
 """
 import ctypes
 import os
@@ -159,10 +167,17 @@ class SlurmCluster:
         the marker, no launcher variables of the calling process).
     """
 
+    #: What the config's first line calls this cluster.
+    description = "one-node test cluster"
+    #: Suffix of slurmd's spool, pid and log files and of TmpFS ("" with one slurmd).
+    per_node = ""
+
     def __init__(self, cpus=None):
         self.root = tempfile.mkdtemp(prefix="flowpm-mtf-slurm-")
         os.chmod(self.root, 0o755)  # munged: every directory above its socket must be a+x
         self.host = socket.gethostname().split(".")[0]
+        #: (name, address) of the nodes; slurmctld runs on the first
+        self.nodes = [(self.host, "127.0.0.1")]
         self.cpus = cpus or max(os.cpu_count() or 1, MIN_CPUS)
         self.conf = os.path.join(self.root, "slurm.conf")
         self.logdir = os.path.join(self.root, "log")
@@ -178,17 +193,21 @@ class SlurmCluster:
 
     def write_config(self):
         """Write the munge key and ``slurm.conf``; returns the config text."""
-        for d in ("munge", "state", "spool", "log", "tmp"):
+        per_node = [d + self.per_node.replace("%n", name)
+                    for name, _ in self.nodes for d in ("spool", "tmp")]
+        for d in ["munge", "state", "log"] + per_node:
             os.makedirs(self._path(d), mode=0o755, exist_ok=True)
         key = self._path("munge", "munge.key")
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o600)
         real = os.cpu_count() or 1
+        ctld_host, ctld_addr = self.nodes[0]
+        names = ",".join(name for name, _ in self.nodes)
         text = "\n".join([
-            "# one-node test cluster written by tests/slurm_harness.py",
+            "# %s written by tests/slurm_harness.py" % self.description,
             "ClusterName=flowpmtest",
-            "SlurmctldHost=%s(127.0.0.1)" % self.host,
+            "SlurmctldHost=%s(%s)" % (ctld_host, ctld_addr),
             "SlurmUser=root",
             "SlurmdUser=root",
             "SlurmctldPort=%d" % free_port(),
@@ -197,15 +216,15 @@ class SlurmCluster:
             "CredType=cred/munge",
             "AuthInfo=socket=%s" % self._path("munge", "munge.socket"),
             "StateSaveLocation=%s" % self._path("state"),
-            "SlurmdSpoolDir=%s" % self._path("spool"),
+            "SlurmdSpoolDir=%s" % self._path("spool" + self.per_node),
             "SlurmctldPidFile=%s" % self._path("slurmctld.pid"),
-            "SlurmdPidFile=%s" % self._path("slurmd.pid"),
+            "SlurmdPidFile=%s" % self._path("slurmd%s.pid" % self.per_node),
             "SlurmctldLogFile=%s" % self._path("log", "slurmctld.log"),
-            "SlurmdLogFile=%s" % self._path("log", "slurmd.log"),
+            "SlurmdLogFile=%s" % self._path("log", "slurmd%s.log" % self.per_node),
             "MailProg=/bin/true",
             # srun's PMIx plugin puts its per-step directory (spmix_appdir_UID_JOB.STEP) in
             # TmpFS: a private one, so that two test clusters (both at job 1) never share it
-            "TmpFS=%s" % self._path("tmp"),
+            "TmpFS=%s" % self._path("tmp" + self.per_node),
             # no cgroups here: track processes by parentage; no CPU binding, because a node
             # declared with more CPUs than it has cannot be laid out by task/affinity
             "ProctrackType=proctrack/linuxproc",
@@ -221,9 +240,12 @@ class SlurmCluster:
             "KillWait=10",
             "MinJobAge=3600",  # keep finished jobs visible to scontrol
             "SlurmdParameters=config_overrides",  # accept the declared CPUs (oversubscription)
-            "NodeName=%s NodeAddr=127.0.0.1 CPUs=%d Sockets=1 CoresPerSocket=%d ThreadsPerCore=1 "
-            "RealMemory=%d State=UNKNOWN" % (self.host, self.cpus, self.cpus, 4000),
-            "PartitionName=test Nodes=%s Default=YES MaxTime=INFINITE State=UP" % self.host,
+        ] + [
+            "NodeName=%s NodeAddr=%s CPUs=%d Sockets=1 CoresPerSocket=%d ThreadsPerCore=1 "
+            "RealMemory=%d State=UNKNOWN" % (name, addr, self.cpus, self.cpus, 4000)
+            for name, addr in self.nodes
+        ] + [
+            "PartitionName=test Nodes=%s Default=YES MaxTime=INFINITE State=UP" % names,
             "",
         ])
         with open(self.conf, "w") as f:
@@ -250,15 +272,22 @@ class SlurmCluster:
                                "--seed-file=" + self._path("munge", "munged.seed"),
                                "--log-file=" + self._path("log", "munged.log")])
         self._wait(lambda: os.path.exists(sock), "munged socket")
-        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", self.conf])
+        self._spawn("slurmctld", self.on_node(self.nodes[0][0],
+                                              ["slurmctld", "-D", "-i", "-f", self.conf]))
         self._wait(lambda: self.run(["scontrol", "ping"], check=False).returncode == 0,
                    "slurmctld")
-        self._spawn("slurmd", ["slurmd", "-D", "-N", self.host, "-f", self.conf])
-        self._wait(self._node_idle, "slurmd (node idle)")
+        for name, _ in self.nodes:
+            self._spawn("slurmd" + self.per_node.replace("%n", name),
+                        self.on_node(name, ["slurmd", "-D", "-N", name, "-f", self.conf]))
+        self._wait(self._node_idle, "slurmd (node%s idle)" % ("s" if len(self.nodes) > 1 else ""))
+
+    def on_node(self, node, argv):
+        """The command line that runs ``argv`` on ``node`` (here: this host, unchanged)."""
+        return list(argv)
 
     def _node_idle(self):
         proc = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False)
-        return proc.returncode == 0 and proc.stdout.strip() == "idle"
+        return proc.returncode == 0 and proc.stdout.split() == ["idle"] * len(self.nodes)
 
     def _wait(self, cond, what, timeout=START_TIMEOUT_S):
         t_end = time.monotonic() + timeout
@@ -277,7 +306,8 @@ class SlurmCluster:
     def run(self, argv, check=True, timeout=60, **kw):
         """Run a Slurm client command against this cluster (text output captured)."""
         env = kw.pop("env", None) or self.env
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+        proc = subprocess.run(self.on_node(self.nodes[0][0], argv), env=env, capture_output=True,
+                              text=True, timeout=timeout, **kw)
         if check and proc.returncode != 0:
             raise RuntimeError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
                                                        proc.stderr.strip()))
@@ -339,9 +369,9 @@ class SlurmCluster:
                 while time.monotonic() < t_end and self.run(
                         ["squeue", "-h", "-o", "%i"], check=False).stdout.split():
                     time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
-            p = self.procs.get(name)
-            if p is None or p.poll() is not None:
+        for name in reversed(list(self.procs)):  # slurmd(s), slurmctld, munged
+            p = self.procs[name]
+            if p.poll() is not None:
                 continue
             p.terminate()
             try:
@@ -356,3 +386,93 @@ class SlurmCluster:
             except ProcessLookupError:
                 pass
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+#: The simulated cluster's command (network + UTS namespaces node1..nodeN).
+SIM_CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "scripts", "sim_cluster.sh")
+
+
+def sim_cluster_env(name):
+    """The variables that name the simulated cluster ``name`` and its state directory."""
+    return {"FLOWPM_SIM_CLUSTER": name,
+            "FLOWPM_SIM_CLUSTER_DIR": os.path.join(tempfile.gettempdir(),
+                                                   "flowpm-sim-cluster-" + name)}
+
+
+def sim_cluster_nodes(sim_dir):
+    """(name, address) of the simulated cluster's nodes in ``sim_dir`` (from its hosts file)."""
+    try:
+        with open(os.path.join(sim_dir, "hosts")) as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    return [(row[1], row[0]) for row in rows if len(row) == 2 and row[1].startswith("node")]
+
+
+def sim_unavailable_reason():
+    """Why no Slurm can run on a simulated cluster here (a sentence), or None when it can."""
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    for prog in ("ip", "unshare", "nsenter", "mount"):
+        if shutil.which(prog) is None:
+            return "the simulated cluster needs '%s' (iproute2, util-linux)" % prog
+    probe = subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return ("network and UTS namespaces cannot be made here (the simulated cluster "
+                "needs them): %s" % (probe.stderr.strip().splitlines() or ["?"])[-1][:200])
+    return None
+
+
+class SimSlurmCluster(SlurmCluster):
+    """Slurm on the nodes of a simulated cluster that is up (``scripts/sim_cluster.sh up N``).
+
+    slurmctld runs in node1's namespaces at node1's address, one slurmd per node in that
+    node's namespaces (``NodeName=nodeK NodeAddr=<its address>``; spool, pid, log and TmpFS
+    per node), munged on this host (its socket file is reached from every namespace). The
+    client commands (:meth:`run`, :meth:`sbatch`, ...) run on node1, so jobs are
+    submitted from there, as from a login node.
+
+    Parameters
+    ----------
+    name : str
+        The simulated cluster (``FLOWPM_SIM_CLUSTER``); its state directory is
+        ``$TMPDIR/flowpm-sim-cluster-NAME`` as in :func:`sim_cluster_env`.
+    cpus : int, optional
+        CPUs declared per node (default ``max(nproc, MIN_CPUS)``; the nodes share this
+        host's CPUs, so they are oversubscribed).
+    """
+
+    description = "multi-node test cluster on the simulated nodes"
+    per_node = "-%n"
+
+    def __init__(self, name, cpus=None):
+        super().__init__(cpus=cpus)
+        self.sim_env = sim_cluster_env(name)
+        self.env.update(self.sim_env)
+        self.nodes = sim_cluster_nodes(self.sim_env["FLOWPM_SIM_CLUSTER_DIR"])
+        if not self.nodes:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise RuntimeError("no simulated cluster '%s' is up: run 'FLOWPM_SIM_CLUSTER=%s "
+                               "bash scripts/sim_cluster.sh up N' first" % (name, name))
+        self.host = self.nodes[0][0]
+
+    def write_config(self):
+        """``slurm.conf`` and a ``cgroup.conf`` next to it.
+
+        ``ip netns exec`` mounts a /sys of the node's network namespace, without
+        /sys/fs/cgroup, where slurmd's default cgroup plugin (autodetect) looks and fails
+        ("No filesystem mounted on /sys/fs/cgroup"): the cgroup/v1 plugin is named instead
+        (nothing uses cgroups here: proctrack/linuxproc, task/none).
+        """
+        text = super().write_config()
+        with open(self._path("cgroup.conf"), "w") as f:
+            f.write("# written by tests/slurm_harness.py\nCgroupPlugin=cgroup/v1\n")
+        return text
+
+    def on_node(self, node, argv):
+        """``argv`` in the namespaces of ``node`` (``sim_cluster.sh exec``, whatever the
+        environment the caller gives)."""
+        return ["env", *("%s=%s" % kv for kv in sorted(self.sim_env.items())),
+                "bash", SIM_CLUSTER, "exec", node, *argv]

@@ -67,8 +67,10 @@ def job_env(cluster, **extra):
     return env
 
 
-def submit(cluster, template, out, log_dir, ntasks, **env):
+def submit(cluster, template, out, log_dir, ntasks, nodes=1, **env):
     """sbatch ``template`` unchanged (options on the command line) from the repository.
+
+    ``ntasks`` ranks on each of ``nodes`` nodes.
 
     Returns
     -------
@@ -76,7 +78,8 @@ def submit(cluster, template, out, log_dir, ntasks, **env):
         The job id and its output file.
     """
     log = os.path.join(str(log_dir), "%s-%%j.out" % os.path.basename(str(out)))
-    options = CPU_NODE + ("--nodes=1", "--ntasks-per-node=%d" % ntasks, "--output=" + log)
+    options = CPU_NODE + ("--nodes=%d" % nodes, "--ntasks-per-node=%d" % ntasks,
+                          "--output=" + log)
     job_id = cluster.sbatch(template, options, args=("--halo", str(HALO), "--no-plot"),
                             env=job_env(cluster, NC=NC, OUT=out, **env), cwd=REPO)
     return job_id, log.replace("%j", str(job_id))
@@ -123,10 +126,10 @@ def check_run(out, ntasks, steps):
     return snap, summary
 
 
-def check_srun_started_ranks(text, ntasks):
-    """The template launched ``ntasks`` ranks with srun's PMIx plugin."""
-    assert re.search(r"flowpm-mtf: simulate on %d ranks \(1 node\(s\), srun --mpi=pmix\)"
-                     % ntasks, text), text[-3000:]
+def check_srun_started_ranks(text, ntasks, nodes=1):
+    """The template launched ``ntasks`` ranks on ``nodes`` nodes with srun's PMIx plugin."""
+    assert re.search(r"flowpm-mtf: simulate on %d ranks \(%d node\(s\), srun --mpi=pmix\)"
+                     % (ntasks, nodes), text), text[-3000:]
     assert "not built with SLURM's PMI support" not in text
 
 
@@ -222,20 +225,20 @@ def _wait_for(pattern, log, cluster, job_id, timeout=JOB_TIMEOUT_S):
     pytest.fail("%r did not appear in %s within %d s" % (pattern, log, timeout))
 
 
-@two_jobs_timeout
-def test_preempted_run_resumes_bit_identical(slurm, request, tmp_path):
-    reason = _has_checkpointing()
-    if reason:
-        pytest.skip(reason)
-    reference = request.getfixturevalue("reference")  # only now: the job takes a while
-    out = str(tmp_path / "out-preempted")
+def preempt_and_resume(cluster, template, out, log_dir, ntasks, reference_out, nodes=1):
+    """Submit ``template`` (STEPS steps, a checkpoint every CHECKPOINT_EVERY), SIGTERM it
+    after its first step, check what it left, submit it again and compare the resumed run's
+    snapshot with the uninterrupted run in ``reference_out``: all datasets bit-identical.
+
+    ``ntasks`` ranks on each of ``nodes`` nodes, as :func:`submit`.
+    """
     env = dict(STEPS=STEPS, CHECKPOINT_EVERY=CHECKPOINT_EVERY)
-    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
+    job_id, log = submit(cluster, template, out, log_dir, ntasks=ntasks, nodes=nodes, **env)
     # SIGTERM once the time loop runs (rank 0 logged its first step), through Slurm to
     # every task of the job's steps, as before a time limit (--signal) or at preemption
-    _wait_for(r"step 1/%d\b" % STEPS, log, slurm, job_id)
-    slurm.run(["scancel", "--signal=TERM", str(job_id)])
-    first = finished(slurm, job_id, log)
+    _wait_for(r"step 1/%d\b" % STEPS, log, cluster, job_id)
+    cluster.run(["scancel", "--signal=TERM", str(job_id)])
+    first = finished(cluster, job_id, log)
     steps = sorted(int(os.path.basename(d)[len("step_"):])
                    for d in glob.glob(os.path.join(out, "checkpoint", "step_*")))
     assert steps, "no checkpoint in %s:\n%s" % (out, first[-3000:])
@@ -244,15 +247,26 @@ def test_preempted_run_resumes_bit_identical(slurm, request, tmp_path):
         "a stopped run must not look complete"
 
     # the same submission again: the template sees the unfinished run and resumes it
-    job_id, log = submit(slurm, SINGLE, out, tmp_path, ntasks=2, **env)
-    second = finished(slurm, job_id, log)
+    job_id, log = submit(cluster, template, out, log_dir, ntasks=ntasks, nodes=nodes, **env)
+    second = finished(cluster, job_id, log)
     assert "resuming the unfinished run in %s" % out in second, second[-3000:]
-    resumed, _ = check_run(out, 2, STEPS)
-    expected = read_snapshot(os.path.join(reference[0], "snapshot.h5"))
+    resumed, _ = check_run(out, ntasks * nodes, STEPS)
+    expected = read_snapshot(os.path.join(reference_out, "snapshot.h5"))
     assert sorted(resumed) == sorted(expected)
     for name, value in expected.items():
         assert resumed[name].dtype == value.dtype and np.array_equal(resumed[name], value), \
             "%s differs from the uninterrupted run's (stopped after step %d)" % (name, steps[-1])
+    return first, second
+
+
+@two_jobs_timeout
+def test_preempted_run_resumes_bit_identical(slurm, request, tmp_path):
+    reason = _has_checkpointing()
+    if reason:
+        pytest.skip(reason)
+    reference = request.getfixturevalue("reference")  # only now: the job takes a while
+    out = str(tmp_path / "out-preempted")
+    preempt_and_resume(slurm, SINGLE, out, tmp_path, 2, reference[0])
 
 
 def _datasets(path):
