@@ -23,6 +23,7 @@ import dataclasses
 import os
 import logging
 
+from .errors import ConfigError
 from .logs import detect_rank, detect_size
 
 __all__ = ["BACKENDS", "SerialComm", "Backend", "world", "default_grid", "make_comm",
@@ -114,8 +115,12 @@ def make_mesh_impl(backend, mesh_shape, layout_rules, devices=None):
     mtf.MeshImpl
     """
     if backend == "hvd":
-        from hvd_mesh_impl import HvdSimdMeshImpl  # the only import of the Horovod backend
+        from hvd_mesh_impl import HvdSimdMeshImpl, liveness  # the only import of the backend
 
+        try:   # before Horovod starts: a bad value is one line on every rank (exit 2)
+            liveness.peer_timeout()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return HvdSimdMeshImpl(mesh_shape, layout_rules)
     if backend == "placement":
         import mesh_tensorflow as mtf

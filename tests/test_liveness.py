@@ -123,3 +123,15 @@ def test_goodbyes_end_the_watchdogs_and_no_rank():
         assert all(s.poll() is None for s in sleepers)
     finally:
         _cleanup(dogs + sleepers)
+
+
+def test_a_bad_timeout_is_a_configuration_error_before_horovod_starts(monkeypatch):
+    from flowpm_mtf import backend
+    from flowpm_mtf.errors import ConfigError
+
+    monkeypatch.setenv("FLOWPM_MTF_PEER_TIMEOUT", "abc")
+    with pytest.raises(ConfigError, match="FLOWPM_MTF_PEER_TIMEOUT must be a number"):
+        backend.make_mesh_impl("hvd", [("rows", 1)], [("x", "rows")])
+    import horovod.tensorflow as hvd
+
+    assert not hvd.is_initialized()
