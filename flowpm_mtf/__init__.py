@@ -38,7 +38,7 @@ _load_tf_compat().install_import_hook()
 # tests/test_api_flowpm.py. Listed here so that the package imports no TensorFlow.
 _API_NAMES = frozenset((
     "SimConfig", "Cosmology", "LensingConfig", "LightconeGeometry", "State", "ModelGradient",
-    "Backend", "Lightcone", "default_stages", "process_grid", "backend_for",
+    "Backend", "Lightcone", "default_stages", "process_grid", "backend_for", "field_shape",
     "linear_matter_power", "linear_field", "lpt_init", "cic_paint", "cic_readout",
     "global_positions", "power_spectrum", "lensing_geometry", "density_plane",
     "born_convergence", "lightcone", "adjoint_gradient"))

@@ -52,6 +52,7 @@ import mesh_tensorflow as mtf
 from . import backend as _backend
 from . import domain as _domain
 from . import ics as _ics
+from . import layout as _layout
 from . import lensing as _lensing
 from . import linear_power as _linear_power
 from . import lpt as _lpt
@@ -66,8 +67,8 @@ from .model_gradient import ModelGradient
 
 __all__ = ["SimConfig", "Cosmology", "LensingConfig", "LightconeGeometry", "State",
            "ModelGradient", "Backend", "Lightcone", "default_stages", "process_grid",
-           "backend_for", "linear_matter_power", "linear_field", "lpt_init", "nbody",
-           "cic_paint", "cic_readout", "global_positions", "power_spectrum",
+           "backend_for", "field_shape", "linear_matter_power", "linear_field", "lpt_init",
+           "nbody", "cic_paint", "cic_readout", "global_positions", "power_spectrum",
            "lensing_geometry", "density_plane", "born_convergence", "lightcone",
            "adjoint_gradient"]
 
@@ -122,6 +123,23 @@ def backend_for(conf, kind="hvd"):
         ``rank`` (wraps :func:`flowpm_mtf.backend.make_backend`).
     """
     return _backend.make_backend(kind, conf)
+
+
+def field_shape(conf):
+    """The Mesh TF shape of a real field of ``conf``: ``[x, y, z]``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+
+    Returns
+    -------
+    mtf.Shape
+        Dimensions ``x``, ``y``, ``z`` of ``conf.nc`` [cells] (x on mesh axis ``row``, y
+        on ``col``), e.g. for a variable of white noise or of the linear field (wraps
+        :func:`flowpm_mtf.layout.real_shape`).
+    """
+    return _layout.real_shape(conf)
 
 
 # ----------------------------------------------------------------------------- ICs
