@@ -34,6 +34,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -476,3 +477,48 @@ class SimSlurmCluster(SlurmCluster):
         environment the caller gives)."""
         return ["env", *("%s=%s" % kv for kv in sorted(self.sim_env.items())),
                 "bash", SIM_CLUSTER, "exec", node, *argv]
+
+
+def main(argv=None):
+    """``python tests/slurm_harness.py [--sim-cluster NAME]``: a test cluster by hand.
+
+    Starts the one-node cluster (or, with ``--sim-cluster``, Slurm on the nodes of that
+    simulated cluster, which must be up), prints how to use it and stops it at Ctrl-C or
+    SIGTERM.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--sim-cluster", metavar="NAME",
+                        help="run on the nodes of this simulated cluster (FLOWPM_SIM_CLUSTER)")
+    args = parser.parse_args(argv)
+    reason = sim_unavailable_reason() if args.sim_cluster else unavailable_reason()
+    if reason:
+        parser.exit(2, "slurm_harness: error: %s\n" % reason)
+    # Ctrl-C and kill -INT stop it, also when a script started it with & (SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        cluster = SimSlurmCluster(args.sim_cluster) if args.sim_cluster else SlurmCluster()
+    except RuntimeError as exc:
+        parser.exit(2, "slurm_harness: error: %s\n" % exc)
+    with cluster:
+        prefix = ""
+        if args.sim_cluster:
+            prefix = "FLOWPM_SIM_CLUSTER=%s bash %s exec node1 " % (
+                args.sim_cluster, os.path.relpath(SIM_CLUSTER))
+        print("Slurm is up on %s (pid %d); Ctrl-C stops it. In another shell:\n"
+              "  export SLURM_CONF=%s\n  %ssinfo -N\n  %ssrun --nodes=%d --mpi=pmix hostname"
+              % (", ".join(n for n, _ in cluster.nodes), os.getpid(), cluster.conf, prefix,
+                 prefix, len(cluster.nodes)), flush=True)
+        try:
+            while all(p.poll() is None for p in cluster.procs.values()):
+                time.sleep(1)
+            print("a daemon ended:\n" + cluster.logs_tail(), flush=True)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
