@@ -1,0 +1,224 @@
+"""Every job across hosts: lensing, reconstruct and imaging on 2 nodes x 2 ranks of the
+simulated cluster (``scripts/sim_cluster.sh``) against the same job and process grid (2x2)
+on one host (issue 58, item 2; simulate is in tests/test_sim_cluster.py).
+
+Each job is launched the way users launch it across nodes: ``scripts/run_mpirun.sh`` with
+the cluster's hostfile (``COMMAND=<job>``, 2 ranks per node: grid row 0 on node1, row 1 on
+node2, so every exchange along the P axis crosses the nodes' TCP link), and on one host by
+plain ``mpirun -np 4``. The outputs must be bit-identical: every dataset and attribute of
+every HDF5 file of the run directory (the main file and its per-rank parts), the text
+outputs byte for byte, and summary.json but for where and how long it ran. summary.json
+names the hosts ["node1", "node2"], and node2's link received at least the scaling
+model's P-axis bytes of a subset of the job's distributed transforms (so the exchanges
+went over TCP, not shared memory; measured 6-14x that bound). ``down`` leaves no
+namespace.
+
+The cluster is this module's own (``fpmjobs``), never test_sim_cluster.py's ``fpmtest`` or
+one made by hand. Needs root and network namespaces; elsewhere skipped with the reason.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+
+from flowpm_bench.launch import clean_env, mpirun_command
+from test_sim_cluster import (JOB_TIMEOUT_S, REPO, SCRIPT, VENV, _env, _unavailable,
+                              finish, namespaces)
+from test_sim_cluster import sim as _sim
+
+pytestmark = pytest.mark.single_process
+if _unavailable():
+    pytestmark = [pytestmark, pytest.mark.skip(reason=_unavailable())]
+
+NAME = "fpmjobs"            # this module's cluster
+GRID = (2, 2)
+
+# The smallest runs that still exercise each job on the 2x2 grid (every rank a block of
+# 8 x 8 cells in x, y). Rows: CLI arguments (beside --grid/--mesh-shape and --out), the
+# HDF5 file, the text outputs, the summary entries that hold the results.
+JOBS = {
+    # 16^3 in 128 Mpc/h, 2LPT at a = 0.5, 2 steps plus the plane stages; z_s = 0.15 in
+    # 4 shells of 110 Mpc/h, 8 deg on 32^2 rays (float32, the job's default)
+    "lensing": (["--nc", "16", "--box-size", "128", "--a-start", "0.5", "--steps", "2",
+                 "--z-source", "0.15", "--n-planes", "4", "--field-deg", "8",
+                 "--field-npix", "32", "--halo", "2", "--seed", "42", "--no-plot"],
+                "kappa.h5", ("kappa_power.txt",)),
+    # tests/test_reconstruct.py's problem (16^3, 2LPT forward model, float64), 3 iterations
+    "reconstruct": (["--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
+                     "--dtype", "float64", "--learning-rate", "0.1", "--noise", "0.1",
+                     "--forward", "lpt", "--a-start", "0.1", "--iterations", "3",
+                     "--log-every", "1", "--no-plot"],
+                    "reconstruction.h5", ("reconstruction.txt",)),
+    # tests/test_imaging_job.py's problem (16^3, float64, every method), 2 TV iterations and
+    # 2 training steps
+    "imaging": (["--nc", "16", "--dtype", "float64", "--tv-iterations", "2",
+                 "--train-steps", "2", "--blocks", "2", "--channels", "4",
+                 "--learning-rate", "0.01", "--log-every", "1", "--seed", "3", "--no-plot"],
+                "imaging.h5", ("metrics.md",)),
+}
+# summary.json entries that say where and how long a run ran, not what it computed: the
+# only ones allowed to differ between the two runs (the hosts are checked on their own).
+WHERE_AND_HOW_LONG = ("timings", "peak_memory_mb_per_rank", "memory_phases_mb_per_rank",
+                      "ranks", "hosts")
+
+
+def sim(*args, **kw):
+    return _sim(*args, name=NAME, **kw)
+
+
+def counters(node):
+    """(tx, rx) bytes of a node's link."""
+    return tuple(int(subprocess.run(["ip", "netns", "exec", "%s-%s" % (NAME, node), "cat",
+                                     "/sys/class/net/eth0/statistics/%s_bytes" % k],
+                                    capture_output=True, text=True, check=True).stdout)
+                 for k in ("tx", "rx"))
+
+
+def model_bytes(job, summary):
+    """At least what node2's two ranks receive over the link during the job: the scaling
+    model's P-axis bytes (scripts/scaling_model.py internode_bytes; each row of the grid on
+    a node of its own) of the job's transforms counted here, a subset of what it runs.
+    Shared memory across the nodes would leave only the launcher's and Horovod's control
+    bytes on the link."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import scaling_model
+
+    def model(workload, halo, itemsize, **kw):
+        return 2 * scaling_model.internode_bytes(workload, 16, GRID, halo, itemsize=itemsize,
+                                                 **kw)
+
+    if job == "lensing":        # float32: the 2LPT ICs and every N-body step
+        n_steps = len(summary["timings"]["steps_s"])
+        return model("lpt", 2, 4) + n_steps * model("nbody_step", 2, 4)
+    if job == "reconstruct":    # float64: the truth's 2LPT, then >= one forward 2LPT per
+        return (1 + summary["reconstruction"]["iterations"]) * model("lpt", 4, 8)  # iteration
+    # imaging, complex128, FFT round trips (forward + inverse, all modes): the measurement
+    # and zero-filled, one per TV iteration; per training step its measurement and one data
+    # consistency per block (forward pass only), and the blocks of the evaluation
+    tv, net = summary["tv"]["iterations"], summary["unrolled"]
+    trips = 1 + tv + net["train_steps"] * (1 + net["blocks"]) + net["blocks"]
+    return trips * model("fft", 0, 8, half_spectrum=False)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    proc = sim("up", "2")
+    assert proc.returncode == 0, proc.stderr
+    hostfile = proc.stdout.strip()
+    try:
+        yield hostfile
+    finally:
+        sim("down")
+
+
+def _args(job):
+    return ["--grid", "%dx%d" % GRID] + JOBS[job][0]
+
+
+def one_host(job, out):
+    """The job on this host: plain ``mpirun -np 4``, grid 2x2."""
+    cmd = mpirun_command(4) + [os.path.join(VENV, "bin", "flowpm-mtf"), job, *_args(job),
+                               "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+                          env=clean_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def two_nodes(job, out, hostfile):
+    """The job on node1 and node2 (2 ranks each) through ``scripts/run_mpirun.sh``."""
+    env = {"NP": "4", "HOSTFILE": hostfile, "GPUS_PER_NODE": "2", "COMMAND": job,
+           "OUT": out, "VENV": VENV}
+    cmd = ["bash", SCRIPT, "run", "env"] + ["%s=%s" % kv for kv in env.items()] + [
+        "bash", os.path.join(REPO, "scripts", "run_mpirun.sh"), *_args(job)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(NAME), cwd=REPO)
+    rc, log = finish(proc)
+    assert rc == 0, log[-3000:]
+
+
+def h5_contents(path):
+    """{name: value} of every dataset and attribute of an HDF5 file (virtual datasets read
+    through their sources)."""
+    with h5py.File(path, "r") as f:
+        items = {"/@" + k: v for k, v in f.attrs.items()}
+
+        def visit(name, obj):
+            for k, v in obj.attrs.items():
+                items[name + "@" + k] = v
+            if isinstance(obj, h5py.Dataset):
+                items[name] = obj[...]
+        f.visititems(visit)
+    return items
+
+
+def files_of(run):
+    """Paths of a run directory's files, relative to it."""
+    return sorted(os.path.relpath(os.path.join(d, n), run)
+                  for d, _, names in os.walk(run) for n in names)
+
+
+def assert_same(a, b, what):
+    """Bit-identical values (arrays: same dtype, shape and bytes; NaN equal to NaN)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype,
+                                                           a.shape, b.shape)
+        if a.dtype.kind == "f" or a.dtype.kind == "c":
+            diff = np.abs(a - b)
+            worst = float(np.nanmax(diff)) if diff.size else 0.0
+            assert a.tobytes() == b.tobytes(), "%s differs: max |diff| %.3g" % (what, worst)
+        else:
+            assert a.tobytes() == b.tobytes(), what
+    else:
+        assert a == b, what
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_job_on_two_nodes_equals_one_host(cluster, job, tmp_path):
+    ref, run = str(tmp_path / "one_host"), str(tmp_path / "two_nodes")
+    one_host(job, ref)
+    before = counters("node2")
+    two_nodes(job, run, cluster)
+    after = counters("node2")
+
+    with open(os.path.join(run, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(ref, "summary.json")) as f:
+        ref_summary = json.load(f)
+    assert summary["hosts"] == ["node1", "node2"]
+    assert summary["config"]["grid"] == list(GRID)
+    assert [r["host"] for r in summary["ranks"]] == ["node1", "node1", "node2", "node2"]
+    assert ref_summary["hosts"] == [os.uname().nodename]
+    received = after[1] - before[1]
+    assert received >= model_bytes(job, summary), (received, model_bytes(job, summary))
+
+    # the same files (manifest.json lists them with their digests: summary.json's differ)
+    names = files_of(run)
+    assert names == files_of(ref)
+    h5_files = [n for n in names if n.endswith(".h5")]
+    main_h5, texts = JOBS[job][1], JOBS[job][2]
+    assert main_h5 in h5_files and len(h5_files) == 1 + 4, h5_files   # main file + 4 parts
+    for name in h5_files:
+        a, b = h5_contents(os.path.join(run, name)), h5_contents(os.path.join(ref, name))
+        assert sorted(a) == sorted(b), name
+        assert any(isinstance(v, np.ndarray) and v.ndim >= 1 for v in a.values()), name
+        for key in a:
+            assert_same(a[key], b[key], "%s:%s" % (name, key))
+    for name in texts:
+        with open(os.path.join(run, name), "rb") as f, open(os.path.join(ref, name), "rb") as g:
+            assert f.read() == g.read(), name
+    results = [k for k in ref_summary if k not in WHERE_AND_HOW_LONG]
+    assert sorted(results) == sorted(k for k in summary if k not in WHERE_AND_HOW_LONG)
+    for key in results:
+        assert summary[key] == ref_summary[key], key
+
+
+def test_down_leaves_no_namespace(cluster):
+    assert sim("down").returncode == 0
+    assert namespaces(NAME) == []
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), "flowpm-sim-cluster-" + NAME))
