@@ -395,10 +395,15 @@ SIM_CLUSTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def sim_cluster_env(name):
-    """The variables that name the simulated cluster ``name`` and its state directory."""
-    return {"FLOWPM_SIM_CLUSTER": name,
-            "FLOWPM_SIM_CLUSTER_DIR": os.path.join(tempfile.gettempdir(),
-                                                   "flowpm-sim-cluster-" + name)}
+    """The variables that name the simulated cluster ``name`` and its state directory.
+
+    The directory is ``sim_cluster.sh``'s: ``FLOWPM_SIM_CLUSTER_DIR`` when this environment
+    names the same cluster and sets it, else ``/tmp/flowpm-sim-cluster-NAME``.
+    """
+    sim_dir = "/tmp/flowpm-sim-cluster-" + name
+    if os.environ.get("FLOWPM_SIM_CLUSTER") == name and os.environ.get("FLOWPM_SIM_CLUSTER_DIR"):
+        sim_dir = os.environ["FLOWPM_SIM_CLUSTER_DIR"]
+    return {"FLOWPM_SIM_CLUSTER": name, "FLOWPM_SIM_CLUSTER_DIR": sim_dir}
 
 
 def sim_cluster_nodes(sim_dir):
@@ -439,7 +444,7 @@ class SimSlurmCluster(SlurmCluster):
     ----------
     name : str
         The simulated cluster (``FLOWPM_SIM_CLUSTER``); its state directory is
-        ``$TMPDIR/flowpm-sim-cluster-NAME`` as in :func:`sim_cluster_env`.
+        ``sim_cluster.sh``'s (:func:`sim_cluster_env`).
     cpus : int, optional
         CPUs declared per node (default ``max(nproc, MIN_CPUS)``; the nodes share this
         host's CPUs, so they are oversubscribed).
@@ -480,7 +485,7 @@ class SimSlurmCluster(SlurmCluster):
 
 
 def main(argv=None):
-    """``python tests/slurm_harness.py [--sim-cluster NAME]``: a test cluster by hand.
+    """``python tests/slurm_harness.py [--sim-cluster [NAME]]``: a test cluster by hand.
 
     Starts the one-node cluster (or, with ``--sim-cluster``, Slurm on the nodes of that
     simulated cluster, which must be up), prints how to use it and stops it at Ctrl-C or
@@ -489,8 +494,10 @@ def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
-    parser.add_argument("--sim-cluster", metavar="NAME",
-                        help="run on the nodes of this simulated cluster (FLOWPM_SIM_CLUSTER)")
+    parser.add_argument("--sim-cluster", metavar="NAME", nargs="?",
+                        const=os.environ.get("FLOWPM_SIM_CLUSTER") or "fpmc",
+                        help="run on the nodes of this simulated cluster (default: "
+                             "FLOWPM_SIM_CLUSTER, else fpmc, as scripts/sim_cluster.sh)")
     args = parser.parse_args(argv)
     reason = sim_unavailable_reason() if args.sim_cluster else unavailable_reason()
     if reason:
