@@ -6,8 +6,10 @@ Each job is launched the way users launch it across nodes: ``scripts/run_mpirun.
 the cluster's hostfile (``COMMAND=<job>``, 2 ranks per node: grid row 0 on node1, row 1 on
 node2, so every exchange along the P axis crosses the nodes' TCP link), and on one host by
 plain ``mpirun -np 4``. The outputs must be bit-identical: every dataset and attribute of
-every HDF5 file of the run directory (the main file and its per-rank parts), the text
-outputs byte for byte, and summary.json but for where and how long it ran. summary.json
+every HDF5 file of the run directory (the main file and its per-rank parts), every other
+file byte for byte (the manifest's digests; the text outputs also read back), and
+summary.json but for where and how long it ran. (The main HDF5 file's bytes differ in the
+creation times of its virtual datasets only.) summary.json
 names the hosts ["node1", "node2"], and node2's link received at least the scaling
 model's P-axis bytes of a subset of the job's distributed transforms (so the exchanges
 went over TCP, not shared memory; measured 6-14x that bound). ``down`` leaves no
@@ -156,6 +158,11 @@ def h5_contents(path):
     return items
 
 
+def manifest(run):
+    with open(os.path.join(run, "manifest.json")) as f:
+        return json.load(f)
+
+
 def files_of(run):
     """Paths of a run directory's files, relative to it."""
     return sorted(os.path.relpath(os.path.join(d, n), run)
@@ -197,9 +204,16 @@ def test_job_on_two_nodes_equals_one_host(cluster, job, tmp_path):
     received = after[1] - before[1]
     assert received >= model_bytes(job, summary), (received, model_bytes(job, summary))
 
-    # the same files (manifest.json lists them with their digests: summary.json's differ)
+    # the same files, and the same bytes (manifest.json's digests) but for summary.json and
+    # the main HDF5 file: its virtual datasets carry their creation time (HDF5 object
+    # modification times), so that file is compared by content below, as every HDF5 file
     names = files_of(run)
     assert names == files_of(ref)
+    digests = [{f["path"]: f["blake3"] for f in manifest(d)["files"]} for d in (run, ref)]
+    assert sorted(digests[0]) == sorted(digests[1]) == sorted(
+        n for n in names if n != "manifest.json")
+    assert [p for p in digests[0] if digests[0][p] != digests[1][p]
+            and p not in ("summary.json", JOBS[job][1])] == []
     h5_files = [n for n in names if n.endswith(".h5")]
     main_h5, texts = JOBS[job][1], JOBS[job][2]
     assert main_h5 in h5_files and len(h5_files) == 1 + 4, h5_files   # main file + 4 parts
