@@ -60,7 +60,8 @@ EXPECTED = {
         [r"wrote \S*/snapshot_a0\.5000\.h5", r"published \S*/out/sim2: \d+ files"],  # options
         _QUICKSTART,
     ],
-    "docs/api.md": [r"loss \d+\.\d{4} -> \d+\.\d{4}"],
+    "docs/api.md": [r"loss \d+\.\d{4} -> \d+\.\d{4}",
+                    r"loss after 5 steps: (\d+\.\d{6}) \(numpy: \1\)"],     # 2-layer, 4 ranks
     "docs/clusters.md": [[r"(?s)node1.*node1", r"(?s)node2.*node2"]],         # sim_cluster
     "docs/from-flowpm.md": [r"grid 2x1: mean density (1\.00000|0\.99999)\d, "
                             r"P\(k = 0\.3\d\d h/Mpc\) = \d+ \(Mpc/h\)\^3"],
