@@ -63,6 +63,14 @@ JOBS = {
                  "--learning-rate", "0.01", "--log-every", "1", "--seed", "3", "--no-plot"],
                 "imaging.h5", ("metrics.md",)),
 }
+# TensorFlow's thread pools of every rank, in both runs: what each rank gets on a 2-core
+# machine either way (its node's cores divided among its node's ranks: 2 // 2 on a node of
+# the cluster, 2 // 4 floored to 1 on one host), set so that the runs stay comparable on a
+# machine with more cores. Bit-identity needs the same intra-op count: float64
+# tf.nn.conv3d (Eigen) and its filter gradient sum in another order with 2 threads than
+# with 1 (measured 2.8e-14 on a 12x12x16x4 block; the imaging job's unrolled volume moved
+# by 6.7e-14, its first training loss by 1 ulp); lensing and reconstruct did not move.
+THREADS = {"FLOWPM_MTF_INTRA_THREADS": "1", "FLOWPM_MTF_INTER_THREADS": "2"}
 # summary.json entries that say where and how long a run ran, not what it computed: the
 # only ones allowed to differ between the two runs (the hosts are checked on their own).
 WHERE_AND_HOW_LONG = ("timings", "peak_memory_mb_per_rank", "memory_phases_mb_per_rank",
@@ -127,14 +135,14 @@ def one_host(job, out):
     cmd = mpirun_command(4) + [os.path.join(VENV, "bin", "flowpm-mtf"), job, *_args(job),
                                "--out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
-                          env=clean_env(), cwd=REPO)
+                          env=clean_env(**THREADS), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def two_nodes(job, out, hostfile):
     """The job on node1 and node2 (2 ranks each) through ``scripts/run_mpirun.sh``."""
     env = {"NP": "4", "HOSTFILE": hostfile, "GPUS_PER_NODE": "2", "COMMAND": job,
-           "OUT": out, "VENV": VENV}
+           "OUT": out, "VENV": VENV, **THREADS}   # run_mpirun.sh passes THREADS on (-x)
     cmd = ["bash", SCRIPT, "run", "env"] + ["%s=%s" % kv for kv in env.items()] + [
         "bash", os.path.join(REPO, "scripts", "run_mpirun.sh"), *_args(job)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -201,6 +209,8 @@ def test_job_on_two_nodes_equals_one_host(cluster, job, tmp_path):
     assert summary["config"]["grid"] == list(GRID)
     assert [r["host"] for r in summary["ranks"]] == ["node1", "node1", "node2", "node2"]
     assert ref_summary["hosts"] == [os.uname().nodename]
+    for ranks in (summary["ranks"], ref_summary["ranks"]):
+        assert [(r["intra_threads"], r["inter_threads"]) for r in ranks] == [(1, 2)] * 4
     received = after[1] - before[1]
     assert received >= model_bytes(job, summary), (received, model_bytes(job, summary))
 
