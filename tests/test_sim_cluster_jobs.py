@@ -9,11 +9,11 @@ plain ``mpirun -np 4``. The outputs must be bit-identical: every dataset and att
 every HDF5 file of the run directory (the main file and its per-rank parts), every other
 file byte for byte (the manifest's digests; the text outputs also read back), and
 summary.json but for where and how long it ran. (The main HDF5 file's bytes differ in the
-creation times of its virtual datasets only.) summary.json
-names the hosts ["node1", "node2"], and node2's link received at least the scaling
-model's P-axis bytes of a subset of the job's distributed transforms (so the exchanges
-went over TCP, not shared memory; measured 6-14x that bound). ``down`` leaves no
-namespace.
+creation times of its virtual datasets only.) Both runs get the same thread pools per rank
+(THREADS below). summary.json names the hosts ["node1", "node2"], and node2's link
+received at least the scaling model's P-axis bytes of a subset of the job's distributed
+transforms (so the exchanges went over TCP, not shared memory; measured 6-14x that bound).
+``down`` leaves no namespace.
 
 The cluster is this module's own (``fpmjobs``), never test_sim_cluster.py's ``fpmtest`` or
 one made by hand. Needs root and network namespaces; elsewhere skipped with the reason.
@@ -41,8 +41,8 @@ NAME = "fpmjobs"            # this module's cluster
 GRID = (2, 2)
 
 # The smallest runs that still exercise each job on the 2x2 grid (every rank a block of
-# 8 x 8 cells in x, y). Rows: CLI arguments (beside --grid/--mesh-shape and --out), the
-# HDF5 file, the text outputs, the summary entries that hold the results.
+# 8 x 8 cells in x, y). Per job: CLI arguments (beside --grid and --out), the main HDF5
+# file, the text outputs.
 JOBS = {
     # 16^3 in 128 Mpc/h, 2LPT at a = 0.5, 2 steps plus the plane stages; z_s = 0.15 in
     # 4 shells of 110 Mpc/h, 8 deg on 32^2 rays (float32, the job's default)
