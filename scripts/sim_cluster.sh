@@ -130,6 +130,7 @@ cmd_up() {
     touch "$DIR/uts/node$i"
     unshare --uts="$DIR/uts/node$i" hostname "node$i"
     # names resolve inside the node: ip netns exec binds /etc/netns/NS/hosts over /etc/hosts
+    if [ ! -d /etc/netns ]; then mkdir -p /etc/netns; touch /etc/netns/.flowpm-sim-cluster; fi
     mkdir -p "/etc/netns/$ns"
     cp "$DIR/hosts" "/etc/netns/$ns/hosts"
     mkdir -p "$DIR/tmp/node$i"
