@@ -20,6 +20,9 @@ watchdog that hears nothing from rank 0 for the timeout does the same, naming ra
 so a single killed rank ends the job within seconds; a whole node lost (its
 watchdogs too) takes the timeout.
 
+A job suspended as a whole (``SIGSTOP``, e.g. Slurm's ``scontrol suspend``) is not lost:
+a watchdog that finds it did not run for several heartbeats starts every timeout anew.
+
 At a normal exit every rank says goodbye (:func:`stop`, called by the exit barrier
 once all ranks have reached their exit), and its watchdog stops. When the parent
 process ends, its watchdog ends too. ``FLOWPM_MTF_PEER_TIMEOUT=0`` disables the
@@ -254,8 +257,15 @@ class Watchdog:
 
     def run(self):
         next_beat = 0.0
+        tick = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - tick > 3 * self.heartbeat + 1.0:
+                # this watchdog did not run for a while (the job suspended with SIGSTOP, as
+                # Slurm's suspend does, or the host starved): nobody could be heard meanwhile,
+                # so everyone gets a new timeout from now
+                self.last = {p: now for p in self.last}
+            tick = now
             if now >= next_beat:
                 for p in self.peers():
                     if p not in self.done:

@@ -135,3 +135,20 @@ def test_a_bad_timeout_is_a_configuration_error_before_horovod_starts(monkeypatc
     import horovod.tensorflow as hvd
 
     assert not hvd.is_initialized()
+
+
+def test_a_job_suspended_longer_than_the_timeout_is_not_lost():
+    """Both watchdogs (and their ranks) stopped together, as Slurm's suspend does."""
+    dogs, sleepers = _start_pair()
+    try:
+        time.sleep(3 * HEARTBEAT_S)
+        for p in dogs + sleepers:
+            os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(TIMEOUT_S + 1.0)
+        for p in dogs + sleepers:
+            os.kill(p.pid, signal.SIGCONT)
+        time.sleep(TIMEOUT_S / 2)
+        assert all(p.poll() is None for p in dogs + sleepers)
+    finally:
+        _cleanup(dogs + sleepers)
+
