@@ -87,9 +87,9 @@ def namespaces(name):
     return [line.split()[0] for line in out.splitlines() if line.startswith(name + "-")]
 
 
-def counters(node):
-    """(tx, rx) bytes of a node's link."""
-    ns = "%s-%s" % (NAME, node)
+def counters(node, name=NAME):
+    """(tx, rx) bytes of a node's link (of the cluster ``name``)."""
+    ns = "%s-%s" % (name, node)
     return tuple(int(subprocess.run(["ip", "netns", "exec", ns, "cat",
                                      "/sys/class/net/eth0/statistics/%s_bytes" % k],
                                     capture_output=True, text=True, check=True).stdout)
@@ -205,15 +205,20 @@ def test_a_failed_up_removes_what_it_made():
 
 
 # ---------------------------------------------------------------------------- the cluster
+def two_node_cluster(name=NAME):
+    """The body of a module fixture: ``up 2`` of the cluster ``name``, its hostfile, and
+    ``down`` at the end (also after a failure)."""
+    proc = sim("up", "2", name=name)
+    assert proc.returncode == 0, proc.stderr
+    try:
+        yield proc.stdout.strip()
+    finally:
+        sim("down", name=name)
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    proc = sim("up", "2")
-    assert proc.returncode == 0, proc.stderr
-    hostfile = proc.stdout.strip()
-    try:
-        yield hostfile
-    finally:
-        sim("down")
+    yield from two_node_cluster()
 
 
 def test_up_makes_nodes_with_their_own_hostnames(cluster):

@@ -30,7 +30,7 @@ import pytest
 
 from flowpm_bench.launch import clean_env, mpirun_command
 from test_sim_cluster import (JOB_TIMEOUT_S, REPO, SCRIPT, VENV, _env, _unavailable,
-                              finish, namespaces)
+                              counters, finish, namespaces, two_node_cluster)
 from test_sim_cluster import sim as _sim
 
 # It starts its own MPI jobs, like the single_process tests, but is marked rank_independent so
@@ -84,13 +84,6 @@ def sim(*args, **kw):
     return _sim(*args, name=NAME, **kw)
 
 
-def counters(node):
-    """(tx, rx) bytes of a node's link."""
-    return tuple(int(subprocess.run(["ip", "netns", "exec", "%s-%s" % (NAME, node), "cat",
-                                     "/sys/class/net/eth0/statistics/%s_bytes" % k],
-                                    capture_output=True, text=True, check=True).stdout)
-                 for k in ("tx", "rx"))
-
 
 def model_bytes(job, summary):
     """At least what node2's two ranks receive over the link during the job: the scaling
@@ -120,13 +113,7 @@ def model_bytes(job, summary):
 
 @pytest.fixture(scope="module")
 def cluster():
-    proc = sim("up", "2")
-    assert proc.returncode == 0, proc.stderr
-    hostfile = proc.stdout.strip()
-    try:
-        yield hostfile
-    finally:
-        sim("down")
+    yield from two_node_cluster(NAME)
 
 
 def _args(job):
@@ -200,9 +187,9 @@ def assert_same(a, b, what):
 def test_job_on_two_nodes_equals_one_host(cluster, job, tmp_path):
     ref, run = str(tmp_path / "one_host"), str(tmp_path / "two_nodes")
     one_host(job, ref)
-    before = counters("node2")
+    before = counters("node2", NAME)
     two_nodes(job, run, cluster)
-    after = counters("node2")
+    after = counters("node2", NAME)
 
     with open(os.path.join(run, "summary.json")) as f:
         summary = json.load(f)
