@@ -5,10 +5,9 @@ Why it matters
 TensorFlow's default CPU allocator (with its oneDNN build, the ``mklcpu``
 best-fit-with-coalescing allocator) never returns memory and splits its large
 regions between tensors of different sizes, so the pages it touches grow well
-beyond the tensors alive at any time: at 2.1M particles per rank, the peak RSS
-of ``simulate`` was 1093 MB on 1 rank and 1499 MB on 4 ranks (2x2) while
-TensorFlow's own accounting (``RunMetadata`` allocation records) saw at most
-~225 MB and ~170 MB of live tensors in the initial conditions, the largest
+beyond the tensors alive at any time: the peak RSS of ``simulate`` held
+several times the live tensors that TensorFlow's own accounting
+(``RunMetadata`` allocation records) saw in the initial conditions, the largest
 phase. The distributed runs fragment more (their all-to-all outputs are
 allocated by Horovod's background thread, interleaved with the graph's own
 tensors).
@@ -20,24 +19,23 @@ package ``libtcmalloc-minimal4``, installed by ``scripts/setup_env.sh``)
     gperftools' tcmalloc preloaded, TensorFlow's oneDNN allocator off
     (``TF_ENABLE_ONEDNN_OPTS=0``: TensorFlow then allocates with ``malloc``;
     none of our kernels is a oneDNN one). Same speed as TensorFlow's
-    allocator, peak RSS 906 / 1202 MB in the runs above (-17 % / -20 %).
+    allocator, a lower peak RSS (docs/allocator.md).
     ``TCMALLOC_RELEASE_RATE=0`` (unless the environment sets it): tcmalloc keeps
     the pages of freed tensors for the next ones instead of returning them to
     the system a little at a time. A step allocates the same tensors as the
     last one, so the pages it would have returned are the ones it faults in
-    again: at 512^3 on one rank the steps faulted in 0.5-5.9 GB each (1-3 s of
-    a 10-15 s step on this VM) with the default rate and none with 0, and the
-    peak stayed at 14.3-14.8 GB over 5 and 10 steps (docs/allocator.md).
+    again: with the default rate every large step faults in GBs of pages afresh
+    (slow on a VM), with 0 none, and the peak does not grow over the steps
+    (docs/allocator.md).
 ``lean``
     glibc's ``malloc`` with every allocation of 1 MB or more its own
     ``mmap``, returned to the system when freed, on transparent huge pages
     (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576:
     glibc.malloc.trim_threshold=1048576:glibc.malloc.hugetlb=1``; huge pages
     need glibc >= 2.35 and ``/sys/kernel/mm/transparent_hugepage/enabled`` =
-    ``madvise`` or ``always``). RSS then follows the live tensors: 839 / 1007
-    MB in the runs above (-23 % / -33 %), for longer steps (the kernel
-    zeroes every new page): ~30 % at 128^3, up to ~2x at 256^3 on one rank
-    (measured under load). For a run that does not fit otherwise.
+    ``madvise`` or ``always``). RSS then follows the live tensors, for longer
+    steps (the kernel zeroes every new page; up to ~2x at large meshes on one
+    rank). For a run that does not fit otherwise.
 ``tf``
     TensorFlow's default, unchanged.
 

@@ -232,9 +232,9 @@ class SimConfig:
         ``sort_every`` steps (eulerian; :func:`flowpm_mtf.domain.sort_by_column`:
         the CIC ops' cache locality; default 0: never). The results differ from
         an unsorted run in the last bits (the paint's summation order).
-        Measured at 512^3 on one rank (2 cores): the reordering costs 5-6 s,
-        the next step is ~2 s faster and the gain fades within a few steps, so
-        it is off by default (docs/benchmarks.md, size series).
+        The reordering costs about what the faster steps after it save (the
+        gain fades within a few steps), so it is off by default
+        (docs/benchmarks.md, "Speed at size").
 
     Raises
     ------

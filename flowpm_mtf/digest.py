@@ -1,10 +1,8 @@
 """Digests of the files a run writes: what the manifests record and the readers check.
 
-New records use BLAKE3 (:data:`DIGEST`): it hashes ~4.5 GB/s on one core of the
-CPUs measured here, where SHA-256 runs at 0.36-0.39 GB/s on those without SHA
-instructions (an Intel Xeon without ``sha_ni``: there the snapshot's write was
-bound by its hash, 0.26 GB/s at 512^3 against a disk that takes 1.3 GB/s;
-docs/benchmarks.md). BLAKE3 is a cryptographic hash like SHA-256: a changed,
+New records use BLAKE3 (:data:`DIGEST`): on one core it hashes about ten times as fast
+as SHA-256 on a CPU without SHA instructions (``sha_ni``), where a SHA-256 digest bounded
+the snapshot's write below the disk's speed. BLAKE3 is a cryptographic hash like SHA-256: a changed,
 truncated or swapped file does not match.
 
 A record is a dict holding the hex digest under the algorithm's name

@@ -9,11 +9,9 @@ slice out of its TensorFlow variable (``FlowpmTakeVariable``,
 input it alone holds (the kicks' and the drift's sums and products), writes its output into
 it. The job (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`) does this in its ICs with the
 state's initial zeros (the first force too: ``FlowpmCicReadoutInto``), and in every step with
-the state itself: at 512^3 on one rank the ICs' positions, momenta and forces (4.8 GB) are
-written into memory the process has already touched,
-instead of fresh pages, which this kind of VM fills at 0.5-1 GB/s, and the steps keep one
-copy of the state instead of two (docs/benchmarks.md, "The ICs' state in the variables' own
-buffers").
+the state itself: the ICs' positions, momenta and forces are written into memory the process
+has already touched instead of fresh pages (slow to fill on a VM), and the steps keep one
+copy of the state instead of two.
 
 The take happens only where it is safe and useful: on a mesh implementation whose laid-out
 variable is one TensorFlow resource variable per process (``slice_variable``, as

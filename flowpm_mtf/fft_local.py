@@ -15,9 +15,8 @@ Native op or TensorFlow
 -----------------------
 On the CPU the transforms are the FFTW custom ops of ``flowpm_mtf/native/fft_ops.cc``
 (built by ``scripts/setup_env.sh``, i.e. ``python -m flowpm_mtf.native.build``):
-TensorFlow's CPU FFT (Eigen) is ~3-5x slower than FFTW at powers of two and 20-50x
-slower at other lengths (192: 650 ms vs 9-26 ms for one axis of 192^3 complex64
-here). The op transforms along any axis without transposes, runs on TensorFlow's
+TensorFlow's CPU FFT (Eigen) is several times slower than FFTW at powers of two and
+over an order of magnitude slower at other lengths (e.g. 192). The op transforms along any axis without transposes, runs on TensorFlow's
 intra-op thread pool (sized per rank by ``hvd_mesh_impl.runtime.session_config``)
 and carries its exact gradient (registered in this module). On a GPU (the device of
 the sliced tensor, or no device with a visible GPU, see :func:`uses_native` and

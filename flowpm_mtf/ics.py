@@ -186,8 +186,8 @@ def apply_radial_kernel(kfield, conf, values, name):
     :func:`radial_kernel` bit for bit, in one pass over the field: the native
     ``FlowpmRadialScale`` (kspace_ops.cc) reads the table of distinct ``|k|``
     through the three index vectors and writes in the field's memory when nothing
-    else holds it (at 512^3 on one rank it replaces 3.6 s of gathers, a cast and a
-    product, and 0.8 GB of new memory, in the ICs); :func:`radial_scale_tf` where
+    else holds it (it replaces full-size gathers, a cast and a product, and their new
+    memory, in the ICs); :func:`radial_scale_tf` where
     no native op serves. Its gradient with respect to the field is itself; the
     kernel is a constant (as :func:`radial_kernel`'s).
 

@@ -809,9 +809,9 @@ class _PerAxis:
     """A constant per axis of ``[n, 3]`` rows, applied over the flat rows.
 
     ``rows * v`` with ``v`` of shape ``[3]`` makes numpy's inner loop three
-    elements long (~1 GB/s for a multiply); the same products over the flat
-    rows with ``v`` tiled (or a scalar when the three are equal) run at memory
-    speed (~20 GB/s). Equal values element by element.
+    elements long (an order of magnitude below memory speed); the same products
+    over the flat rows with ``v`` tiled (or a scalar when the three are equal)
+    run at memory speed. Equal values element by element.
     """
 
     def __init__(self, v):
@@ -846,7 +846,7 @@ class _PerAxis:
 
         The values of ``np.mod(out, v)`` (in range: unchanged; one rounding for the
         others), computed as ``out - v floor(out / v)`` over the flat rows: four
-        unmasked passes, ~9x faster than numpy's ``mod`` (16 ns per value) or its
+        unmasked passes, several times faster than numpy's ``mod`` or its
         masked loops. Where ``out / v`` rounds up to the next integer, or a value
         just below 0 rounds up to ``v`` when shifted (its image is 0), a masked
         pass puts it back, only in the pieces that have one.

@@ -234,8 +234,8 @@ def interleave_xyz(components, name):
     """:func:`stack_xyz` of 3 real tensors in one pass (the native ``FlowpmInterleave``).
 
     The same values as :func:`stack_xyz`; ``tf.stack`` along the short last
-    axis copies one element at a time (the 2LPT displacement's stack took 9 %
-    of the ICs at 128^3), ``FlowpmInterleave`` writes rows. Without the native
+    axis copies one element at a time (a visible part of the ICs),
+    ``FlowpmInterleave`` writes rows. Without the native
     op (GPU, ``FLOWPM_MTF_NATIVE=0``) ``tf.stack``. Gradient: each component
     of ``dy`` back to its input (the op's registered gradient).
 
@@ -355,7 +355,7 @@ def _real_components(z, lo, size, dim_name, name):
         s = g.shape.as_list()
         if (lo, size) != (0, width):
             lib = native.ops_for("cic_ops", g)
-            if lib is not None:  # one pass (tf.pad along the short last axis: ~8 ms at 128^3)
+            if lib is not None:  # one pass (tf.pad along the short last axis is slow)
                 g, = lib.flowpm_interleave_grad(g, picks=[v for j in range(size) for v in (0, lo + j)],
                                                 wrap=0, widths=[width], N=1)
             else:
@@ -379,7 +379,7 @@ def xyz_from_packed(first, last, name="xyz_from_packed", padded_conf=None):
     :func:`stack_xyz` of the three real parts. On the CPU the native op
     ``FlowpmInterleave`` (``flowpm_mtf/native/cic_ops.cc``) writes the
     interleaved result directly; ``tf.stack`` along the short last axis copies
-    one element at a time (at 128^3 it took 7 % of a step). Elsewhere (GPU,
+    one element at a time (a visible part of a step). Elsewhere (GPU,
     ``FLOWPM_MTF_NATIVE=0``) ``tf.stack``. Gradient: ``dy_0 + i dy_1`` to
     ``first`` and ``dy_2 + 0i`` to ``last`` (TF's convention for real and
     imaginary parts).

@@ -7,14 +7,14 @@ MPI's default waiting policy is to busy-poll without yielding unless it knows
 the node is oversubscribed; a rank's waiting thread then holds the core its own
 compute thread needs, and the scheduler hands the core back only at the end of
 a time slice (milliseconds). ``mpi_yield_when_idle`` makes Open MPI's wait loops
-call ``sched_yield``. Measured on this 2-core machine (the FFT round trip of a
-128^3 float32 field, 40 calls, the slowest rank's time per call; 2026-11-24):
+call ``sched_yield``. On a 2-core machine (the FFT round trip of a 128^3 float32
+field, the slowest rank's time per call):
 
-* 2 ranks (one per core, Open MPI does not yield by default): median 21.1-21.4
-  ms without, 16.4-17.6 ms with (the fastest calls 13.4-14.0 ms either way);
-* 4 ranks (two per core): 160 ms with ``mpi_yield_when_idle=0`` forced, 16.6-17.3
-  ms with it on, which is what Open MPI chooses itself for an oversubscribed
-  node.
+* 2 ranks (one per core, Open MPI does not yield by default): the median call is
+  about a fifth faster with it;
+* 4 ranks (two per core): about ten times slower with ``mpi_yield_when_idle=0``
+  forced than with it on, which is what Open MPI chooses itself for an
+  oversubscribed node.
 
 :func:`apply` sets :data:`DEFAULTS` with ``os.environ.setdefault`` (a user's own
 setting is kept); Open MPI reads ``OMPI_MCA_*`` variables in ``MPI_Init``, so the

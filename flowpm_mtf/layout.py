@@ -163,9 +163,9 @@ def slot_tiles(conf):
     keep their particles, and particles that start close together stay close, so
     the CIC paint and readout then walk the field tile by tile instead of plane by
     plane. At 512^3 on one rank the field planes a stretch of slot-ordered particles
-    reaches no longer fit the last-level cache: on the particles of a job at a = 1,
-    paint 29 -> 19 and readout 35 -> 21 ns per particle with 16^3 tiles (8^3:
-    20 / 21), at 128^3 the same within noise (docs/benchmarks.md). Each side is
+    reaches no longer fit the last-level cache: on the particles of a job at a = 1 the
+    tiles make the paint and readout about as fast per particle as at 128^3, where
+    they change nothing (docs/benchmarks.md, "Speed at size"). Each side is
     the largest power of two up to :data:`SLOT_TILE` that divides the block's side.
 
     The lagrangian decomposition keeps the lattice order, ``(1, 1, 1)``: its slots

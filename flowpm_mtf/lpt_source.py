@@ -72,8 +72,8 @@ def potential_blocks(phi, conf, reach):
     :func:`flowpm_mtf.gravity.single_block` holds, the block itself with margin 0, which
     the native stencils (``FlowpmGradient``, ``FlowpmLpt2Source``,
     ``FlowpmLatticeCombinePotentials``) and their TensorFlow twins read periodically: the
-    same values, without the padded copy (at 512^3 on one rank the two potentials' padded
-    copies took 4 concatenations, 2.6 s of the 2LPT state's 12.1 s under the profiler).
+    same values, without the padded copy (the two potentials' padded copies take 4
+    concatenations, a sizeable part of the 2LPT state's time).
     """
     if single_block(conf):
         return to_blocks(phi, conf), 0

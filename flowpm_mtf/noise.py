@@ -39,7 +39,7 @@ in float64 and rounded once to the requested dtype.
 On the CPU (:func:`flowpm_mtf.native.runs_on_cpu`, float32/float64) a slice
 is the native op ``FlowpmWhiteNoise`` of ``flowpm_mtf/native/noise_ops.cc``:
 the same operations in the same order in C++ (no fused multiply-adds), so the
-same bits, ~20x faster than the ~170 elementwise TensorFlow ops (which
+same bits, an order of magnitude faster than the ~170 elementwise TensorFlow ops (which
 remain the path on a GPU, with ``FLOWPM_MTF_NATIVE=0`` or when the op is not
 built).
 

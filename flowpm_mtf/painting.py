@@ -263,7 +263,7 @@ def _stencil(pos, conf):
     -----
     The 8 corners are built from per-axis pairs (``floor``, ``floor + 1``) and
     weights (``1 - f``, ``f``) by broadcasting, and painting is a flat
-    ``unsorted_segment_sum``: ~2x faster on the CPU than 5-column
+    ``unsorted_segment_sum``: faster on the CPU than 5-column
     ``tensor_scatter_nd_add`` / ``gather_nd`` indices.
     """
     h = conf.halo_size

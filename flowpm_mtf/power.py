@@ -305,8 +305,8 @@ class ShellSumsOperation(mtf.Operation):
     float64 ``|k|`` and comparisons), without their full-size ``|k|``, bin and float64
     fields: on the CPU the native ``FlowpmShellSums`` (``flowpm_mtf/native/power_ops.cc``;
     float64 accumulation, the result independent of the thread count), elsewhere the
-    TensorFlow ops of those functions on each slice. At 512^3 on one rank the binning
-    of the job's final P(k) took 9 s of its 12 s fetch in TensorFlow ops.
+    TensorFlow ops of those functions on each slice (at large meshes on one rank, most
+    of the job's final fetch when done with TensorFlow ops).
 
     Parameters
     ----------

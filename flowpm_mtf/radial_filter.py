@@ -75,9 +75,8 @@ def radial_table_numpy(kx, ky, kz, values, dtype, dk=None, summed=False):
         The common spacing ``2 pi / L`` of the three axes [h/Mpc] (a cubic box).
         Then ``k^2 = dk^2 n`` with the integer ``n = mx^2 + my^2 + mz^2``: ``values``
         on every ``n`` of ``1 .. max n`` (a 1-d table), gathered one ``(y, z)`` plane
-        at a time, instead of a sort of the float ``k^2`` (290 ms at 256^3 on one
-        rank for Eisenstein & Hu; at 512^3 with 1/k^2 0.08 s against 0.17-0.53 s for
-        the table of the ``n`` present and a 3-d index array); ``values`` gets
+        at a time, instead of a sort of the float ``k^2`` or a table of the ``n`` present
+        with a 3-d index array (both several times slower to build); ``values`` gets
         ``|k| = dk sqrt(n)``, which may differ from ``sqrt(kx^2 + ky^2 + kz^2)`` in the
         last bit. Without ``dk`` (or if the slices are not on its lattice),
         the distinct float64 ``k^2 = kx^2 + ky^2 + kz^2`` (``np.unique``), and the

@@ -3,8 +3,8 @@ r"""The particle arithmetic of the adjoint's reverse step, fused: reverse drift 
 :func:`flowpm_mtf.adjoint.reverse_step` re-creates a step's state while it
 propagates the cotangents; apart from the force and its VJP, its work is a
 dozen elementwise products and sums on ``[bx, by, npart, xyz]`` arrays and four
-per-block dot products (about 10 ms of a 60 ms reverse step at 64^3 on one
-thread as TensorFlow ops). Here they are two ops:
+per-block dot products (a sixth of a reverse step as TensorFlow ops). Here they are
+two ops:
 
 :func:`reverse_drift`
     ``p_h = p - K1 f``, ``dx = -(D p_h)``, ``x_new = x + dx``,
@@ -44,7 +44,7 @@ def _weights(ids, dtype):
 def _block_dot(u, v, weight):
     """``sum(weight * u . v)`` over the particles of each block: ``[bx, by]`` (no collective)."""
     # u . v per particle first: the weight then multiplies [bx, by, npart], not a
-    # broadcast over xyz (TensorFlow's broadcasting product is 3x slower per element)
+    # broadcast over xyz (TensorFlow's broadcasting product is slower per element)
     prod = mtf.reduce_sum(u * v, output_shape=mtf.Shape(u.shape.dims[:-1]))
     if weight is not None:
         prod = prod * weight

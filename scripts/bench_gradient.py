@@ -36,10 +36,9 @@ rank; it includes TF's own ~0.4 GB and the graph.
 Each rank starts as a ``flowpm-mtf`` job does: MPI's waiting policy
 (:mod:`flowpm_mtf.launch_env`) and the host allocator of the jobs
 (:mod:`flowpm_mtf.allocator`: ``tcmalloc`` unless ``FLOWPM_MTF_ALLOCATOR`` says
-otherwise; recorded as ``allocator``). Before 2026-11-28 the runs kept
-TensorFlow's own allocator, which no job uses: its held memory grew with the
-steps (128^3, one rank, adjoint: 1385 MB at 5 steps, 1868 MB at 40, against
-1204 and 1190 MB under tcmalloc, one run each on machine B).
+otherwise; recorded as ``allocator``). Records without it ran under TensorFlow's
+own allocator, which no job uses: its held memory grows with the steps, tcmalloc's
+does not.
 
 A stored run whose peak, extrapolated linearly in the steps from the measured
 runs of the same size and ranks, would exceed ``--max-memory-fraction`` of the

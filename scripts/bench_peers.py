@@ -192,7 +192,7 @@ def cmd_ours(args):
     copy_masters = lowering.copy_masters_to_slices()
     rec["graph_build_s"] = max(comm.allgather(time.perf_counter() - t0))
     from flowpm_mtf.jobs import runner as job_runner
-    initialize = getattr(job_runner, "initialize_variables", None)   # None before 2026-11-29
+    initialize = getattr(job_runner, "initialize_variables", None)   # None in older --baseline revisions
     with tf.Session(config=session_config("hvd")) as sess:  # as the jobs (Grappler off)
         if initialize is not None:
             initialize(sess)        # one by one, as the jobs

@@ -12,9 +12,8 @@ session runs with TensorFlow's step statistics (``RunOptions(trace_level=FULL_TR
 and every other run (e.g. the variables' initialisation, the output's fetches: the final
 density and P(k)) that takes at least ``--other-min-s`` (default half a second), also traced
 (each runs once). For each run: its wall time, the minor page faults
-during it (as GB of 4 KiB pages: memory the process touches for the first time; on
-machine C such memory fills at 0.9 GB/s against 4-7 GB/s once touched, see
-docs/benchmarks.md), and per op type the summed op time and count, with the largest ops
+during it (as GB of 4 KiB pages: memory the process touches for the first time, which a
+virtual machine fills several times slower than memory already touched), and per op type the summed op time and count, with the largest ops
 by name. Op times are each op's wall time from its start to its end; ops run side by
 side on the intra-op threads, so the sums of a run can exceed its wall time. The trace
 adds a little overhead per op (negligible at 128^3 and above)::

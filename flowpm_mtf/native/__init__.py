@@ -118,9 +118,9 @@ def arch_flags():
     """The instruction-set flags the native ops are compiled with (a list for g++).
 
     On x86-64 ``-msse4.1`` by default (the x86-64-v2 level: every x86-64 CPU since
-    2008, every HPC node): ``floor`` becomes one instruction, and the CIC ops are
-    20-30 % faster than with the SSE2 baseline (128^3, one rank: readout 25 -> 21
-    ms, paint 22 -> 18 ms, the adjoint's readout VJP 70 -> 58 ms).
+    2008, every HPC node): ``floor`` becomes one instruction, and the CIC ops (paint,
+    readout, the adjoint's readout VJP) are markedly faster than with the SSE2
+    baseline.
     ``FLOWPM_MTF_NATIVE_ARCH=<march>`` compiles with ``-march=<march>`` instead
     (e.g. ``x86-64-v3``; ``native`` only where the build and compute nodes have
     the same CPU), ``none`` with no instruction-set flag. Other machines: none
@@ -131,8 +131,8 @@ def arch_flags():
     vector loops give the same correctly rounded operations lane by lane). g++
     contracts by default in C++, ISO mode included (``-std=c++17`` turns it off
     for C only): built with ``x86-64-v3`` without this flag, the CIC library had
-    1500 fused multiply-adds and the 2LPT source, the paint and the readout
-    differed from the default build's in the last bits (2026-11-30). On aarch64,
+    hundreds of fused multiply-adds and the 2LPT source, the paint and the readout
+    differed from the default build's in the last bits. On aarch64,
     whose base instruction set has them, the flag matters at every level.
     """
     import platform

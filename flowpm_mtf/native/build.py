@@ -74,7 +74,7 @@ def build(name, force=False):
 
 def main(argv=None):
     """Build the named libraries (default: all), as many at once as there are CPUs: each
-    is one g++ process of ~20 s on a slow 2-core machine, independent of the others."""
+    is one g++ process of some seconds, independent of the others."""
     logging.basicConfig(level=logging.INFO, format="[native.build] %(message)s")
     names = (argv if argv is not None else sys.argv[1:]) or all_names()
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
