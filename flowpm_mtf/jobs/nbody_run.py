@@ -100,8 +100,7 @@ class SimulationGraph:
         shape = lpt.state_shape(conf)
         # The zeros are the state's buffers: the ICs write the positions and momenta into
         # them and every step updates the state in them where it can (donate.take: no fresh
-        # pages, no second copy of the state; docs/benchmarks.md, "The ICs' state in the
-        # variables' own buffers").
+        # pages, no second copy of the state: flowpm_mtf/donate.py).
         vecs = [mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
                                  initializer=unfolded_zeros_initializer())
                 for name in ("positions", "momenta", "forces")]
@@ -126,7 +125,7 @@ class SimulationGraph:
                          mtf.assign(v.momenta, init.momenta), mtf.assign(v.ids, init.ids)]
         # The positions were assigned by init_ops in the run before, after the eulerian
         # ICs' migration gate checked every particle into its padded block: no second
-        # escape check (0.3 s at 512^3 on one rank). Lagrangian: the first paint checks.
+        # escape check (a pass over every particle). Lagrangian: the first paint checks.
         # The force is read out into the forces variable's zeros (donate.take): no fresh
         # output (1.6 GB at 512^3 on one rank), one copy of the forces.
         first = timeloop.initial_state(v._replace(forces=None), conf, kernels,

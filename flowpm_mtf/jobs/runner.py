@@ -425,12 +425,10 @@ def initialize_variables(sess, variables=None):
     ``tf.global_variables_initializer()``), whose initial values TensorFlow computes
     concurrently, allocating them in an order that differs from run to run. Under
     tcmalloc (:mod:`flowpm_mtf.allocator`, release rate 0) that order decides which
-    spans the ICs, the first force and the steps reuse: at 512^3 on one rank the same job
-    mapped 0.5 GB or 2.7 GB of new memory in its first step and peaked at 16.1 or 18.2 GB
-    (traced one-step runs); initialised one by one, the state's zeros (5.4 GB) are laid out
-    the same way every time, and three runs of three took the same pattern: no new memory in
-    the first step, peak 15.6 GB (docs/benchmarks.md, "The variables initialised one by
-    one").
+    spans the ICs, the first force and the steps reuse, so the same job's first step could
+    map several GB of new memory and its peak vary by GB from run to run. Initialised one by
+    one, the state's zeros are laid out the same way every time: the first step maps no new
+    memory and the peak is the lower of those patterns, in every run.
 
     Parameters
     ----------
