@@ -152,7 +152,8 @@ def reverse_factors(conf, stages):
     return rows
 
 
-def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native_op=True):
+def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native_op=True,
+                 send_rows=None):
     r"""One reverse kick-drift-kick step with the cotangent propagation (graph of one step).
 
     Parameters
@@ -175,6 +176,10 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native
         its VJP in one readout (:func:`flowpm_mtf.gravity.pm_forces_vjp`);
         False: Mesh TF expressions and ``mtf.gradients`` of the force (the
         reference).
+    send_rows : int, optional
+        Rows of the migration's send buffers [particles] (eulerian): those of the
+        forward step (:func:`flowpm_mtf.sizing.send_capacity` of the run's
+        stages); default: of :func:`flowpm_mtf.config.default_stages`.
 
     Returns
     -------
@@ -211,8 +216,10 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native
     if conf.decomposition == "eulerian":
         if ids is None:
             raise ValueError("reverse_step: the eulerian decomposition needs particle ids")
+        if send_rows is None:
+            send_rows = sizing.send_capacity(conf)
         x, (p_h, xb, pb_h), ids, stats = domain.migrate(conf, x, [p_h, xb, pb_h], ids,
-                                                        displacement=dx,
+                                                        send_rows=send_rows, displacement=dx,
                                                         name=name + "_migrate")
         wids = ids
     # the force's cotangent is fb = (K0_i + K1_{i-1}) pb_h; the VJP is linear in it, so
@@ -340,15 +347,18 @@ class AdjointGraph:
             grads = [mtf.zeros(mesh, shape, dt) if g is None else g if valid is None
                      else g * valid for g in grads]
             self.loss_ops = [mtf.assign(v, g) for v, g in zip(self.cotangents, grads)]
-        # forward: one step for all steps, factors fed (as SimulationGraph)
+        # forward: one step for all steps, factors fed (as SimulationGraph); the
+        # migration's send buffers sized for the longest of these stages' steps (both ways)
+        self.send_rows = sizing.send_capacity(conf, stages=self.stages)
         self.factors, fac = _imported_factors(mesh, conf, 3, "adjoint_step_factors")
-        new = nbody.kdk_step(self.variables, conf, kernels=kernels, factors=fac)
+        new = nbody.kdk_step(self.variables, conf, kernels=kernels, factors=fac,
+                             send_rows=self.send_rows)
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
         self.step_stats = new.stats
         # reverse: one step for all steps
         self.reverse_factors_ph, rfac = _imported_factors(mesh, conf, 4, "adjoint_reverse_factors")
         back, cot, self.reverse_sums = reverse_step(self.variables, self.cotangents, conf, rfac,
-                                                    kernels)
+                                                    kernels, send_rows=self.send_rows)
         self.reverse_ops = ([mtf.assign(v, t) for v, t in zip(self.variables[:4], back[:4])]
                             + [mtf.assign(v, t) for v, t in zip(self.cotangents, cot)])
         self.reverse_stats = back.stats

@@ -404,9 +404,9 @@ def _as_user_error(exc, args):
     if type(exc).__name__ == "InvalidArgumentError" and "particles escaped" in str(exc):
         conf = getattr(args, "conf", None)
         if conf is not None:
-            from . import domain
+            from . import sizing
 
-            err = domain.error_from_tf(exc, conf)   # the hint from the run's displacement
+            err = sizing.lagrangian_escape_error(exc, conf)   # the hint from the run's displacement
             if err is not None:
                 return err
         hint = "more --steps or a larger --halo"

@@ -84,10 +84,13 @@ particles; their gradients are those of the local gathers and segment sums
 
 Sizes
 -----
-The buffer sizes (:func:`flowpm_mtf.sizing.capacity`,
-:func:`flowpm_mtf.sizing.send_capacity`, migration rounds) are estimated from
-the cosmology in :mod:`flowpm_mtf.sizing`; an overflow is caught here and
-reported with the values that would work (and the jobs retry with them).
+This module knows no cosmology: the buffer sizes are the caller's numbers, fixed
+when the graph is built. The slots are the ``npart`` size of the tensors it is
+given, the rows of a send buffer :func:`migrate`'s ``send_rows``; the graph
+builders (:mod:`flowpm_mtf.nbody`, :mod:`flowpm_mtf.lpt`,
+:mod:`flowpm_mtf.adjoint`, the jobs) estimate them with :mod:`flowpm_mtf.sizing`
+from the run's own stages. An overflow is caught here and reported with the
+values that would work (and the jobs retry with them).
 """
 import logging
 import math
@@ -97,14 +100,12 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from . import config as cfg
 from . import layout, native
-from . import sizing
 from .errors import CapacityError, ConfigError, ParticleEscapeError
 from .ordering import after
 
 __all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
-           "wrap_sizes", "wrap_tf", "error_from_tf", "bytes_per_migration", "HALO_HINT_MARGIN_CELLS", "lagrangian_halo"]
+           "wrap_sizes", "wrap_tf", "error_from_tf", "bytes_per_migration"]
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +130,21 @@ _N_ID_COLS = 3        # id_hi, id_lo, valid
 
 
 # ----------------------------------------------------------------------------- sizes
-def bytes_per_migration(conf, n_fields, rounds=1, displacement=None):
-    """Bytes each block sends per migration: ``4 rounds`` buffers of :func:`flowpm_mtf.sizing.send_capacity` rows."""
+def bytes_per_migration(conf, n_fields, send_rows, rounds=1):
+    """Bytes each block sends per migration [bytes]: ``4 rounds`` buffers of ``send_rows`` rows.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    n_fields : int
+        Per-particle vectors travelling with the positions.
+    send_rows : int
+        Rows of a send buffer [particles] (as given to :func:`migrate`).
+    rounds : int
+        Migration rounds.
+    """
     cols = 3 * (1 + n_fields) + _N_ID_COLS
-    return 4 * rounds * sizing.send_capacity(conf, displacement) * cols * conf.np_dtype.itemsize
+    return 4 * rounds * int(send_rows) * cols * conf.np_dtype.itemsize
 
 
 def id_dtype(conf):
@@ -160,7 +172,7 @@ def lattice_ids(conf, mesh, deps=(), order="slots"):
     ny = conf.nc[1]
     dt = id_dtype(conf)
     tx, ty, tz = layout.slot_tiles(conf) if order == "slots" else (1, 1, 1)
-    bx, by = mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q)
+    bx, by = mtf.Dimension(layout.BX, P), mtf.Dimension(layout.BY, Q)
     rx = after(mtf.range(mesh, bx, dtype=dt), deps)
     ry = mtf.range(mesh, by, dtype=dt)
 
@@ -205,21 +217,33 @@ def weights(ids, conf):
     """
     if ids is None or conf.decomposition == "lagrangian":
         return None
-    if conf.n_ranks == 1 and sizing.capacity(conf) == math.prod(conf.block_shape):
+    if conf.n_ranks == 1 and (ids.shape.get_dim_by_name(layout.NPART).size
+                              == math.prod(conf.block_shape)):
         return None
     return mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
                     conf.tf_dtype)
 
 
-def pad_particles(t, conf, value=0):
-    """Pad a lattice-ordered ``[bx, by, npart, ...]`` tensor to :func:`flowpm_mtf.sizing.capacity` slots."""
-    n = t.shape.get_dim_by_name(cfg.NPART).size
-    extra = sizing.capacity(conf) - n
+def pad_particles(t, slots, value=0):
+    """Pad a lattice-ordered ``[bx, by, npart, ...]`` tensor to ``slots`` slots.
+
+    Parameters
+    ----------
+    t : mtf.Tensor
+        ``[bx, by, npart, ...]``.
+    slots : int
+        Particle slots per block [particles] (the caller's
+        :func:`flowpm_mtf.sizing.capacity`), at least ``npart``.
+    value : scalar
+        Value of the added slots (e.g. -1 for ids).
+    """
+    n = t.shape.get_dim_by_name(layout.NPART).size
+    extra = int(slots) - n
     if extra == 0:
         return t
     if value == 0:
-        return mtf.pad(t, [0, extra], cfg.NPART)
-    return mtf.pad(t - value, [0, extra], cfg.NPART) + value
+        return mtf.pad(t, [0, extra], layout.NPART)
+    return mtf.pad(t - value, [0, extra], layout.NPART) + value
 
 
 # ----------------------------------------------------------------------------- local ops
@@ -639,7 +663,7 @@ def exchange_axes(conf):
     return [ax for ax in (0, 1) if conf.grid[ax] > 1]
 
 
-def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows=None,
+def migrate(conf, positions, fields, ids, *, send_rows, displacement=None, rounds=1,
             wrapped=False, name="migrate"):
     """Move every particle to the block that contains its position.
 
@@ -647,22 +671,26 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     ----------
     conf : SimConfig
     positions : mtf.Tensor
-        Block-local positions ``[bx, by, npart, xyz]`` [cells], ``npart`` of
-        size :func:`flowpm_mtf.sizing.capacity`; each valid particle at most ``rounds`` blocks
-        away from its block along x and y.
+        Block-local positions ``[bx, by, npart, xyz]`` [cells], ``npart`` the
+        slots of a block; each valid particle at most ``rounds`` blocks away from
+        its block along x and y.
     fields : list of mtf.Tensor
         Other per-particle vectors ``[bx, by, npart, xyz]`` (e.g. momenta) that
         travel with the particles.
     ids : mtf.Tensor
         ``[bx, by, npart]`` integer ids, -1 for an empty slot.
+    send_rows : int
+        Rows of a send buffer [particles] (at most ``npart`` are used), fixed when
+        the graph is built: the caller sizes it from its run
+        (:func:`flowpm_mtf.sizing.send_capacity` of the run's stages, or of the
+        ICs' displacement). More leavers than this in one direction and round
+        fail the migration's check (module docstring).
     displacement : mtf.Tensor, optional
         ``[bx, by, npart, xyz]`` displacement of the last drift [cells]; its
         largest x/y component goes into the statistics (for the number of steps
         suggested when a particle escaped).
     rounds : int
         Migration rounds (one block per round along each axis).
-    send_rows : int, optional
-        Rows of a send buffer (default :func:`flowpm_mtf.sizing.send_capacity`).
     wrapped : bool
         The positions are already wrapped along the axes of one block (to
         :func:`wrap_sizes`, e.g. by :func:`flowpm_mtf.lpt.lattice_combine_potentials`):
@@ -679,14 +707,13 @@ def migrate(conf, positions, fields, ids, displacement=None, rounds=1, send_rows
     stats : mtf.Tensor
         float64 ``[mig_stat]`` (:data:`STATS`), the maximum over blocks.
     """
-    cap = positions.shape.get_dim_by_name(cfg.NPART).size
+    cap = positions.shape.get_dim_by_name(layout.NPART).size
     if cap + 2 * cap >= 2**31:
         # The local row bookkeeping (cumsum ranks, flat row indices) is int32.
         raise ConfigError(
             "the eulerian decomposition holds at most %d particle slots per rank, this run "
             "needs %d: use more ranks or --decomposition lagrangian" % ((2**31 - 1) // 3, cap))
-    m = int(send_rows if send_rows is not None else sizing.send_capacity(conf))
-    m = min(m, cap)
+    m = min(int(send_rows), cap)
     sx, sy, _ = conf.block_shape
     x, fields = positions, list(fields)
     bx, by = x.shape.dims[:2]
@@ -782,71 +809,6 @@ def parse_check(message):
             "send_capacity": int(caps.group(2))}
 
 
-#: Cells a lagrangian halo hint adds to the estimated largest displacement (6 linear rms at
-#: ``a_end``, :func:`flowpm_mtf.sizing.lpt_displacement_cells`; the largest of 10^6-10^9
-#: Gaussian draws is 4.9-6.1 rms): the CIC stencil's cell and one of margin.
-HALO_HINT_MARGIN_CELLS = 2
-
-
-def lagrangian_halo(conf):
-    """The halo a lagrangian run of ``conf`` needs [cells], and the displacement it covers.
-
-    A particle may move ``halo_size - 1`` cells away from its block (its CIC
-    stencil then still fits, :mod:`flowpm_mtf.painting`): the halo covers the
-    estimated largest displacement of the run, ``d =``
-    :func:`flowpm_mtf.sizing.lpt_displacement_cells` at ``a_end`` (6 linear rms),
-    plus :data:`HALO_HINT_MARGIN_CELLS`.
-
-    Returns
-    -------
-    (int, float)
-        Halo [cells], largest displacement [cells].
-    """
-    d = float(sizing.lpt_displacement_cells(conf, conf.a_end))
-    return int(math.floor(d)) + HALO_HINT_MARGIN_CELLS, d
-
-
-def _lagrangian_escape_error(conf):
-    """The :class:`ParticleEscapeError` of a lagrangian run whose particles left the halo,
-    with a halo that covers the run's displacement (not merely a larger one)."""
-    h = conf.halo_size
-    need, d = lagrangian_halo(conf)
-    if need <= h:
-        # the estimate was already covered: this run moved farther than linear theory says
-        need = max(need, 2 * h + 1)
-    limit = min(conf.block_shape[:2]) - 1
-    what = ("particles moved beyond the %d-cell halo of their block during the N-body (their "
-            "CIC stencil left the padded block; the largest displacement of this run is "
-            "estimated at %.1f cells)" % (h, d))
-    if need <= limit:
-        hint = ("rerun with --halo %d (at most %d on this grid), or --decomposition eulerian "
-                "(no limit on the displacement)" % (need, limit))
-    else:
-        fewer = _grid_with_room(conf, need)
-        hint = ("no --halo surely suffices on this grid (the estimate needs %d; the blocks allow "
-                "--halo %d at most, which may fall short): rerun with --decomposition eulerian "
-                "(no limit on the displacement)%s" % (
-                    need, limit, "" if fewer is None else
-                    ", or on %d rank%s with --grid %dx%d --halo %d" % (
-                        fewer[0] * fewer[1], "s" if fewer[0] * fewer[1] > 1 else "",
-                        fewer[0], fewer[1], need)))
-    return ParticleEscapeError("%s; %s" % (what, hint))
-
-
-def _grid_with_room(conf, halo):
-    """The grid of the most ranks (fewer than ``conf``'s) whose blocks hold ``halo``, or None."""
-    for n in range(conf.n_ranks - 1, 0, -1):
-        q = math.isqrt(n)
-        while n % q:
-            q -= 1
-        try:
-            conf.replace(grid=(n // q, q), halo_size=halo, capacity=None, send_capacity=None)
-        except ValueError:
-            continue
-        return (n // q, q)
-    return None
-
-
 def error_from_tf(exc, conf):
     """The :class:`FlowpmError` for a failed migration check, or None.
 
@@ -861,14 +823,10 @@ def error_from_tf(exc, conf):
     CapacityError or ParticleEscapeError or None
         ``CapacityError`` names the capacities that would work (1.25 x the
         needed ones); ``ParticleEscapeError`` a number of steps that would keep
-        the motion per step below 0.8 block, or, for particles that left the
-        halo of a lagrangian run, the halo that covers the run's displacement
-        (:func:`lagrangian_halo`).
+        the motion per step below 0.8 block. (Particles that left the halo of a
+        lagrangian run: :func:`flowpm_mtf.sizing.lagrangian_escape_error`.)
     """
-    text = str(getattr(exc, "message", exc))
-    if conf.decomposition == "lagrangian" and "particles escaped" in text:
-        return _lagrangian_escape_error(conf)
-    info = parse_check(text)
+    info = parse_check(str(getattr(exc, "message", exc)))
     if info is None:
         return None
     st, cap, m = info["stats"], info["capacity"], info["send_capacity"]

@@ -79,7 +79,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import cosmology as cosmo_mod
-from . import domain, layout, timeloop
+from . import domain, layout, sizing, timeloop
 from .kernels import make_kernels
 from .lpt import lpt_init
 from .config import default_stages
@@ -798,11 +798,12 @@ def lightcone_forward(linear, conf, geom):
             planes[i] = density_plane(state.positions, conf, geom, int(i),
                                       weight=domain.weights(state.ids, conf))
 
+    rows = sizing.send_capacity(conf, stages=stages)   # the migration's, from these stages
     state = timeloop.integrate(
         timeloop.initial_state(lpt_init(linear, conf, a=stages[0], forces=False, kernels=kernels),
                                conf, kernels),
         stages,
-        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels), [paint_planes])
+        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels, send_rows=rows), [paint_planes])
     log.debug("lightcone_forward: %d stages, %d planes", stages.size, geom.n_planes)
     return born_convergence(planes, conf, geom), planes, state
 

@@ -749,12 +749,13 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
     keys = ("x", "p", "f") if forces else ("x", "p")
     rows = [coef[k] for k in keys]
     lagrangian = conf.decomposition == "lagrangian"
-    pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, conf))
+    slots = None if lagrangian else sizing.capacity(conf)
+    pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, slots))
     if real_space:   # the positions wrapped as the migration would, padded (no more passes)
         vecs = lattice_combine_potentials(_potentials_real_space(linear, conf, order, kernels),
                                           rows, conf, lattice_output=0,
                                           wrap=None if lagrangian else domain.wrap_sizes(conf),
-                                          capacity=None if lagrangian else sizing.capacity(conf),
+                                          capacity=slots,
                                           donors=list(donors)[:len(rows)], name="lpt_state")
     else:
         vecs = lattice_combine(_displacements_kspace(_modes(linear, conf), conf, order, kernels),
@@ -768,7 +769,7 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
     x = after(x, fields + [ids], name="lpt_after")
     if lagrangian:
         return State(x, fields[0], fields[1] if forces else None, ids)
-    ids = domain.pad_particles(ids, conf, value=-1)
+    ids = domain.pad_particles(ids, slots, value=-1)
     disp = sizing.lpt_displacement_cells(conf, a)
     rounds = sizing.migration_rounds(conf, disp)
     x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,

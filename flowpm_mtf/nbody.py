@@ -27,6 +27,7 @@ import numpy as np
 
 from . import cosmology as cosmo_mod
 from . import domain
+from . import sizing
 from . import timeloop
 from .config import default_stages  # defined with the configuration; part of the N-body API
 from .gravity import density, pm_forces
@@ -73,10 +74,11 @@ def nbody(state, conf, stages=None, snapshot_a=None):
     keep = timeloop.StateSnapshots(
         timeloop.stage_indices(snapshot_a, stages) if snapshot_a is not None else [])
     kernels = make_kernels(conf, state.positions.mesh)
+    rows = sizing.send_capacity(conf, stages=stages)   # the migration's, from these stages
     log.info("nbody: %d steps from a=%g to a=%g", stages.size - 1, stages[0], stages[-1])
     final = timeloop.integrate(
         timeloop.initial_state(state, conf, kernels), stages,
-        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels), [keep])
+        lambda s, i, a0, a1: kdk_step(s, conf, a0, a1, kernels, send_rows=rows), [keep])
     if snapshot_a is None:
         return final
     return final, keep.states
@@ -131,7 +133,7 @@ def all_step_factors(conf, stages):
     return np.stack([kick0, drift, kick1], axis=1).astype(conf.np_dtype)
 
 
-def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
+def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None, send_rows=None):
     """One FastPM kick-drift-kick step from ``a0`` to ``a1``.
 
     Parameters
@@ -148,6 +150,10 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
         as scalar (shape ``[]``) mtf tensors. With tensors (e.g. imported
         placeholders) one lowered step serves every step of a run, fed with
         each step's factors (see :class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`).
+    send_rows : int, optional
+        Rows of the migration's send buffers [particles] (eulerian), sized by the
+        caller for its run: :func:`flowpm_mtf.sizing.send_capacity` of the run's
+        stages; default: of :func:`flowpm_mtf.config.default_stages`.
 
     Returns
     -------
@@ -183,7 +189,10 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None):
         if ids is None:
             raise ValueError("kdk_step: the eulerian decomposition needs particle ids "
                              "(see lpt.lpt_init)")
-        x, (p,), ids, stats = domain.migrate(conf, x, [p], ids, displacement=dx)
+        if send_rows is None:
+            send_rows = sizing.send_capacity(conf)
+        x, (p,), ids, stats = domain.migrate(conf, x, [p], ids, send_rows=send_rows,
+                                             displacement=dx)
     # After a migration its gate has checked that every particle fits its padded block.
     f = pm_forces(x, conf, kernels, domain.weights(ids, conf),
                   escape_checked=stats is not None)

@@ -246,7 +246,8 @@ def cmd_run(args):
            "capacity": sizing.capacity(conf), "cell_mpc_h": conf.cell_size[0]}
     if conf.decomposition == "eulerian":
         rec["send_capacity"] = sizing.send_capacity(conf)
-        rec["migration_bytes_sent_per_rank_per_step"] = domain.bytes_per_migration(conf, 1)
+        rec["migration_bytes_sent_per_rank_per_step"] = domain.bytes_per_migration(
+            conf, 1, rec["send_capacity"])
     impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
     # 1. The simulation, as the main job runs it.
     with tf.Graph().as_default():

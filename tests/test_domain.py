@@ -80,8 +80,11 @@ def reference(conf, x, pay, ids):
     return out
 
 
-def run_migrate(kind, conf, x, pay, ids, loss=False):
+def run_migrate(kind, conf, x, pay, ids, loss=False, send_rows=None):
+    """A graph builder migrating ``x, pay, ids`` with ``send_rows`` send rows (default:
+    :func:`flowpm_mtf.sizing.send_capacity` of ``conf``, as the graph builders size them)."""
     (P, Q) = conf.grid
+    rows = sizing.send_capacity(conf) if send_rows is None else send_rows
     cap = x.shape[2]
     pshape = mtf.Shape([mtf.Dimension(cfg.BX, P), mtf.Dimension(cfg.BY, Q),
                         mtf.Dimension(cfg.NPART, cap)])
@@ -92,7 +95,7 @@ def run_migrate(kind, conf, x, pay, ids, loss=False):
         xt = H.placeholder_input(mesh, phs, "x", x, vshape)
         pt = H.placeholder_input(mesh, phs, "pay", pay, vshape)
         it = mtf.import_tf_tensor(mesh, tf.constant(ids), pshape)
-        nx, (npay,), nids, stats = domain.migrate(conf, xt, [pt], it)
+        nx, (npay,), nids, stats = domain.migrate(conf, xt, [pt], it, send_rows=rows)
         out = {"x": nx, "pay": npay, "ids": nids, "stats": stats}
         if loss:
             out["loss"] = mtf.reduce_sum(nx * npay * npay)
@@ -188,6 +191,58 @@ def test_exchange_only_along_split_axes(grid):
     if grid == (1, 1):
         assert sizing.capacity(conf.replace(capacity=None)) == conf.particles_per_block
         assert not [n for n in names if "shift" in n.lower() or "merge" in n], names
+
+
+def test_too_few_send_rows_given_are_a_capacity_error():
+    """The send rows are the caller's number (domain knows no sizing): too few of them
+    fail the same check, on the rows given, and the error names a number that works."""
+    conf = conf_for((2, 2))          # conf.send_capacity 24: not what the migration uses
+    x, pay, ids = make_particles(conf, np.full((2, 2), 30), seed=3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=domain.CHECK_MESSAGE) as err:
+        H.run("single", conf, run_migrate("single", conf, x, pay, ids, send_rows=2),
+              feeds=[{"x": x, "pay": pay}])
+    assert "send_capacity 2)" in str(err.value)
+    exc = domain.error_from_tf(err.value, conf)
+    assert isinstance(exc, CapacityError) and exc.send_capacity > 2, exc
+    out = H.run("single", conf, run_migrate("single", conf, x, pay, ids,
+                                            send_rows=exc.send_capacity),
+                feeds=[{"x": x, "pay": pay}])[0]
+    check_against_reference(conf, out, reference(conf, x, pay, ids))
+
+
+def _send_rows_of(graph, skip="migrate_lpt"):
+    """The send rows of every migration of an mtf graph (but the ICs'), from its send ops."""
+    return {d.size // 2 for op in graph.operations            # both directions in one buffer
+            if op.name.endswith("_send") and not op.name.startswith(skip)
+            for t in op.outputs for d in t.shape.dims if d.name == domain.SEND_DIM}
+
+
+@pytest.mark.rank_independent
+def test_send_rows_follow_the_run_stages():
+    """The graph builders size the steps' send buffers from the stages they run (not from
+    the default ones): fewer, later stages get sizing's number for those stages, forward
+    and reverse; the default stages keep the number they always had."""
+    from flowpm_mtf import adjoint, nbody
+    from flowpm_mtf.jobs.nbody_run import SimulationGraph
+
+    conf = SimConfig(nc=16, box_size=100.0, grid=(2, 1), n_steps=4, dtype="float64")
+    late = [0.5, 0.75, 1.0]
+    want, default = sizing.send_capacity(conf, stages=late), sizing.send_capacity(conf)
+    assert want != default
+    assert default == sizing.send_capacity(conf, stages=nbody.default_stages(conf))
+    d = sizing.step_displacement_cells(conf, tuple(late))
+    assert want == sizing.send_capacity(conf, d)
+    for stages, rows in ((late, want), (None, default)):
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "mesh")
+            sim = SimulationGraph(conf, mesh, stages=stages)
+            assert sim.send_rows == rows and _send_rows_of(graph) == {rows}
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "mesh")
+            adj = adjoint.AdjointGraph(conf, mesh, stages=stages)
+            assert adj.send_rows == rows and _send_rows_of(graph) == {rows}
 
 
 def test_escape_reported_with_steps():

@@ -490,12 +490,12 @@ def test_steps_advice_passes(steps):
                                               (32, 128.0, (2, 1), 1), (64, 200.0, (2, 2), 2),
                                               (16, 16.0, (2, 1), 1)])
 def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
-    from flowpm_mtf import domain, sizing
+    from flowpm_mtf import sizing
     from flowpm_mtf.errors import ParticleEscapeError
 
     conf = SimConfig(nc=nc, box_size=box, grid=grid, decomposition="lagrangian",
                      halo_size=halo)
-    err = domain.error_from_tf(RuntimeError(
+    err = sizing.lagrangian_escape_error(RuntimeError(
         "flowpm_mtf.painting: particles escaped: paint found particles beyond the halo; "
         "count = 3"), conf)
     assert isinstance(err, ParticleEscapeError)
@@ -509,15 +509,16 @@ def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
     else:
         assert "no --halo surely suffices on this grid" in msg, msg
         assert "--decomposition eulerian" in msg
-        need = math.floor(d) + domain.HALO_HINT_MARGIN_CELLS
+        need = math.floor(d) + sizing.HALO_HINT_MARGIN_CELLS
         assert need > min(conf.block_shape[:2]) - 1
         m = re.search(r"or on (\d+) ranks? with --grid (\d+)x(\d+) --halo (\d+)", msg)
         if m:   # fewer ranks whose blocks hold that halo
             assert int(m.group(1)) < conf.n_ranks and int(m.group(4)) == need
             conf.replace(grid=(int(m.group(2)), int(m.group(3))), halo_size=need)
     # the eulerian decomposition's checks are not touched
-    assert domain.error_from_tf(RuntimeError("flowpm_mtf.painting: particles escaped"),
-                                conf.replace(decomposition="eulerian", halo_size=None)) is None
+    assert sizing.lagrangian_escape_error(RuntimeError("flowpm_mtf.painting: particles escaped"),
+                                          conf.replace(decomposition="eulerian",
+                                                       halo_size=None)) is None
 
 
 # fft-demo on 1 rank, float64: measured peak RSS [MB] (summary.json, peak_memory_mb_per_rank),

@@ -144,8 +144,11 @@ class SimulationGraph:
         taken = lpt.State(*[donate.take(t, name="step_take_" + n) for t, n in
                             zip(self.variables[:3], ("positions", "momenta", "forces"))],
                           ids=self.variables.ids)
+        # the migration's send buffers, sized once for the longest of these stages' steps
+        self.send_rows = sizing.send_capacity(conf, stages=self.stages)
         new = nbody.kdk_step(taken, conf, kernels=kernels,
-                             factors=mtf.unstack(fac, fac.shape.dims[0]))
+                             factors=mtf.unstack(fac, fac.shape.dims[0]),
+                             send_rows=self.send_rows)
         self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
         self.step_stats = new.stats      # migration statistics of the step (or None)
         # Every conf.sort_every steps: the particles reordered by column (the CIC ops'
@@ -589,7 +592,7 @@ def density_slab(conf, rho_slices, rho_vals, comm):
                               conf.nc[:2]), depth
 
 
-def migration_summary(conf, stats):
+def migration_summary(conf, stats, send_rows=None):
     """The ``migration`` entry of summary.json from the per-stage statistics.
 
     Parameters
@@ -598,6 +601,9 @@ def migration_summary(conf, stats):
     stats : list of (str, ndarray or None)
         ``(label, stats)`` of the IC migration and of every step
         (:data:`flowpm_mtf.domain.STATS`).
+    send_rows : int, optional
+        Rows of the steps' send buffers [particles] (``SimulationGraph.send_rows``);
+        default: :func:`flowpm_mtf.sizing.send_capacity` of the default stages.
 
     Returns
     -------
@@ -612,8 +618,9 @@ def migration_summary(conf, stats):
     if conf.decomposition == "lagrangian":
         return out
     mean = conf.n_particles / conf.n_ranks
-    out.update({"send_capacity": sizing.send_capacity(conf),
-                "bytes_sent_per_rank_per_step": domain.bytes_per_migration(conf, 1),
+    rows = sizing.send_capacity(conf) if send_rows is None else int(send_rows)
+    out.update({"send_capacity": rows,
+                "bytes_sent_per_rank_per_step": domain.bytes_per_migration(conf, 1, rows),
                 "mean_particles_per_rank": mean, "steps": []})
     for label, st in stats:
         if st is None:

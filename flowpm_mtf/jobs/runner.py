@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from .. import allocator, checkpoint, domain, h5dist, io
+from .. import allocator, checkpoint, domain, h5dist, io, sizing
 from ..errors import CapacityError, ResumeError, StoppedError
 from ..logs import rank0_only
 
@@ -609,7 +609,8 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
             # the same check, before any variable is updated): rebuild with the
             # capacities the error names (a resumed run re-slices its checkpoint into
             # the larger buffers). A too-long time step: a one-line error.
-            err = domain.error_from_tf(exc, ctx.conf)
+            err = (domain.error_from_tf(exc, ctx.conf)
+                   or sizing.lagrangian_escape_error(exc, ctx.conf))
             if err is None:
                 raise
             if not isinstance(err, CapacityError) or attempt == MAX_CAPACITY_RETRIES:

@@ -159,7 +159,8 @@ class SimulateJob(Job):
                                                            ctx.comm)
         res["keep"] = res["modes"] > 0
         return {"n_particles": conf.n_cells,
-                "migration": nbody_run.migration_summary(conf, res["sim"].migration)}
+                "migration": nbody_run.migration_summary(conf, res["sim"].migration,
+                                                             res["sim"].send_rows)}
 
     def write_all(self, ctx, res):
         nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"],
