@@ -101,12 +101,13 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
+
 from . import domain, layout, nbody, reverse_kdk, sizing, timeloop
 from .gravity import pm_forces, pm_forces_vjp
 from .kernels import make_kernels
 from .logs import rank0_only
 from .lpt import State
-from .preflight import unfolded_zeros_initializer
 
 __all__ = ["AdjointGraph", "Cotangents", "SUMS", "reverse_factors", "reverse_step", "lower_adjoint",
            "run_forward", "run_reverse", "run_gradient"]

@@ -19,8 +19,9 @@ while it is built) and costs milliseconds:
   positions), which would otherwise give a silently wrong result; the advised
   ``--a-start``/``--steps`` passes the whole check, or the message says that no
   value of that option does and what does;
-* :func:`unfolded_zeros_initializer` and :func:`large_constants`: no full-size
-  array is ever embedded in the graph (the 2 GB GraphDef/TensorProto limit).
+* :func:`large_constants`: no full-size array is ever embedded in the graph (the 2 GB
+  GraphDef/TensorProto limit; the variables' zeros come from
+  :func:`hvd_mesh_impl.slice_init.unfolded_zeros_initializer`).
 
 The writable-OUT check is part of :meth:`flowpm_mtf.rundir.RunDir.open`.
 """
@@ -43,7 +44,7 @@ __all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
            "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "MAX_TENSOR_ELEMENTS", "MAX_RANKS", "Term",
            "memory_terms", "memory_breakdown", "check_sizes", "smallest_rank_count", "MIN_DISPLACEMENT_ULPS",
            "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "check_memory",
-           "displacement_rms_cells", "check_numerics", "unfolded_zeros_initializer",
+           "displacement_rms_cells", "check_numerics",
            "large_constants", "fft_demo_memory", "lensing_memory", "lensing_tensors",
            "reconstruct_memory", "check_job_memory"]
 
@@ -852,27 +853,6 @@ def check_numerics(conf, stages=None):
 
 
 # ----------------------------------------------------------------------------- graph size
-def unfolded_zeros_initializer():
-    """A zeros initializer TensorFlow cannot constant-fold into a full-size constant.
-
-    ``tf.zeros_initializer()`` gives a ``Fill`` of constants, which Grappler's
-    constant folding turns into one ``Const`` of the full variable at the first
-    run; beyond 2 GB it cannot be serialised (``Cannot parse tensor from proto
-    ... Initializer/zeros``, seen at 1024^3 on one rank). Filling with a
-    ``placeholder_with_default`` keeps it a ``Fill`` computed at run time.
-    """
-    import tensorflow.compat.v1 as tf
-
-    def init(shape, dtype=tf.float32, partition_info=None):
-        zero = tf.placeholder_with_default(tf.zeros([], dtype), [], name="unfoldable_zero")
-        return tf.fill(shape, zero)
-
-    # Backends that initialise each slice on its own (hvd_mesh_impl.slice_init)
-    # read this instead of evaluating the initializer on the full shape.
-    init.fill_value = 0
-    return init
-
-
 def large_constants(graph_def, limit_bytes=1 << 20):
     """Constants of a GraphDef above ``limit_bytes`` serialised (a graph must embed none).
 

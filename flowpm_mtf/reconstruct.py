@@ -50,10 +50,11 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
+
 from . import adjoint, complex_ops, domain, fft, gravity, ics, lpt, model_gradient, nbody, power
 from . import noise as noise_mod
 from .logs import rank0_only
-from .preflight import unfolded_zeros_initializer
 
 __all__ = ["ReconConfig", "FORWARD_MODELS", "NOISE_SEED_OFFSET", "NOISELESS_SIGMA",
            "forward_model", "inverse_power_kernel", "prior_chi2", "loss_terms", "cross_power",
@@ -388,7 +389,7 @@ def adam_update(var, grad, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8,
         raise ValueError("adam_update: %s is not a Mesh TF variable" % (var,))
     dtype = var.dtype
     mesh = var.mesh
-    zeros = unfolded_zeros_initializer()  # no full-size constant (see preflight)
+    zeros = unfolded_zeros_initializer()  # no full-size constant (slice_init)
     m = mtf.get_variable(mesh, name + "_m", var.shape, dtype=dtype, initializer=zeros,
                          trainable=False)
     v = mtf.get_variable(mesh, name + "_v", var.shape, dtype=dtype, initializer=zeros,
@@ -485,7 +486,7 @@ class ReconstructionGraph:
                 raise ValueError("observed field has non-finite values")
             data = mtf.import_tf_tensor(mesh, tf.constant(arr.astype(conf.np_dtype)), shape,
                                         name="observed_input")
-        zeros = unfolded_zeros_initializer()  # no full-size constant (see preflight)
+        zeros = unfolded_zeros_initializer()  # no full-size constant (slice_init)
         self.observed = mtf.get_variable(mesh, "observed", shape, dtype=dtype,
                                          initializer=zeros, trainable=False)
         if data is not None:

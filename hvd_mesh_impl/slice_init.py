@@ -4,8 +4,10 @@
 TF variable: each rank evaluates the variable's initializer on its own slice
 (no Horovod import here).
 
-* ``zeros`` / ``ones`` / scalar ``constant`` initializers are evaluated on the
-  slice shape; a ``constant`` initializer holding a full-size numpy array is
+* ``zeros`` / ``ones`` / scalar ``constant`` initializers, and those with a
+  ``fill_value`` (:func:`unfolded_zeros_initializer`, the zeros every Mesh TF
+  variable of the packages starts from, which TensorFlow cannot constant-fold
+  into a full-size constant), are evaluated on the slice shape; a ``constant`` initializer holding a full-size numpy array is
   sliced in Python (only the slice enters the TF graph).
 * Random initializers (``random_uniform``, ``random_normal``,
   ``truncated_normal``, ``variance_scaling`` and its Glorot/He/LeCun forms, and
@@ -164,6 +166,35 @@ def _default_initializer(dtype):
     if dtype.is_floating:
         return tf.glorot_uniform_initializer()
     return tf.zeros_initializer()
+
+
+def unfolded_zeros_initializer():
+    """A zeros initializer TensorFlow cannot constant-fold into a full-size constant.
+
+    ``tf.zeros_initializer()`` gives a ``Fill`` of constants, which Grappler's
+    constant folding turns into one ``Const`` of the full variable at the first
+    run; beyond 2 GB it cannot be serialised (``Cannot parse tensor from proto
+    ... Initializer/zeros``, seen at 1024^3 on one rank). Filling with a
+    ``placeholder_with_default`` keeps it a ``Fill`` computed at run time.
+
+    Every Mesh TF variable of the packages that starts at zero uses it (the graph
+    builders of ``flowpm_mtf``, the optimiser, the imaging reconstructions), on any
+    backend; :func:`initial_slice` reads its ``fill_value`` and fills a slice.
+
+    Returns
+    -------
+    callable
+        A TensorFlow initializer ``init(shape, dtype, partition_info=None)`` with the
+        attribute ``fill_value = 0``.
+    """
+    def init(shape, dtype=tf.float32, partition_info=None):
+        zero = tf.placeholder_with_default(tf.zeros([], dtype), [], name="unfoldable_zero")
+        return tf.fill(shape, zero)
+
+    # Backends that initialise each slice on its own (initial_slice) read this instead
+    # of evaluating the initializer on the full shape.
+    init.fill_value = 0
+    return init
 
 
 def initial_slice(initializer, full_shape, begin, slice_shape, dtype, name, max_full_elements):

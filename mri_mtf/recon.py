@@ -216,7 +216,7 @@ class SteppedTV:
     """
 
     def __init__(self, kdata, mask, conf, tv=TVConfig(), name="tv"):
-        from flowpm_mtf.preflight import unfolded_zeros_initializer
+        from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
         self.tv = tv
         mesh = kdata.mesh

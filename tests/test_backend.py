@@ -545,8 +545,8 @@ def test_fill_initializers_stay_slice_local_and_unfolded(kind):
     give the slice from a Fill of a placeholder_with_default: never a full-size
     evaluation (the limit of 1 element would raise) and nothing TF's constant folding
     turns into a slice-size Const; the values equal the fill value."""
-    from flowpm_mtf.preflight import unfolded_zeros_initializer
     from hvd_mesh_impl import slice_init
+    from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
     init, value = {"zeros": (tf.zeros_initializer(), 0.0), "ones": (tf.ones_initializer(), 1.0),
                    "fill_value": (unfolded_zeros_initializer(), 0.0)}[kind]

@@ -111,7 +111,7 @@ class _Graph:
 
         from mri_mtf import metrics, operators, phantom, recon, sampling, unrolled
         from .. import complex_ops
-        from ..preflight import unfolded_zeros_initializer
+        from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
         conf = ctx.conf
         self.methods = ctx.configs["imaging"].methods

@@ -40,10 +40,11 @@ import logging
 import mesh_tensorflow as mtf
 import numpy as np
 
+from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
+
 from .. import h5dist, io, lensing, lensing_theory, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
-from ..preflight import unfolded_zeros_initializer
 from . import nbody_run, register, runner
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph

@@ -35,10 +35,11 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
+from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
+
 from .. import (checkpoint, domain, donate, h5dist, ics, io, lpt, nbody, painting, power, sizing,
                timeloop)
 from ..logs import rank0_only
-from ..preflight import unfolded_zeros_initializer
 from . import runner
 
 __all__ = ["SimulationGraph", "lower_simulation", "run_init", "run_stages", "check_resume", "run_identity",
