@@ -20,6 +20,9 @@ each helper exists once:
     Timing of the distributed FFT round trip, ours and mpi4py-fft's.
 :mod:`flowpm_bench.scripts`
     Loading a script of ``scripts/`` as a module (for the tests).
+:mod:`flowpm_bench.reference`
+    Single-device numpy references (and FlowPM 0.1.1's cosmology) for the tests
+    and the benchmarks.
 ``flowpm_bench/peers/``
     Programs that run in a peer's own environment (e.g. JaxPM's virtualenv): they
     import neither this package nor ``flowpm_mtf``.

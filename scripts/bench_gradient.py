@@ -241,7 +241,7 @@ def cmd_accuracy(args):
     import tensorflow.compat.v1 as tf
 
     from flowpm_mtf.config import SimConfig
-    from flowpm_mtf.reference import linear_field_numpy
+    from flowpm_bench.reference import linear_field_numpy
 
     tf.disable_eager_execution()
     path = json_path(args.out, NAME + "_accuracy")

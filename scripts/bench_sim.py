@@ -328,7 +328,7 @@ def cmd_flowpm(args):
     import tensorflow.compat.v1 as tf
 
     import flowpm.tfpm as tfpm
-    from flowpm_mtf import reference  # FlowPM 0.1.1's growth-table quirk (see its docstring)
+    from flowpm_bench import reference  # FlowPM 0.1.1's growth-table quirk (see its docstring)
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.nbody import default_stages
 

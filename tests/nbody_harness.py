@@ -5,7 +5,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 from flowpm_mtf import fft, layout, painting
-from flowpm_mtf.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
+from flowpm_bench.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
 
 tf.disable_eager_execution()
 

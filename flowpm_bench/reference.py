@@ -1,5 +1,9 @@
 """Single-device references shared by the tests and the benchmark scripts.
 
+They live here, beside the benchmarks, not in :mod:`flowpm_mtf`: the library does not
+ship what only checks it. The tests (``tests/nbody_harness.py``) and the scripts
+(``scripts/bench_sim.py``, ``scripts/bench_gradient.py``) import them from this module.
+
 A numpy Gaussian linear field (:func:`linear_field_numpy`) and FlowPM 0.1.1's
 cosmology dict with a growth table usable across TF graphs
 (:func:`flowpm_cosmo`), for comparisons with ``flowpm.tfpm`` (imported
@@ -9,10 +13,9 @@ import functools
 
 import numpy as np
 
-from . import cosmology as C
-from . import linear_power
-from . import layout
-from .noise import white_noise_numpy
+from flowpm_mtf import cosmology as C
+from flowpm_mtf import layout, linear_power
+from flowpm_mtf.noise import white_noise_numpy
 
 __all__ = ["linear_field_numpy", "flowpm_cosmo"]
 
@@ -53,7 +56,7 @@ def _flowpm_ode_cache(which):
     import flowpm.tfbackground as bg
     import tensorflow.compat.v1 as tf
 
-    from .config import Cosmology
+    from flowpm_mtf.config import Cosmology
 
     a32 = np.logspace(-2, 0.0, 1024).astype(np.float32)
     if which == "flowpm":
@@ -73,7 +76,7 @@ def flowpm_cosmo(which="ours"):
     """FlowPM's global Planck15 dict with the growth table ``which`` cached in it."""
     import flowpm.tfbackground as bg
 
-    from .config import Cosmology
+    from flowpm_mtf.config import Cosmology
 
     ours = Cosmology().to_flowpm_dict()
     for k, v in ours.items():
