@@ -39,6 +39,9 @@ class _StartupHook:
 def load_tf_compat():
     """:mod:`hvd_mesh_impl.tf_compat`, loaded from its file if it is not imported yet.
 
+    The one loader of it without ``hvd_mesh_impl/__init__.py``: this hook's, and
+    ``flowpm_mtf/__init__.py``'s (which installs its import hook).
+
     Returns
     -------
     module or None

@@ -4,32 +4,17 @@ Importing the package imports no TensorFlow; it only installs
 :func:`hvd_mesh_impl.tf_compat.install_import_hook`, so that Mesh TensorFlow 0.1.21
 imports on TensorFlow >= 2.13 whichever module imports it first (the shims are
 applied when ``mesh_tensorflow`` is imported; nothing changes on TF 2.12).
-``hvd_mesh_impl.tf_compat`` is loaded from its file here, without running
-``hvd_mesh_impl/__init__.py`` (which imports Mesh TF).
+``hvd_mesh_impl.tf_compat`` is loaded from its file, without running
+``hvd_mesh_impl/__init__.py`` (which imports Mesh TF), by the loader of the start-up
+hook, :func:`_flowpm_mtf_startup.load_tf_compat` (a top-level module installed with
+the packages, and at the root of a checkout beside them).
 
 The public API (:mod:`flowpm_mtf.api`: ``linear_field``, ``lpt_init``, ``cic_paint``,
 ``power_spectrum``, ``SimConfig``, ...) is re-exported here and loaded on first use of
 one of its names (module ``__getattr__``). Its names that are also submodules of the
 package (``nbody``) stay the submodules: ``import flowpm_mtf.api as fpm`` holds them all.
 """
-import sys as _sys
-
-
-def _load_tf_compat():
-    name = "hvd_mesh_impl.tf_compat"
-    mod = _sys.modules.get(name)
-    if mod is None:
-        import importlib.util
-        import os
-
-        pkg = importlib.util.find_spec("hvd_mesh_impl")
-        spec = importlib.util.spec_from_file_location(
-            name, os.path.join(list(pkg.submodule_search_locations)[0], "tf_compat.py"))
-        mod = importlib.util.module_from_spec(spec)
-        _sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return mod
-
+from _flowpm_mtf_startup import load_tf_compat as _load_tf_compat
 
 _load_tf_compat().install_import_hook()
 

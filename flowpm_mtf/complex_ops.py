@@ -4,7 +4,7 @@ TensorFlow's convention for a real loss ``L`` and a complex tensor
 ``z = a + i b`` is ``grad z = dL/da + i dL/db``; for a complex-linear map ``A``
 this gives ``grad x = A^H grad y`` (conjugate transpose). Stock Mesh TF skips
 operations with complex tensors in ``mtf.gradients``; importing this module applies
-:func:`hvd_mesh_impl.mtf_compat.enable_complex_gradients` (no Horovod import), as
+our Mesh TF fixes, :func:`hvd_mesh_impl.mtf_compat.apply` (no Horovod import), as
 :mod:`flowpm_mtf.fft` does. Products of complex tensors with ``*`` get Mesh TF's
 gradient ``dy * other``, which lacks the complex conjugate: multiply k-space fields
 by kernels with :func:`apply_kernel` (real kernel times a constant complex phase,
@@ -16,11 +16,11 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.mtf_compat import enable_complex_gradients
+from hvd_mesh_impl import mtf_compat
 
 from .fft_local import complex_dtype, real_dtype
 
-enable_complex_gradients()
+mtf_compat.apply()  # complex gradients (the one place Mesh TF is patched)
 
 
 class KernelMultiplyOperation(mtf.Operation):

@@ -92,9 +92,9 @@ a real output takes the real part (adjoint: ``grad + 0i``). Hence
 (tested in ``tests/test_fft.py`` by dot-product and finite-difference tests).
 
 Stock Mesh TF skips operations with complex tensors in ``mtf.gradients``;
-importing this module applies
-:func:`hvd_mesh_impl.mtf_compat.enable_complex_gradients` (no Horovod import) and
-:func:`hvd_mesh_impl.mtf_compat.enable_lazy_masters`. Products of complex tensors
+importing this module applies our Mesh TF fixes,
+:func:`hvd_mesh_impl.mtf_compat.apply` (complex gradients, lazy master variables;
+no Horovod import). Products of complex tensors
 with ``*`` lack the complex conjugate in their gradient: multiply k-space fields
 by kernels with :func:`flowpm_mtf.complex_ops.apply_kernel`, whose gradient is
 exact.
@@ -110,7 +110,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.mtf_compat import enable_complex_gradients, enable_lazy_masters
+from hvd_mesh_impl import mtf_compat
 
 from . import config as cfg
 from . import fft_local  # the lowering calls fft_local.uses_native: one switch for both
@@ -119,8 +119,7 @@ from .fft_local import (complex_dtype, fft_along, fft_of_real_along, ifft_real_p
                         irfft_packed_along, pairs_extend, pairs_fold, real_dtype,
                         rfft_packed_along)
 
-enable_complex_gradients()
-enable_lazy_masters()  # no full-size master variables in the TF graph (see mtf_compat)
+mtf_compat.apply()  # complex gradients; no full-size master variables in the TF graph
 
 # ----------------------------------------------------------------------------- shapes
 real_shape = layout.real_shape

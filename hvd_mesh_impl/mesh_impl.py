@@ -33,8 +33,7 @@ import tensorflow.compat.v1 as tf
 import horovod.tensorflow as hvd
 from mpi4py import MPI
 
-from . import runtime, slice_init
-from .mtf_compat import enable_complex_gradients, enable_lazy_masters
+from . import mtf_compat, runtime, slice_init
 from .mtf_compat import lazy_master as _lazy_master
 from .slice_init import FullSizeError, check_full_size
 
@@ -118,8 +117,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
 
     def __init__(self, mesh_shape, layout_rules, comm=None, max_full_elements=None):
         super().__init__(mesh_shape, layout_rules)
-        enable_complex_gradients()
-        enable_lazy_masters()
+        mtf_compat.apply()   # slices need lazy masters, k-space gradients complex ones
         if max_full_elements is None:
             max_full_elements = int(os.environ.get("FLOWPM_MTF_MAX_FULL_ELEMENTS",
                                                    DEFAULT_MAX_FULL_ELEMENTS))

@@ -28,10 +28,12 @@ in the variable scope, graph and device of the ``mtf.get_variable`` call.
 Autostacked variables (``mtf.StackedVariable``) keep their members and read
 their masters lazily too.
 
-Both patches are applied when :mod:`hvd_mesh_impl` or :mod:`flowpm_mtf.fft`
-(hence any flowpm_mtf physics module) is imported, and the complex gradients
-also by :mod:`flowpm_mtf.complex_ops`; they are idempotent. Build
-Mesh TF graphs after the import: a variable created before it has an eager
+:func:`apply` is the one place that patches Mesh TF: it applies both, once
+(idempotent). Importing :mod:`hvd_mesh_impl` (any of its modules, this one
+included) calls it, after the TensorFlow shims Mesh TF needs to import
+(:mod:`hvd_mesh_impl.tf_compat`); :class:`~hvd_mesh_impl.HvdSimdMeshImpl`,
+:mod:`flowpm_mtf.fft` and :mod:`flowpm_mtf.complex_ops` call it too, to say
+what they rely on. Build Mesh TF graphs after the import: a variable created before it has an eager
 full-size master (HvdSimdMeshImpl then initialises from it, subject to its
 ``max_full_elements`` limit).
 """
@@ -39,6 +41,25 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 _PATCHED_ATTR = "_flowpm_mtf_complex_gradients"
+
+
+def apply():
+    """Apply every fix of this module to Mesh TF: the one place Mesh TF is patched.
+
+    Idempotent: a fix already in effect is left as it is.
+
+    Returns
+    -------
+    list of str
+        The fixes applied by this call (``"complex_gradients"``, ``"lazy_masters"``);
+        empty when all were in effect.
+    """
+    done = []
+    if enable_complex_gradients():
+        done.append("complex_gradients")
+    if enable_lazy_masters():
+        done.append("lazy_masters")
+    return done
 
 
 def _differentiable(dtype):

@@ -26,9 +26,12 @@ idempotent. They must be in place before ``import mesh_tensorflow``, in any impo
   imports nothing and does nothing until ``mesh_tensorflow`` is imported, then loads this
   module from its file and calls :func:`install`. A program that never imports Mesh TF is
   not changed (no TensorFlow import, no environment variable);
-* ``hvd_mesh_impl`` applies them first thing on import;
+* ``hvd_mesh_impl`` applies them first thing on import (then our Mesh TF fixes,
+  :func:`hvd_mesh_impl.mtf_compat.apply`);
 * ``flowpm_mtf`` (whose package import stays free of TensorFlow) through
-  :func:`install_import_hook`, for a checkout used without installing it.
+  :func:`install_import_hook`, for a checkout used without installing it (this module
+  loaded from its file by :func:`_flowpm_mtf_startup.load_tf_compat`, the start-up
+  hook's loader: one loader for both).
 
 Quiet start-up. :func:`install` imports TensorFlow; when it is the first import of
 TensorFlow in the process (and after :func:`install_import_hook`, whoever imports

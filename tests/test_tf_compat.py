@@ -71,3 +71,20 @@ def test_install_is_idempotent_and_estimator_names_exist():
               "assert callable(ops.register_tensor_conversion_function)\n"
               "print('ok')")
     assert out == "ok"
+
+
+def test_mesh_tf_is_patched_in_one_place():
+    """One loader of tf_compat (the start-up hook's, also flowpm_mtf's) and one function
+    that patches Mesh TF (mtf_compat.apply, run by hvd_mesh_impl's import): after the
+    imports every fix is in effect and another call applies nothing."""
+    out = run("import sys, flowpm_mtf, _flowpm_mtf_startup\n"
+              "tf_compat = sys.modules['hvd_mesh_impl.tf_compat']\n"
+              "assert _flowpm_mtf_startup.load_tf_compat() is tf_compat\n"
+              "import flowpm_mtf.fft, flowpm_mtf.complex_ops, hvd_mesh_impl\n"
+              "assert hvd_mesh_impl.tf_compat is tf_compat\n"
+              "import mesh_tensorflow as mtf\n"
+              "from hvd_mesh_impl import mtf_compat\n"
+              "assert mtf_compat.complex_gradients_enabled()\n"
+              "assert getattr(mtf.Variable, '_flowpm_mtf_lazy_masters', False)\n"
+              "print(','.join(mtf_compat.apply()) or 'none')")
+    assert out == "none"
