@@ -7,8 +7,9 @@ TF variable: each rank evaluates the variable's initializer on its own slice
 * ``zeros`` / ``ones`` / scalar ``constant`` initializers, and those with a
   ``fill_value`` (:func:`unfolded_zeros_initializer`, the zeros every Mesh TF
   variable of the packages starts from, which TensorFlow cannot constant-fold
-  into a full-size constant), are evaluated on the slice shape; a ``constant`` initializer holding a full-size numpy array is
-  sliced in Python (only the slice enters the TF graph).
+  into a full-size constant), are evaluated on the slice shape; a ``constant``
+  initializer holding a full-size numpy array is sliced in Python (only the slice
+  enters the TF graph).
 * Random initializers (``random_uniform``, ``random_normal``,
   ``truncated_normal``, ``variance_scaling`` and its Glorot/He/LeCun forms, and
   TF's default Glorot-uniform for floating variables without an initializer)
