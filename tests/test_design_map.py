@@ -11,7 +11,11 @@ per module), so the map and this check cannot diverge:
 * only ``hvd_mesh_impl/mesh_impl.py`` and ``hvd_mesh_impl/runtime.py`` import
   Horovod, and of ``flowpm_mtf`` only ``backend.py`` imports them;
 * importing every ``flowpm_mtf`` module starts no Horovod (a fresh interpreter);
-* the benchmark library and scripts never import from ``tests/``.
+* the benchmark library and scripts never import from ``tests/``;
+* the migration (``flowpm_mtf/domain.py``) imports nothing about the cosmology or the
+  buffer sizes (its callers pass the sizes);
+* Mesh TF is patched in one place: only ``hvd_mesh_impl/mtf_compat.py`` calls its
+  ``enable_*`` functions (everyone else calls ``mtf_compat.apply``).
 """
 import ast
 import os
@@ -33,6 +37,11 @@ HOROVOD_NAMES = {"HvdSimdMeshImpl": "hvd_mesh_impl.mesh_impl",
                  "export_local_slice": "hvd_mesh_impl.mesh_impl",
                  "runtime": "hvd_mesh_impl.runtime"}
 HOROVOD_IMPORTERS = {"flowpm_mtf.backend"}
+# what the communication layer may not know: the cosmology and the sizes built on it
+PHYSICS_FREE = {"flowpm_mtf.domain": {"flowpm_mtf.config", "flowpm_mtf.cosmology",
+                                      "flowpm_mtf.linear_power", "flowpm_mtf.halofit",
+                                      "flowpm_mtf.sizing"}}
+MTF_PATCHES = ("enable_complex_gradients", "enable_lazy_masters")
 
 
 def _tree_files():
@@ -193,6 +202,28 @@ def test_only_the_backend_factory_reaches_horovod(graph):
     users = {m for m, ds in deps.items() if ds & HOROVOD_MODULES
              and not m.startswith("hvd_mesh_impl") and not m.startswith("flowpm_bench")}
     assert users == HOROVOD_IMPORTERS, "flowpm_mtf modules importing the Horovod backend: %s" % sorted(users)
+
+
+def test_migration_knows_no_physics(graph):
+    deps, _ = graph
+    bad = {m: sorted(deps[m] & banned) for m, banned in PHYSICS_FREE.items() if deps[m] & banned}
+    assert not bad, "communication modules importing physics or sizing: %s" % bad
+
+
+def test_mesh_tf_is_patched_in_one_place(floors):
+    """Only mtf_compat calls its enable_* functions; the others call mtf_compat.apply()."""
+    bad = []
+    for path in sorted(p for p in floors if p.endswith(".py")):
+        if path == "hvd_mesh_impl/mtf_compat.py":
+            continue
+        tree = ast.parse(open(os.path.join(REPO, path)).read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in MTF_PATCHES:
+                    bad.append("%s:%d calls %s" % (path, node.lineno, name))
+    assert not bad, "\n".join(bad)
 
 
 def test_importing_flowpm_mtf_starts_no_horovod(floors):
