@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from flowpm_mtf import checkpoint, io
+from flowpm_mtf import checkpoint, checkpoint_load, io
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import ResumeError
 from flowpm_mtf.backend import SerialComm as SelfComm
@@ -193,7 +193,7 @@ def test_eulerian_reslice_reads_only_the_parts_that_can_hold_its_particles(monke
     save(out, SelfComm(), conf_old, 2, list(blocks_of(conf_old)))
     reads = []
     real_read = checkpoint._read_file
-    monkeypatch.setattr(checkpoint, "_read_file",
+    monkeypatch.setattr(checkpoint_load, "_read_file",
                         lambda path, info: reads.append(os.path.basename(path)) or
                         real_read(path, info))
     path = checkpoint.step_dir(out, 2)
