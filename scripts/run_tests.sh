@@ -8,9 +8,70 @@
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments (not -m: the 1-rank
 #                                             # job selects its two parts with -m)
 #   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_tests.sh   # on the previous stack, TensorFlow 2.12
+#   bash scripts/run_tests.sh --quick         # work in progress: a chosen subset on 1 and 2
+#                                             # ranks, < 5 min (QUICK_TESTS below; docs/testing.md)
+#   bash scripts/run_tests.sh --quick -k fft  # the subset, filtered further
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO" || exit 1
+
+QUICK=0
+args=()
+for a in "$@"; do
+  if [ "$a" = "--quick" ]; then QUICK=1; else args+=("$a"); fi
+done
+set -- "${args[@]}"
+# --quick: every layer once, on 1 and 2 ranks; what it leaves out is listed in
+# docs/testing.md ("Quick mode"). Whole test functions (all their parameters for the
+# world size), so that a renamed test fails the run ("not found") instead of silently
+# dropping out. Keep the list in step with that page.
+QUICK_TESTS=(
+  # Mesh TF backend: data movement and collectives against PlacementMeshImpl, gradients
+  tests/test_backend.py::test_import_export_and_relayouts_exact
+  tests/test_backend.py::test_allreduce_sum_max_min
+  tests/test_backend.py::test_allconcat_alltoall_direct
+  tests/test_backend.py::test_receive_and_shift_direct
+  tests/test_backend.py::test_gradients_through_collectives
+  # distributed FFT against numpy, its adjoint, finite differences of its gradient
+  tests/test_fft.py::test_fft_matches_numpy
+  tests/test_fft.py::test_adjoint_and_explicit_gradients
+  tests/test_fft.py::test_finite_difference_gradients
+  # halo exchange: exact on integer fields, fill/reduce adjoint, only halo bytes move
+  tests/test_halo.py::test_blocks_and_halo_exact_on_arange
+  tests/test_halo.py::test_fill_and_reduce_are_adjoint
+  tests/test_halo.py::test_only_halo_bytes_move
+  # CIC paint/readout against FlowPM, their adjoint, finite differences of the positions'
+  # gradient; the native CIC op against its TensorFlow path (1 rank)
+  tests/test_painting.py::test_matches_flowpm
+  tests/test_painting.py::test_paint_readout_adjoint
+  tests/test_painting.py::test_position_gradients_finite_difference
+  tests/test_cic_native.py::test_native_equals_tensorflow_path
+  # particle migration: exact, overflow seen by every rank, its gradient
+  tests/test_domain.py::test_migration_exact
+  tests/test_domain.py::test_overflow_detected_on_every_rank
+  tests/test_domain.py::test_migration_gradient
+  # initial conditions and LPT against FlowPM / numpy
+  tests/test_ics.py::test_decomposition_independent
+  tests/test_lpt.py::test_lpt1_matches_flowpm
+  tests/test_lpt.py::test_lpt2_matches_flowpm
+  # N-body (1LPT + 3 KDK steps) against FlowPM
+  tests/test_nbody.py::test_nbody_1lpt_matches_flowpm
+  # configuration, CLI and layout errors
+  tests/test_config.py
+  tests/test_layout_errors.py
+  tests/test_cli.py::test_parsers
+  tests/test_cli.py::test_grid_not_matching_rank_count_fails_clearly
+)
+# Parameters left out of the functions above (node id prefixes, pytest --deselect): dtypes
+# and halo widths that run the same code as the ones kept; the meshes are all kept.
+QUICK_DESELECT=(
+  "tests/test_backend.py::test_import_export_and_relayouts_exact["{int32,int64,float32,complex128}-
+  "tests/test_backend.py::test_allreduce_sum_max_min["{int32,float32}-
+  "tests/test_backend.py::test_allconcat_alltoall_direct[float64-"
+  "tests/test_backend.py::test_receive_and_shift_direct["{int64,bool}-
+  "tests/test_halo.py::test_blocks_and_halo_exact_on_arange[int32-"
+  "tests/test_halo.py::test_fill_and_reduce_are_adjoint[2-"
+)
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv
 source scripts/launch_lib.sh
@@ -19,8 +80,14 @@ VENV="${VENV:-$(stack_venv "$REPO")}" || exit 1
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 
-NPS="${NPS:-1 2 4}"
-LOGDIR="${FLOWPM_MTF_TEST_LOGDIR:-$REPO/test-logs}"
+if [ $QUICK = 1 ]; then
+  NPS="${NPS:-1 2}"
+  # its own directory: a quick run keeps the last full run's logs
+  LOGDIR="${FLOWPM_MTF_TEST_LOGDIR:-$REPO/test-logs/quick}"
+else
+  NPS="${NPS:-1 2 4}"
+  LOGDIR="${FLOWPM_MTF_TEST_LOGDIR:-$REPO/test-logs}"
+fi
 export FLOWPM_MTF_TEST_LOGDIR="$LOGDIR"
 rm -rf "$LOGDIR"; mkdir -p "$LOGDIR"
 export TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -33,7 +100,12 @@ export HOROVOD_STALL_CHECK_TIME_SECONDS=60
 mapfile -t MPI_OPTS < <(mpirun_options local)
 MPIRUN=(mpirun "${MPI_OPTS[@]}")
 # --durations: every log names its slowest tests (where the suite's time goes)
-PYTEST_ARGS=(tests -q -p no:randomly --timeout 600 --timeout-method=thread --durations=15 "$@")
+if [ $QUICK = 1 ]; then
+  PYTEST_ARGS=("${QUICK_TESTS[@]}" "${QUICK_DESELECT[@]/#/--deselect=}" -q -p no:randomly
+               --timeout 300 --timeout-method=thread --durations=10 "$@")
+else
+  PYTEST_ARGS=(tests -q -p no:randomly --timeout 600 --timeout-method=thread --durations=15 "$@")
+fi
 
 status=0
 for np in $NPS; do
@@ -42,7 +114,11 @@ for np in $NPS; do
   # that hangs is stopped after 600 s by pytest-timeout first). 2700 s: on a machine
   # of this kind whose steps are 2.2x slower, the longest pass took 32 min
   # (docs/testing.md).
-  if [ "$np" = 1 ]; then
+  if [ "$np" = 1 ] && [ $QUICK = 1 ]; then
+    # one process: the subset is small (np1_rank0.xml)
+    timeout 900 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
+    rc=$?
+  elif [ "$np" = 1 ]; then
     # No launcher. Two pytest processes side by side, so that both cores work: the tests
     # marked single_process (they start their own mpirun jobs, mostly of 2 ranks) and the
     # rest (one process, mostly one busy thread). Run one after the other they took 41
@@ -69,15 +145,15 @@ for np in $NPS; do
   fi
 done
 
-python - "$LOGDIR" "$NPS" <<'PY'
+python - "$LOGDIR" "$NPS" "$QUICK" <<'PY'
 import glob, os, sys
 import xml.etree.ElementTree as ET
-logdir, nps = sys.argv[1], sys.argv[2].split()
+logdir, nps, quick = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
 tot = dict(tests=0, failures=0, errors=0, skipped=0)
 for np_ in nps:
-    # one file per rank count; the 1-rank job's two parts have one each
+    # one file per rank count; the 1-rank job's two parts have one each (not in --quick)
     paths = ([os.path.join(logdir, "np1_rank0_%s.xml" % p) for p in ("rest", "jobs")]
-             if np_ == "1" else [os.path.join(logdir, "np%s_rank0.xml" % np_)])
+             if np_ == "1" and not quick else [os.path.join(logdir, "np%s_rank0.xml" % np_)])
     for path in paths:
         if not os.path.exists(path):
             print("no results in %s" % os.path.basename(path)); tot["errors"] += 1; continue
@@ -85,7 +161,7 @@ for np_ in nps:
             for k in tot:
                 tot[k] += int(suite.get(k, 0))
 passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
-print("summed over %s rank(s), rank 0's view:" % "/".join(nps))
+print("summed over %s rank(s), rank 0's view%s:" % ("/".join(nps), ", --quick subset" if quick else ""))
 print("total: %d passed, %d failed, %d skipped"
       % (passed, tot["failures"] + tot["errors"], tot["skipped"]))
 PY
