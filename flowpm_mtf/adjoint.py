@@ -6,9 +6,10 @@ keeps only the current state, and the backward pass integrates the
 kick-drift-kick steps **in reverse** (leapfrog is time-reversible), re-creating
 each step's state while it propagates the cotangents, as the FastPM/pmwd
 adjoints do. One lowered forward step and one lowered reverse step serve every
-step: their time-integration factors are fed through placeholders (as
-:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`), and the state and its
-cotangents live in Mesh TF variables.
+step: their time-integration factors are fed through placeholders, and the state and its
+cotangents live in Mesh TF variables (the state, the forward step and its loop are
+:class:`flowpm_mtf.stepper.Stepper`'s, as in
+:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph`).
 
 The maths
 ---------
@@ -101,13 +102,12 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
-
 from . import domain, layout, nbody, reverse_kdk, sizing, timeloop
 from .gravity import pm_forces, pm_forces_vjp
 from .kernels import make_kernels
 from .logs import rank0_only
 from .lpt import State
+from .stepper import Stepper, fed_factors, zeros_variable
 
 __all__ = ["AdjointGraph", "Cotangents", "SUMS", "reverse_factors", "reverse_step", "lower_adjoint",
            "run_forward", "run_reverse", "run_gradient"]
@@ -261,17 +261,6 @@ def _particle_shape(conf):
     return mtf.Shape([bx, by, npart, mtf.Dimension(layout.XYZ, 3)])
 
 
-def _variable(mesh, name, shape, dtype):
-    return mtf.get_variable(mesh, name, shape, dtype=dtype, trainable=False,
-                            initializer=unfolded_zeros_initializer())
-
-
-def _imported_factors(mesh, conf, n, name):
-    ph = tf.placeholder(conf.tf_dtype, [n], name=name)
-    fac = mtf.import_tf_tensor(mesh, ph, mtf.Shape([mtf.Dimension(name, n)]))
-    return ph, mtf.unstack(fac, fac.shape.dims[0])
-
-
 class AdjointGraph:
     """The mtf graph of the adjoint time loop: variables, forward and reverse steps.
 
@@ -299,6 +288,9 @@ class AdjointGraph:
 
     Attributes
     ----------
+    stepper : flowpm_mtf.stepper.Stepper
+        The state variables, the fed factors and the forward step (its run:
+        :func:`run_forward`).
     variables : lpt.State
         Positions, momenta, forces [cells] and ids as mtf variables.
     cotangents : Cotangents
@@ -321,18 +313,17 @@ class AdjointGraph:
 
     def __init__(self, conf, mesh, stages=None, initial_state=None, loss_fn=None, kernels=None):
         self.conf = conf
-        self.stages = timeloop.check_stages(nbody.default_stages(conf) if stages is None
-                                            else [float(a) for a in stages])
         kernels = make_kernels(conf, mesh) if kernels is None else kernels
         shape = (_particle_shape(conf) if initial_state is None
                  else initial_state.positions.shape)
-        id_shape = mtf.Shape(shape.dims[:3])
+        # the state's variables, its fed factors and its one forward step: the stepper's (as
+        # SimulationGraph's; the migration's send buffers sized for the longest of these
+        # stages' steps, both ways)
+        self.stepper = st = Stepper(conf, mesh, stages, shape, prefix="adjoint_")
+        self.stages, self.send_rows = st.stages, st.send_rows
+        self.variables = st.add_ids(mtf.Shape(shape.dims[:3]), domain.id_dtype(conf))
         dt = conf.tf_dtype
-        self.variables = State(*[_variable(mesh, "adjoint_" + n, shape, dt)
-                                 for n in ("positions", "momenta", "forces")],
-                               ids=_variable(mesh, "adjoint_ids", id_shape,
-                                             domain.id_dtype(conf)))
-        self.cotangents = Cotangents(*[_variable(mesh, "adjoint_" + n, shape, dt)
+        self.cotangents = Cotangents(*[zeros_variable(mesh, "adjoint_" + n, shape, dt)
                                        for n in ("xbar", "pbar")])
         self.init_ops = []
         if initial_state is not None:
@@ -348,23 +339,17 @@ class AdjointGraph:
             grads = [mtf.zeros(mesh, shape, dt) if g is None else g if valid is None
                      else g * valid for g in grads]
             self.loss_ops = [mtf.assign(v, g) for v, g in zip(self.cotangents, grads)]
-        # forward: one step for all steps, factors fed (as SimulationGraph); the
-        # migration's send buffers sized for the longest of these stages' steps (both ways)
-        self.send_rows = sizing.send_capacity(conf, stages=self.stages)
-        self.factors, fac = _imported_factors(mesh, conf, 3, "adjoint_step_factors")
-        new = nbody.kdk_step(self.variables, conf, kernels=kernels, factors=fac,
-                             send_rows=self.send_rows)
-        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
-        self.step_stats = new.stats
+        # forward: one step for all steps, factors fed
+        self.step_ops = st.build_step(kernels)
+        self.factors, self.step_factors, self.step_stats = (st.factors, st.step_factors,
+                                                            st.step_stats)
         # reverse: one step for all steps
-        self.reverse_factors_ph, rfac = _imported_factors(mesh, conf, 4, "adjoint_reverse_factors")
+        self.reverse_factors_ph, rfac = fed_factors(mesh, dt, 4, "adjoint_reverse_factors")
         back, cot, self.reverse_sums = reverse_step(self.variables, self.cotangents, conf, rfac,
                                                     kernels, send_rows=self.send_rows)
         self.reverse_ops = ([mtf.assign(v, t) for v, t in zip(self.variables[:4], back[:4])]
                             + [mtf.assign(v, t) for v, t in zip(self.cotangents, cot)])
         self.reverse_stats = back.stats
-        self.step_factors = list(nbody.all_step_factors(conf, self.stages)) \
-            if self.stages.size > 1 else []
         self.reverse_factors = reverse_factors(conf, self.stages)
 
     def assign_initial_state(self, state, kernels=None):
@@ -392,7 +377,7 @@ class AdjointGraph:
     @property
     def n_steps(self):
         """Number of steps (stages - 1)."""
-        return len(self.stages) - 1
+        return self.stepper.n_steps
 
 
 def _group(lowering, ops):
@@ -442,14 +427,7 @@ def run_forward(sess, adj, ops, observers=()):
     list
         Migration statistics of every step (None entries: lagrangian).
     """
-    stats = []
-
-    def step(state, i, a0, a1):
-        out = sess.run([ops["step"], ops["stats"]["step"]], {adj.factors: adj.step_factors[i]})
-        stats.append(out[1])
-        return state
-
-    timeloop.integrate(None, adj.stages, step, observers)
+    stats = adj.stepper.run(sess, ops["step"], ops["stats"]["step"], observers)
     log.info("adjoint: forward %d steps to a=%g", adj.n_steps, adj.stages[-1])
     return stats
 

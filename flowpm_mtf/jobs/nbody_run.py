@@ -3,9 +3,11 @@
 The graph is built once. The particle state lives in Mesh TF variables on the
 process grid; the ICs and one kick-drift-kick step are assign operations, and
 the step is run once per stage with that step's time-integration factors fed
-through a placeholder (:class:`SimulationGraph`). :func:`run_stages` drives it
-with :func:`flowpm_mtf.timeloop.integrate`, so the jobs share the stepping
-rule of :func:`flowpm_mtf.nbody.nbody`; observers (:class:`SnapshotWriter`,
+through a placeholder (:class:`SimulationGraph`; the state variables, the step
+and its loop are :class:`flowpm_mtf.stepper.Stepper`'s, shared with the adjoint).
+:func:`run_stages` drives it with :meth:`flowpm_mtf.stepper.Stepper.run`
+(:func:`flowpm_mtf.timeloop.integrate`), so the jobs share the stepping rule of
+:func:`flowpm_mtf.nbody.nbody`; observers (:class:`SnapshotWriter`,
 :class:`PowerAtStages`, the lensing job's plane painter) act after each step,
 then the step is timed, logged and the runner's after-step hook is called;
 then, for a job that checkpoints (``Job.checkpoints``), every
@@ -35,10 +37,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
-
 from .. import (checkpoint, domain, donate, h5dist, ics, io, lpt, nbody, painting, power, sizing,
-               timeloop)
+               stepper, timeloop)
 from ..logs import rank0_only
 from . import runner
 
@@ -68,6 +68,9 @@ class SimulationGraph:
 
     Attributes
     ----------
+    stepper : flowpm_mtf.stepper.Stepper
+        The state variables, the fed factors, the step and its run
+        (:func:`run_stages`).
     variables : lpt.State
         Positions, momenta, forces as mtf variables.
     lpt_state : lpt.State
@@ -94,29 +97,24 @@ class SimulationGraph:
 
     def __init__(self, conf, mesh, stages=None):
         self.conf = conf
-        self.stages = timeloop.check_stages(nbody.default_stages(conf) if stages is None
-                                            else [float(a) for a in stages])
         linear = ics.linear_field(conf, mesh)
         kernels = nbody.make_kernels(conf, mesh)
         shape = lpt.state_shape(conf)
-        # The zeros are the state's buffers: the ICs write the positions and momenta into
-        # them and every step updates the state in them where it can (donate.take: no fresh
-        # pages, no second copy of the state: flowpm_mtf/donate.py).
-        vecs = [mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
-                                 initializer=unfolded_zeros_initializer())
-                for name in ("positions", "momenta", "forces")]
+        # The state's variables, its fed factors and its one step: the stepper's. The zeros
+        # are the state's buffers: the ICs write the positions and momenta into them and
+        # every step updates the state in them where it can (donate.take: no fresh pages,
+        # no second copy of the state: flowpm_mtf/donate.py).
+        self.stepper = st = stepper.Stepper(conf, mesh, stages, shape)
+        self.stages = st.stages
         self.lpt_state = lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
                                       kernels=kernels,
                                       donors=[donate.take(t, name="take_" + n)
-                                              for t, n in zip(vecs, ("positions", "momenta"))])
+                                              for t, n in zip(st.vectors[:2], stepper.VECTORS)])
         init = self.lpt_state
         if init.positions.shape != shape:
             raise AssertionError("SimulationGraph: the LPT state has the shape %s, its "
                                  "variables %s" % (init.positions.shape, shape))
-        self.variables = lpt.State(*vecs, ids=mtf.get_variable(
-            mesh, "ids", init.ids.shape, dtype=init.ids.dtype, trainable=False,
-            initializer=unfolded_zeros_initializer()))
-        v = self.variables
+        self.variables = v = st.add_ids(init.ids.shape, init.ids.dtype)
         # Two runs: the LPT state first (each assignment takes over its value's buffer: the
         # variable's own for the positions and momenta), then the first PM force from the
         # variables
@@ -134,24 +132,14 @@ class SimulationGraph:
                                        donor=donate.take(v.forces, name="take_forces"))
         self.init_force_ops = [mtf.assign(v.forces, first.forces)]
         self.init_stats = init.stats     # migration statistics of the ICs (or None)
-        # One step for all steps: the time-integration factors are fed per run
-        # (lowering ten copies of the step tripled the graph-build time, and TF
-        # paid its first-run graph optimisation once per copy).
-        self.factors = tf.placeholder(conf.tf_dtype, [3], name="step_factors")
-        fac = mtf.import_tf_tensor(mesh, self.factors, mtf.Shape([mtf.Dimension("factor", 3)]))
-        # The step updates the positions, momenta and forces in the variables' own buffers
-        # where it can (donate.take: the kicks and the drift forward them): no second copy
-        # of the state.
-        taken = lpt.State(*[donate.take(t, name="step_take_" + n) for t, n in
-                            zip(self.variables[:3], ("positions", "momenta", "forces"))],
-                          ids=self.variables.ids)
-        # the migration's send buffers, sized once for the longest of these stages' steps
-        self.send_rows = sizing.send_capacity(conf, stages=self.stages)
-        new = nbody.kdk_step(taken, conf, kernels=kernels,
-                             factors=mtf.unstack(fac, fac.shape.dims[0]),
-                             send_rows=self.send_rows)
-        self.step_ops = [mtf.assign(v, t) for v, t in zip(self.variables[:4], new[:4])]
-        self.step_stats = new.stats      # migration statistics of the step (or None)
+        # One step for all steps, its factors fed per run through ``factors``; it takes the
+        # positions, momenta and forces out of the variables (the kicks and the drift
+        # forward their buffers): no second copy of the state. The migration's send
+        # buffers are sized once for the longest of these stages' steps.
+        self.step_ops = st.build_step(kernels, take=True)
+        self.factors, self.step_factors = st.factors, st.step_factors
+        self.step_stats = st.step_stats  # migration statistics of the step (or None)
+        self.send_rows = st.send_rows
         # Every conf.sort_every steps: the particles reordered by column (the CIC ops'
         # cache locality, domain.sort_by_column); the variables' values permuted
         self.sort_interval = conf.sort_every
@@ -161,7 +149,6 @@ class SimulationGraph:
                                                 self.variables.ids)
             self.sort_ops = [mtf.assign(v, t) for v, t in
                              zip(self.variables[:4], fields + [ids])]
-        self.step_factors = list(nbody.all_step_factors(conf, self.stages))
         x = self.variables.positions
         self.weights = domain.weights(self.variables.ids, conf)   # 0 for empty slots
         self.rho = painting.paint_field(x, conf, self.weights)
@@ -173,7 +160,7 @@ class SimulationGraph:
     @property
     def n_steps(self):
         """Number of steps (stages - 1)."""
-        return len(self.stages) - 1
+        return self.stepper.n_steps
 
 
 def sort_due(sim, j):
@@ -451,15 +438,13 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
 
     sorts, sorting = [], [0.0]
 
-    def step(state, i, a0, a1):
-        sim.migration.append(("step %d" % (i + 1), sess.run(
-            [ops["step"], ops["stats"]["step"]], {sim.factors: sim.step_factors[i]})[1]))
+    def after_step(i, stats):
+        sim.migration.append(("step %d" % (i + 1), stats))
         if sort_due(sim, i + 1):   # timed on its own: not in the step's time
             t0 = time.perf_counter()
             sess.run(ops["sort"])
             sorts.append(time.perf_counter() - t0)
             sorting[0] = sorts[-1]
-        return state
 
     def timed(j, a, state):
         now, now_cpu = time.perf_counter(), time.process_time()
@@ -475,7 +460,8 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
 
     if first > 0:  # the observers ran at the restored stage before the checkpoint
         observers = [_after(first, obs) for obs in observers]
-    timeloop.integrate(None, sim.stages, step, list(observers) + [timed], first=first)
+    sim.stepper.run(sess, ops["step"], ops["stats"]["step"], list(observers) + [timed],
+                    first=first, after_step=after_step)
     timings["steps_s"] = steps
     timings["steps_cpu_s"] = cpu
     timings["sorts_s"] = sorts
