@@ -165,19 +165,17 @@ def graph_options(config):
       fetches. On the simulation graph (custom FFT/CIC ops, elementwise kernels,
       collectives) it finds little to improve and its passes (constant folding,
       arithmetic and layout rewrites, remapping) were the largest part of the
-      first run of the ICs: at 128^3 on one rank the 2LPT ICs took 2.0 s on
-      their first run against 0.6 s of op time, 1.3 s without Grappler, and the
-      warm step was not slower (``scripts/bench_peers.py``).
+      first run of the ICs, and without them the warm step is not slower
+      (``scripts/bench_peers.py``).
     * **The executor's constant folding** (``OptimizerOptions`` level L1, which
       runs even without Grappler) evaluates every constant subgraph when an
       executor is created and keeps the result as a ``Const`` (e.g. the 3D
       inverse-Laplacian kernel of each rank's slice, the ids' initial value),
       with TensorProto copies on the way. Off (level L0; common-subexpression
-      elimination and function inlining kept): at 2.1M particles on one rank,
-      the graph phase held 100 MB less (559 vs 656 MB), the peak fell from 923
-      to 851 MB and the ICs' first run from 1.2 to 0.9 s; the price is that
-      those few kernels are recomputed in every run (an elementwise pass over a
-      k-space slice, ~1 % of a step).
+      elimination and function inlining kept), the graph phase holds less memory,
+      the peak is lower and the ICs' first run shorter; the price is that those few
+      kernels are recomputed in every run (an elementwise pass over a k-space slice,
+      small against a step).
 
     ``FLOWPM_MTF_GRAPPLER=1`` restores TensorFlow's defaults for both.
 

@@ -338,8 +338,8 @@ def _wrap_fn(axes, sizes):
 
     On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/particle_ops.cc``) does it
     in one pass over the positions, in place, with the same float operations as the
-    TensorFlow path below (which unstacks, wraps and restacks the coordinates: ~3 % of
-    a 256^3 step); its gradient is the identity, as the caller's ``grad_function``.
+    TensorFlow path below (which unstacks, wraps and restacks the coordinates, a few
+    passes over the particles); its gradient is the identity, as the caller's ``grad_function``.
     """
 
     def fn(x):
@@ -508,7 +508,7 @@ def _particle_stats_fn(sizes):
 
     On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/particle_ops.cc``)
     computes the three in one pass over the particles (the TensorFlow path below
-    makes ~12 passes: ~15 % of a 256^3 step on one rank), with the same counts and
+    makes about a dozen), with the same counts and
     maximum (a NaN displacement gives NaN there; the escape count reports it anyway).
     """
     sx, sy, h = sizes
@@ -593,9 +593,9 @@ def sort_by_column(conf, fields, ids, name="sort_by_column"):
 
     The CIC paint and readout touch the field around each particle in slot order;
     the slots start in lattice (Lagrangian) order, which the particles' motion
-    scrambles in Eulerian space as the run goes on (at 512^3, a = 1, on one rank:
-    readout 3.3 s and paint 2.5 s in slot order, 1.1 s and 1.0 s once the same
-    particles are ordered by column). The order is a stable counting sort of the
+    scrambles in Eulerian space as the run goes on, so that late in a large run the
+    paint and readout spend most of their time on cache misses (``--sort-every`` and
+    docs/benchmarks.md). The order is a stable counting sort of the
     columns (native ``FlowpmSortByColumn``; empty slots, id < 0, and non-finite
     positions last), applied to every field and the ids in one pass
     (``FlowpmPermuteRows``). The particles, their ids and the physics are

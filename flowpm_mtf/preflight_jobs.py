@@ -30,9 +30,8 @@ __all__ = ["FFT_REFERENCE_BYTES_PER_CELL", "FFT_WORKING_ITEMSIZES_PER_CELL",
 FFT_REFERENCE_BYTES_PER_CELL = 16 + 16 + 16 + 8
 #: FFT demo: the TensorFlow working set of the distributed round trip beyond the fetched
 #: slices [itemsizes per cell of the rank]. The memory model's per-cell constant is 0 (its
-#: fit puts the simulation's mesh work into the slots), so it is measured here: fft-demo on
-#: 1 rank, float64, peaks of 1228 and 2230 MB at 192^3 and 256^3 (summary.json) are M0 + 98
-#: and 101 B per cell, of which the counted arrays give 88; 2 itemsizes (16 B) cover the rest.
+#: fit puts the simulation's mesh work into the slots), so it is set from fft-demo's peak
+#: memory (summary.json) beyond the counted arrays: 2 itemsizes per cell cover the rest.
 FFT_WORKING_ITEMSIZES_PER_CELL = 2
 #: Lensing maps [src, npix, npix]: the einsum term, the running sum and its all-reduce in
 #: TF (3 itemsize), the fetched copy (itemsize) and its float64 copy; per map the flat-sky

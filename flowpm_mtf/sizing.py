@@ -77,11 +77,10 @@ def capacity(conf):
     ``1.05 + k sigma``, with ``sigma`` the linear density rms of a sphere with a
     block's volume at ``conf.a_end`` and ``k = min(4, sqrt(2 ln B))`` for ``B``
     blocks (about the expected largest of B Gaussian draws), bounded by the total
-    particle count, rounded up to a multiple of 64. Measured fullest blocks at
-    a = 1 against this capacity: 1.07x the mean for 1.13x (200 Mpc/h, 64^3 on
-    2x1), 1.04x for 1.13x (400x400x200 Mpc/h, 256x256x128 on 2x2), 1.26x for
-    1.59x (64 Mpc/h, 128^3 on 2x2); the block counts fluctuate less than the
-    linear sphere's (the blocks tile the box: their counts sum to the total).
+    particle count, rounded up to a multiple of 64. The fullest block at a = 1 stays
+    below this capacity with a margin: the block counts fluctuate less than the linear
+    sphere's (the blocks tile the box: their counts sum to the total), and an overflow
+    is detected and retried with a larger capacity.
     An underestimate is caught before any loss and retried with a larger one.
     """
     # exact Python ints (SimConfig's counts are numpy products, which wrap beyond 2^63)
@@ -103,8 +102,8 @@ def send_capacity(conf, displacement=None, lattice=False, stages=None):
     linear displacement of one step of the run's ``stages``; ``0.75 + 2 d`` with
     ``lattice``, for particles leaving the lattice: those on a block's lower
     face cross it when displaced downwards) plus 64, bounded by
-    :func:`capacity`. Measured at 200 Mpc/h / 32^3 on 2x2: about 1/40 of it
-    used per step and 1/3 at the ICs.
+    :func:`capacity`. A step uses a small fraction of it, the ICs more (their
+    displacement from the lattice is the largest); an overflow is detected and retried.
 
     The migration (:func:`flowpm_mtf.domain.migrate`) takes this number as an
     argument: the graph builders compute it once, from the stages they run.

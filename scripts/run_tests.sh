@@ -111,9 +111,8 @@ status=0
 for np in $NPS; do
   echo "================ pytest on $np rank(s) ================"
   # The per-job limit turns a hang into a failure instead of a stuck CI run (a test
-  # that hangs is stopped after 600 s by pytest-timeout first). 2700 s: on a machine
-  # of this kind whose steps are 2.2x slower, the longest pass took 32 min
-  # (docs/testing.md).
+  # that hangs is stopped after 600 s by pytest-timeout first). 2700 s: the longest
+  # pass with room for the slower machines of this kind (docs/testing.md).
   if [ "$np" = 1 ] && [ $QUICK = 1 ]; then
     # one process: the subset is small (np1_rank0.xml)
     timeout 900 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
@@ -121,8 +120,8 @@ for np in $NPS; do
   elif [ "$np" = 1 ]; then
     # No launcher. Two pytest processes side by side, so that both cores work: the tests
     # marked single_process (they start their own mpirun jobs, mostly of 2 ranks) and the
-    # rest (one process, mostly one busy thread). Run one after the other they took 41
-    # min on a machine of this kind; the "jobs" part prints its report after the other's.
+    # rest (one process, mostly one busy thread); one after the other they would leave a
+    # core idle most of the time. The "jobs" part prints its report after the other's.
     FLOWPM_MTF_TEST_PART=jobs timeout 2700 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" \
       -m single_process > "$LOGDIR/np1_jobs.out" 2>&1 &
     jobs_pid=$!
