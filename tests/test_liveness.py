@@ -52,8 +52,6 @@ def _start(n=2):
     return dogs, sleepers
 
 
-_start_pair = _start
-
 
 def _wait(proc, timeout=BOUND_S):
     t0 = time.monotonic()
@@ -82,7 +80,7 @@ def test_peer_timeout_from_the_environment():
 
 
 def test_a_killed_rank_is_reported_at_once():
-    dogs, sleepers = _start_pair()
+    dogs, sleepers = _start()
     try:
         time.sleep(3 * HEARTBEAT_S)
         sleepers[1].kill()
@@ -126,7 +124,7 @@ def test_silent_ranks_are_lost_together_after_the_timeout_and_rank_0_tells_the_o
 
 
 def test_goodbyes_end_the_watchdogs_and_no_rank():
-    dogs, sleepers = _start_pair()
+    dogs, sleepers = _start()
     try:
         time.sleep(3 * HEARTBEAT_S)
         for d in dogs:
@@ -156,7 +154,7 @@ def test_a_bad_timeout_is_a_configuration_error_before_horovod_starts(monkeypatc
 
 def test_a_job_suspended_longer_than_the_timeout_is_not_lost():
     """Both watchdogs (and their ranks) stopped together, as Slurm's suspend does."""
-    dogs, sleepers = _start_pair()
+    dogs, sleepers = _start()
     try:
         time.sleep(3 * HEARTBEAT_S)
         for p in dogs + sleepers:
