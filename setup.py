@@ -95,7 +95,7 @@ setup(
                                     "flowpm_mtf.*", "mri_mtf", "mri_mtf.*", "flowpm_bench",
                                     "flowpm_bench.*"]),
     py_modules=["_flowpm_mtf_startup"],  # the start-up hook (STARTUP_PTH)
-    package_data={"flowpm_mtf": ["memory_model.json"]},
+    package_data={"flowpm_mtf.runs": ["memory_model.json"]},
     install_requires=_reqs + ["psutil>=5.9"],
     extras_require={"horovod": ["horovod==0.28.1"], "test": ["pytest>=7.4", "pytest-timeout>=2.2"]},
     entry_points={"console_scripts": ["flowpm-mtf=flowpm_mtf.cli:entry"]},

@@ -45,7 +45,7 @@ def sim_config(nc, grid, steps, box_size=None, decomposition="eulerian", halo=No
 
 
 def readout_calls_per_force():
-    """CIC readouts per PM force in ``flowpm_mtf.gravity.pm_forces``.
+    """CIC readouts per PM force in ``flowpm_mtf.physics.gravity.pm_forces``.
 
     3 when the force components are read out one by one (``unstack_xyz``), 1 when
     the 3-component field is read out at once. Each readout does one halo fill
@@ -55,6 +55,6 @@ def readout_calls_per_force():
     -------
     int
     """
-    from flowpm_mtf import gravity
+    from flowpm_mtf.physics import gravity
 
     return 3 if "unstack_xyz(" in inspect.getsource(gravity.pm_forces) else 1

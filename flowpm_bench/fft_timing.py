@@ -98,7 +98,7 @@ def interleaved(runners, warmup=1, repeats=5, barrier=None, reduce_max=None):
 
 @contextlib.contextmanager
 def mtf_roundtrip_runner(conf, mesh_impl, devices=("",), session_config=None):
-    """Context manager: a :class:`Runner` of ``c2r(r2c(field))`` of :mod:`flowpm_mtf.fft`.
+    """Context manager: a :class:`Runner` of ``c2r(r2c(field))`` of :mod:`flowpm_mtf.mesh.fft`.
 
     The field's slices are TF variables (N(0, 1), ``conf.dtype``) created on
     ``devices`` (one per slice this process builds: ``[""]`` for an SPMD impl
@@ -122,7 +122,7 @@ def mtf_roundtrip_runner(conf, mesh_impl, devices=("",), session_config=None):
         local FFTs use the native op), ``max_abs_error`` of the round trip on
         this process's slices.
     """
-    from flowpm_mtf import fft  # first: Mesh TF's TF >= 2.13 shims (hvd_mesh_impl.tf_compat)
+    from flowpm_mtf.mesh import fft  # first: Mesh TF's TF >= 2.13 shims (hvd_mesh_impl.tf_compat)
 
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf

@@ -13,9 +13,10 @@ import functools
 
 import numpy as np
 
-from flowpm_mtf import cosmology as C
-from flowpm_mtf import layout, linear_power
-from flowpm_mtf.noise import white_noise_numpy
+from flowpm_mtf.physics import cosmology as C
+from flowpm_mtf import layout
+from flowpm_mtf.physics import linear_power
+from flowpm_mtf.mesh.noise import white_noise_numpy
 
 __all__ = ["linear_field_numpy", "flowpm_cosmo"]
 
@@ -49,7 +50,7 @@ def _flowpm_ode_cache(which):
 
     ``which="flowpm"``: FlowPM's own float32 BDF solution (rtol 1e-4, ~20 s; agrees
     with ours to <= 1.6e-5, see tests/test_cosmology.py). ``which="ours"``:
-    :func:`flowpm_mtf.cosmology.growth` in FlowPM's normalisation (D2(1) = 1),
+    :func:`flowpm_mtf.physics.cosmology.growth` in FlowPM's normalisation (D2(1) = 1),
     rounded to float32: the comparison then isolates LPT, PM force and time
     stepping from the growth solver.
     """

@@ -11,22 +11,27 @@ the packages, and at the root of a checkout beside them).
 
 The public API (:mod:`flowpm_mtf.api`: ``linear_field``, ``lpt_init``, ``cic_paint``,
 ``power_spectrum``, ``SimConfig``, ...) is re-exported here and loaded on first use of
-one of its names (module ``__getattr__``). Its names that are also submodules of the
-package (``nbody``) stay the submodules: ``import flowpm_mtf.api as fpm`` holds them all.
+one of its names (module ``__getattr__``), ``flowpm_mtf.nbody`` included (the module of
+the time loop is ``flowpm_mtf.physics.nbody``).
+
+The package's folders follow ``docs/design.md``: the front (this package's modules:
+``api``, ``config``, ``layout``, ``backend``, ``cli``, ``errors``, ``logs``), ``mesh``
+(distributed primitives, no physics), ``physics``, ``gradients``, ``runs`` (files and run
+state), ``jobs`` and ``native``.
 """
 from _flowpm_mtf_startup import load_tf_compat as _load_tf_compat
 
 _load_tf_compat().install_import_hook()
 
 
-# flowpm_mtf.api's __all__ without the names of submodules (nbody): kept equal to it by
+# flowpm_mtf.api's __all__ (no name of it is a submodule's): kept equal to it by
 # tests/test_api_flowpm.py. Listed here so that the package imports no TensorFlow.
 _API_NAMES = frozenset((
     "SimConfig", "Cosmology", "LensingConfig", "LightconeGeometry", "State", "ModelGradient",
     "Backend", "Lightcone", "default_stages", "process_grid", "backend_for", "field_shape",
     "linear_matter_power", "linear_field", "lpt_init", "cic_paint", "cic_readout",
     "global_positions", "power_spectrum", "lensing_geometry", "density_plane",
-    "born_convergence", "lightcone", "adjoint_gradient"))
+    "born_convergence", "lightcone", "adjoint_gradient", "nbody"))
 
 
 def __getattr__(name):  # lazy: flowpm_mtf.api imports TensorFlow and Mesh TF

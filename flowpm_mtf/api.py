@@ -32,17 +32,15 @@ user sees:
   positions [cells];
 * 2LPT's second-order growth is the physical :math:`D_2` (FlowPM normalises
   :math:`D_2(1) = 1` and puts 3/7 in the source: its second-order term is 0.8 %
-  larger for Planck 2015, see :mod:`flowpm_mtf.lpt`).
+  larger for Planck 2015, see :mod:`flowpm_mtf.physics.lpt`).
 
 Units (``docs/design.md``): positions and displacements [cells], momenta
 :math:`p = a^3 E\,dx/da` [cells] (:math:`H_0 = 1`), wave numbers [h/Mpc], P(k)
 [(Mpc/h)^3], densities as :math:`1 + \delta`.
 
-This module is also reached through the package: ``flowpm_mtf.linear_field`` and
-the other names whose name is not a submodule's are loaded lazily on first use
-(``import flowpm_mtf`` imports no TensorFlow). ``nbody``, ``backend``... are
-submodules of ``flowpm_mtf``, so ``import flowpm_mtf.api as fpm`` is the one
-spelling that holds every name.
+Every name of ``__all__`` is also reached through the package (``flowpm_mtf.linear_field``,
+``flowpm_mtf.nbody``, ...), loaded lazily on first use (``import flowpm_mtf`` imports no
+TensorFlow).
 """
 import logging
 from typing import List, NamedTuple
@@ -50,20 +48,20 @@ from typing import List, NamedTuple
 import mesh_tensorflow as mtf
 
 from . import backend as _backend
-from . import domain as _domain
-from . import ics as _ics
+from .mesh import domain as _domain
+from .physics import ics as _ics
 from . import layout as _layout
-from . import lensing as _lensing
-from . import linear_power as _linear_power
-from . import lpt as _lpt
-from . import model_gradient as _model_gradient
-from . import nbody as _nbody
-from . import painting as _painting
-from . import power as _power
+from .physics import lensing as _lensing
+from .physics import linear_power as _linear_power
+from .physics import lpt as _lpt
+from .gradients import model_gradient as _model_gradient
+from .physics import nbody as _nbody
+from .physics import painting as _painting
+from .physics import power as _power
 from .config import Cosmology, SimConfig, default_stages
-from .lensing import LensingConfig, LightconeGeometry
-from .lpt import State
-from .model_gradient import ModelGradient
+from .physics.lensing import LensingConfig, LightconeGeometry
+from .physics.lpt import State
+from .gradients.model_gradient import ModelGradient
 
 __all__ = ["SimConfig", "Cosmology", "LensingConfig", "LightconeGeometry", "State",
            "ModelGradient", "Backend", "Lightcone", "default_stages", "process_grid",
@@ -158,7 +156,7 @@ def linear_matter_power(conf, k, a=1.0):
     -------
     numpy.ndarray
         :math:`P(k, a)` [(Mpc/h)^3], float64, shape of ``k``, normalised to
-        ``sigma8`` at ``a = 1`` (wraps :func:`flowpm_mtf.linear_power.linear_matter_power`).
+        ``sigma8`` at ``a = 1`` (wraps :func:`flowpm_mtf.physics.linear_power.linear_matter_power`).
     """
     cosmo = conf.cosmology if isinstance(conf, SimConfig) else conf
     return _linear_power.linear_matter_power(cosmo, k, a)
@@ -188,7 +186,7 @@ def linear_field(conf, mesh, power=None, a=1.0, noise=None, name="linear_field")
     mtf.Tensor
         Real ``[x, y, z]`` (x on mesh axis ``row``, y on ``col``)
         [dimensionless density contrast], zero mean; for a seed, the same field
-        on every process grid (wraps :func:`flowpm_mtf.ics.linear_field`).
+        on every process grid (wraps :func:`flowpm_mtf.physics.ics.linear_field`).
     """
     return _ics.linear_field(conf, mesh, power=power, a=a, noise=noise, name=name)
 
@@ -216,7 +214,7 @@ def lpt_init(conf, linear, a0=None, order=None, forces=True):
     State
         ``positions`` (block-local [cells]), ``momenta`` [cells], ``forces``
         [cells] (None with ``forces=False``) and ``ids`` of the particles, one per
-        cell, in the blocks that hold them (wraps :func:`flowpm_mtf.lpt.lpt_init`).
+        cell, in the blocks that hold them (wraps :func:`flowpm_mtf.physics.lpt.lpt_init`).
     """
     return _lpt.lpt_init(linear, conf, a=a0, order=order, forces=forces)
 
@@ -242,7 +240,7 @@ def nbody(conf, state, stages=None, snapshots=None):
     State
         The state at ``stages[-1]`` (forces recomputed there); with
         ``snapshots``, ``(final, [State, ...])`` (wraps
-        :func:`flowpm_mtf.nbody.nbody`).
+        :func:`flowpm_mtf.physics.nbody.nbody`).
     """
     return _nbody.nbody(state, conf, stages=stages, snapshot_a=snapshots)
 
@@ -277,7 +275,7 @@ def cic_paint(conf, particles, weight=None, name="cic_paint"):
         Real ``[x, y, z]``: mass per cell [particles], i.e. :math:`1 + \\delta`
         for one particle per cell (FlowPM's ``cic_paint(tf.zeros(...), x)``);
         particles that left their block's halo raise ``InvalidArgumentError``
-        when run (wraps :func:`flowpm_mtf.painting.paint_field`).
+        when run (wraps :func:`flowpm_mtf.physics.painting.paint_field`).
     """
     positions, w = _positions_and_weight(conf, particles, weight)
     return _painting.paint_field(positions, conf, weight=w, name=name)
@@ -301,7 +299,7 @@ def cic_readout(conf, field, particles, name="cic_readout"):
     -------
     mtf.Tensor
         ``[bx, by, npart, <components>]``, in the units of ``field`` (wraps
-        :func:`flowpm_mtf.painting.readout_field`).
+        :func:`flowpm_mtf.physics.painting.readout_field`).
     """
     positions, w = _positions_and_weight(conf, particles, None)
     values = _painting.readout_field(field, positions, conf, name=name)
@@ -322,7 +320,7 @@ def global_positions(conf, particles):
     mtf.Tensor
         ``[bx, by, npart, xyz]`` [cells]; multiply by ``conf.cell_size`` for
         [Mpc/h]. A state's empty slots (``ids < 0``) hold no particle (wraps
-        :func:`flowpm_mtf.painting.to_global`).
+        :func:`flowpm_mtf.physics.painting.to_global`).
     """
     positions = particles.positions if isinstance(particles, State) else particles
     return _painting.to_global(positions, conf)
@@ -354,7 +352,7 @@ def power_spectrum(conf, field, edges=None, deconvolve_cic=False, name="power_sp
     n_modes : mtf.Tensor
         Modes per shell (both members of each conjugate pair), ``[kbin]``.
         All three are replicated on every rank (wraps
-        :func:`flowpm_mtf.power.power_spectrum`).
+        :func:`flowpm_mtf.physics.power.power_spectrum`).
     """
     return _power.power_spectrum(field, conf, edges=edges, deconvolve_cic=deconvolve_cic,
                                  name=name)
@@ -395,7 +393,7 @@ def lensing_geometry(conf, lensing=None):
     -------
     LightconeGeometry
         Raises ``ValueError`` when a source lies beyond ``conf.a_start`` or the
-        field does not fit in the box (wraps :func:`flowpm_mtf.lensing.geometry`).
+        field does not fit in the box (wraps :func:`flowpm_mtf.physics.lensing.geometry`).
     """
     return _lensing.geometry(conf, LensingConfig() if lensing is None else lensing)
 
@@ -416,7 +414,7 @@ def density_plane(conf, particles, geometry, index, name=None):
     -------
     mtf.Tensor
         ``[x, y]`` :math:`1 + \\bar\\delta` averaged over the shell [dimensionless]
-        (wraps :func:`flowpm_mtf.lensing.density_plane`).
+        (wraps :func:`flowpm_mtf.physics.lensing.density_plane`).
     """
     positions, w = _positions_and_weight(conf, particles, None)
     return _lensing.density_plane(positions, conf, geometry, index, name=name, weight=w)
@@ -437,7 +435,7 @@ def born_convergence(conf, planes, geometry, name="born"):
     -------
     mtf.Tensor
         :math:`\\kappa` ``[src, thx, thy]`` [dimensionless], replicated (wraps
-        :func:`flowpm_mtf.lensing.born_convergence`).
+        :func:`flowpm_mtf.physics.lensing.born_convergence`).
     """
     return _lensing.born_convergence(planes, conf, geometry, name=name)
 
@@ -459,7 +457,7 @@ def lightcone(conf, linear, lensing=None):
     -------
     Lightcone
         ``kappa``, ``planes``, ``state``, ``geometry`` (wraps
-        :func:`flowpm_mtf.lensing.lightcone_forward`).
+        :func:`flowpm_mtf.physics.lensing.lightcone_forward`).
     """
     geom = lensing_geometry(conf, lensing)
     kappa, planes, state = _lensing.lightcone_forward(linear, conf, geom)
@@ -499,7 +497,7 @@ def adjoint_gradient(conf, mesh, loss_fn, linear=None, noise=None,
         ``field_gradient`` ``[x, y, z]`` [loss units per unit field]; after
         ``ops = mg.lower(lowering)``, ``mg.run(sess, ops)`` gives the loss and
         ``["cosmology"][param]`` [loss units per unit parameter] (wraps
-        :class:`flowpm_mtf.model_gradient.ModelGradient`).
+        :class:`flowpm_mtf.gradients.model_gradient.ModelGradient`).
     """
     return ModelGradient(conf, mesh, loss_fn, linear=linear, noise=noise, params=params,
                          stages=stages)

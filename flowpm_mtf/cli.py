@@ -33,7 +33,7 @@ imports the Horovod backend).
 TensorFlow's C++ start-up lines (CPU features, oneDNN) are hidden by setting
 ``TF_CPP_MIN_LOG_LEVEL=1`` before TensorFlow is imported, unless ``--verbose``.
 
-Safety (:mod:`flowpm_mtf.rundir`, :mod:`flowpm_mtf.preflight`): before any graph
+Safety (:mod:`flowpm_mtf.runs.rundir`, :mod:`flowpm_mtf.runs.preflight`): before any graph
 is built, the numerics of the inputs, the estimated peak memory per rank and the
 run directory ``--out`` are checked (a complete run there is never modified
 without ``--overwrite``, a concurrent run on it fails at once); outputs are
@@ -194,12 +194,12 @@ def safety_hooks(job, args, run_dir):
     """Runner hooks: checks before the compute, then the locked run directory; publish at the end.
 
     Before any graph is built (collective, every rank raises the same error): the
-    native CPU ops the memory model assumes (:func:`flowpm_mtf.preflight.check_native_ops`),
+    native CPU ops the memory model assumes (:func:`flowpm_mtf.runs.preflight.check_native_ops`),
     the job's own preflight, the numerics of the inputs and the estimated peak memory
     per rank (N-body jobs; ``--force`` skips the memory checks), then
     :meth:`RunDir.open`. After the outputs are written: :meth:`RunDir.publish`.
     """
-    from . import preflight
+    from .runs import preflight
     from .jobs import runner
 
     def check(ctx):
@@ -250,7 +250,7 @@ def resume_configs(job, args):
         nothing to continue), one written by another job, or an option that
         contradicts it.
     """
-    from . import checkpoint, rundir
+    from .runs import checkpoint, rundir
     from .errors import ResumeError
 
     found = checkpoint.candidates(args.resume)
@@ -348,7 +348,7 @@ def run_job(job, args, backend_mod, runner, until_exit=False):
     """Configs (new run, or ``--resume``), backend, run directory, then the runner
     (``until_exit``: see :func:`main`)."""
     from .errors import ResumeError
-    from .rundir import RunDir
+    from .runs.rundir import RunDir
 
     check_run_options(args, job)
     every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", None)
@@ -404,7 +404,7 @@ def _as_user_error(exc, args):
     if type(exc).__name__ == "InvalidArgumentError" and "particles escaped" in str(exc):
         conf = getattr(args, "conf", None)
         if conf is not None:
-            from . import sizing
+            from .physics import sizing
 
             err = sizing.lagrangian_escape_error(exc, conf)   # the hint from the run's displacement
             if err is not None:

@@ -31,7 +31,7 @@ _DTYPES = {"float32": "complex64", "float64": "complex128"}
 INT64_LIMIT = 2**63
 
 DECOMPOSITIONS = ("eulerian", "lagrangian")
-"""Values of :attr:`SimConfig.decomposition` (see :mod:`flowpm_mtf.domain`)."""
+"""Values of :attr:`SimConfig.decomposition` (see :mod:`flowpm_mtf.mesh.domain`)."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -200,7 +200,7 @@ class SimConfig:
         every painting, and
         ``min(8, block - 1)`` for ``"lagrangian"``, where particles may move up
         to about ``halo_size - 1`` cells away from their block for the whole run
-        (see :mod:`flowpm_mtf.painting`). An expert override otherwise.
+        (see :mod:`flowpm_mtf.physics.painting`). An expert override otherwise.
     a_start, a_end : float
         First and last scale factor [dimensionless].
     n_steps : int
@@ -216,20 +216,20 @@ class SimConfig:
     decomposition : {"eulerian", "lagrangian"}
         ``"eulerian"`` (default, FastPM's): after every drift each particle
         moves to the block that contains its current position
-        (:mod:`flowpm_mtf.domain`); ``"lagrangian"``: particles stay on the
+        (:mod:`flowpm_mtf.mesh.domain`); ``"lagrangian"``: particles stay on the
         block of their initial lattice site and the halo must cover their whole
         displacement.
     capacity : int or None
         Particle slots per block (``"eulerian"`` only) [particles]; None chooses
         it from the linear density contrast of a block at ``a_end``
-        (:func:`flowpm_mtf.sizing.capacity`).
+        (:func:`flowpm_mtf.physics.sizing.capacity`).
     send_capacity : int or None
         Particles a block can send to one neighbour per migration round
         [particles]; None chooses it from the linear displacement per step
-        (:func:`flowpm_mtf.sizing.send_capacity`).
+        (:func:`flowpm_mtf.physics.sizing.send_capacity`).
     sort_every : int
         A job's N-body run reorders every block's particles by column every
-        ``sort_every`` steps (eulerian; :func:`flowpm_mtf.domain.sort_by_column`:
+        ``sort_every`` steps (eulerian; :func:`flowpm_mtf.mesh.domain.sort_by_column`:
         the CIC ops' cache locality; default 0: never). The results differ from
         an unsorted run in the last bits (the paint's summation order).
         The reordering costs about what the faster steps after it save (the

@@ -23,7 +23,7 @@ name              size                   mesh axis    meaning
 ================  =====================  ===========  ==============================
 
 ``P, Q = grid`` and ``h = halo_size``. The k-space layout is the natural output
-of the pencil FFT (see :mod:`flowpm_mtf.fft`); since Mesh TF broadcasts by
+of the pencil FFT (see :mod:`flowpm_mtf.mesh.fft`); since Mesh TF broadcasts by
 *name*, callers never see a transposed order. The layout rules (dimension ->
 mesh axis) are ``SimConfig.layout_rules``.
 
@@ -37,7 +37,7 @@ n-2, ..`` for odd ``n``; :func:`k_order`). A block of an even number of
 positions then holds whole pairs, so the Hermitian symmetry of the transform of
 a real field, ``F(-k) = conj(F(k))``, relates values on the same rank and the
 distributed FFT moves half the spectrum through its all-to-alls (see
-:mod:`flowpm_mtf.fft`). The order is the same on every process grid, so a
+:mod:`flowpm_mtf.mesh.fft`). The order is the same on every process grid, so a
 k-space field means the same thing whatever the grid. :func:`axis_k`,
 :func:`kvec_tensors` and :func:`kvec` give the wave numbers in this order, so a
 kernel built from them needs no care; numpy arrays convert with :func:`to_stored` /
@@ -159,7 +159,7 @@ def slot_tiles(conf):
     With the eulerian decomposition the ICs put the lattice particles of a block
     in slots tile by tile: the tiles of ``tx * ty * tz`` lattice cells in
     row-major order, the cells of a tile row-major inside it
-    (``FlowpmLatticeCombine``, :func:`flowpm_mtf.domain.lattice_ids`). The slots
+    (``FlowpmLatticeCombine``, :func:`flowpm_mtf.mesh.domain.lattice_ids`). The slots
     keep their particles, and particles that start close together stay close, so
     the CIC paint and readout then walk the field tile by tile instead of plane by
     plane. At 512^3 on one rank the field planes a stretch of slot-ordered particles

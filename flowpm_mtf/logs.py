@@ -3,7 +3,7 @@
 Every record is prefixed with the MPI rank and the wall-clock time elapsed since
 :func:`setup_logging` was first called::
 
-    [rank 1 +12.3s] INFO flowpm_mtf.nbody: step 4/10, a=0.52
+    [rank 1 +12.3s] INFO flowpm_mtf.physics.nbody: step 4/10, a=0.52
 
 Modules obtain their logger with ``logging.getLogger(__name__)``; progress
 messages that every rank would repeat identically are restricted to rank 0 with

@@ -581,7 +581,7 @@ class HvdSimdMeshImpl(mtf.MeshImpl):
 
         The building block of :meth:`alltoall` for callers that write the send
         buffer in this layout themselves (e.g. fused into the op before the exchange,
-        see ``flowpm_mtf.fft.FFT3DOperation``) and read the received pieces directly.
+        see ``flowpm_mtf.mesh.fft.FFT3DOperation``) and read the received pieces directly.
 
         Parameters
         ----------

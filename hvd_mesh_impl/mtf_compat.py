@@ -32,7 +32,7 @@ their masters lazily too.
 (idempotent). Importing :mod:`hvd_mesh_impl` (any of its modules, this one
 included) calls it, after the TensorFlow shims Mesh TF needs to import
 (:mod:`hvd_mesh_impl.tf_compat`); :class:`~hvd_mesh_impl.HvdSimdMeshImpl`,
-:mod:`flowpm_mtf.fft` and :mod:`flowpm_mtf.complex_ops` call it too, to say
+:mod:`flowpm_mtf.mesh.fft` and :mod:`flowpm_mtf.mesh.complex_ops` call it too, to say
 what they rely on. Build Mesh TF graphs after the import: a variable created before it has an eager
 full-size master (HvdSimdMeshImpl then initialises from it, subject to its
 ``max_full_elements`` limit).

@@ -13,7 +13,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 # Ops that change a resource variable. FlowpmTakeVariable (flowpm_mtf/native/variable_ops.cc,
-# flowpm_mtf.donate) moves the value out of the variable (its buffer becomes the next value's
+# flowpm_mtf.mesh.donate) moves the value out of the variable (its buffer becomes the next value's
 # output) and leaves it uninitialised until the assignment: every read of the step must run
 # before it, as before an assignment.
 _ASSIGN_TYPES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",

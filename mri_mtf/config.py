@@ -3,7 +3,7 @@
 :class:`ImagingConfig` carries the attributes that the grid-level helpers of
 :mod:`flowpm_mtf` read (``nc``, ``grid``, ``block_shape``, ``n_cells``,
 ``mesh_shape``, ``layout_rules``, dtypes), so the distributed FFT, the block
-layout of :mod:`flowpm_mtf.halo` and the test harness take it in place of a
+layout of :mod:`flowpm_mtf.mesh.halo` and the test harness take it in place of a
 ``SimConfig``. The layout is that of ``flowpm_mtf`` (:mod:`flowpm_mtf.layout`):
 images ``[x, y, z]`` with ``x`` on mesh axis ``row`` and ``y`` on ``col``,
 k-space ``[kx, ky, kz]`` with ``ky`` on ``row`` and ``kz`` on ``col``.

@@ -2,7 +2,7 @@ r"""Model-parallel 3D convolution of images split over x and y.
 
 An image with channels ``[x, y, z, c_in]`` (``x`` on mesh axis ``row``, ``y`` on
 ``col``) is cut into its blocks ``[bx, by, sx, sy, z, c_in]`` (one per rank, a local
-reshape: :func:`flowpm_mtf.halo.to_blocks`); Mesh TF's ``mtf.halo_exchange`` brings
+reshape: :func:`flowpm_mtf.mesh.halo.to_blocks`); Mesh TF's ``mtf.halo_exchange`` brings
 each block the ``k // 2`` planes of its neighbours along x then y (corners included;
 only the margins travel, through ``mesh_impl.shift_by_n_processors``; a halo wider
 than a block takes whole blocks); ``z``, which is local, is padded in place; then
@@ -16,7 +16,7 @@ Padding (the documented choice)
 ``padding="zero"`` (default) treats the volume as surrounded by zeros: the result
 equals ``tf.nn.conv3d(x, w, strides=1, padding="SAME")`` on the whole volume (odd
 filter sizes), the usual CNN convention. ``padding="periodic"`` wraps around (the
-halo exchange of :mod:`flowpm_mtf.halo`): the result equals ``"VALID"`` on the
+halo exchange of :mod:`flowpm_mtf.mesh.halo`): the result equals ``"VALID"`` on the
 volume padded with ``numpy.pad(mode="wrap")``.
 
 Gradients (with respect to the image and the filter) are Mesh TF's: the shifts,
@@ -28,7 +28,7 @@ import logging
 
 import mesh_tensorflow as mtf
 
-from flowpm_mtf import halo
+from flowpm_mtf.mesh import halo
 from flowpm_mtf.layout import BX, BY, SX, SY, REAL_DIMS, Z
 
 __all__ = ["PADDINGS", "filter_shape", "conv3d"]

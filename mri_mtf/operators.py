@@ -7,9 +7,9 @@ With the orthonormal 3D DFT ``F`` (``numpy.fft.fftn(x, norm="ortho")``,
     A x   = M * F x                    (image [x, y, z] -> k-space [kx, ky, kz])
     A^H y = F^H (M * y)                = sqrt(N) * numpy.fft.ifftn(M * y)
 
-Both go through the distributed pencil FFT of :mod:`flowpm_mtf.fft`
+Both go through the distributed pencil FFT of :mod:`flowpm_mtf.mesh.fft`
 (``FFT3DOperation`` with the scales ``1 / sqrt(N)`` and ``sqrt(N)``; its gradients
-are exact), and the mask product through :func:`flowpm_mtf.complex_ops.apply_kernel`
+are exact), and the mask product through :func:`flowpm_mtf.mesh.complex_ops.apply_kernel`
 (exact complex gradient). k-space fields hold their modes in the mirror-pair order of
 :func:`flowpm_mtf.layout.k_order` (convert numpy arrays with
 :func:`flowpm_mtf.layout.to_stored`). The image may be real (the phantom) or complex
@@ -22,9 +22,9 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import complex_ops
-from flowpm_mtf.fft import FFT3DOperation
-from flowpm_mtf.fft_local import complex_dtype, real_dtype
+from flowpm_mtf.mesh import complex_ops
+from flowpm_mtf.mesh.fft import FFT3DOperation
+from flowpm_mtf.mesh.fft_local import complex_dtype, real_dtype
 from flowpm_mtf.layout import K_DIMS, REAL_DIMS
 
 from .sampling import mask_shape
@@ -43,7 +43,7 @@ def to_channels(z, name="to_channels"):
     """Complex ``[x, y, z]`` -> real ``[x, y, z, chan]`` (real, imaginary part).
 
     The gradient is TensorFlow's (``dRe + i dIm``, the convention of
-    :mod:`flowpm_mtf.complex_ops`), per slice.
+    :mod:`flowpm_mtf.mesh.complex_ops`), per slice.
     """
     shape = mtf.Shape(z.shape.dims + [CHAN])
     return mtf.slicewise(lambda t: tf.stack([tf.math.real(t), tf.math.imag(t)], axis=-1),

@@ -40,7 +40,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import complex_ops, layout
+from flowpm_mtf.mesh import complex_ops
+from flowpm_mtf import layout
 from flowpm_mtf.layout import K_DIMS
 
 from . import operators

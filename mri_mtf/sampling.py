@@ -23,7 +23,7 @@ the seed, so the mask is the same on every grid; each rank imports it and keeps 
 Noise
 -----
 Complex Gaussian noise on ``[kx, ky, kz]`` with ``E|n|^2 = sigma^2``: real and
-imaginary parts are :func:`flowpm_mtf.noise.white_noise` fields (seeds ``seed + 1``
+imaginary parts are :func:`flowpm_mtf.mesh.noise.white_noise` fields (seeds ``seed + 1``
 and ``seed + 2``) times ``sigma / sqrt 2``, indexed by their stored k-space position
 (the same on every grid), generated slice by slice.
 
@@ -36,7 +36,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import layout, noise
+from flowpm_mtf import layout
+from flowpm_mtf.mesh import noise
 from flowpm_mtf.layout import K_DIMS, KY, KZ
 
 __all__ = ["mask_numpy", "mask", "mask_shape", "complex_noise_numpy", "complex_noise",

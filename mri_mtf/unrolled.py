@@ -32,7 +32,7 @@ of :data:`TRAIN_NOISE_FIELDS` fixed white-noise fields (seeds ``conf.seed +``
 :data:`TRAIN_NOISE_SEED_OFFSET` ``+ i``, never the evaluation noise's), so the complex
 noise keeps ``E|n|^2 = noise_sigma^2`` and changes from step to step. The measurement
 uses the evaluation's mask. Adam with bias correction
-(:func:`flowpm_mtf.optim.adam_update`, Mesh TF operations on the mesh) updates
+(:func:`flowpm_mtf.mesh.optim.adam_update`, Mesh TF operations on the mesh) updates
 every weight; the whole optimiser state is :attr:`UnrolledTraining.checkpoint_variables`.
 Everything but the order of floating-point sums is independent of the process grid.
 """
@@ -43,8 +43,8 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import complex_ops, noise as noise_mod
-from flowpm_mtf.optim import adam_update
+from flowpm_mtf.mesh import complex_ops, noise as noise_mod
+from flowpm_mtf.mesh.optim import adam_update
 
 from . import conv, operators, phantom
 from .sampling import NOISE_SEED_OFFSETS

@@ -15,7 +15,7 @@ cluster
 mpi4py-fft
     Reference row for the FFT only: ``mpi4py_fft.PFFT`` (FFTW + MPI Alltoallw) on
     the same N ranks and the same pencil grid, a complex-to-complex round trip
-    like ``flowpm_mtf.fft`` (which transforms the real field cast to complex).
+    like ``flowpm_mtf.mesh.fft`` (which transforms the real field cast to complex).
 
 Workloads (SimConfig with ``nc`` cells per side, box ``nc * 3.125`` Mpc/h, i.e. the
 cell size of the default 64^3 / 200 Mpc/h run):
@@ -279,7 +279,8 @@ def build_workload(workload, conf, impl, devices):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf import fft, halo, ics, lpt, nbody
+    from flowpm_mtf.mesh import fft, halo
+    from flowpm_mtf.physics import ics, lpt, nbody
     from flowpm_mtf.jobs import runner
 
     graph = mtf.Graph()

@@ -72,7 +72,7 @@ def cmd_run(args):
     from flowpm_mtf import allocator
     from flowpm_mtf.backend import make_mesh_impl, session_config
     from flowpm_mtf.jobs import runner
-    from flowpm_mtf.reconstruct import ReconConfig, ReconstructionGraph
+    from flowpm_mtf.gradients.reconstruct import ReconConfig, ReconstructionGraph
 
     tf.disable_eager_execution()
     comm = MPI.COMM_WORLD
@@ -187,7 +187,9 @@ def _loss_fn(conf, weight):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf import domain, fft, gravity, layout
+    from flowpm_mtf.mesh import domain, fft
+    from flowpm_mtf.physics import gravity
+    from flowpm_mtf import layout
 
     def loss(state):
         mesh = state.positions.mesh
@@ -209,7 +211,9 @@ def _field_gradient(conf, linear, weight, how):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf import fft, lpt, model_gradient, nbody
+    from flowpm_mtf.mesh import fft
+    from flowpm_mtf.physics import lpt, nbody
+    from flowpm_mtf.gradients import model_gradient
     from flowpm_mtf.backend import make_mesh_impl, session_config
     from flowpm_mtf.jobs import runner
 

@@ -15,7 +15,7 @@ What is measured
 Each seed is one `flowpm-mtf lensing --seed s` run. Its ``kappa_power.txt`` holds the
 measured flat-sky C_ell and ``C_ell_limber``: the expectation of that measurement from
 the run's own P(k) at the plane redshifts through the run's windows
-(:mod:`flowpm_mtf.lensing_theory`); the ratio tests the simulation, the planes and the
+(:mod:`flowpm_mtf.physics.lensing_theory`); the ratio tests the simulation, the planes and the
 Born sum, with the 3D field's cosmic variance largely cancelled. Per ell bin: the mean
 of C_ell over the seeds divided by the mean of C_ell_limber, and the error of that
 mean (the seeds' scatter of C_ell / mean C_ell_limber over sqrt(N)). Per band (ell
@@ -135,7 +135,7 @@ def render(data, out):
     lines = ["# Lensing ensemble: measured C_ell / expected C_ell (issue 30)", "",
              "Each configuration: N seeds of `flowpm-mtf lensing`; the ratio of the mean "
              "measured C_ell to the mean `C_ell_limber` (the expectation from each run's own "
-             "P(k) through its windows, `flowpm_mtf/lensing_theory.py`), with the error of "
+             "P(k) through its windows, `flowpm_mtf/physics/lensing_theory.py`), with the error of "
              "the mean over the seeds. Target: every band within %d %% of 1. Load: the load "
              "average when the runs started and ended (one rank per run, nice'd)."
              % (100 * TARGET),

@@ -151,7 +151,10 @@ def cmd_ours(args):
     from mpi4py import MPI
 
     from hvd_mesh_impl import HvdSimdMeshImpl, export_local_slice
-    from flowpm_mtf import fft
+    try:
+        from flowpm_mtf.mesh import fft
+    except ImportError:  # a --baseline revision before the folders
+        from flowpm_mtf import fft
     from flowpm_mtf.backend import session_config
 
     tf.disable_eager_execution()
@@ -180,7 +183,7 @@ def cmd_ours(args):
     lpt = getattr(sim, "lpt_state", None)  # None in a revision before it
     if init_force:
         # The 2LPT state alone is init_op (the first force is its own run); since 2241518 its
-        # vectors are written into the variables' buffers (flowpm_mtf.donate), so it runs only
+        # vectors are written into the variables' buffers (flowpm_mtf.mesh.donate), so it runs only
         # with the assignments that give them back.
         lpt_op = init_op
     else:

@@ -263,8 +263,8 @@ def padded_cells(c, halo):
 
 def planned(c):
     """Decomposition, halo, particle slots and padded cells per rank the run is set up with
-    (:func:`flowpm_mtf.preflight.memory_terms`), and the preflight estimate [MB]."""
-    from flowpm_mtf import preflight
+    (:func:`flowpm_mtf.runs.preflight.memory_terms`), and the preflight estimate [MB]."""
+    from flowpm_mtf.runs import preflight
 
     conf = sim_config(c)
     slots, cells = preflight.memory_terms(conf)
@@ -360,7 +360,7 @@ def fit_model(records):
     the largest amount the fit falls short of a run (``M0_shift_mb``): the preflight check
     refuses runs by this model, so it must bound every measured peak, not pass through
     them. The same model and constants serve the preflight estimate
-    (:mod:`flowpm_mtf.preflight`, MODEL_FILE, rewritten by ``render``).
+    (:mod:`flowpm_mtf.runs.preflight`, MODEL_FILE, rewritten by ``render``).
     """
     from scipy.optimize import nnls
 
@@ -388,7 +388,7 @@ def predict_mb(model, nc, n, floor_mb, box=None):
     """Per-rank memory [MB] of nc^3 particles on n ranks (most square grid), with the GPU
     floor instead of M0; box default: the 0.49 Mpc/h cells of 2048^3 in 1 Gpc/h."""
     c = {"nc": (nc,) * 3, "box": (box or nc * 1000.0 / 2048,) * 3, "grid": default_grid(n)}
-    from flowpm_mtf import preflight
+    from flowpm_mtf.runs import preflight
 
     slots, cells = preflight.memory_terms(sim_config(c))
     return floor_mb + (model["bytes_per_slot"] * slots
@@ -408,8 +408,8 @@ def model_spans(model):
 
 
 def write_memory_model(model, json_path, path=None):
-    """Write the fitted constants (and the rows they fit) for :mod:`flowpm_mtf.preflight`."""
-    from flowpm_mtf import preflight
+    """Write the fitted constants (and the rows they fit) for :mod:`flowpm_mtf.runs.preflight`."""
+    from flowpm_mtf.runs import preflight
 
     out = dict(model, source="scripts/bench_scaling.py render of %s"
                % os.path.relpath(json_path, REPO))
@@ -540,8 +540,8 @@ def render(data, quick):
         lines.append("\n#### Memory model (for the preflight estimate)\n")
         lines.append("Fitted on %s: **M0 = %.0f MB, %.0f bytes per particle slot, %.1f bytes "
                      "per padded cell** (largest relative residual %.1f%%): %s. `render` "
-                     "writes these constants to `flowpm_mtf/memory_model.json`, which the "
-                     "preflight memory check (`flowpm_mtf/preflight.py`) reads." % (
+                     "writes these constants to `flowpm_mtf/runs/memory_model.json`, which the "
+                     "preflight memory check (`flowpm_mtf/runs/preflight.py`) reads." % (
                          ", ".join(model["fitted_on"]), model["M0_mb"],
                          model["bytes_per_slot"], model["bytes_per_padded_cell"],
                          100 * model["max_rel_residual"], model["formula"]))
@@ -590,7 +590,7 @@ def write_outputs(data, quick, rendered=False):
         if model_spans(data["model"]):
             write_memory_model(data["model"], json_path)
         else:
-            print("memory model not written to flowpm_mtf/memory_model.json: the fit needs >= %d "
+            print("memory model not written to flowpm_mtf/runs/memory_model.json: the fit needs >= %d "
                   "runs whose slots per rank span a factor >= %g, with residuals <= %g"
                   % (MODEL_MIN_RUNS, MODEL_MIN_SPAN, MODEL_MAX_RESIDUAL), flush=True)
     if not quick:

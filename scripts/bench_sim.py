@@ -111,9 +111,10 @@ def _phase_graphs(conf, impl, slices, particle_shape, real_space):
     from flowpm_mtf import config as cfg
     import dataclasses
 
-    from flowpm_mtf import domain, fft, gravity, halo, lpt, nbody, painting
+    from flowpm_mtf.mesh import domain, fft, halo
+    from flowpm_mtf.physics import gravity, lpt, nbody, painting
     from flowpm_mtf.jobs import runner
-    from flowpm_mtf.kernels import neg_gradient_potential
+    from flowpm_mtf.physics.kernels import neg_gradient_potential
 
     variables = {k: tf.Variable(v, trainable=False, name="bench_" + k) for k, v in slices.items()}
     shapes = {}
@@ -187,7 +188,7 @@ def _alltoall_graph(conf, impl, real_space):
     (``kernels.packed_inverse``; the same two, backwards, all ``nz`` modes)."""
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf import fft
+    from flowpm_mtf.mesh import fft
 
     (p, q), (nx, ny, nz) = conf.grid, conf.nc
     cdt = tf.complex64 if conf.dtype == "float32" else tf.complex128
@@ -235,7 +236,8 @@ def cmd_run(args):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     grid = args.grid or default_grid(size)
-    from flowpm_mtf import domain, painting, sizing
+    from flowpm_mtf.mesh import domain
+    from flowpm_mtf.physics import painting, sizing
 
     conf = sim_config(args.nc, grid, args.steps, args.box_size, args.decomposition, args.halo)
     if conf.n_ranks != size:
@@ -300,7 +302,7 @@ def cmd_run(args):
         # A new MeshImpl: its byte counters belong to the previous tf.Graph.
         impl = make_mesh_impl("hvd", conf.mesh_shape, conf.layout_rules)
         # the force's path in the step (gravity._field_of_density): the phases follow it
-        from flowpm_mtf import gravity
+        from flowpm_mtf.physics import gravity
         real_space = gravity._native_stencil(conf, conf.tf_dtype)
         rec["force_path"] = "real space" if real_space else "k-space"
         phases = _phase_graphs(conf, impl, slices, particle_shape, real_space)
@@ -330,7 +332,7 @@ def cmd_flowpm(args):
     import flowpm.tfpm as tfpm
     from flowpm_bench import reference  # FlowPM 0.1.1's growth-table quirk (see its docstring)
     from flowpm_mtf.jobs import runner
-    from flowpm_mtf.nbody import default_stages
+    from flowpm_mtf.physics.nbody import default_stages
 
     tf.disable_eager_execution()
     conf = sim_config(args.nc, (1, 1), args.steps)

@@ -1,8 +1,8 @@
 """Snapshot write throughput, direct I/O against buffered, back to back (issue 31, item 4).
 
 Writes a float32 snapshot of ``nc^3`` particles (position, velocity float32, id int64:
-32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.io.write_snapshot_distributed`
-from every rank's share, alternating the two modes of :mod:`flowpm_mtf.h5dist`'s part-file
+32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.runs.io.write_snapshot_distributed`
+from every rank's share, alternating the two modes of :mod:`flowpm_mtf.runs.h5dist`'s part-file
 writer (``O_DIRECT`` from aligned staging buffers, or the same buffers through the page
 cache), ``--repeat`` times each after one untimed round, and prints the write's GB/s (all part files of all ranks,
 fsync and hashing included; the slowest rank's wall time) and CPU seconds of rank 0::
@@ -36,7 +36,7 @@ def _comm():
 
 def snapshot_parts(nc, comm, seed=0):
     """This rank's parts of a float32 ``nc^3`` snapshot split over ``comm.size`` x-blocks."""
-    from flowpm_mtf import io
+    from flowpm_mtf.runs import io
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=(nc, nc, nc), box_size=200.0, grid=(comm.size, 1), dtype="float32")
@@ -50,7 +50,7 @@ def snapshot_parts(nc, comm, seed=0):
 
 def measure(nc, repeat, directory, comm):
     """``{"direct": [...], "buffered": [...]}`` of ``{"gb_per_s", "seconds", "cpu_s", "mode"}``."""
-    from flowpm_mtf import h5dist, io
+    from flowpm_mtf.runs import h5dist, io
 
     conf, parts = snapshot_parts(nc, comm)
     out = {"direct": [], "buffered": []}

@@ -24,7 +24,7 @@ Communication per rank (bytes *received*; "recv" counts as
 * one halo fill or reduce: 2 shifts per non-trivial axis of an h-cell slab:
   2 h nz b (py a_P + px a_Q);
 * one N-body step (one PM force): FFT of 1 field + inverse FFT of 3 real fields
-  packed into 2 complex ones (:func:`flowpm_mtf.kernels.packed_inverse`), 1 halo
+  packed into 2 complex ones (:func:`flowpm_mtf.physics.kernels.packed_inverse`), 1 halo
   reduce (painting) + halo fills of the 3 force components (in 1 or 3 readout
   calls, see :func:`readout_calls_per_force`), one scalar int32 allreduce per
   painting/readout call (escape checks);
@@ -52,7 +52,7 @@ BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 
 # FFT-fields (complex fields passing through one 3D transform) per workload, on the
 # k-space path. Real fields from Hermitian spectra go two per complex inverse transform
-# (flowpm_mtf.kernels.packed_inverse): the force's 3 components are 2 fields, 2LPT's
+# (flowpm_mtf.physics.kernels.packed_inverse): the force's 3 components are 2 fields, 2LPT's
 # psi1 + six second derivatives 5 and psi2 2. LPT: noise r2c 1 + linear c2r 1 + 5 +
 # source r2c 1 + 2 = 10 (2LPT reuses the Fourier modes of the linear field,
 # ics.modes_of, instead of transforming it back; counted at lowering: 10 x the bytes
@@ -61,14 +61,14 @@ FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 10, "nbody_step": 3}
 # Of those, the transforms of a real field (r2c) or to one (c2r) without batch
 # dimensions: fft 2 (r2c, c2r), lpt 3 (noise r2c, linear c2r, source r2c), step 1
 # (the density's r2c). On the CPU's native path they move half the spectrum
-# (flowpm_mtf.fft, FFT3DOperation._lower_half) when nc and the blocks nc / P, nc / Q
+# (flowpm_mtf.mesh.fft, FFT3DOperation._lower_half) when nc and the blocks nc / P, nc / Q
 # are even. The GPU model (TensorFlow path) moves all the modes.
 REAL_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 3, "nbody_step": 1}
-# The real-space path (flowpm_mtf.gravity.force_field_of_potential, flowpm_mtf.lpt_source):
+# The real-space path (flowpm_mtf.physics.gravity.force_field_of_potential, flowpm_mtf.physics.lpt_source):
 # every field comes from a potential by one real inverse transform and differences, so
 # every transform is real. LPT: the linear field's noise r2c and c2r (lowered with it,
 # though the potentials do not use them), and two radial filters of a forward and an
-# inverse transform each (flowpm_mtf.radial_filter: the noise to phi1, the 2LPT source to
+# inverse transform each (flowpm_mtf.mesh.radial_filter: the noise to phi1, the 2LPT source to
 # phi2) = 6; step r2c + c2r = 2.
 REAL_SPACE_FFT_FIELDS = {"fft": 2, "halo": 0, "lpt": 6, "nbody_step": 2}
 
@@ -78,7 +78,7 @@ def real_space_paths(nc, grid, halo):
     (``gravity._native_stencil``) and LPT fields (``lpt_source.available``) at these sizes."""
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf import gravity, lpt_source
+    from flowpm_mtf.physics import gravity, lpt_source
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=nc, grid=tuple(grid), halo_size=halo)
@@ -113,7 +113,7 @@ def fft_fields(workload, nc, grid, half_spectrum=True, halo=0):
     -------
     float
     """
-    from flowpm_mtf import fft
+    from flowpm_mtf.mesh import fft
 
     if _real_space(workload, nc, grid, halo):
         f = real = REAL_SPACE_FFT_FIELDS[workload]
@@ -135,7 +135,7 @@ def halo_ops(workload, nc, grid, halo):
         return [(2, halo)]
     if not _real_space(workload, nc, grid, halo):
         return [(4, halo)] if workload == "nbody_step" else []
-    from flowpm_mtf import gravity, lpt_source
+    from flowpm_mtf.physics import gravity, lpt_source
 
     if workload == "lpt":
         return [(1, lpt_source.SOURCE_REACH), (1, gravity.GRADIENT_REACH)]
@@ -270,20 +270,20 @@ def measured_vs_predicted_hvd(rec):
 
 # ============================================================================ memory
 #: Cell size [Mpc/h] of the extrapolated runs (2048^3 in 1 Gpc/h): it sets the particle
-#: capacity of a block (the overdensity a block can reach, see flowpm_mtf.sizing.capacity).
+#: capacity of a block (the overdensity a block can reach, see flowpm_mtf.physics.sizing.capacity).
 GPU_CELL_MPC_H = 0.5
 
 
 def gpu_memory_per_rank(nc, n, cell=GPU_CELL_MPC_H):
     """Predicted device memory of one GPU rank [bytes] of the default (eulerian) run.
 
-    The measured CPU memory model of ``flowpm_mtf/memory_model.json`` (fitted by
+    The measured CPU memory model of ``flowpm_mtf/runs/memory_model.json`` (fitted by
     ``scripts/bench_scaling.py render``, used by the preflight check): bytes per
     particle slot and per padded cell of the rank's block, with the TF/CUDA overhead
     ``TF_OVERHEAD_GB`` (assumed, untested) instead of the CPU runtime floor. Slices
     only: no rank holds a full-size array (the variables have no master copies).
     """
-    from flowpm_mtf import preflight
+    from flowpm_mtf.runs import preflight
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=nc, box_size=cell * nc, grid=_grid(n))
@@ -442,7 +442,7 @@ def tables(data):
     out += ["### Largest mesh (nc^3 particles and cells) on N GPUs", "",
             "Default eulerian run (halo %d, automatic particle capacity for %.1f Mpc/h "
             "cells), float32, %.0f%% of device memory usable; memory model of "
-            "`flowpm_mtf/memory_model.json` (measured on the CPU, section *Memory "
+            "`flowpm_mtf/runs/memory_model.json` (measured on the CPU, section *Memory "
             "benchmark* below) with a TF/CUDA overhead of %.1f GB assumed instead of the "
             "CPU runtime floor. Untested on GPUs." % (halo, GPU_CELL_MPC_H,
                                                      100 * GPU_HEADROOM, TF_OVERHEAD_GB), "",

@@ -4,7 +4,9 @@ import numpy as np
 import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import fft, layout, painting
+from flowpm_mtf.mesh import fft
+from flowpm_mtf import layout
+from flowpm_mtf.physics import painting
 from flowpm_bench.reference import _flowpm_ode_cache, flowpm_cosmo, linear_field_numpy  # noqa: F401
 
 tf.disable_eager_execution()

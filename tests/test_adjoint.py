@@ -1,4 +1,4 @@
-"""Adjoint of the N-body time loop (flowpm_mtf.adjoint): the reverse-integration gradient
+"""Adjoint of the N-body time loop (flowpm_mtf.gradients.adjoint): the reverse-integration gradient
 against ``mtf.gradients`` through the unrolled ``nbody.nbody`` (both decompositions, every
 grid of the world size), a dot-product test of one step's cotangent bookkeeping, migration
 during the reverse pass, and the reverse integration returning the initial state."""
@@ -9,7 +9,9 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import adjoint, domain, gravity, lpt, nbody, painting
+from flowpm_mtf.gradients import adjoint
+from flowpm_mtf.mesh import domain
+from flowpm_mtf.physics import gravity, lpt, nbody, painting
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

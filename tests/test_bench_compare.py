@@ -143,8 +143,9 @@ def test_step_bytes_scale_with_ranks():
 
 def test_gpu_memory_is_the_preflight_model_of_the_rank_buffers():
     """Device memory per rank = overhead + bytes per slot x capacity + bytes per padded cell
-    x padded block, with the one memory model (flowpm_mtf/memory_model.json)."""
-    from flowpm_mtf import preflight, sizing
+    x padded block, with the one memory model (flowpm_mtf/runs/memory_model.json)."""
+    from flowpm_mtf.runs import preflight
+    from flowpm_mtf.physics import sizing
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=1024, box_size=512.0, grid=(8, 8))

@@ -103,7 +103,7 @@ def test_memory_model_file_written_for_preflight(tmp_path):
     model = bs.fit_model(records)
     path = str(tmp_path / "memory_model.json")
     bs.write_memory_model(model, bs.paths(False)[0], path)
-    from flowpm_mtf import preflight
+    from flowpm_mtf.runs import preflight
 
     loaded = preflight.load_memory_model(path)
     assert loaded["bytes_per_slot"] == pytest.approx(TRUE["bytes_per_slot"], rel=FIT_RTOL)

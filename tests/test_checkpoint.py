@@ -1,4 +1,4 @@
-"""Checkpoints (flowpm_mtf.checkpoint): atomic save, load on the same and on other grids,
+"""Checkpoints (flowpm_mtf.runs.checkpoint): atomic save, load on the same and on other grids,
 torn/corrupted checkpoints fall back to the previous one on every rank, SIGTERM agreement."""
 import json
 import os
@@ -9,7 +9,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from flowpm_mtf import checkpoint, checkpoint_load, io
+from flowpm_mtf.runs import checkpoint, checkpoint_load, io
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import ResumeError
 from flowpm_mtf.backend import SerialComm as SelfComm
@@ -138,7 +138,7 @@ def test_reslice_to_another_grid(old, new, decomposition):
     the block that contains its position (x, y wrapped), ``sizing.capacity`` slots,
     the unused ones id -1; every particle exactly once, its state unchanged.
     """
-    from flowpm_mtf import sizing
+    from flowpm_mtf.physics import sizing
 
     out = tempfile.mkdtemp(prefix="ckpt")
     conf_old = SimConfig(nc=NC, grid=old, halo_size=1, decomposition=decomposition)
@@ -356,7 +356,7 @@ def test_check_identity_names_what_differs():
     old = {k: v for k, v in saved.items()
            if k not in ("job", "config_hash", "state_config", "stages")}
     old["format"] = checkpoint.FORMAT_V1
-    assert "older flowpm-mtf (flowpm_mtf.checkpoint/1)" in why(old)
+    assert "older flowpm-mtf (flowpm_mtf.runs.checkpoint/1)" in why(old)
     assert "--overwrite" in why(old)
     shutil.rmtree(out)
 

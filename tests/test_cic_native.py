@@ -1,5 +1,5 @@
 """The native CIC ops (``flowpm_mtf/native/cic_ops.cc``) on local slices: equal to
-the TensorFlow path of :mod:`flowpm_mtf.painting`, exact gradients (dot-product and
+the TensorFlow path of :mod:`flowpm_mtf.physics.painting`, exact gradients (dot-product and
 finite-difference tests in float64), independent of the thread count, harmless
 for masked (non-finite, zero-weight) particle slots. Also the native-or-TensorFlow
 choice of every module (:func:`flowpm_mtf.native.ops_for`) and the build stamps
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import kernels, native, painting  # noqa: F401  (kernels: FlowpmInterleave's gradient)
+from flowpm_mtf import native
+from flowpm_mtf.physics import kernels, painting  # noqa: F401  (kernels: FlowpmInterleave's gradient)
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

@@ -1,4 +1,4 @@
-"""flowpm_mtf.cosmology against independent references.
+"""flowpm_mtf.physics.cosmology against independent references.
 
 References: FlowPM 0.1.1's numpy growth solver (``flowpm.legacy_background``,
 float64, fastpm-python's code), its TensorFlow background and power spectrum
@@ -17,8 +17,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 from conftest import world
-from flowpm_mtf import cosmology as C
-from flowpm_mtf import linear_power as LP
+from flowpm_mtf.physics import cosmology as C
+from flowpm_mtf.physics import linear_power as LP
 
 # numpy/scipy/FlowPM only, no mesh: the same on every rank count
 pytestmark = pytest.mark.rank_independent

@@ -12,7 +12,7 @@ per module), so the map and this check cannot diverge:
   Horovod, and of ``flowpm_mtf`` only ``backend.py`` imports them;
 * importing every ``flowpm_mtf`` module starts no Horovod (a fresh interpreter);
 * the benchmark library and scripts never import from ``tests/``;
-* the migration (``flowpm_mtf/domain.py``) imports nothing about the cosmology or the
+* the migration (``flowpm_mtf/mesh/domain.py``) imports nothing about the cosmology or the
   buffer sizes (its callers pass the sizes);
 * Mesh TF is patched in one place: only ``hvd_mesh_impl/mtf_compat.py`` calls its
   ``enable_*`` functions (everyone else calls ``mtf_compat.apply``).
@@ -38,9 +38,9 @@ HOROVOD_NAMES = {"HvdSimdMeshImpl": "hvd_mesh_impl.mesh_impl",
                  "runtime": "hvd_mesh_impl.runtime"}
 HOROVOD_IMPORTERS = {"flowpm_mtf.backend"}
 # what the communication layer may not know: the cosmology and the sizes built on it
-PHYSICS_FREE = {"flowpm_mtf.domain": {"flowpm_mtf.config", "flowpm_mtf.cosmology",
-                                      "flowpm_mtf.linear_power", "flowpm_mtf.halofit",
-                                      "flowpm_mtf.sizing"}}
+PHYSICS_FREE = {"flowpm_mtf.mesh.domain": {"flowpm_mtf.config", "flowpm_mtf.physics.cosmology",
+                                      "flowpm_mtf.physics.linear_power", "flowpm_mtf.physics.halofit",
+                                      "flowpm_mtf.physics.sizing"}}
 MTF_PATCHES = ("enable_complex_gradients", "enable_lazy_masters")
 
 

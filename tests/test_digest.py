@@ -1,12 +1,12 @@
-"""File digests of the manifests (flowpm_mtf.digest): BLAKE3 for new records, SHA-256
+"""File digests of the manifests (flowpm_mtf.runs.digest): BLAKE3 for new records, SHA-256
 records of earlier runs still checked, against the published test vectors and hashlib."""
 import hashlib
 import json
 
 import pytest
 
-from flowpm_mtf import digest, rundir
-from flowpm_mtf.rundir import RunDir
+from flowpm_mtf.runs import digest, rundir
+from flowpm_mtf.runs.rundir import RunDir
 
 single = pytest.mark.rank_independent
 

@@ -1,4 +1,4 @@
-"""Particle migration (flowpm_mtf.domain): exact data movement against a numpy
+"""Particle migration (flowpm_mtf.mesh.domain): exact data movement against a numpy
 reference on every grid of the world size and on PlacementMeshImpl, overflow
 detected before any loss (on every rank), escape detection, gradients."""
 import mesh_tensorflow as mtf
@@ -8,7 +8,8 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import config as cfg
-from flowpm_mtf import domain, sizing
+from flowpm_mtf.mesh import domain
+from flowpm_mtf.physics import sizing
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import CapacityError, ParticleEscapeError
 
@@ -82,7 +83,7 @@ def reference(conf, x, pay, ids):
 
 def run_migrate(kind, conf, x, pay, ids, loss=False, send_rows=None):
     """A graph builder migrating ``x, pay, ids`` with ``send_rows`` send rows (default:
-    :func:`flowpm_mtf.sizing.send_capacity` of ``conf``, as the graph builders size them)."""
+    :func:`flowpm_mtf.physics.sizing.send_capacity` of ``conf``, as the graph builders size them)."""
     (P, Q) = conf.grid
     rows = sizing.send_capacity(conf) if send_rows is None else send_rows
     cap = x.shape[2]
@@ -222,7 +223,8 @@ def test_send_rows_follow_the_run_stages():
     """The graph builders size the steps' send buffers from the stages they run (not from
     the default ones): fewer, later stages get sizing's number for those stages, forward
     and reverse; the default stages keep the number they always had."""
-    from flowpm_mtf import adjoint, nbody
+    from flowpm_mtf.gradients import adjoint
+    from flowpm_mtf.physics import nbody
     from flowpm_mtf.jobs.nbody_run import SimulationGraph
 
     conf = SimConfig(nc=16, box_size=100.0, grid=(2, 1), n_steps=4, dtype="float64")

@@ -1,4 +1,4 @@
-"""A variable's buffer handed to the op that writes its next value (flowpm_mtf/donate.py,
+"""A variable's buffer handed to the op that writes its next value (flowpm_mtf/mesh/donate.py,
 ``FlowpmTakeVariable`` in flowpm_mtf/native/variable_ops.cc, the donors of
 ``FlowpmLatticeCombinePotentials``), and the job's ICs that use it."""
 import mesh_tensorflow as mtf
@@ -7,7 +7,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import lpt, native
+from flowpm_mtf.physics import lpt
+from flowpm_mtf import native
 
 needs_native = pytest.mark.skipif(
     native.mode() != "require" and (native.load("variable_ops") is None
@@ -142,7 +143,7 @@ def test_job_ics_write_into_the_variables(grid):
     moves them: the traced addresses of the take and of the state assigned), and give the
     state of the same ICs without donors, bit for bit. The ICs run twice (the second take
     finds the variables initialised by the first run's assignments) to the same state."""
-    from flowpm_mtf import ics, nbody
+    from flowpm_mtf.physics import ics, nbody
     from flowpm_mtf.jobs import runner
     from hvd_mesh_impl.training import ancestors
     with H.job_graph(grid) as (conf, impl, graph, mesh, sim):
@@ -182,7 +183,7 @@ def test_job_step_updates_in_place(grid):
     variables' values (a ``kdk_step`` of the snapshot reads, no take) bit for bit, two steps
     in a row. On one block the new positions and momenta are assigned in the buffers the
     variables held (traced addresses): the step makes no second copy of them."""
-    from flowpm_mtf import nbody
+    from flowpm_mtf.physics import nbody
     from flowpm_mtf.jobs import nbody_run, runner
     from hvd_mesh_impl.training import ancestors
     with H.job_graph(grid) as (conf, impl, graph, mesh, sim):
@@ -264,7 +265,7 @@ def test_job_first_force_into_the_forces_variable(grid):
     """The job's first force (hvd backend, 1, 2 and 4 ranks) is the PM force of the ICs'
     positions computed without a donor, bit for bit, and on one block it is read out into
     the buffer the forces variable held (its zeros, taken): no fresh output."""
-    from flowpm_mtf import nbody, timeloop
+    from flowpm_mtf.physics import nbody, timeloop
     from flowpm_mtf.jobs import nbody_run, runner
     from hvd_mesh_impl.training import ancestors
     with H.job_graph(grid) as (conf, impl, graph, mesh, sim):

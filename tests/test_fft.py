@@ -10,7 +10,8 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, fft, fft_local, layout
+from flowpm_mtf.mesh import complex_ops, fft, fft_local
+from flowpm_mtf import layout
 from flowpm_mtf.config import SimConfig
 
 # float64 FFT of a few hundred points: rounding error ~ log2(N) * 1e-16 relative
@@ -292,8 +293,8 @@ def test_flowpm_mtf_does_not_import_horovod():
     """flowpm_mtf runs on any MeshImpl: importing it must not pull in Horovod."""
     import subprocess
     import sys
-    code = ("import sys, flowpm_mtf.config, flowpm_mtf.fft, flowpm_mtf.halo, "
-            "flowpm_mtf.painting; import mesh_tensorflow as mtf; "
+    code = ("import sys, flowpm_mtf.config, flowpm_mtf.mesh.fft, flowpm_mtf.mesh.halo, "
+            "flowpm_mtf.physics.painting; import mesh_tensorflow as mtf; "
             "from hvd_mesh_impl.mtf_compat import complex_gradients_enabled; "
             "assert complex_gradients_enabled(); "
             "assert not [m for m in sys.modules if m.startswith('horovod')], 'horovod imported'")
@@ -309,7 +310,7 @@ def test_local_transforms_and_layout_stay_light():
 
     code = ("import sys, flowpm_mtf.layout; "
             "assert 'tensorflow' not in sys.modules, 'layout imported tensorflow'; "
-            "import flowpm_mtf.fft_local; "
+            "import flowpm_mtf.mesh.fft_local; "
             "assert 'mesh_tensorflow' not in sys.modules, 'fft_local imported mesh_tensorflow'; "
-            "assert 'flowpm_mtf.fft' not in sys.modules, 'fft_local imported fft'")
+            "assert 'flowpm_mtf.mesh.fft' not in sys.modules, 'fft_local imported fft'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

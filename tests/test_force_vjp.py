@@ -17,7 +17,9 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import domain, gravity, lpt, native, painting
+from flowpm_mtf.mesh import domain
+from flowpm_mtf.physics import gravity, lpt, painting
+from flowpm_mtf import native
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

@@ -1,4 +1,4 @@
-"""Per-rank writing of one logical HDF5 file (flowpm_mtf.h5dist): local slices without
+"""Per-rank writing of one logical HDF5 file (flowpm_mtf.runs.h5dist): local slices without
 communication on HvdSimdMeshImpl and PlacementMeshImpl, virtual datasets over per-rank
 parts read back with plain h5py, errors on every rank."""
 import os
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf import h5dist, io
+from flowpm_mtf.runs import h5dist, io
 from flowpm_mtf.backend import SerialComm
 from flowpm_mtf.errors import FlowpmError
 from mtf_harness import hvd_config, hvd_impl, mesh_id, placement_config, placement_impl

@@ -11,7 +11,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, fft, halo
+from flowpm_mtf.mesh import complex_ops, fft, halo
 from flowpm_mtf.config import SimConfig
 
 # <fill(a), b> and <a, reduce(b)> are float64 sums of ~10^3 products in

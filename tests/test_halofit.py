@@ -1,4 +1,4 @@
-"""Halofit (flowpm_mtf.halofit) against CAMB's halofit (Takahashi et al. 2012) from the same
+"""Halofit (flowpm_mtf.physics.halofit) against CAMB's halofit (Takahashi et al. 2012) from the same
 linear power: tests/data/halofit_camb.txt (scripts/make_halofit_reference.py, CAMB 2.0.5,
 our default cosmology with massless neutrinos). numpy only."""
 import os
@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from flowpm_mtf import halofit as HF
+from flowpm_mtf.physics import halofit as HF
 from flowpm_mtf.config import Cosmology
-from flowpm_mtf.linear_power import linear_matter_power
+from flowpm_mtf.physics.linear_power import linear_matter_power
 
 pytestmark = pytest.mark.single_process
 

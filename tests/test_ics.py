@@ -1,4 +1,4 @@
-"""flowpm_mtf.ics: the Gaussian linear density field.
+"""flowpm_mtf.physics.ics: the Gaussian linear density field.
 
 * equals single-device FlowPM 0.1.1 ``flowpm.tfpm.linear_field`` fed with the
   same white noise (float32 and float64), on every process grid of the world
@@ -19,7 +19,8 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import cosmology, fft, ics, linear_power, noise, power, radial_filter
+from flowpm_mtf.physics import cosmology, ics, linear_power, power
+from flowpm_mtf.mesh import fft, noise, radial_filter
 from flowpm_mtf.config import SimConfig
 
 # Agreement with FlowPM on the same noise: both evaluate the same float64 P(k)
@@ -230,7 +231,7 @@ def test_radial_kernel_values_once_per_distinct_k(dtype):
     """radial_table_numpy calls ``values`` once, on each distinct |k| only, and its folded
     grid expands to the per-cell evaluation bit for bit (a non-cubic box, a slice of
     k with both signs and the Nyquist mode), 0 at k = 0."""
-    from flowpm_mtf import ics
+    from flowpm_mtf.physics import ics
 
     kx = 2 * np.pi / 100.0 * np.fft.fftfreq(12, 1 / 12.0)
     ky = 2 * np.pi / 80.0 * np.fft.fftfreq(10, 1 / 10.0)[2:9]
@@ -263,7 +264,7 @@ def test_radial_kernel_cubic_box_integer_modes(dtype):
     evaluation to rounding (float64: 1e-14 relative; float32: the same as the float64
     values rounded, up to one unit in the last place), 0 at k = 0; slices of k with both
     signs, the Nyquist mode and meshes that differ per axis."""
-    from flowpm_mtf import ics
+    from flowpm_mtf.physics import ics
 
     box = 100.0
     dk = 2 * np.pi / box

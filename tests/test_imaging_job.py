@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import fpm_harness as H
-from flowpm_mtf import checkpoint, cli, jobs
+from flowpm_mtf.runs import checkpoint
+from flowpm_mtf import cli, jobs
 from flowpm_mtf.errors import ConfigError
 from flowpm_mtf.jobs import options, runner
 

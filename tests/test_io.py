@@ -1,4 +1,4 @@
-"""flowpm_mtf.io: HDF5 snapshot and power-spectrum text round trips.
+"""flowpm_mtf.runs.io: HDF5 snapshot and power-spectrum text round trips.
 
 Independent of the world size: every rank writes its own files into its own
 temporary directory (``rank=0`` passed explicitly), and the rank-0-only rule is
@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flowpm_mtf import io
+from flowpm_mtf.runs import io
 
 # Text columns are written with 17 significant digits: float64 round trips exactly.
 TEXT_RTOL = 0.0
@@ -139,7 +139,7 @@ def test_disk_full_keeps_the_old_file_and_stays_an_oserror(workdir, writer):
     tests/test_rundir.py), the previous file is untouched, no temporary file is left."""
     import errno
 
-    from flowpm_mtf import h5dist
+    from flowpm_mtf.runs import h5dist
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -183,7 +183,7 @@ def test_particle_part_per_axis_constants(dtype, monkeypatch):
     """Non-cubic cells, a block away from the origin: the rows converted over the flat array
     with tiled per-axis constants (io._PerAxis) equal numpy's broadcast of the [3] constants
     bit for bit, for pieces of one row to several tiles (PIECE_ROWS 7 on 50 rows)."""
-    from flowpm_mtf import h5dist
+    from flowpm_mtf.runs import h5dist
     from flowpm_mtf.config import SimConfig
 
     monkeypatch.setattr(h5dist, "PIECE_ROWS", 7)

@@ -10,7 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from flowpm_mtf import backend, cli, io, jobs, timeloop
+from flowpm_mtf import backend, cli, jobs
+from flowpm_mtf.runs import io
+from flowpm_mtf.physics import timeloop
 from flowpm_mtf.errors import ConfigError
 from flowpm_mtf.jobs import options
 
@@ -252,7 +254,7 @@ def _stop_context(checkpoints, received):
     import signal
     import types
 
-    from flowpm_mtf import checkpoint
+    from flowpm_mtf.runs import checkpoint
     from flowpm_mtf.config import SimConfig
     from flowpm_mtf.jobs import runner
 

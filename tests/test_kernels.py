@@ -1,4 +1,4 @@
-"""flowpm_mtf.kernels: two real fields per complex inverse FFT (packed_inverse).
+"""flowpm_mtf.physics.kernels: two real fields per complex inverse FFT (packed_inverse).
 
 * the packed gradient, Hessian and 2LPT fields equal the unpacked ones (one
   real-output transform per component, today's reference path, itself tested
@@ -16,7 +16,9 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, layout, fft, kernels, native
+from flowpm_mtf.mesh import complex_ops, fft
+from flowpm_mtf import layout, native
+from flowpm_mtf.physics import kernels
 from flowpm_mtf.config import XYZ, SimConfig
 
 # Packed vs unpacked: the same kernels and 1D FFTs in a different grouping; the
@@ -253,7 +255,7 @@ def test_padded_gradient_field_on_one_block(case, use_native, monkeypatch):
     """neg_gradient_potential(padded=True) on one block: the padded block with periodic
     margins, equal to field_to_padded of the field exactly (native FlowpmInterleave with
     wrap, or the TensorFlow path), with the same gradient."""
-    from flowpm_mtf import halo
+    from flowpm_mtf.mesh import halo
     if not use_native:
         monkeypatch.setattr(native, "load", lambda name: None)
     elif native.load("cic_ops") is None:

@@ -1,6 +1,6 @@
 """Real k-space kernels applied in one pass (native/kspace_ops.cc): ``FlowpmInverseLaplace``
-(flowpm_mtf.kernels.apply_inverse_laplace) and ``FlowpmRadialScale``
-(flowpm_mtf.ics.apply_radial_kernel). The ops against numpy and their TensorFlow twins bit
+(flowpm_mtf.physics.kernels.apply_inverse_laplace) and ``FlowpmRadialScale``
+(flowpm_mtf.physics.ics.apply_radial_kernel). The ops against numpy and their TensorFlow twins bit
 for bit (in the field's memory or not, on 1 and 4 threads); bad inputs; and on the mesh
 (every grid of the world size, native and TensorFlow paths) the fused products against
 the full-size kernels they replace (``apply_kernel`` with ``inverse_laplace_kernel`` /
@@ -11,7 +11,9 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, fft, ics, kernels, native
+from flowpm_mtf.mesh import complex_ops, fft
+from flowpm_mtf.physics import ics, kernels
+from flowpm_mtf import native
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

@@ -1,5 +1,5 @@
 """The ICs' slot order (flowpm_mtf.layout.slot_tiles) and the op that fills it,
-``FlowpmLatticeCombine`` (flowpm_mtf.lpt.lattice_combine): the native op against its
+``FlowpmLatticeCombine`` (flowpm_mtf.physics.lpt.lattice_combine): the native op against its
 TensorFlow twin and an independent numpy construction, bit for bit; its registered
 gradient (``FlowpmLatticeCombineGrad``) against the twin's TensorFlow gradient and by the
 dot-product test of a linear map; bad inputs; and on the mesh (every grid of the world
@@ -11,7 +11,9 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import domain, layout, lpt, native
+from flowpm_mtf.mesh import domain
+from flowpm_mtf import layout, native
+from flowpm_mtf.physics import lpt
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()
@@ -213,7 +215,7 @@ def test_potentials_native_composed_tf(block, tile, margins, m, lat, dtype):
     x and z when there is a lattice output) and against its TensorFlow twin: the same bits;
     its registered gradient against the twin's TensorFlow gradient to rounding, and by the
     dot-product test <J v, dy> = <v, J^T dy> (the map is linear without the lattice)."""
-    from flowpm_mtf import gravity
+    from flowpm_mtf.physics import gravity
     lpt_lib, cic_lib = native.load("lpt_ops"), native.load("cic_ops")
     particle_lib = native.load("particle_ops")
     wrap = [float(block[1]), 0.0, float(block[3])] if lat >= 0 else [0.0, 0.0, 0.0]
@@ -337,7 +339,7 @@ def test_potentials_bad_input():
             with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match=message):
                 sess.run(make())
     # the mesh-level function says the same before any op runs
-    from flowpm_mtf import lpt_source
+    from flowpm_mtf.physics import lpt_source
     import nbody_harness as NH
     conf = SimConfig(nc=(16, 16, 8))
     with tf.Graph().as_default():
@@ -364,7 +366,7 @@ def test_potentials_on_the_mesh(case):
     zero. Anisotropic cells, so that a wrong axis shows."""
     import mesh_tensorflow as mtf
     import nbody_harness as NH
-    from flowpm_mtf import lpt_source
+    from flowpm_mtf.physics import lpt_source
     kind, grid = case
     conf = SimConfig(nc=(16, 16, 8), box_size=(32.0, 24.0, 20.0), grid=grid, halo_size=2,
                      dtype="float64")

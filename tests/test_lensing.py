@@ -1,4 +1,4 @@
-"""Lensing (flowpm_mtf.lensing): density planes against a numpy 2D CIC, the Born sum on
+"""Lensing (flowpm_mtf.physics.lensing): density planes against a numpy 2D CIC, the Born sum on
 an analytic plane, the same convergence map on every process grid, finite-difference
 gradient of a convergence loss with respect to the initial field, the flat-sky C_ell
 estimator, and bad input."""
@@ -12,8 +12,9 @@ from scipy.interpolate import RegularGridInterpolator
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import cosmology as C
-from flowpm_mtf import fft, lensing as L, lpt, painting
+from flowpm_mtf.physics import cosmology as C
+from flowpm_mtf.mesh import fft
+from flowpm_mtf.physics import lensing as L, lpt, painting
 from flowpm_mtf.config import SimConfig
 
 # Painting and interpolation in float64 compared with numpy implementations of the same

@@ -27,7 +27,7 @@ ELL_RANGE = (150.0, 1400.0)
 # Tolerance on the geometric mean of measured / expected over that range. Per bin the ratio
 # scatters by ~30 % (40-370 modes per bin, and the six shells share particles of one
 # 256 Mpc/h box, so the planes' random shifts leave random cross terms); observed 0.89 with
-# the windowed expectation of flowpm_mtf.lensing_theory (per bin 0.64-1.15; the bare Limber
+# the windowed expectation of flowpm_mtf.physics.lensing_theory (per bin 0.64-1.15; the bare Limber
 # sum gave 1.18). The ensemble test of the expectation is tests/test_bench_lensing.py. A
 # factor 2 in the amplitude (e.g. a missing 1/2 or a wrong Delta r) moves it by 100 %.
 LIMBER_TOL = 0.4
@@ -57,7 +57,7 @@ def test_outputs_well_formed(run):
     # Kaiser-Squires shear beside kappa: exactly KS of the written kappa (float32 FFTs:
     # 1e-5 of the map's scale), and of the same power as kappa away from the edges (equal
     # for a periodic map; this one is not, and the wrap-around jump adds shear: 1.32 seen)
-    from flowpm_mtf.lensing import kaiser_squires_kernels
+    from flowpm_mtf.physics.lensing import kaiser_squires_kernels
     assert gamma1.shape == gamma2.shape == kappa.shape
     m1, m2 = kaiser_squires_kernels(NPIX)
     kh = np.fft.fft2(kappa.astype(np.float64))
@@ -104,7 +104,7 @@ def test_outputs_well_formed(run):
 
 def test_kappa_power_matches_limber(run):
     """Measured flat-sky C_ell vs the expected one from the run's own P(k) at each plane's
-    scale factor, through the run's windows (flowpm_mtf.lensing_theory)."""
+    scale factor, through the run's windows (flowpm_mtf.physics.lensing_theory)."""
     out, _ = run
     table = np.loadtxt(os.path.join(out, "kappa_power.txt"))
     ell, measured, limber = table[:, 0], table[:, 1], table[:, 2]

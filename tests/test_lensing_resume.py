@@ -23,7 +23,8 @@ import pytest
 
 from test_reconstruct_resume import _main, _refused, _tmpdir, _tree, _world
 
-from flowpm_mtf import checkpoint, cli
+from flowpm_mtf.runs import checkpoint
+from flowpm_mtf import cli
 from flowpm_mtf.errors import OutputDirError
 
 # 16^3 particles in 256 Mpc/h from a = 0.4, 3 regular steps, 6 planes to z_s = 0.5 on 32^2
@@ -222,7 +223,7 @@ def test_new_run_on_a_checkpointed_out_is_told_what_is_true(stopped, capsys, tmp
             manifest = json.load(f)
         for k in ("job", "config_hash", "state_config", "stages", "fields"):
             manifest.pop(k)
-        manifest["format"] = "flowpm_mtf.checkpoint/1"
+        manifest["format"] = "flowpm_mtf.runs.checkpoint/1"
         with open(path, "w") as f:
             json.dump(manifest, f)
     line = _new_run_refused("lensing", old, capsys)

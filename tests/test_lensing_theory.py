@@ -1,12 +1,12 @@
-"""The expected convergence power of a run (flowpm_mtf.lensing_theory): the taper and
+"""The expected convergence power of a run (flowpm_mtf.physics.lensing_theory): the taper and
 ray-sampling expectation against a Monte-Carlo of the estimator, the 3D CIC deconvolution
 against a brute-force grid power, the shell power's normalisation and Limber limit, and
 the resolved range. numpy only (one process)."""
 import numpy as np
 import pytest
 
-from flowpm_mtf import lensing as L
-from flowpm_mtf import lensing_theory as T
+from flowpm_mtf.physics import lensing as L
+from flowpm_mtf.physics import lensing_theory as T
 from flowpm_mtf.config import SimConfig
 
 pytestmark = pytest.mark.single_process

@@ -1,4 +1,4 @@
-"""The LPT fields in real space (flowpm_mtf.lpt_source): the native 2LPT source
+"""The LPT fields in real space (flowpm_mtf.physics.lpt_source): the native 2LPT source
 ``FlowpmLpt2Source`` and its TensorFlow twin against numpy (the spectral Hessian of the
 four-point difference on a periodic field), its registered gradient
 (``FlowpmLpt2SourceGrad``) against the twin's TensorFlow gradient and by central
@@ -11,7 +11,8 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import lpt, lpt_source, native
+from flowpm_mtf.physics import lpt, lpt_source
+from flowpm_mtf import native
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

@@ -1,5 +1,5 @@
 """Gradients of a loss on the final state w.r.t. the initial field and the cosmology
-(flowpm_mtf.model_gradient): the adjoint's field gradient against ``mtf.gradients``
+(flowpm_mtf.gradients.model_gradient): the adjoint's field gradient against ``mtf.gradients``
 through the unrolled LPT + N-body (10 steps, both decompositions, every grid of the world
 size), the cosmology gradient against central finite differences of the loss, the
 cotangents' return to lattice order, and bad input."""
@@ -12,7 +12,10 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import domain, gravity, ics, layout, lpt, model_gradient, nbody, sizing
+from flowpm_mtf.mesh import domain
+from flowpm_mtf.physics import gravity, ics, lpt, nbody, sizing
+from flowpm_mtf import layout
+from flowpm_mtf.gradients import model_gradient
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

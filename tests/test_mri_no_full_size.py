@@ -32,7 +32,7 @@ def _voxels(shape):
 def build(mesh, conf):
     """The mtf tensors and the mtf update operations of the imaging graphs."""
     from mri_mtf import conv, metrics, operators, phantom, recon, sampling, unrolled
-    from flowpm_mtf import complex_ops
+    from flowpm_mtf.mesh import complex_ops
 
     truth = phantom.phantom(mesh, conf)
     mask = sampling.mask(mesh, conf)

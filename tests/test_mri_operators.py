@@ -8,7 +8,8 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, layout
+from flowpm_mtf.mesh import complex_ops
+from flowpm_mtf import layout
 from mri_mtf import operators, sampling
 from mri_mtf.config import ImagingConfig
 

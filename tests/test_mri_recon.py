@@ -8,7 +8,7 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops
+from flowpm_mtf.mesh import complex_ops
 from mri_mtf import metrics, operators, phantom, recon, sampling
 from mri_mtf.config import ImagingConfig
 

@@ -1,4 +1,4 @@
-"""Local 1D FFTs (``flowpm_mtf.fft_local.fft_along``/``rfft_along``/``irfft_along``, their
+"""Local 1D FFTs (``flowpm_mtf.mesh.fft_local.fft_along``/``rfft_along``/``irfft_along``, their
 blocked, mirror-pair-ordered and packed variants) and the mirror-pair completion op
 (``pairs_extend``/``pairs_fold``): the native FFTW op against numpy.fft, its gradients
 by dot-product and finite differences, the TensorFlow fallback, and concurrent planning.
@@ -12,7 +12,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft_local, layout, native
+from flowpm_mtf.mesh import fft_local
+from flowpm_mtf import layout, native
 
 tf.disable_eager_execution()
 pytestmark = pytest.mark.rank_independent

@@ -10,7 +10,8 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import domain, fft, gravity, lpt, nbody, painting
+from flowpm_mtf.mesh import domain, fft
+from flowpm_mtf.physics import gravity, lpt, nbody, painting
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import ParticleEscapeError
 
@@ -306,7 +307,8 @@ JOB_VS_UNROLLED_ATOL = 1e-9  # [cells]
 def test_simulation_job_equals_unrolled_nbody(tmp_path):
     """The simulate job (one lowered step fed with per-step factors) == nbody.forward."""
     import h5py
-    from flowpm_mtf import ics, jobs
+    from flowpm_mtf.physics import ics
+    from flowpm_mtf import jobs
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.jobs.simulate import SimulateOptions
 
@@ -332,7 +334,8 @@ def test_simulation_job_snapshots_equal_unrolled_nbody(tmp_path):
     """`--snapshots`: the job's snapshot at a requested scale factor (made a stage of the
     time loop) == nbody.nbody's state there on the same stages; P(k) after every step."""
     import h5py
-    from flowpm_mtf import ics, jobs, timeloop
+    from flowpm_mtf.physics import ics, timeloop
+    from flowpm_mtf import jobs
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.jobs.simulate import SimulateOptions
 
@@ -367,7 +370,7 @@ def test_first_force_escape_check_only_where_unchecked(decomposition):
     the escape count (``FlowpmCicEscaped``) where the eulerian ICs' migration gate has
     checked every particle into its block, and keep it in the lagrangian decomposition,
     where nothing has checked them; the step has one where it has none before (lagrangian)."""
-    from flowpm_mtf import ics
+    from flowpm_mtf.physics import ics
     from flowpm_mtf.jobs import nbody_run
     from hvd_mesh_impl.training import ancestors
     with H.job_graph((1, 1), decomposition=decomposition) as (conf, impl, graph, mesh, sim):

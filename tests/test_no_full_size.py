@@ -72,13 +72,13 @@ def share_bound(conf):
     for the force field and 4 for the 2LPT source (``gravity.GRADIENT_REACH``,
     ``lpt_source.SOURCE_REACH``). Particles: the
     lattice share (lagrangian), or the automatic capacity of the eulerian buffers
-    (:func:`flowpm_mtf.sizing.capacity` of the configuration without a capacity
+    (:func:`flowpm_mtf.physics.sizing.capacity` of the configuration without a capacity
     override; the send buffers, ``2 send_capacity`` rows, are smaller). Variables:
     3 components per particle slot.
     """
-    from flowpm_mtf import sizing
+    from flowpm_mtf.physics import sizing
 
-    from flowpm_mtf import gravity, lpt_source
+    from flowpm_mtf.physics import gravity, lpt_source
 
     (P, Q), h = conf.grid, conf.halo_size
     h = max(h + gravity.GRADIENT_REACH, lpt_source.SOURCE_REACH)

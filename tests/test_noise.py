@@ -1,4 +1,4 @@
-"""flowpm_mtf.noise: decomposition-independent white noise.
+"""flowpm_mtf.mesh.noise: decomposition-independent white noise.
 
 * numpy reference == TensorFlow slice generator, bit for bit;
 * statistics of the deviates (bounds at 5 standard deviations of the estimator);
@@ -15,7 +15,8 @@ from scipy import stats
 
 from conftest import world
 from mtf_harness import AXIS_NAMES, MESHES as ALL_MESHES, mesh_id, meshes_for, run_graph
-from flowpm_mtf import native, noise
+from flowpm_mtf import native
+from flowpm_mtf.mesh import noise
 
 RANK, SIZE = world()
 

@@ -9,7 +9,8 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 from flowpm_mtf import config as cfg
-from flowpm_mtf import complex_ops, fft, painting
+from flowpm_mtf.mesh import complex_ops, fft
+from flowpm_mtf.physics import painting
 from flowpm_mtf.config import SimConfig
 
 # FlowPM's reference runs in float32 only; both sides sum <= 8 * (particles per

@@ -1,4 +1,4 @@
-"""flowpm_mtf.power: distributed binned power spectrum.
+"""flowpm_mtf.physics.power: distributed binned power spectrum.
 
 * against an independent numpy estimator (np.fft.fftn of the gathered field,
   np.digitize / np.bincount binning), float64, on every process grid of the world
@@ -19,7 +19,9 @@ import mesh_tensorflow as mtf
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import fft, native, power
+from flowpm_mtf.mesh import fft
+from flowpm_mtf import native
+from flowpm_mtf.physics import power
 from flowpm_mtf.config import SimConfig
 
 # Both estimators sum the same |fftn/N|^2 values (float64) in different orders:
@@ -312,7 +314,7 @@ def test_shell_sums_half_op_against_full(ctype):
     """``FlowpmShellSumsHalf`` of a half spectrum equals ``FlowpmShellSums`` of |F|^2 of its
     extension (``pairs_extend``), for every combination of first blocks, on one and four
     threads."""
-    from flowpm_mtf import fft_local
+    from flowpm_mtf.mesh import fft_local
     lib = native.load("power_ops")
     rng = np.random.RandomState(8)
     lx, ly, h = 6, 4, 3

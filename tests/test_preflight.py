@@ -1,4 +1,4 @@
-"""Checks before the compute (flowpm_mtf.preflight) and graphs that scale past 2^31 cells."""
+"""Checks before the compute (flowpm_mtf.runs.preflight) and graphs that scale past 2^31 cells."""
 import math
 import os
 import re
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from hvd_mesh_impl import slice_init
-from flowpm_mtf import cosmology as cosmo_mod
-from flowpm_mtf import nbody, preflight
+from flowpm_mtf.physics import cosmology as cosmo_mod
+from flowpm_mtf.physics import nbody
+from flowpm_mtf.runs import preflight
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.errors import ConfigError, MemoryBudgetError
 
@@ -62,7 +63,7 @@ def test_memory_constants_fit_the_measured_runs():
 
 def test_memory_terms_are_the_rank_buffers():
     """Slots: the lattice share on one rank or lagrangian, the eulerian capacity otherwise."""
-    from flowpm_mtf import sizing
+    from flowpm_mtf.physics import sizing
 
     c1 = SimConfig(nc=64, grid=(1, 1))
     assert preflight.memory_terms(c1) == (64.0**3, 68.0 * 68 * 64)
@@ -491,13 +492,13 @@ def test_steps_advice_passes(steps):
                                               (32, 128.0, (2, 1), 1), (64, 200.0, (2, 2), 2),
                                               (16, 16.0, (2, 1), 1)])
 def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
-    from flowpm_mtf import sizing
+    from flowpm_mtf.physics import sizing
     from flowpm_mtf.errors import ParticleEscapeError
 
     conf = SimConfig(nc=nc, box_size=box, grid=grid, decomposition="lagrangian",
                      halo_size=halo)
     err = sizing.lagrangian_escape_error(RuntimeError(
-        "flowpm_mtf.painting: particles escaped: paint found particles beyond the halo; "
+        "flowpm_mtf.physics.painting: particles escaped: paint found particles beyond the halo; "
         "count = 3"), conf)
     assert isinstance(err, ParticleEscapeError)
     msg = str(err)
@@ -517,7 +518,7 @@ def test_lagrangian_halo_hint_covers_the_displacement(nc, box, grid, halo):
             assert int(m.group(1)) < conf.n_ranks and int(m.group(4)) == need
             conf.replace(grid=(int(m.group(2)), int(m.group(3))), halo_size=need)
     # the eulerian decomposition's checks are not touched
-    assert sizing.lagrangian_escape_error(RuntimeError("flowpm_mtf.painting: particles escaped"),
+    assert sizing.lagrangian_escape_error(RuntimeError("flowpm_mtf.physics.painting: particles escaped"),
                                           conf.replace(decomposition="eulerian",
                                                        halo_size=None)) is None
 

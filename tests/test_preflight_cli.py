@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from flowpm_mtf import preflight
+from flowpm_mtf.runs import preflight
 from flowpm_mtf.config import SimConfig
 from test_safety_cli import flowpm
 

@@ -1,4 +1,4 @@
-"""Radial filters of real fields on half the spectrum (flowpm_mtf/radial_filter.py, the native
+"""Radial filters of real fields on half the spectrum (flowpm_mtf/mesh/radial_filter.py, the native
 ``FlowpmRadialScaleHalf`` of native/kspace_ops.cc).
 
 * The op against what it replaces, ``pairs_extend`` -> ``FlowpmRadialScale`` ->
@@ -17,7 +17,9 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import complex_ops, fft, fft_local, ics, native, radial_filter
+from flowpm_mtf.mesh import complex_ops, fft, fft_local, radial_filter
+from flowpm_mtf.physics import ics
+from flowpm_mtf import native
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

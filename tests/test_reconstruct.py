@@ -1,4 +1,4 @@
-"""Reconstruction of the initial conditions (flowpm_mtf.reconstruct): prior normalisation,
+"""Reconstruction of the initial conditions (flowpm_mtf.gradients.reconstruct): prior normalisation,
 Adam against numpy, finite-difference gradient of the loss, convergence and r(k) of a small
 reconstruction, the same trajectory on every process grid, bad input, and the CLI job on
 2 MPI ranks against the in-process 1-rank run."""
@@ -15,8 +15,10 @@ import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
 import nbody_harness as NH
-from flowpm_mtf import cli, fft, ics, jobs, linear_power
-from flowpm_mtf import reconstruct as R
+from flowpm_mtf import cli, jobs
+from flowpm_mtf.mesh import fft
+from flowpm_mtf.physics import ics, linear_power
+from flowpm_mtf.gradients import reconstruct as R
 from flowpm_mtf.jobs import runner
 from flowpm_mtf.config import SimConfig
 

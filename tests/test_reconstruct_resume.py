@@ -21,8 +21,9 @@ import h5py
 import numpy as np
 import pytest
 
-from flowpm_mtf import checkpoint, cli
-from flowpm_mtf import reconstruct as R
+from flowpm_mtf.runs import checkpoint
+from flowpm_mtf import cli
+from flowpm_mtf.gradients import reconstruct as R
 from flowpm_mtf.errors import ResumeError
 
 # The gradient methods the resumed run is checked with: every case with the default

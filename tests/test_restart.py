@@ -167,7 +167,8 @@ def test_sigterm_after_the_publish_exits_zero_on_every_rank():
     the ranks are on their way out (held there by the test hook): the complete run stays
     and every rank exits 0 (it was "rank 1 exited on signal 15", mpirun exit 143: the
     handler was restored to the default action when the run returned)."""
-    from flowpm_mtf import cli, rundir
+    from flowpm_mtf import cli
+    from flowpm_mtf.runs import rundir
 
     out = os.path.join(tempfile.mkdtemp(prefix="sigend"), "run")
     args = ["simulate", "--nc", "16", "--steps", "40", "--checkpoint-every", "5", "--no-plot"]
@@ -186,7 +187,7 @@ def _snapshot_name(a):
 
 def _published(d):
     """Path -> digest of the files of the complete run in ``d`` (its manifest)."""
-    from flowpm_mtf import rundir
+    from flowpm_mtf.runs import rundir
 
     assert rundir.verify_manifest(d) == []
     return {f["path"]: f["blake3"] for f in rundir.read_manifest(d)["files"]}
@@ -343,8 +344,8 @@ def test_old_checkpoint_and_moved_stage_are_refused(runs, capsys, case):
     if case == "old":
         _edit_manifests(d[case], lambda m: [m.pop(k) for k in ("job", "config_hash",
                                                                "state_config", "stages")]
-                        and m.update(format="flowpm_mtf.checkpoint/1"))
-        want = "was written by an older flowpm-mtf (flowpm_mtf.checkpoint/1)"
+                        and m.update(format="flowpm_mtf.runs.checkpoint/1"))
+        want = "was written by an older flowpm-mtf (flowpm_mtf.runs.checkpoint/1)"
     else:
         _edit_manifests(d[case], lambda m: m.update(a=m["a"] * 1.25))
         want = "; the stage lists differ"

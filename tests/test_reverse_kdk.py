@@ -1,4 +1,4 @@
-"""The fused particle arithmetic of the adjoint's reverse step (flowpm_mtf.reverse_kdk,
+"""The fused particle arithmetic of the adjoint's reverse step (flowpm_mtf.gradients.reverse_kdk,
 native/adjoint_ops.cc): the native ops against the Mesh TF expressions they replace (bit
 for bit for the elementwise outputs, to rounding for the block sums) and against numpy, on
 every grid of the world size, float32 and float64, with and without empty slots; the
@@ -9,7 +9,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import layout, native, reverse_kdk
+from flowpm_mtf import layout, native
+from flowpm_mtf.gradients import reverse_kdk
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

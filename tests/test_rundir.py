@@ -1,4 +1,4 @@
-"""Run directories (flowpm_mtf.rundir): lock, staging, publish, manifest, overwrite, cleanup,
+"""Run directories (flowpm_mtf.runs.rundir): lock, staging, publish, manifest, overwrite, cleanup,
 a publish killed at every step, a full disk.
 
 In-process tests of the primitives (marked ``rank_independent``), a kill -9 of a
@@ -17,9 +17,9 @@ import blake3
 import numpy as np
 import pytest
 
-from flowpm_mtf import h5dist, rundir
+from flowpm_mtf.runs import h5dist, rundir
 from flowpm_mtf.errors import OutputDirError, ResumeError
-from flowpm_mtf.rundir import RunDir
+from flowpm_mtf.runs.rundir import RunDir
 
 single = pytest.mark.rank_independent
 
@@ -209,7 +209,7 @@ def test_checkpointed_run_needs_resume_or_overwrite(tmp_path):
     out = tmp_path / "run"
     os.makedirs(out / "checkpoint" / "step_000004")
     (out / "checkpoint" / "step_000004" / "manifest.json").write_text(json.dumps(
-        {"format": "flowpm_mtf.checkpoint/2", "job": "simulate", "step": 4, "files": {}}))
+        {"format": "flowpm_mtf.runs.checkpoint/2", "job": "simulate", "step": 4, "files": {}}))
     (out / ".lock").write_text("{}")
     with pytest.raises(OutputDirError, match="pass --resume .* --overwrite"):
         RunDir(out, "simulate").open()
@@ -305,7 +305,7 @@ def test_manifest_is_json_with_sizes(tmp_path):
 
 # ----------------------------------------------------------------------------- killed publish
 # An old complete run and the new run replacing it, both with per-rank part folders (as
-# flowpm_mtf.h5dist writes them) and a file only one of them has.
+# flowpm_mtf.runs.h5dist writes them) and a file only one of them has.
 OLD_FILES = {"summary.json": "old summary", "snap.h5": "old virtual file",
              "snap.parts/rank00000.h5": "old part 0", "snap.parts/rank00001.h5": "old part 1",
              "old_only.png": "old plot"}
@@ -591,7 +591,7 @@ def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_pat
     """A real ENOSPC (/dev/full) in a rank-0 output (summary.json) written the way the
     runner should write them, inside h5dist.collective: OutputDirError (exit 5) on every
     rank, one line; the old run intact after close."""
-    from flowpm_mtf import io
+    from flowpm_mtf.runs import io
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flowpm_mtf import digest, rundir
+from flowpm_mtf.runs import digest, rundir
 from test_mpi_jobs import clean_env
 
 pytestmark = pytest.mark.single_process

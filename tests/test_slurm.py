@@ -206,7 +206,7 @@ def _has_checkpointing():
     missing = [f for f in ("--checkpoint-every", "--resume") if f not in proc.stdout]
     if missing:
         return ("flowpm-mtf simulate has no %s: the checkpoint/resume/SIGTERM feature "
-                "(issue 11, flowpm_mtf/checkpoint.py) is not in this tree" % " / ".join(missing))
+                "(issue 11, flowpm_mtf/runs/checkpoint.py) is not in this tree" % " / ".join(missing))
     return None
 
 

@@ -16,7 +16,8 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf import domain, layout, native
+from flowpm_mtf.mesh import domain
+from flowpm_mtf import layout, native
 from flowpm_mtf.config import SimConfig
 
 tf.disable_eager_execution()

@@ -80,7 +80,7 @@ def test_mesh_tf_is_patched_in_one_place():
     out = run("import sys, flowpm_mtf, _flowpm_mtf_startup\n"
               "tf_compat = sys.modules['hvd_mesh_impl.tf_compat']\n"
               "assert _flowpm_mtf_startup.load_tf_compat() is tf_compat\n"
-              "import flowpm_mtf.fft, flowpm_mtf.complex_ops, hvd_mesh_impl\n"
+              "import flowpm_mtf.mesh.fft, flowpm_mtf.mesh.complex_ops, hvd_mesh_impl\n"
               "assert hvd_mesh_impl.tf_compat is tf_compat\n"
               "import mesh_tensorflow as mtf\n"
               "from hvd_mesh_impl import mtf_compat\n"

@@ -23,7 +23,7 @@ RTOL = {"sgd": 1e-10, "flowpm_adam": 1e-10,  # float64, another summation order
 B, D, H, O = 8, 6, 8, 4  # batch, input, hidden, output sizes
 LR = {"sgd": 0.1, "mtf_adam": 0.05, "flowpm_adam": 0.05}
 ADAM_EPS_MTF = 1e-6  # AdamWeightDecayOptimizer's default
-ADAM_EPS_FLOWPM = 1e-8  # flowpm_mtf.optim.adam_update's default
+ADAM_EPS_FLOWPM = 1e-8  # flowpm_mtf.mesh.optim.adam_update's default
 
 rng = np.random.RandomState(16)
 X = rng.standard_normal([B, D])
@@ -62,7 +62,7 @@ def np_train(opt):
                 s["v"] = f32(0.999) * s["v"] + f32(1.0 - 0.999) * np.square(g)
                 update = s["m"] / (np.sqrt(s["v"]) + f32(ADAM_EPS_MTF))
                 w -= (f32(LR[opt]) * update).astype(np.float64)
-            else:  # flowpm_mtf.optim.adam_update, float64 with bias correction
+            else:  # flowpm_mtf.mesh.optim.adam_update, float64 with bias correction
                 s["m"] = s["m"] * 0.9 + g * (1.0 - 0.9)
                 s["v"] = s["v"] * 0.999 + np.square(g) * (1.0 - 0.999)
                 m_hat = s["m"] / (1.0 - np.exp(step * np.log(0.9)))
@@ -93,7 +93,7 @@ def build(mesh, opt):
         updates = mtf.optimize.AdamWeightDecayOptimizer(LR[opt]).apply_grads(
             grads, [w1.operation, w2.operation])
     else:
-        from flowpm_mtf.optim import adam_update
+        from flowpm_mtf.mesh.optim import adam_update
 
         updates = []
         for w, g in zip((w1, w2), grads):

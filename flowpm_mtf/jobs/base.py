@@ -12,9 +12,9 @@ registered by :func:`flowpm_mtf.jobs.register`. The runner calls, in order:
 5. :meth:`Job.finish` -- numpy post-processing; returns the job's own
    summary fields;
 6. :meth:`Job.write_all` (every rank, collective) -- the distributed files
-   (each rank its slices, :mod:`flowpm_mtf.h5dist`); then
+   (each rank its slices, :mod:`flowpm_mtf.runs.h5dist`); then
    :meth:`Job.write` (rank 0 only) -- writes the products through
-   :mod:`flowpm_mtf.io` into the run directory; the runner then writes
+   :mod:`flowpm_mtf.runs.io` into the run directory; the runner then writes
    ``summary.json``;
 7. :meth:`Job.check` (every rank) -- raise if the results are wrong (the
    outputs are kept for inspection).
@@ -95,7 +95,7 @@ class Job:
         Default run directory.
     checkpoints : bool
         The job's loop checkpoints and resumes (``--checkpoint-every``,
-        ``--resume``; :mod:`flowpm_mtf.checkpoint`).
+        ``--resume``; :mod:`flowpm_mtf.runs.checkpoint`).
     loop_unit : str
         What one pass of the job's loop is called (``"step"``, ``"iteration"``):
         the unit of ``--checkpoint-every`` and of the stop messages.
@@ -103,7 +103,7 @@ class Job:
         The job's own config sections (besides ``"config"``) whose fields
         change its state, section key -> tuple of its output-only fields: they
         are part of the checkpoint's config hash
-        (:func:`flowpm_mtf.checkpoint.state_config`), so a resume with another
+        (:func:`flowpm_mtf.runs.checkpoint.state_config`), so a resume with another
         value is refused.
     """
 

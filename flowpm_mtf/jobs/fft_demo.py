@@ -10,7 +10,9 @@ import logging
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import fft, io, layout, noise, preflight
+from ..mesh import fft, noise
+from ..runs import io, preflight
+from .. import layout
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import register, runner

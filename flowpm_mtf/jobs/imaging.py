@@ -18,7 +18,7 @@ Outputs (run directory):
 
 imaging.h5
     ``truth`` and one magnitude volume per method ``[NX, NY, NZ]``, written by every
-    rank (its blocks; :func:`flowpm_mtf.io.write_imaging`), ``train_loss``.
+    rank (its blocks; :func:`flowpm_mtf.runs.io.write_imaging`), ``train_loss``.
 metrics.md
     PSNR [dB] and SSIM per method.
 summary.json
@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from .. import checkpoint, h5dist, io
+from ..runs import checkpoint, h5dist, io
 from ..logs import rank0_only
 from . import register, runner
 from .base import ConfigSection, Job
@@ -110,7 +110,7 @@ class _Graph:
         import mesh_tensorflow as mtf
 
         from mri_mtf import metrics, operators, phantom, recon, sampling, unrolled
-        from .. import complex_ops
+        from ..mesh import complex_ops
         from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
         conf = ctx.conf
@@ -301,7 +301,7 @@ def _mid_planes(comm, nc, blocks):
     -------
     dict
         ``"x"``: ``[NY, NZ]`` at ``x = NX // 2``; ``"y"``: ``[NX, NZ]``; ``"z"``:
-        ``[NX, NY]``. Only these 2D planes travel (:func:`flowpm_mtf.h5dist.gather_slab`).
+        ``[NX, NY]``. Only these 2D planes travel (:func:`flowpm_mtf.runs.h5dist.gather_slab`).
     """
     out = {}
     for axis, name in enumerate("xyz"):
@@ -317,7 +317,7 @@ def _mid_planes(comm, nc, blocks):
 
 
 def _identity(ctx):
-    """:func:`flowpm_mtf.checkpoint.identity` of the training (no stages: steps)."""
+    """:func:`flowpm_mtf.runs.checkpoint.identity` of the training (no stages: steps)."""
     return checkpoint.identity(ctx.job.name, ctx.configs, (), sections=ctx.job.state_sections,
                                total=ctx.configs["unrolled"].train_steps)
 

@@ -6,7 +6,7 @@ grid, and the ICs, every kick-drift-kick step and the painting of the planes
 of each stage are assign operations run one after the other in the time loop
 (progress and timings per step). The stages are those of the simulation plus
 the scale factor of every plane centre
-(:func:`flowpm_mtf.lensing.lightcone_stages`), so each plane is painted from
+(:func:`flowpm_mtf.physics.lensing.lightcone_stages`), so each plane is painted from
 the particles at its own time. After painting the planes of a stage, the job
 also measures the 3D P(k) of the particles there: it is the input of the
 Limber prediction of the convergence power spectrum.
@@ -14,7 +14,7 @@ Limber prediction of the convergence power spectrum.
 Interruption
 ------------
 The job checkpoints like ``simulate`` (``--checkpoint-every K``, ``--resume
-OUT``, SIGTERM: :mod:`flowpm_mtf.checkpoint`): a checkpoint holds the particle
+OUT``, SIGTERM: :mod:`flowpm_mtf.runs.checkpoint`): a checkpoint holds the particle
 state, every lens plane (each rank its own (x, y) block of each plane: the
 planes painted so far, zero for the later ones) and the P(k) measured at the
 plane stages so far; the Born maps are computed from the planes at the end.
@@ -26,7 +26,7 @@ Outputs (written by rank 0 into the run directory)
 ---------------------------------------------------
 kappa.h5
     Maps, planes (a virtual dataset over the per-rank blocks in ``kappa.parts/``)
-    and the P(k) at each plane (:func:`flowpm_mtf.io.write_kappa`).
+    and the P(k) at each plane (:func:`flowpm_mtf.runs.io.write_kappa`).
 kappa_power.txt
     ell, then per source the measured flat-sky C_ell and the Limber prediction
     from the measured P(k) [sr], then the number of modes per bin.
@@ -42,7 +42,8 @@ import numpy as np
 
 from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
-from .. import h5dist, io, lensing, lensing_theory, preflight
+from ..runs import h5dist, io, preflight
+from ..physics import lensing, lensing_theory
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import nbody_run, register, runner
@@ -93,7 +94,7 @@ class LensingJob(Job):
     ------
     ValueError
         Before anything is built, for an impossible lightcone (see
-        :func:`flowpm_mtf.lensing.geometry`).
+        :func:`flowpm_mtf.physics.lensing.geometry`).
     """
 
     name = "lensing"

@@ -4,15 +4,15 @@ The graph is built once. The particle state lives in Mesh TF variables on the
 process grid; the ICs and one kick-drift-kick step are assign operations, and
 the step is run once per stage with that step's time-integration factors fed
 through a placeholder (:class:`SimulationGraph`; the state variables, the step
-and its loop are :class:`flowpm_mtf.stepper.Stepper`'s, shared with the adjoint).
-:func:`run_stages` drives it with :meth:`flowpm_mtf.stepper.Stepper.run`
-(:func:`flowpm_mtf.timeloop.integrate`), so the jobs share the stepping rule of
-:func:`flowpm_mtf.nbody.nbody`; observers (:class:`SnapshotWriter`,
+and its loop are :class:`flowpm_mtf.physics.stepper.Stepper`'s, shared with the adjoint).
+:func:`run_stages` drives it with :meth:`flowpm_mtf.physics.stepper.Stepper.run`
+(:func:`flowpm_mtf.physics.timeloop.integrate`), so the jobs share the stepping rule of
+:func:`flowpm_mtf.physics.nbody.nbody`; observers (:class:`SnapshotWriter`,
 :class:`PowerAtStages`, the lensing job's plane painter) act after each step,
 then the step is timed, logged and the runner's after-step hook is called;
 then, for a job that checkpoints (``Job.checkpoints``), every
 ``ctx.checkpoint_every`` steps or when the ranks agree on a stop request
-(SIGTERM), the state is checkpointed (:mod:`flowpm_mtf.checkpoint`, with the
+(SIGTERM), the state is checkpointed (:mod:`flowpm_mtf.runs.checkpoint`, with the
 outputs staged so far and the per-step records of the summary) and, after a
 stop, :class:`flowpm_mtf.jobs.runner.Stopped` ends the job (a job that does not
 checkpoint is stopped by the runner's after-step check, without a checkpoint).
@@ -37,8 +37,9 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import (checkpoint, domain, donate, h5dist, ics, io, lpt, nbody, painting, power, sizing,
-               stepper, timeloop)
+from ..runs import checkpoint, h5dist, io
+from ..mesh import domain, donate
+from ..physics import ics, lpt, nbody, painting, power, sizing, stepper, timeloop
 from ..logs import rank0_only
 from . import runner
 
@@ -68,7 +69,7 @@ class SimulationGraph:
 
     Attributes
     ----------
-    stepper : flowpm_mtf.stepper.Stepper
+    stepper : flowpm_mtf.physics.stepper.Stepper
         The state variables, the fed factors, the step and its run
         (:func:`run_stages`).
     variables : lpt.State
@@ -77,7 +78,7 @@ class SimulationGraph:
         The 2LPT state at the first stage, before the first PM force (its
         ``forces`` is None): what ``init_ops`` assigns, less that force. Run it
         only through ``init_ops``: its positions and momenta are written into
-        the variables' buffers (:func:`flowpm_mtf.donate.take`), and a run that
+        the variables' buffers (:func:`flowpm_mtf.mesh.donate.take`), and a run that
         does not assign them back leaves the variables uninitialised (the next
         read raises ``FailedPrecondition``).
     init_ops, init_force_ops, step_ops : list of mtf.Operation
@@ -90,7 +91,7 @@ class SimulationGraph:
         step ``i`` (``stages[i] -> stages[i + 1]``). The ICs and the step take
         the positions, momenta (and the step the forces) out of their variables
         and write the new values into those buffers where they can
-        (:mod:`flowpm_mtf.donate`); each runs only as a whole.
+        (:mod:`flowpm_mtf.mesh.donate`); each runs only as a whole.
     rho, k, pk, modes : mtf.Tensor
         Outputs of the current state (density; its P(k), reduced and replicated).
     """
@@ -103,7 +104,7 @@ class SimulationGraph:
         # The state's variables, its fed factors and its one step: the stepper's. The zeros
         # are the state's buffers: the ICs write the positions and momenta into them and
         # every step updates the state in them where it can (donate.take: no fresh pages,
-        # no second copy of the state: flowpm_mtf/donate.py).
+        # no second copy of the state: flowpm_mtf/mesh/donate.py).
         self.stepper = st = stepper.Stepper(conf, mesh, stages, shape)
         self.stages = st.stages
         self.lpt_state = lpt.lpt_init(linear, conf, a=self.stages[0], forces=False,
@@ -269,7 +270,7 @@ def _checkpoint_parts(conf, state):
 
 
 def run_identity(ctx, stages, fields=()):
-    """:func:`flowpm_mtf.checkpoint.identity` of this run (job, state config, stages).
+    """:func:`flowpm_mtf.runs.checkpoint.identity` of this run (job, state config, stages).
 
     The job's ``state_sections`` are part of the state config; ``fields`` names
     the distributed fields its checkpoints hold besides the particles.
@@ -315,7 +316,7 @@ def check_resume(ctx, stages, fields=()):
     ResumeError
         The newest checkpoint of the run directory was written by another job,
         with another state config or stage list, or by an older flowpm-mtf
-        (:func:`flowpm_mtf.checkpoint.check_identity`).
+        (:func:`flowpm_mtf.runs.checkpoint.check_identity`).
     """
     from ..errors import ResumeError
 
@@ -397,7 +398,7 @@ def run_stages(ctx, sess, sim, ops, observers=(), note=None, loop_state=None):
         From :func:`lower_simulation`.
     observers : sequence of callable
         ``observer(j, a_j, None)`` at the first stage and after every step
-        (:func:`flowpm_mtf.timeloop.integrate`); not at the restored stage of
+        (:func:`flowpm_mtf.physics.timeloop.integrate`); not at the restored stage of
         a resumed run (they ran there before the checkpoint, whose outputs are
         restored).
     note : callable, optional
@@ -587,10 +588,10 @@ def migration_summary(conf, stats, send_rows=None):
     conf : SimConfig
     stats : list of (str, ndarray or None)
         ``(label, stats)`` of the IC migration and of every step
-        (:data:`flowpm_mtf.domain.STATS`).
+        (:data:`flowpm_mtf.mesh.domain.STATS`).
     send_rows : int, optional
         Rows of the steps' send buffers [particles] (``SimulationGraph.send_rows``);
-        default: :func:`flowpm_mtf.sizing.send_capacity` of the default stages.
+        default: :func:`flowpm_mtf.physics.sizing.send_capacity` of the default stages.
 
     Returns
     -------

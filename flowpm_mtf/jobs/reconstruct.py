@@ -1,6 +1,6 @@
 """The reconstruction job: observe a truth, then Adam on the linear field.
 
-``flowpm-mtf reconstruct`` (the method: :mod:`flowpm_mtf.reconstruct`). Makes a
+``flowpm-mtf reconstruct`` (the method: :mod:`flowpm_mtf.gradients.reconstruct`). Makes a
 truth from ``conf.seed``, observes its final density with Gaussian noise,
 optimises from :math:`s = 0` and writes (rank 0):
 
@@ -8,7 +8,7 @@ reconstruction.h5
     ``truth``, ``reconstruction`` (linear fields at a = 1, [NX, NY, NZ]),
     ``observed`` (1 + delta), ``loss``, ``chi2``, ``prior`` per iteration
     (before each step, plus the final value); attributes: config, settings
-    (JSON), versions (:func:`flowpm_mtf.io.write_reconstruction`).
+    (JSON), versions (:func:`flowpm_mtf.runs.io.write_reconstruction`).
 reconstruction.txt
     k [h/Mpc], r(k), T(k), number of modes.
 summary.json
@@ -19,8 +19,8 @@ reconstruction.png
 
 checkpoint/
     With ``--checkpoint-every K`` (iterations) or on SIGTERM
-    (:mod:`flowpm_mtf.checkpoint`): every rank's slices of the optimiser's
-    whole state (:attr:`~flowpm_mtf.reconstruct.ReconstructionGraph.checkpoint_variables`:
+    (:mod:`flowpm_mtf.runs.checkpoint`): every rank's slices of the optimiser's
+    whole state (:attr:`~flowpm_mtf.gradients.reconstruct.ReconstructionGraph.checkpoint_variables`:
     the field, Adam's moments and step count), the iteration count and the
     loss/chi2/prior history; the data are made again from the seed on
     ``--resume OUT``, which ends bit-identical to an uninterrupted run on the
@@ -28,9 +28,9 @@ checkpoint/
     the checkpoint's config hash: a resume with another is refused.
 
 Errors: ``ValueError`` at graph construction, on every rank (see
-:class:`flowpm_mtf.reconstruct.ReconstructionGraph`);
+:class:`flowpm_mtf.gradients.reconstruct.ReconstructionGraph`);
 ``tf.errors.InvalidArgumentError`` if a trial field displaces particles beyond
-the halo (:mod:`flowpm_mtf.painting`), on every rank at once (lower the
+the halo (:mod:`flowpm_mtf.physics.painting`), on every rank at once (lower the
 learning rate or raise ``halo_size``).
 """
 import logging
@@ -38,10 +38,10 @@ import time
 
 import numpy as np
 
-from .. import checkpoint, h5dist, io, preflight
+from ..runs import checkpoint, h5dist, io, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
-from ..reconstruct import ReconConfig, ReconstructionGraph
+from ..gradients.reconstruct import ReconConfig, ReconstructionGraph
 from . import register, runner
 from .base import ConfigSection, Job
 
@@ -181,7 +181,7 @@ class ReconstructJob(Job):
 
 
 def _identity(ctx):
-    """:func:`flowpm_mtf.checkpoint.identity` of a reconstruction (no stages: iterations)."""
+    """:func:`flowpm_mtf.runs.checkpoint.identity` of a reconstruction (no stages: iterations)."""
     return checkpoint.identity(ctx.job.name, ctx.configs, (),
                                sections=ctx.job.state_sections,
                                total=ctx.configs["reconstruction"].iterations)
@@ -194,7 +194,7 @@ def _configs_dict(ctx):
 def _restore(ctx, sess, state, history):
     """Assign the newest valid checkpoint to the optimiser's variables; returns its iteration.
 
-    Every rank reads its own slices (:func:`flowpm_mtf.checkpoint.load`); the
+    Every rank reads its own slices (:func:`flowpm_mtf.runs.checkpoint.load`); the
     loss history before it goes into ``history``. The checkpoint holds no
     outputs (the job writes them at the end).
     """
@@ -251,7 +251,7 @@ def reconstruction_plot(path, conf, truth, recon, observed, k, r, tk, loss, dept
     """Slabs of the true and reconstructed linear fields and the data; r(k), T(k), loss.
 
     ``truth``, ``recon``, ``observed`` are ``[NX, NY]`` means over the first
-    ``depth`` cells along z (:func:`flowpm_mtf.h5dist.gather_slab`: only these
+    ``depth`` cells along z (:func:`flowpm_mtf.runs.h5dist.gather_slab`: only these
     2D slabs are gathered).
     """
     import matplotlib

@@ -25,9 +25,9 @@ Distributed outputs, checkpoints, SIGTERM
 No rank gathers a full-size array: jobs fetch this process's slices
 (:func:`local`) and reduced, replicated values (:func:`replicated`), and write
 their distributed files in :meth:`Job.write_all`, which the runner calls on
-**every** rank (collective; :mod:`flowpm_mtf.h5dist`) before the rank-0
+**every** rank (collective; :mod:`flowpm_mtf.runs.h5dist`) before the rank-0
 :meth:`Job.write`. SIGTERM is recorded for the whole run
-(:class:`flowpm_mtf.checkpoint.StopRequest`, ``ctx.stop``) and acted on at the
+(:class:`flowpm_mtf.runs.checkpoint.StopRequest`, ``ctx.stop``) and acted on at the
 first step boundary all ranks agree on:
 
 * a job that checkpoints (``Job.checkpoints``) writes a checkpoint there and
@@ -57,7 +57,10 @@ import time
 
 import numpy as np
 
-from .. import allocator, checkpoint, domain, h5dist, io, sizing
+from .. import allocator
+from ..runs import checkpoint, h5dist, io
+from ..mesh import domain
+from ..physics import sizing
 from ..errors import CapacityError, ResumeError, StoppedError
 from ..logs import rank0_only
 
@@ -352,7 +355,7 @@ def local(lowering, tensors):
     Returns
     -------
     dict
-        name -> list of ``(pnum, tf.Tensor, begin)`` (:func:`flowpm_mtf.h5dist.local_slices`).
+        name -> list of ``(pnum, tf.Tensor, begin)`` (:func:`flowpm_mtf.runs.h5dist.local_slices`).
     """
     return {name: h5dist.local_slices(lowering, t) for name, t in tensors.items()}
 
@@ -370,7 +373,7 @@ class VariableSlices:
     lowering : mtf.Lowering
     variables : dict
         Name -> Mesh TF variable (an ``mtf.get_variable`` output), e.g. lens
-        planes or :attr:`flowpm_mtf.reconstruct.ReconstructionGraph.checkpoint_variables`.
+        planes or :attr:`flowpm_mtf.gradients.reconstruct.ReconstructionGraph.checkpoint_variables`.
 
     Attributes
     ----------
@@ -395,12 +398,12 @@ class VariableSlices:
         self._restore = tf.group(assigns)
 
     def requests(self):
-        """Name -> ``[(pnum, shape, begin)]`` of the slices (for :func:`flowpm_mtf.checkpoint.load`)."""
+        """Name -> ``[(pnum, shape, begin)]`` of the slices (for :func:`flowpm_mtf.runs.checkpoint.load`)."""
         return {n: [(p, tuple(t.shape.as_list()), b) for p, t, b in sl]
                 for n, sl in self.slices.items()}
 
     def fetch(self, sess):
-        """``pnum -> {name: (ndarray, begin)}``: the current slices (for :func:`flowpm_mtf.checkpoint.save`)."""
+        """``pnum -> {name: (ndarray, begin)}``: the current slices (for :func:`flowpm_mtf.runs.checkpoint.save`)."""
         vals = sess.run({n: [t for _, t, _ in sl] for n, sl in self.slices.items()})
         out = {}
         for n, sl in self.slices.items():
@@ -488,7 +491,7 @@ def output_write(writes, comm):
         rank's wall time of the writes, fsync and hashing included),
         ``gb_per_s`` (1e9 bytes per second), ``mode`` (how the data were
         written: ``"direct"``, ``"buffered"``, ``"hdf5"``, see
-        :func:`flowpm_mtf.h5dist.write_distributed`; ``+``-joined if the files
+        :func:`flowpm_mtf.runs.h5dist.write_distributed`; ``+``-joined if the files
         differ) and ``files`` (per file the same).
     """
     slowest = np.max(np.asarray(comm.allgather([w["seconds"] for w in writes]), np.float64),
@@ -540,7 +543,7 @@ def run(job, configs, backend, run_dir=None, plot=True, hooks=None, checkpoint_e
     until_exit : bool
         The process exits after the run (the ``flowpm-mtf`` command): a run
         that returns leaves SIGTERM ignored until then, so a signal after the
-        last step never kills a rank (:class:`flowpm_mtf.checkpoint.StopRequest`);
+        last step never kills a rank (:class:`flowpm_mtf.runs.checkpoint.StopRequest`);
         default: the previous handler is restored.
 
     Returns
@@ -605,7 +608,7 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
                     ctx.mark("steps")
             break
         except tf.errors.InvalidArgumentError as exc:
-            # A particle buffer would overflow (flowpm_mtf.domain; every rank fails at
+            # A particle buffer would overflow (flowpm_mtf.mesh.domain; every rank fails at
             # the same check, before any variable is updated): rebuild with the
             # capacities the error names (a resumed run re-slices its checkpoint into
             # the larger buffers). A too-long time step: a one-line error.

@@ -12,7 +12,7 @@ snapshot.h5
     ``id`` [N] (Lagrangian index), ``density`` [NX, NY, NZ] (1 + delta, CIC),
     attributes with the config and versions: one logical file of HDF5 virtual
     datasets over the per-rank parts in ``snapshot.parts/`` (see
-    :mod:`flowpm_mtf.h5dist`); particles are grouped by rank, sort by ``id``
+    :mod:`flowpm_mtf.runs.h5dist`); particles are grouped by rank, sort by ``id``
     (empty slots of the fixed-capacity buffers are not written).
 snapshot_a<a>.h5
     The same at each scale factor of ``--snapshots`` (other than ``a_end``).
@@ -28,7 +28,7 @@ overview.png
     measured P(k) (binned per rank, bins all-reduced) against the
     growth-scaled linear P(k).
 checkpoint/
-    With ``--checkpoint-every K`` or on SIGTERM (:mod:`flowpm_mtf.checkpoint`;
+    With ``--checkpoint-every K`` or on SIGTERM (:mod:`flowpm_mtf.runs.checkpoint`;
     with the snapshots and P(k) files written before it); ``--resume OUT``
     continues from the newest valid one and publishes the same files as an
     uninterrupted run.
@@ -39,9 +39,10 @@ from typing import Tuple
 
 import numpy as np
 
-from .. import cosmology as cosmo_mod
-from .. import linear_power
-from .. import io, nbody, timeloop
+from ..physics import cosmology as cosmo_mod
+from ..physics import linear_power
+from ..runs import io
+from ..physics import nbody, timeloop
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import nbody_run, register

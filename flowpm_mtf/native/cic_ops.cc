@@ -10,7 +10,7 @@
 //       -> values [B, n, C]:  values[b, p] = sum_c K_c(pos[b, p]) field[b, c]
 //   FlowpmCicReadoutInto(field, positions, donor [B, n, C], halo)
 //       FlowpmCicReadout written into the donor's buffer when nothing else holds it (e.g.
-//       a state variable's old value, flowpm_mtf.donate.take: the job's first PM force
+//       a state variable's old value, flowpm_mtf.mesh.donate.take: the job's first PM force
 //       into the forces' zeros, no fresh output); the donor's values are not read.
 //   FlowpmCicReadoutGradPos(field [B, px, py, nz, C], positions [B, n, 3],
 //                           dvalues [B, n, C] or [0], halo) -> dpos [B, n, 3]
@@ -43,17 +43,17 @@
 //       the cotangents are known before the force, so their paint joins the density's.
 //   FlowpmNegDivergence(g [B, ax, ay, nz, 3], coeffs [3], margin) -> [B, ax - 2 margin,
 //       ay - 2 margin, nz]: sum_d coeffs[d] (8 (g_d(+1) - g_d(-1)) - (g_d(+2) - g_d(-2)))
-//       along axis d (the four-point finite difference of flowpm_mtf.kernels, times
+//       along axis d (the four-point finite difference of flowpm_mtf.physics.kernels, times
 //       12 c_d^2 coeffs[d] / c_d^2 ...: the caller's scale), z periodic; x and y read
 //       inside the array (margin >= 2), periodic (margin 0), or the array extended by
 //       zeros (margin -2: output [B, ax + 4, ay + 4, nz], the stencil's whole reach).
-//       The PM force VJP's divergence in real space (flowpm_mtf.gravity.pm_forces_vjp).
+//       The PM force VJP's divergence in real space (flowpm_mtf.physics.gravity.pm_forces_vjp).
 //   FlowpmGradient(phi [B, ax, ay, nz], coeffs [3], margin) -> [B, ax - 2 margin,
 //       ay - 2 margin, nz, 3]: component d = coeffs[d] (8 (phi(+1) - phi(-1)) - (phi(+2) -
 //       phi(-2))) along axis d, z periodic; x and y read inside the array (margin >= 2:
 //       the potential of a padded block) or periodic with output margins -margin (margin
 //       <= 0: one block holding the whole mesh, the padded force field written directly):
-//       the PM force field from the potential (flowpm_mtf.gravity). Its gradient is
+//       the PM force field from the potential (flowpm_mtf.physics.gravity). Its gradient is
 //       FlowpmNegDivergence(dy, -coeffs, margin -2), padded by margin - 2 cells (inside)
 //       or folded periodically (margin <= 0).
 //   FlowpmCicEscaped(positions [B, n, 3], halo, sx, sy) -> int32 [B]
@@ -70,11 +70,11 @@
 //       column of dy added to the column it was picked from, margins added back
 //       into the cells they copy; unpicked columns 0), in one pass.
 //
-// The particle ops of flowpm_mtf.domain's migration (FlowpmParticleStats,
+// The particle ops of flowpm_mtf.mesh.domain's migration (FlowpmParticleStats,
 // FlowpmSelectRows, FlowpmMaskRows, FlowpmWrap) are in particle_ops.cc; the
 // positions checks and the escape test both use are in cic_block.h.
 //
-// The stencil is that of the TensorFlow path (flowpm_mtf.painting._stencil): a
+// The stencil is that of the TensorFlow path (flowpm_mtf.physics.painting._stencil): a
 // particle at block-local (x, y, z) [cells] touches the padded cells
 // clip(floor(x) + h + {0, 1}, 0, px - 1) along x (same along y) and
 // (floor(z) + {0, 1}) mod nz along z, with the weights (1 - f, f), f = x - floor(x),

@@ -13,12 +13,12 @@
 //   FlowpmRadialScale(field C [nx, ny, nz], table R [ux, uy, uz], ix int32 [nx],
 //                     iy int32 [ny], iz int32 [nz]) -> C
 //       out[i, j, k] = field[i, j, k] * table[ix[i], iy[j], iz[k]]: the three TensorFlow
-//       gathers of a radial kernel (flowpm_mtf.ics.radial_kernel), its cast to complex and
+//       gathers of a radial kernel (flowpm_mtf.physics.ics.radial_kernel), its cast to complex and
 //       the product in one pass, bit for bit (the same argument).
 //   FlowpmRadialScaleHalf(field C [nx, ly, h], table R [ux, uy, uz], ix int32 [nx],
 //                         iy int32 [ly], iz int32 [2 h], firsts int32 [2]) -> C
-//       The same product on the half spectrum of a real field (flowpm_mtf.fft.half_forward
-//       without the extend, flowpm_mtf.radial_filter): kx and a ky block in mirror-pair
+//       The same product on the half spectrum of a real field (flowpm_mtf.mesh.fft.half_forward
+//       without the extend, flowpm_mtf.mesh.radial_filter): kx and a ky block in mirror-pair
 //       order, the representatives j of a kz block of 2 h positions (iz indexes that block:
 //       slot j is position 2 j). out[i, j, k] = field[i, j, k] * table[ix[i], iy[j],
 //       iz[2 k]], except in the first kz block (firsts[1]) slot 0, which packs the zero and
@@ -33,7 +33,7 @@
 // The table of the two radial ops is either the grid [ux, uy, uz] of the distinct (|kx|, |ky|,
 // |kz|), indexed table[ix[i], iy[j], iz[k]], or (a cubic box) the 1-d table R [u] of the
 // kernel at |k| = dk sqrt(n), indexed table[ix[i] + iy[j] + iz[k]] with the index vectors
-// the squared mode numbers mx^2, my^2, mz^2 (flowpm_mtf.ics._radial_numpy, summed=True):
+// the squared mode numbers mx^2, my^2, mz^2 (flowpm_mtf.physics.ics._radial_numpy, summed=True):
 // at 512^3 on one rank 0.79 MB built in ~5 ms instead of a 68 MB grid in ~0.1 s, every
 // step of the force.
 //

@@ -5,7 +5,7 @@
 //   FlowpmLpt2Source(phi [B, ax, ay, nz], coeffs [3], margin) -> [B, ax - 2 margin,
 //       ay - 2 margin, nz]: S = h_xx h_yy + h_yy h_zz + h_zz h_xx - h_xy^2 - h_xz^2 - h_yz^2
 //       with h_ij = D_i D_j phi and D_d f = coeffs[d] (8 (f(+1) - f(-1)) - (f(+2) - f(-2)))
-//       along axis d: the four-point difference of flowpm_mtf.kernels, whose transfer
+//       along axis d: the four-point difference of flowpm_mtf.physics.kernels, whose transfer
 //       function is the gradient kernel i k~_d, so h_ij is the Hessian of the k-space path
 //       (-k~_i k~_j) to rounding. z periodic; x and y read inside the array (margin >= 4,
 //       the reach of D_i D_i: a block padded by at least 4 cells) or periodic (margin 0:
@@ -23,7 +23,7 @@
 //       output `lattice_output` (C = 3; -1: none), written in the slot order of the
 //       tiles (tx, ty, tz) (flowpm_mtf.layout.slot_tiles; tiles of the block's lattice,
 //       row-major, cells row-major in each: (1, 1, 1) is the lattice order): the
-//       products and sums of flowpm_mtf.lpt's TensorFlow twin bit for bit (each rounded,
+//       products and sums of flowpm_mtf.physics.lpt's TensorFlow twin bit for bit (each rounded,
 //       no contraction), one pass instead of 2-6 full-size ones. Output m < N takes the
 //       buffer of input m when nothing else holds it (the permutation stays inside each
 //       slab of tx x planes: the slab is copied to a scratch buffer first), so the

@@ -6,7 +6,7 @@
 //       out[i] = normal(flat global row-major index of begin + i), with the stream key
 //       `key` (the uint64 mix64(seed + gamma), passed as its int64 bit pattern).
 //
-// Bit for bit the numbers of flowpm_mtf.noise.white_noise_numpy and of the TensorFlow
+// Bit for bit the numbers of flowpm_mtf.mesh.noise.white_noise_numpy and of the TensorFlow
 // path: the same SplitMix64 integer arithmetic (exact modulo 2^64), and the same
 // sequence of correctly rounded IEEE double operations for ln and cos (argument
 // reduction and polynomials with +, -, *, /, sqrt only, evaluated in the order of

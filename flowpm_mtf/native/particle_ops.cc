@@ -1,14 +1,14 @@
-// Particle ops of flowpm_mtf.domain's migration, on the CPU.
+// Particle ops of flowpm_mtf.mesh.domain's migration, on the CPU.
 //
 // Ops (the Python side, gradients included, is flowpm_mtf/domain.py):
 //
 //   FlowpmParticleStats(positions [B, n, 3], ids [B, n], displacement [B, n, 3] or
 //       [0], halo, sx, sy) -> float64 [B, 3]: per block, the valid particles whose
 //       stencil leaves the padded block (or non-finite), the valid particles and
-//       the largest |x/y displacement| (flowpm_mtf.domain's migration statistics).
+//       the largest |x/y displacement| (flowpm_mtf.mesh.domain's migration statistics).
 //   FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]: the
 //       flat indices of the first m true entries of each block, -1 beyond them,
-//       and the true count (flowpm_mtf.domain._rows_of).
+//       and the true count (flowpm_mtf.mesh.domain._rows_of).
 //   FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows of false keep zeroed
 //       (the migration's merge; gradient: the same op).
 //   FlowpmScatterAddRows(x [N, C], rows int32 [R], updates [R, C]) -> x with row r
@@ -16,19 +16,19 @@
 //       merge: tf.tensor_scatter_nd_add(x, rows[:, None], updates), the same bits;
 //       gradient in flowpm_mtf/domain.py).
 //   FlowpmWrap(positions [..., 3], sizes) -> positions wrapped periodically along
-//       the axes of size > 0 (flowpm_mtf.domain's local wrap; gradient: identity).
+//       the axes of size > 0 (flowpm_mtf.mesh.domain's local wrap; gradient: identity).
 //   FlowpmLatticeScatter(home [B, n, 3], ids [B, n], fields N x [B, n, C], sy, nz,
 //       lattice) -> N x [B, lattice, C]: row i of each field added into row
 //       (round(h0) sy + round(h1)) nz + round(h2) of its block's output (h = home[i],
 //       its lattice site in block-local cells; rows with id < 0 skipped; zeros
-//       elsewhere): flowpm_mtf.model_gradient.lattice_cotangents' return to the
+//       elsewhere): flowpm_mtf.gradients.model_gradient.lattice_cotangents' return to the
 //       lattice order, tf.math.unsorted_segment_sum of the same rows in one pass
 //       (that op took ~30 ms per field at 128^3); a site out of range is an error.
 //
 //   FlowpmSortByColumn(positions [B, n, 3], ids [B, n], halo, px, py) -> int32 [B, n]:
 //       per block, the stable order of the particles by the (x, y) column of the
 //       padded block their CIC stencil starts in, empty slots last
-//       (flowpm_mtf.domain.sort_by_column: the CIC ops' cache locality).
+//       (flowpm_mtf.mesh.domain.sort_by_column: the CIC ops' cache locality).
 //   FlowpmPermuteRows(order int32 [B, n], fields N x [B, n, ...]) -> the fields with
 //       out[b, j] = field[b, order[b, j]] (any dtypes; row copies in one op).
 //
@@ -55,7 +55,7 @@ namespace {
 // ------------------------------------------------------------------ particle statistics
 // FlowpmParticleStats(positions [B, n, 3], ids [B, n], displacement [B, n, 3] or
 // [0], halo, sx, sy) -> float64 [B, 3], per block, in one pass over the particles
-// (flowpm_mtf.domain's migration statistics, which the TensorFlow path computes in
+// (flowpm_mtf.mesh.domain's migration statistics, which the TensorFlow path computes in
 // ~12 passes over [B, n(, 3)] arrays: ~15 % of a 256^3 step on one rank):
 //   [0] outside: valid particles (id >= 0) with a non-finite coordinate or whose
 //       CIC stencil leaves the padded block along x or y, i.e. floor(x) < -h or
@@ -139,7 +139,7 @@ class ParticleStatsOp : public OpKernel {
 // FlowpmSelectRows(sel bool [B, n], m) -> rows int32 [B, m], count int32 [B]:
 // rows[b, j] = b * n + i for the j-th true sel[b, i] (in order of i), -1 where
 // block b has fewer than m; count[b] = the number of true sel[b, i].
-// flowpm_mtf.domain._rows_of (the migration's choice of leaving particles and free
+// flowpm_mtf.mesh.domain._rows_of (the migration's choice of leaving particles and free
 // slots) in one sequential scan per block, instead of a cumsum and an
 // unsorted_segment_max over every slot (~2/3 of a 256^3 step on 2 ranks).
 // Parallel over blocks.
@@ -188,7 +188,7 @@ class SelectRowsOp : public OpKernel {
 
 // ------------------------------------------------------------------ masked rows
 // FlowpmMaskRows(x [N, C], keep bool [N]) -> x with the rows where keep is false
-// set to zero (flowpm_mtf.domain's merge: the leavers' slots emptied), in place
+// set to zero (flowpm_mtf.mesh.domain's merge: the leavers' slots emptied), in place
 // when TensorFlow forwards the input; TensorFlow's x * cast(keep)[:, None] is a
 // broadcasting multiply ~5x slower. Linear and self-adjoint in x: the gradient
 // is the same op on the upstream gradient. Parallel over rows.
@@ -278,7 +278,7 @@ class ScatterAddRowsOp : public OpKernel {
 
 // ------------------------------------------------------------------ wrap
 // FlowpmWrap(positions [..., 3], sizes [3]) -> positions wrapped into [0, s) along
-// every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.domain's TensorFlow path
+// every axis with s > 0 (s = 0: unchanged), as flowpm_mtf.mesh.domain's TensorFlow path
 // computes it, operation for operation (the same float results; wrap_coordinate, tf_op.h):
 //   w = x - s * floor(x / s); w += s if w < 0; w -= s if w >= s; w = min(w, below(s))
 // with below(s) the largest float below s. In place when TensorFlow forwards the
@@ -429,7 +429,7 @@ class LatticeScatterOp : public OpKernel {
 // over chunks of particles; the result does not depend on the thread count. The
 // CIC ops then touch the field column by column: at 512^3, with the particles in
 // their Lagrangian (slot) order at a = 1, the readout is 3x and the paint 2.4x
-// faster in this order (flowpm_mtf.domain.sort_by_column).
+// faster in this order (flowpm_mtf.mesh.domain.sort_by_column).
 template <typename T, typename Tid>
 class SortByColumnOp : public OpKernel {
  public:

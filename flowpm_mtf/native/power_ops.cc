@@ -5,7 +5,7 @@
 //   FlowpmShellSums(values [lx, ly, lz] T, kx [lx], ky [ly], kz [lz], edges [nb + 1])
 //       -> (modes [nb], ksum [nb], vsum [nb]), all float64 but vsum (T):
 //       with |k| = sqrt((kx[i]^2 + ky[j]^2) + kz[l]^2) (float64, the expression of
-//       flowpm_mtf.power._knorm64) and b = searchsorted(edges, |k|, side="right") - 1
+//       flowpm_mtf.physics.power._knorm64) and b = searchsorted(edges, |k|, side="right") - 1
 //       (the shell edges[b] <= |k| < edges[b + 1]), every cell with 0 <= b < nb and
 //       |k| != 0 adds 1 to modes[b], |k| to ksum[b] and values[i, j, l] to vsum[b].
 //
@@ -21,14 +21,14 @@
 //   FlowpmShellSumsHalf(field [lx, ly, h] C, kx [lx], ky [ly], kz [2 h], edges [nb + 1],
 //                       firsts int32 [2]) -> (modes [nb], ksum [nb], vsum [nb] T)
 //       The same sums of |F|^2 over the full spectrum of a real field, from its half
-//       spectrum (flowpm_mtf.fft.half_forward without the extend: kx and a ky block in
+//       spectrum (flowpm_mtf.mesh.fft.half_forward without the extend: kx and a ky block in
 //       mirror-pair order, the representatives l of a kz block of 2 h positions, kz[2 l]
 //       the wave number of slot l). A representative stands for itself and its mirror -k
 //       (the same |k|, the same |F|^2): weight 2. In the first kz block (firsts[1]) slot 0
 //       packs the zero and Nyquist planes as P = A + i B; A = (P + Pm) / 2 and B = (P - Pm)
 //       / 2i with Pm = conj(field[-kx, -ky, 0]) (FlowpmPairs' mirror rule, firsts[0] for the
 //       ky block), each of weight 1 at kz[0] and kz[1]. |F|^2 is summed in float64 from the
-//       field's values; no full spectrum, no |F|^2 field (flowpm_mtf.power.power_spectrum).
+//       field's values; no full spectrum, no |F|^2 field (flowpm_mtf.physics.power.power_spectrum).
 //
 // Threading: TensorFlow's intra-op pool, parallel over the x planes.
 #pragma GCC optimize("fp-contract=off")

@@ -1,0 +1,1 @@
+"""Gradients of the simulation: the adjoint of the time loop (reverse integration, memory flat in the step count), gradients w.r.t. the initial field and the cosmology, and the reconstruction of the initial conditions."""

@@ -1,0 +1,1 @@
+"""Distributed primitives on the process grid that know no physics: the pencil FFT and its local transforms, k-space arithmetic, the halo exchange, particle migration, white noise, optimisers, the order and donation of memory-heavy work."""

@@ -1,0 +1,1 @@
+"""The cosmology and the particle-mesh physics on the mesh primitives: background and linear power, CIC painting, the PM force, initial conditions and LPT, the time loop (`timeloop`, `stepper`, `nbody`), P(k), lensing."""

@@ -1,0 +1,514 @@
+r"""The expected convergence power of a lensing run: Limber through the run's windows.
+
+:func:`flowpm_mtf.physics.lensing.limber_cl` is the textbook Limber sum. What
+:func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` measures on a map of
+:func:`flowpm_mtf.physics.lensing.born_convergence` differs from it by four windows,
+all of them applied here to the prediction instead of being deconvolved from
+the data (the data are too suppressed and too aliased beyond the mesh
+Nyquist frequency to be deconvolved; the analysis is in ``docs/lensing.md``):
+
+1. **Plane painting** (2D CIC on the mesh): the plane's grid holds the
+   shell-averaged density convolved with the CIC kernel and sampled on the
+   cells, so its power at a transverse wavevector :math:`\mathbf k` (in the
+   first Brillouin zone) is :math:`P_G(\mathbf k) = \sum_{\mathbf n}
+   W^2(\mathbf k + 2k_N\mathbf n)\, P(|\mathbf k + 2k_N\mathbf n|)/\Delta r`
+   with :math:`W^2 = \prod_{\rm axes}\mathrm{sinc}^4(k_a\Delta_a/2)` (the
+   line of sight is a top hat: no window at :math:`k_z = 0`, Limber).
+   :math:`P` is the *continuous* 3D power, obtained from the run's measured
+   grid P(k) (3D CIC, angle-averaged, with images: :func:`true_power`).
+2. **Ray interpolation** (bilinear readout): a tent per axis,
+   :math:`\mathrm{sinc}^4(k_a\Delta_a/2)` on the power at the *unfolded*
+   :math:`\mathbf k = \boldsymbol\ell/r_i`, times the periodic :math:`P_G` at
+   the folded one (the images beyond the Nyquist frequency).
+3. **Ray sampling**: the map samples a continuous field at the pixel centres,
+   so its power is the continuous one folded at the pixel Nyquist
+   :math:`\ell_N = \pi/\Delta\theta` (the excess of the old prediction near
+   :math:`\ell_N`).
+4. **Taper**: the estimator multiplies the map by a cosine taper; its
+   expectation is the aliased power convolved with :math:`|\tilde w|^2`
+   (mode coupling: +10 % at :math:`\ell` 200-1300 for the default run's steep
+   spectrum, the excess of the old prediction at low :math:`\ell`).
+
+So the measured :math:`\hat C_\ell` and :func:`expected_cl` agree in expectation
+at every :math:`\ell` if the simulation, planes and Born sum are right; the
+ratio is the self-check of a run. Where the windows suppress the continuous
+:math:`C_\ell` by more than a factor two (:data:`RESOLVED_WINDOW`), the run does
+not resolve it: :func:`window_factor` and :func:`resolved_range` say where.
+"""
+import logging
+
+import numpy as np
+
+from . import halofit as halofit_mod
+from . import lensing
+
+__all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "continuous_cl",
+           "shell_power", "expected_pseudo_cl", "expected_cl", "window_factor", "resolved_range",
+           "run_prediction"]
+
+log = logging.getLogger(__name__)
+
+# A bin is "resolved" when the windows keep at least this fraction of the continuous C_ell
+# (beyond, a deconvolution would more than double the noise and rest on the extrapolation of
+# P(k) beyond the mesh Nyquist frequency).
+RESOLVED_WINDOW = 0.5
+# Fixed-point iterations of the 3D CIC deconvolution (true_power): converged to < 1e-4 in 4
+# on the default run's tables.
+_DECONV_ITERS = 6
+# Gauss-Legendre nodes in mu (and as many azimuths, one octant) for angle averages in 3D.
+_N_DIR = 8
+# Images per axis summed in the grid powers (+-1: the CIC weight of the second image is
+# sinc^4(5 pi/2) < 3e-3 of the first).
+_IMAGES = 1
+# Padding of the map for the taper convolution (the continuous ell' integral is sampled on a
+# grid `pad` times finer than the map's fundamental; 2 reproduced a Monte-Carlo of the
+# estimator to 0.5 % in tests/test_lensing_theory.py).
+DEFAULT_PAD = 2
+# Line-of-sight modes of shell_power summed one by one (the rest as an integral).
+_M_DENSE = 256
+
+
+def _w2(k, d):
+    """CIC power window of one axis, sinc^4(k d / 2) (np.sinc(x) = sin(pi x)/(pi x))."""
+    return np.sinc(k * d / (2.0 * np.pi))**4
+
+
+def _power_fn(k_tab, p_tab, slope=None):
+    """Log-log interpolation of a table; a power law above its end (slope fitted to the last
+    eighth of the table, at most -1 so that image sums converge); 0 below half the first
+    wavenumber (the box has no mode between 0 and its fundamental)."""
+    lk, lp = np.log(k_tab), np.log(p_tab)
+    if slope is None:
+        m = max(3, k_tab.size // 8)
+        slope = min(float(np.polyfit(lk[-m:], lp[-m:], 1)[0]), -1.0)
+
+    def f(k):
+        k = np.asarray(k, np.float64)
+        out = np.exp(np.interp(np.log(np.maximum(k, k_tab[0])), lk, lp))
+        hi = k > k_tab[-1]
+        out[hi] = p_tab[-1] * (k[hi] / k_tab[-1])**slope
+        out[k < 0.5 * k_tab[0]] = 0.0
+        return out
+
+    f.slope = slope
+    return f
+
+
+def _directions():
+    """Unit vectors of one octant and their weights (Gauss-Legendre in mu, uniform in phi)."""
+    mu, wmu = np.polynomial.legendre.leggauss(2 * _N_DIR)
+    sel = mu > 0
+    mu, wmu = mu[sel], wmu[sel]
+    phi = (np.arange(_N_DIR) + 0.5) * (0.5 * np.pi / _N_DIR)
+    s = np.sqrt(1.0 - mu**2)
+    u = np.stack([np.outer(s, np.cos(phi)), np.outer(s, np.sin(phi)),
+                  np.outer(mu, np.ones(_N_DIR))], -1).reshape(-1, 3)
+    w = np.repeat(wmu, _N_DIR)
+    return u, w / w.sum()
+
+
+def _grid_power_3d(k, pfun, cell):
+    """Angle average of the 3D CIC grid power sum_n W^2(k+2kN n) P(|k + 2kN n|)."""
+    u, w = _directions()
+    kv = k[:, None, None] * u[None]
+    knyq = np.pi / np.asarray(cell, np.float64)
+    tot = 0.0
+    rng = range(-_IMAGES, _IMAGES + 1)
+    for n in np.array(np.meshgrid(rng, rng, rng, indexing="ij")).reshape(3, -1).T:
+        q = kv + 2.0 * knyq * n
+        win = _w2(q[..., 0], cell[0]) * _w2(q[..., 1], cell[1]) * _w2(q[..., 2], cell[2])
+        tot = tot + win * pfun(np.sqrt(np.sum(q**2, -1)))
+    return np.sum(tot * w, -1)
+
+
+def true_power(k_tab, p_tab, conf):
+    r"""The continuous 3D power whose CIC grid power is the measured table (numpy).
+
+    The run's P(k) is measured on the 3D CIC grid without deconvolution: its
+    expectation is the angle average of :math:`\sum_{\mathbf n}W^2(\mathbf k +
+    2k_N\mathbf n) P(|\mathbf k + 2k_N\mathbf n|)`. This inverts it by fixed-point
+    iteration on the table's nodes, with :math:`P` a power law beyond the
+    table (slope of the last eighth of the table, at most -1).
+
+    Parameters
+    ----------
+    k_tab, p_tab : array_like
+        Increasing wavenumbers [h/Mpc] and the measured grid power [(Mpc/h)^3]
+        (non-empty bins only).
+    conf : SimConfig
+        Cell sizes.
+
+    Returns
+    -------
+    callable
+        ``P(k)`` [(Mpc/h)^3] for any array of ``k`` [h/Mpc] (0 at k = 0).
+    """
+    k_tab = np.asarray(k_tab, np.float64)
+    p_meas = np.asarray(p_tab, np.float64)
+    if k_tab.ndim != 1 or k_tab.size < 3 or np.any(np.diff(k_tab) <= 0) or np.any(p_meas <= 0):
+        raise ValueError("true_power: need >= 3 increasing k with positive P, got %d bins"
+                         % k_tab.size)
+    cell = np.asarray(conf.cell_size, np.float64)
+    p = p_meas.copy()
+    for _ in range(_DECONV_ITERS):
+        p = p * p_meas / _grid_power_3d(k_tab, _power_fn(k_tab, p), cell)
+    return _power_fn(k_tab, p)
+
+
+def shell_power(pfun, width, depth, k_min=1e-4, k_max=1e2, n_k=512):
+    r"""The 3D power seen by a shell of thickness ``width`` in a box of depth ``depth``.
+
+    A plane is the density averaged over its shell, :math:`ar\delta =
+    \Delta r^{-1}\int_{
+m shell}\delta\,dz`, in a box periodic along the line of
+    sight: its 2D power at :math:`k_\perp` is :math:`P_s(k_\perp)/\Delta r` with
+
+    .. math::
+
+        P_s(k_\perp) = rac{\Delta r}{L_z}\sum_m \mathrm{sinc}^2\Big(rac{\pi m
+            \Delta r}{L_z}\Big)\, P\Big(\sqrt{k_\perp^2 + (2\pi m/L_z)^2}\Big),
+
+    whose weights sum to 1 (Poisson summation, :math:`\Delta r \le L_z`): Limber's
+    :math:`P(k_\perp)` when :math:`k_\perp\Delta r \gg 1`, less at low
+    :math:`k_\perp` (-4 % at :math:`k_\perp` = 0.1 h/Mpc for 192 Mpc/h shells).
+
+    Parameters
+    ----------
+    pfun : callable
+        Continuous 3D power [(Mpc/h)^3].
+    width, depth : float
+        Shell thickness and box depth along the line of sight [Mpc/h].
+    k_min, k_max, n_k :
+        Log-spaced table on which ``P_s`` is computed [h/Mpc] (log-log
+        interpolated in between, 0 outside).
+
+    Returns
+    -------
+    callable
+        ``P_s(k_perp)`` [(Mpc/h)^3].
+    """
+    kt = np.logspace(np.log10(k_min), np.log10(k_max), n_k)
+    # |m| <= _M_DENSE summed term by term; beyond, as an integral over m (log-spaced) of the
+    # sinc^2 averaged over its oscillation, 1 / (2 (pi m width/depth)^2), both signs of m.
+    m = np.arange(-_M_DENSE, _M_DENSE + 1, dtype=np.float64)
+    wm = width / depth * np.sinc(m * width / depth)**2
+    m_far = max(4.0 * k_max * depth / (2.0 * np.pi), 2.0 * _M_DENSE)  # kz up to 4 k_max
+    edges = np.logspace(np.log10(_M_DENSE + 0.5), np.log10(m_far), 97)
+    mt = np.sqrt(edges[1:] * edges[:-1])
+    wt = 2.0 * np.diff(edges) * width / depth / (2.0 * (np.pi * mt * width / depth)**2)
+    m, wm = np.concatenate([m, mt]), np.concatenate([wm, wt])
+    kz = 2.0 * np.pi * m / depth
+    ps = np.array([np.sum(wm * pfun(np.sqrt(k * k + kz * kz))) for k in kt])
+    good = ps > 0
+    lk, lp = np.log(kt[good]), np.log(ps[good])
+
+    def f(k):
+        k = np.asarray(k, np.float64)
+        out = np.exp(np.interp(np.log(np.maximum(k, 1e-300)), lk, lp))
+        out[(k < kt[good][0]) | (k > k_max)] = 0.0
+        return out
+
+    return f
+
+
+def plane_grid_power(kx, ky, pfun, cell_xy):
+    r"""Power of a CIC-painted plane's grid at transverse ``(kx, ky)`` (periodic).
+
+    :math:`\sum_{\mathbf n}W^2(\mathbf k + 2k_N\mathbf n)P(|\mathbf k + 2k_N\mathbf n|)`
+    at the folded wavevector, in 3D units (divide by the shell thickness for
+    the plane's 2D power).
+
+    Parameters
+    ----------
+    kx, ky : ndarray
+        Wavevector components along the plane's two axes [h/Mpc], any values.
+    pfun : callable
+        Continuous 3D power [(Mpc/h)^3] (e.g. :func:`true_power`).
+    cell_xy : (float, float)
+        Cell sizes along the two axes [Mpc/h].
+
+    Returns
+    -------
+    ndarray
+        [(Mpc/h)^3], broadcast shape of ``kx``, ``ky``.
+    """
+    (dx, dy) = cell_xy
+    nx, ny = np.pi / dx, np.pi / dy
+    fx = np.mod(kx + nx, 2 * nx) - nx
+    fy = np.mod(ky + ny, 2 * ny) - ny
+    tot = 0.0
+    for a in range(-_IMAGES, _IMAGES + 1):
+        for b in range(-_IMAGES, _IMAGES + 1):
+            qx, qy = fx + 2 * nx * a, fy + 2 * ny * b
+            tot = tot + _w2(qx, dx) * _w2(qy, dy) * pfun(np.sqrt(qx**2 + qy**2))
+    return tot
+
+
+def continuous_cl(lx, ly, conf, geom, pfuns, weights, windows=True, shells=None):
+    r"""The Born sum's power at flat-sky wavevectors ``(lx, ly)`` before ray sampling.
+
+    .. math::
+
+        C(\boldsymbol\ell) = \sum_i \frac{c_i^2}{\Delta r_i\, r_i^2}\,
+            T^2(\boldsymbol\ell/r_i)\, P_{G,i}(\boldsymbol\ell/r_i)
+
+    with :math:`c_i` the Born weights, :math:`T^2` the bilinear window and
+    :math:`P_{G,i}` the plane's grid power (:func:`plane_grid_power`); with
+    ``windows=False``, :math:`T^2 P_G` is replaced by the continuous
+    :math:`P(|\boldsymbol\ell|/r_i)` (the Limber sum of the continuous field).
+
+    :math:`P_{G,i}` is built on the shell's power (:func:`shell_power`: the
+    shell thickness in the periodic box), not on Limber's :math:`P(k_\perp)`.
+
+    Parameters
+    ----------
+    lx, ly : ndarray
+        Multipole vector components (broadcastable).
+    conf : SimConfig
+    geom : lensing.LightconeGeometry
+    pfuns : list of callable
+        Continuous 3D power of each plane [(Mpc/h)^3].
+    weights : ndarray
+        ``[n_planes]`` Born weights :math:`c_i` of one source (a row of
+        :func:`flowpm_mtf.physics.lensing.born_coefficients`, or an n(z)-weighted one).
+    windows : bool
+    shells : list of callable, optional
+        :func:`shell_power` of each plane (computed from ``pfuns`` if not given).
+
+    Returns
+    -------
+    ndarray
+        [sr].
+    """
+    out = 0.0
+    for i in range(geom.n_planes):
+        if weights[i] == 0:
+            continue
+        axes = (1, 0) if geom.transpose[i] else (0, 1)
+        cxy = (conf.cell_size[axes[0]], conf.cell_size[axes[1]])
+        kx, ky = lx / geom.r[i], ly / geom.r[i]
+        if windows:
+            ps = shells[i] if shells is not None else \
+                shell_power(pfuns[i], geom.width[i], conf.box_size[2])
+            p = _w2(kx, cxy[0]) * _w2(ky, cxy[1]) * plane_grid_power(kx, ky, ps, cxy)
+        else:
+            p = pfuns[i](np.sqrt(kx**2 + ky**2))
+        out = out + weights[i]**2 / (geom.width[i] * geom.r[i]**2) * p
+    return out
+
+
+def _taper(n, taper):
+    x = (np.arange(n) + 0.5) / n
+    ramp = np.minimum(1.0, np.minimum(x, 1.0 - x) / taper) if taper > 0 else np.ones(n)
+    w1 = 0.5 - 0.5 * np.cos(np.pi * ramp)
+    return w1[:, None] * w1[None, :]
+
+
+def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing.DEFAULT_TAPER,
+                       pad=DEFAULT_PAD, images=_IMAGES):
+    r"""Expectation of :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` for a given power.
+
+    A statistically homogeneous field of power :math:`C(\boldsymbol\ell)`
+    sampled at the pixel centres has the power :math:`C_a(\boldsymbol\ell) =
+    \sum_{\mathbf m} C(\boldsymbol\ell + 2\ell_N\mathbf m)` (``images`` per
+    axis); the tapered periodogram's expectation is
+    :math:`\int d^2\ell'/(2\pi)^2\, C_a(\boldsymbol\ell')\,|\tilde w(\boldsymbol\ell
+    - \boldsymbol\ell')|^2`, evaluated as a circular convolution on a grid
+    ``pad`` times finer than the map's fundamental, then binned like the
+    estimator. (The estimator's subtraction of the map mean is not modelled:
+    it changes the lowest bin by < 1 %.)
+
+    Parameters
+    ----------
+    cl2d : callable
+        ``cl2d(lx, ly)`` [sr] on arrays of multipole components.
+    npix : int
+        Pixels per side.
+    field_deg : float
+        Side of the map [deg].
+    edges, taper :
+        As :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum`.
+    pad : int
+        Oversampling of the ell' integral.
+    images : int
+        Aliases summed per axis and side.
+
+    Returns
+    -------
+    ell, cl, n_modes : ndarray
+        As :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` (same bins).
+    """
+    n, big = int(npix), int(pad) * int(npix)
+    dth = np.deg2rad(field_deg) / n
+    lnyq = np.pi / dth
+    lk = 2.0 * np.pi * np.fft.fftfreq(big, d=dth)
+    lx, ly = lk[:, None], lk[None, :]
+    ca = 0.0
+    for a in range(-images, images + 1):
+        for b in range(-images, images + 1):
+            ca = ca + cl2d(lx + 2 * lnyq * a, ly + 2 * lnyq * b)
+    w = _taper(n, taper)
+    wk2 = np.zeros((big, big))
+    wk2[:n, :n] = w
+    wk2 = np.abs(np.fft.fft2(wk2))**2
+    # E|FFT_n(w kappa)|^2 (l) = (1 / (big dth)^2) sum_l' C_a(l') |W(l - l')|^2
+    conv = np.fft.ifft2(np.fft.fft2(ca) * np.fft.fft2(wk2)).real / (big * dth)**2
+    power = conv[::pad, ::pad] * dth**2 / n**2 / np.mean(w**2)
+    lf = 2.0 * np.pi / (n * dth)
+    if edges is None:
+        edges = np.arange(0.5, n / 2 + 1e-9, 2.0) * lf
+    edges = np.asarray(edges, np.float64)
+    lkn = 2.0 * np.pi * np.fft.fftfreq(n, d=dth)
+    ell = np.sqrt(lkn[:, None]**2 + lkn[None, :]**2).ravel()
+    b = np.digitize(ell, edges) - 1
+    ok = (b >= 0) & (b < edges.size - 1) & (ell > 0)
+    nb = edges.size - 1
+    modes = np.bincount(b[ok], minlength=nb).astype(np.float64)
+    safe = np.maximum(modes, 1.0)
+    return (np.bincount(b[ok], ell[ok], nb) / safe,
+            np.bincount(b[ok], power.ravel()[ok], nb) / safe, modes)
+
+
+def _source_weights(conf, geom, source):
+    w = np.asarray(source, np.float64) if np.ndim(source) else \
+        lensing.born_coefficients(conf, geom)[int(source)]
+    if w.shape != (geom.n_planes,):
+        raise ValueError("lensing_theory: source weights must have %d planes, got shape %s"
+                         % (geom.n_planes, w.shape))
+    return w
+
+
+def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing.DEFAULT_TAPER,
+                pad=DEFAULT_PAD):
+    """The expected measured C_ell of a run: :func:`continuous_cl` with the plane and
+    interpolation windows, through the ray sampling and the taper
+    (:func:`expected_pseudo_cl`), in the bins of ``kappa_power_spectrum``.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    geom : lensing.LightconeGeometry
+    pfuns : list of callable
+        Continuous 3D power at each plane [(Mpc/h)^3] (:func:`true_power`, or a
+        model such as halofit).
+    source : int or ndarray
+        Source index, or ``[n_planes]`` Born weights (n(z) sources).
+    edges, taper, pad :
+        As :func:`expected_pseudo_cl`.
+
+    Returns
+    -------
+    ell, cl, n_modes : ndarray
+        Bins as :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum`; ``cl`` [sr].
+    """
+    w = _source_weights(conf, geom, source)
+    shells = _shells(conf, geom, pfuns, w)
+    return expected_pseudo_cl(
+        lambda lx, ly: continuous_cl(lx, ly, conf, geom, pfuns, w, shells=shells),
+        geom.npix, geom.field_deg, edges, taper, pad)
+
+
+def _shells(conf, geom, pfuns, weights):
+    return [shell_power(pfuns[i], geom.width[i], conf.box_size[2]) if weights[i] != 0
+            else None for i in range(geom.n_planes)]
+
+
+def window_factor(ell, conf, geom, pfuns, source=0, n_angles=32):
+    """Fraction of the continuous Limber C_ell left by the plane and interpolation
+    windows at ``ell`` (angle-averaged, before ray sampling and taper).
+
+    Returns
+    -------
+    ndarray
+        Shape of ``ell``; 1 without suppression.
+    """
+    w = _source_weights(conf, geom, source)
+    ell = np.asarray(ell, np.float64)
+    phi = (np.arange(n_angles) + 0.5) * (0.5 * np.pi / n_angles)
+    lx, ly = ell[..., None] * np.cos(phi), ell[..., None] * np.sin(phi)
+    win = continuous_cl(lx, ly, conf, geom, pfuns, w, shells=_shells(conf, geom, pfuns, w)
+                        ).mean(-1)
+    cont = continuous_cl(lx, ly, conf, geom, pfuns, w, windows=False).mean(-1)
+    return win / np.where(cont > 0, cont, 1.0)
+
+
+def resolved_range(ell, window):
+    """The ell range a run resolves: the bins from the first up to the last one before
+    the window factor drops below :data:`RESOLVED_WINDOW`, and below the pixel Nyquist
+    frequency of the map (the caller's bins stop there).
+
+    Parameters
+    ----------
+    ell, window : ndarray
+        Bin centres and :func:`window_factor` at them.
+
+    Returns
+    -------
+    (ell_min, ell_max) : (float, float)
+        ``(nan, nan)`` if no bin is resolved.
+    """
+    ell, window = np.asarray(ell), np.asarray(window)
+    bad = np.nonzero(window < RESOLVED_WINDOW)[0]
+    last = bad[0] if bad.size else ell.size
+    if last == 0:
+        return float("nan"), float("nan")
+    return float(ell[0]), float(ell[last - 1])
+
+
+def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
+                   taper=lensing.DEFAULT_TAPER, halofit=True):
+    """Everything a lensing run reports beside its measured C_ell, per source.
+
+    Parameters
+    ----------
+    conf : SimConfig
+    geom : lensing.LightconeGeometry
+    plane_k, plane_p : ndarray
+        ``[n_planes, n_k]`` the run's grid P(k) at each plane (non-empty bins)
+        [h/Mpc], [(Mpc/h)^3].
+    sources : list
+        Per source: its index or its ``[n_planes]`` Born weights.
+    edges, taper :
+        Bins and taper of the measurement.
+    halofit : bool
+        Also the predictions from the halofit P(k) at each plane
+        (:mod:`flowpm_mtf.physics.halofit` on our linear power, Takahashi et al. 2012):
+        through the run's windows and without them.
+
+    Returns
+    -------
+    dict
+        ``ell`` and ``n_modes`` of the bins; per source (lists): ``expected``
+        (:func:`expected_cl`, [sr]), ``continuous`` (the Limber sum of the
+        deconvolved P, no window, [sr]), ``window`` (:func:`window_factor`),
+        ``resolved`` (bool per bin) and ``ell_range`` (:func:`resolved_range`);
+        with ``halofit``, ``extra = {"C_ell_halofit": [...], "C_ell_halofit_cont":
+        [...]}`` per source [sr].
+    """
+    pfuns = [true_power(plane_k[i], plane_p[i], conf) for i in range(geom.n_planes)]
+    hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a] \
+        if halofit else None
+    out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": []}
+    extra = {"C_ell_halofit": [], "C_ell_halofit_cont": []}
+    for src in sources:
+        w = _source_weights(conf, geom, src)
+        ell, cl, modes = expected_cl(conf, geom, pfuns, w, edges, taper)
+        win = window_factor(ell, conf, geom, pfuns, w)
+        phi = (np.arange(32) + 0.5) * (0.5 * np.pi / 32)
+        cont = continuous_cl(ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf,
+                             geom, pfuns, w, windows=False).mean(-1)
+        rng = resolved_range(ell[modes > 0], win[modes > 0])
+        out["expected"].append(cl)
+        out["continuous"].append(cont)
+        out["window"].append(win)
+        out["resolved"].append((ell >= rng[0]) & (ell <= rng[1]))
+        out["ell_range"].append(rng)
+        if halofit:
+            extra["C_ell_halofit"].append(expected_cl(conf, geom, hfuns, w, edges, taper)[1])
+            extra["C_ell_halofit_cont"].append(continuous_cl(
+                ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf, geom, hfuns, w,
+                windows=False).mean(-1))
+    out["ell"], out["n_modes"] = ell, modes
+    if halofit:
+        out["extra"] = extra
+    return out
