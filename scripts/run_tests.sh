@@ -72,6 +72,30 @@ QUICK_DESELECT=(
   "tests/test_halo.py::test_blocks_and_halo_exact_on_arange[int32-"
   "tests/test_halo.py::test_fill_and_reduce_are_adjoint[2-"
 )
+# The 4-rank pass runs only what needs 4 ranks: a 2x2 grid (both mesh axes split at once:
+# corners, two sub-communicators per rank, 2D pencils) or a process set of 4. Everything
+# else runs on 1 and 2 ranks, where each axis is split on its own (2x1, 1x2). A test file
+# that needs 4 ranks goes on this list (docs/testing.md, "Which tests run on 4 ranks").
+FOUR_RANK_TESTS=(
+  tests/test_horovod_runtime.py  # process sets from the Cartesian sub-communicators of 2x2
+  tests/test_backend.py          # every collective on (4,), (2, 2), (2, 1, 2)
+  tests/test_layout_errors.py    # layouts that do not fit a 2x2 / 4-rank mesh
+  tests/test_fft.py              # pencil FFT with both transposes distributed
+  tests/test_radial_filter.py    # the half spectrum with ky and kz both split
+  tests/test_halo.py             # corner cells: the diagonal neighbour's halo
+  tests/test_domain.py           # migration across both axes (diagonal moves)
+  tests/test_painting.py         # CIC paint/readout across block corners
+  tests/test_noise.py            # white noise independent of the decomposition
+  tests/test_ics.py
+  tests/test_lpt.py              # 2LPT: mixed second differences read corner halos
+  tests/test_power.py            # P(k) shell sums reduced over both axes
+  tests/test_nbody.py            # the forward model on 2x2 against FlowPM
+  tests/test_adjoint.py          # the adjoint gradient on 2x2
+  tests/test_lensing.py          # lens planes reduced over both axes
+  tests/test_mri_conv.py         # 3D convolution halos with corners (imaging)
+  tests/test_h5dist.py           # per-rank parts of a 2x2 / 4x1 grid in one file
+  tests/test_checkpoint.py       # a 4-rank checkpoint read back on another grid
+)
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv
 source scripts/launch_lib.sh
@@ -133,6 +157,10 @@ for np in $NPS; do
     echo "---------------- 1 rank: the tests that start their own MPI jobs ----------------"
     cat "$LOGDIR/np1_jobs.out"
     if [ $rc -eq 0 ]; then rc=$rc_jobs; fi
+  elif [ "$np" = 4 ] && [ $QUICK = 0 ]; then
+    timeout 2700 "${MPIRUN[@]}" -np 4 python scripts/mpi_pytest.py "${FOUR_RANK_TESTS[@]}" \
+      "${PYTEST_ARGS[@]:1}"
+    rc=$?
   else
     timeout 2700 "${MPIRUN[@]}" -np "$np" python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
