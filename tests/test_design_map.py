@@ -38,9 +38,11 @@ HOROVOD_NAMES = {"HvdSimdMeshImpl": "hvd_mesh_impl.mesh_impl",
                  "runtime": "hvd_mesh_impl.runtime"}
 HOROVOD_IMPORTERS = {"flowpm_mtf.backend"}
 # what the communication layer may not know: the cosmology and the sizes built on it
-PHYSICS_FREE = {"flowpm_mtf.mesh.domain": {"flowpm_mtf.config", "flowpm_mtf.physics.cosmology",
-                                      "flowpm_mtf.physics.linear_power", "flowpm_mtf.physics.halofit",
-                                      "flowpm_mtf.physics.sizing"}}
+_SIZES = frozenset({"flowpm_mtf.config", "flowpm_mtf.physics.cosmology",
+                    "flowpm_mtf.physics.linear_power", "flowpm_mtf.physics.halofit",
+                    "flowpm_mtf.physics.sizing"})
+PHYSICS_FREE = {m: _SIZES for m in ("flowpm_mtf.mesh.domain", "flowpm_mtf.mesh.domain_local",
+                                    "flowpm_mtf.mesh.slots")}
 MTF_PATCHES = ("enable_complex_gradients", "enable_lazy_masters")
 
 
