@@ -18,7 +18,7 @@ import tensorflow.compat.v1 as tf
 import fpm_harness as H
 import nbody_harness as NH
 from flowpm_mtf.mesh import domain
-from flowpm_mtf.physics import gravity, lpt, painting
+from flowpm_mtf.physics import gravity, lpt, painting, painting_vjp
 from flowpm_mtf import native
 from flowpm_mtf.config import SimConfig
 
@@ -176,8 +176,8 @@ def test_readout_vjp_native_equals_mtf(case):
         x = mtf.import_tf_tensor(mesh, tf.constant(pos), pshape)
         c = mtf.import_tf_tensor(mesh, tf.constant(ct), pshape)
         wt = mtf.import_tf_tensor(mesh, tf.constant(w), mtf.Shape(pshape.dims[:3]))
-        a = painting.readout_vjp(m, x, c, conf, 0.45, wt)
-        b = painting._readout_vjp_mtf(m, x, c, conf, 0.45, wt, "reference")
+        a = painting_vjp.readout_vjp(m, x, c, conf, 0.45, wt)
+        b = painting_vjp._readout_vjp_mtf(m, x, c, conf, 0.45, wt, "reference")
         return {"%s%d" % (t, i): v for t, o in (("n", a), ("t", b)) for i, v in enumerate(o)}
 
     out = H.run(kind, conf, build)
@@ -220,10 +220,10 @@ def test_paint_pair_scaled_grad_equal_their_ops(case, dtype, native_local, monke
 
         m, rb = imp(field, fshape), imp(rbar, shape)
         x, c, wt = imp(pos, pshape), imp(ct, pshape), imp(w, mtf.Shape(pshape.dims[:3]))
-        painted, dmesh = painting.paint_pair(x, c, conf, 0.45, wt, escape_checked=True)
-        vals, dpos = painting.readout_scaled_grad(m, x, c, conf, 0.45, wt, density_bar=rb)
+        painted, dmesh = painting_vjp.paint_pair(x, c, conf, 0.45, wt, escape_checked=True)
+        vals, dpos = painting_vjp.readout_scaled_grad(m, x, c, conf, 0.45, wt, density_bar=rb)
         ref_painted = painting.cic_paint(None, x, conf, wt, _unreduced=True, escape_checked=True)
-        ref_vals, ref_dmesh, ref_dpos = painting.readout_vjp(m, x, c, conf, 0.45, wt)
+        ref_vals, ref_dmesh, ref_dpos = painting_vjp.readout_vjp(m, x, c, conf, 0.45, wt)
         ref_dpaint = mtf.gradients([ref_painted], [x], grad_ys=[rb])[0]
         return {"painted": painted, "dmesh": dmesh, "vals": vals, "dpos": dpos,
                 "ref_painted": ref_painted, "ref_dmesh": ref_dmesh, "ref_vals": ref_vals,
