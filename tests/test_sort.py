@@ -1,4 +1,4 @@
-"""Reordering the particles by column (``domain.sort_by_column``, ``--sort-every``): the native
+"""Reordering the particles by column (``slots.sort_by_column``, ``--sort-every``): the native
 ``FlowpmSortByColumn`` and ``FlowpmPermuteRows`` against numpy (stable order, empty slots and
 non-finite positions last, several blocks, every dtype), ``sort_by_column`` on every grid of
 the world size against numpy and its TensorFlow path against the native one, the config's
@@ -16,7 +16,7 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
-from flowpm_mtf.mesh import domain
+from flowpm_mtf.mesh import slots
 from flowpm_mtf import layout, native
 from flowpm_mtf.config import SimConfig
 
@@ -89,7 +89,7 @@ def test_sort_by_column_on_every_grid(case, native_local, monkeypatch):
     TensorFlow path (as on a GPU) gives the same order."""
     kind, grid = case
     if not native_local:
-        monkeypatch.setattr(domain, "_particle_ops", lambda *a, **k: None)
+        monkeypatch.setattr(slots, "_particle_ops", lambda *a, **k: None)
     conf = SimConfig(nc=16, grid=grid, halo_size=2, dtype="float64")
     gx, gy = conf.grid
     sx, sy, nz = conf.block_shape
@@ -107,7 +107,7 @@ def test_sort_by_column_on_every_grid(case, native_local, monkeypatch):
         p = mtf.import_tf_tensor(mesh, tf.constant(mom.reshape(gx, gy, n, 3)), shape)
         i = mtf.import_tf_tensor(mesh, tf.constant(ids.reshape(gx, gy, n).astype(np.int32)),
                                  mtf.Shape([bx, by, npart]))
-        (x2, p2), i2 = domain.sort_by_column(conf, [x, p], i)
+        (x2, p2), i2 = slots.sort_by_column(conf, [x, p], i)
         return {"x": x2, "p": p2, "i": i2}
 
     out = H.run(kind, conf, build)
