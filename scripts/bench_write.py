@@ -2,9 +2,9 @@
 
 Writes a float32 snapshot of ``nc^3`` particles (position, velocity float32, id int64:
 32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.runs.io.write_snapshot_distributed`
-from every rank's share, alternating the two modes of :mod:`flowpm_mtf.runs.h5dist`'s part-file
-writer (``O_DIRECT`` from aligned staging buffers, or the same buffers through the page
-cache), ``--repeat`` times each after one untimed round, and prints the write's GB/s (all part files of all ranks,
+from every rank's share, alternating the two modes of the part-file writer
+(:mod:`flowpm_mtf.runs.h5dist_part`: ``O_DIRECT`` from aligned staging buffers, or the
+same buffers through the page cache), ``--repeat`` times each after one untimed round, and prints the write's GB/s (all part files of all ranks,
 fsync and hashing included; the slowest rank's wall time) and CPU seconds of rank 0::
 
     python scripts/bench_write.py --nc 256 --repeat 3 --dir /path/on/the/disk
@@ -50,13 +50,13 @@ def snapshot_parts(nc, comm, seed=0):
 
 def measure(nc, repeat, directory, comm):
     """``{"direct": [...], "buffered": [...]}`` of ``{"gb_per_s", "seconds", "cpu_s", "mode"}``."""
-    from flowpm_mtf.runs import h5dist, io
+    from flowpm_mtf.runs import h5dist_part, io
 
     conf, parts = snapshot_parts(nc, comm)
     out = {"direct": [], "buffered": []}
     for i in range(repeat + 1):          # the first round warms up (imports, threads): untimed
         for mode in ("direct", "buffered"):
-            h5dist.DIRECT_IO = mode == "direct"
+            h5dist_part.DIRECT_IO = mode == "direct"
             d = tempfile.mkdtemp(prefix="bench_write", dir=directory) if comm.rank == 0 else None
             d = comm.bcast(d, root=0)
             stats = {}
@@ -73,7 +73,7 @@ def measure(nc, repeat, directory, comm):
                 continue
             out[mode].append({"gb_per_s": stats["bytes"] / 1e9 / seconds, "seconds": seconds,
                               "cpu_s": cpu, "bytes": stats["bytes"], "mode": stats.get("mode", "?")})
-    h5dist.DIRECT_IO = True
+    h5dist_part.DIRECT_IO = True
     return out
 
 

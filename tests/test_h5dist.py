@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow.compat.v1 as tf
 
-from flowpm_mtf.runs import h5dist, io
+from flowpm_mtf.runs import collective, h5dist, h5dist_part, io
 from flowpm_mtf.backend import SerialComm
 from flowpm_mtf.errors import FlowpmError
 from mtf_harness import hvd_config, hvd_impl, mesh_id, placement_config, placement_impl
@@ -132,7 +132,7 @@ def test_rows_with_a_transform_are_written_piece_by_piece(monkeypatch):
     last piece shorter than the others."""
     comm = world_comm()
     d = shared_tmpdir(comm)
-    monkeypatch.setattr(h5dist, "PIECE_ROWS", 7)
+    monkeypatch.setattr(h5dist_part, "PIECE_ROWS", 7)
     n = 23 + 5 * comm.rank if comm.rank != 1 else 0
     src = (np.arange(3 * n, dtype=np.float32).reshape(n, 3) + 0.1 * comm.rank) / 3
     pieces = []
@@ -167,11 +167,11 @@ def test_part_files_are_hashed_while_written(compression, monkeypatch):
     """Every part file's BLAKE3 digest is computed while it is written (contiguous data
     written past HDF5, hashed in file order with the metadata between them; or hashed after a
     compressed write) and recorded on rank 0, which then knows the digest of every rank's file
-    (h5dist.known_digest) as long as the file is unchanged; masked rows (keep) are written
+    (h5dist_part.known_digest) as long as the file is unchanged; masked rows (keep) are written
     piece by piece; stats count the bytes of all part files."""
     comm = world_comm()
     d = shared_tmpdir(comm)
-    monkeypatch.setattr(h5dist, "PIECE_ROWS", 5)
+    monkeypatch.setattr(h5dist_part, "PIECE_ROWS", 5)
     n = 17 + 3 * comm.rank
     src = np.arange(3 * n, dtype=np.float32).reshape(n, 3) + 100 * comm.rank
     keep = np.arange(n) % 3 != 1
@@ -205,10 +205,10 @@ def test_part_files_are_hashed_while_written(compression, monkeypatch):
     comm.barrier()
     if comm.rank == 0:
         for f in files:
-            assert h5dist.known_digest(f) == _file_blake3(f)
+            assert h5dist_part.known_digest(f) == _file_blake3(f)
         os.utime(files[-1], ns=(1, 1))          # changed since: hashed again by the caller
-        assert h5dist.known_digest(files[-1]) is None
-        assert h5dist.known_digest(path) is None  # the virtual file was not recorded
+        assert h5dist_part.known_digest(files[-1]) is None
+        assert h5dist_part.known_digest(path) is None  # the virtual file was not recorded
         shutil.rmtree(d)
     comm.barrier()
 
@@ -216,9 +216,9 @@ def test_part_files_are_hashed_while_written(compression, monkeypatch):
 def _write_modes(comm, d, name, monkeypatch):
     """Write the same parts (several staging buffers and a partial last block); return
     ``(bytes of this rank's part file, its recorded SHA-256 or None, stats)``."""
-    monkeypatch.setattr(h5dist, "DIRECT_CHUNK", 3 * h5dist.DIRECT_ALIGN)
-    monkeypatch.setattr(h5dist, "DIRECT_BUFFERS", 2)
-    monkeypatch.setattr(h5dist, "PIECE_ROWS", 1000)
+    monkeypatch.setattr(h5dist_part, "DIRECT_CHUNK", 3 * h5dist_part.DIRECT_ALIGN)
+    monkeypatch.setattr(h5dist_part, "DIRECT_BUFFERS", 2)
+    monkeypatch.setattr(h5dist_part, "PIECE_ROWS", 1000)
     n = 4000 + 777 * comm.rank        # 48 kB + a tail: 4+ buffers, not a multiple of 4096
     rng = np.random.default_rng(comm.rank)
     src = rng.standard_normal((n, 3)).astype(np.float32)
@@ -234,7 +234,7 @@ def _write_modes(comm, d, name, monkeypatch):
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(
             f["x"][...], np.concatenate(comm.allgather(src[keep] * np.float32(3.0))))
-    known = comm.bcast([h5dist.known_digest(h5dist.part_path(path, p))
+    known = comm.bcast([h5dist_part.known_digest(h5dist.part_path(path, p))
                         for p in range(comm.size)] if comm.rank == 0 else None, root=0)
     return data, known[comm.rank], stats
 
@@ -252,11 +252,11 @@ def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
     d = shared_tmpdir(comm)
     probe = os.path.join(d, "probe-%d" % comm.rank)
     open(probe, "wb").close()
-    fd = h5dist._open_direct(probe)
+    fd = h5dist_part._open_direct(probe)
     direct_ok = fd is not None
     if fd is not None:
         try:
-            os.pwrite(fd, memoryview(h5dist._aligned_buffer(h5dist.DIRECT_ALIGN)), 0)
+            os.pwrite(fd, memoryview(h5dist_part._aligned_buffer(h5dist_part.DIRECT_ALIGN)), 0)
         except OSError:
             direct_ok = False
         os.close(fd)
@@ -265,7 +265,7 @@ def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
     files["direct"] = _write_modes(comm, d, "direct", monkeypatch)
 
     refused = []
-    real = h5dist._pwrite_all
+    real = h5dist_part._pwrite_all
 
     def no_direct_writes(fd, buf, offset):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
@@ -273,23 +273,24 @@ def test_direct_and_buffered_writes_give_the_same_files(monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, buf, offset)
 
-    monkeypatch.setattr(h5dist, "_pwrite_all", no_direct_writes)
+    monkeypatch.setattr(h5dist_part, "_pwrite_all", no_direct_writes)
     files["refused_at_write"] = _write_modes(comm, d, "write", monkeypatch)
-    monkeypatch.setattr(h5dist, "_pwrite_all", real)
-    monkeypatch.setattr(h5dist, "DIRECT_IO", False)
+    monkeypatch.setattr(h5dist_part, "_pwrite_all", real)
+    monkeypatch.setattr(h5dist_part, "DIRECT_IO", False)
     files["buffered"] = _write_modes(comm, d, "buffered", monkeypatch)
 
     data, sha, stats = files["direct"]
     problems = []      # gathered, so that a failure on one rank does not hang the others
     if stats["mode"] != ("direct" if direct_ok else "buffered"):
         problems.append("direct write mode %s (O_DIRECT works: %s)" % (stats["mode"], direct_ok))
-    if not (len(data) % h5dist.DIRECT_ALIGN and len(data) > 4 * 3 * h5dist.DIRECT_ALIGN):
+    align = h5dist_part.DIRECT_ALIGN
+    if not (len(data) % align and len(data) > 4 * 3 * align):
         problems.append("part file of %d bytes: not several buffers and a tail" % len(data))
     if files["refused_at_write"][2]["mode"] != "buffered" or files["buffered"][2]["mode"] != \
             "buffered":
         problems.append("fallback modes %s" % [files[k][2]["mode"] for k in files])
     # the first refusal switches the mode (writes in flight then may be refused too)
-    if not (1 <= len(refused) <= h5dist.DIRECT_WRITERS if direct_ok else not refused):
+    if not (1 <= len(refused) <= h5dist_part.DIRECT_WRITERS if direct_ok else not refused):
         problems.append("%d direct writes refused" % len(refused))
     for mode, (other, other_sha, _) in files.items():
         if other != data:
@@ -395,7 +396,7 @@ def test_disk_full_on_one_rank_is_exit_5_on_every_rank():
 def test_agree_classifies_a_ranks_error_text(error, cls):
     """Errors passed between ranks as text (as checkpoint.save does) keep their meaning."""
     with pytest.raises(FlowpmError) as err:
-        h5dist._agree(SerialComm(), error, "writing y")
+        collective._agree(SerialComm(), error, "writing y")
     assert type(err.value).__name__ == cls
     assert err.value.exit_code == (5 if cls == "OutputDirError" else 1)
 
@@ -407,13 +408,13 @@ def test_collective_keeps_the_class_of_a_flowpm_error():
         raise ResumeError("bad checkpoint")
 
     with pytest.raises(ResumeError, match="writing z failed on rank 0: bad checkpoint"):
-        h5dist.collective(SerialComm(), dict, root, "writing z")
+        collective.collective(SerialComm(), dict, root, "writing z")
 
 
 FULL_DISK_SCRIPT = r"""
 import os, sys
 import numpy as np
-from flowpm_mtf import h5dist
+from flowpm_mtf.runs import h5dist
 from flowpm_mtf.backend import SerialComm
 d = sys.argv[1]
 st = os.statvfs(d)

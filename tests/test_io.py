@@ -139,7 +139,7 @@ def test_disk_full_keeps_the_old_file_and_stays_an_oserror(workdir, writer):
     tests/test_rundir.py), the previous file is untouched, no temporary file is left."""
     import errno
 
-    from flowpm_mtf.runs import h5dist
+    from flowpm_mtf.runs import collective
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -155,7 +155,7 @@ def test_disk_full_keeps_the_old_file_and_stays_an_oserror(workdir, writer):
             io.write_table(path, [big[:, 0]], "x", rank=0)
         else:
             io.write_json(path, {"x": big.tolist()}, rank=0)
-    assert err.value.errno == errno.ENOSPC and h5dist.is_disk_full(err.value)
+    assert err.value.errno == errno.ENOSPC and collective.is_disk_full(err.value)
     with open(path) as f:
         assert f.read() == "previous"
     assert sorted(os.listdir(workdir)) == [os.path.basename(path)]
@@ -183,10 +183,10 @@ def test_particle_part_per_axis_constants(dtype, monkeypatch):
     """Non-cubic cells, a block away from the origin: the rows converted over the flat array
     with tiled per-axis constants (io._PerAxis) equal numpy's broadcast of the [3] constants
     bit for bit, for pieces of one row to several tiles (PIECE_ROWS 7 on 50 rows)."""
-    from flowpm_mtf.runs import h5dist
+    from flowpm_mtf.runs import h5dist_part
     from flowpm_mtf.config import SimConfig
 
-    monkeypatch.setattr(h5dist, "PIECE_ROWS", 7)
+    monkeypatch.setattr(h5dist_part, "PIECE_ROWS", 7)
     conf = SimConfig(nc=(16, 8, 4), box_size=(100.0, 60.0, 20.0), grid=(2, 2), dtype=dtype)
     sx, sy, _ = conf.block_shape
     rng = np.random.RandomState(2)

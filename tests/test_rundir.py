@@ -17,7 +17,7 @@ import blake3
 import numpy as np
 import pytest
 
-from flowpm_mtf.runs import h5dist, rundir
+from flowpm_mtf.runs import collective, h5dist, rundir
 from flowpm_mtf.errors import OutputDirError, ResumeError
 from flowpm_mtf.runs.rundir import RunDir
 
@@ -589,7 +589,7 @@ def test_disk_full_while_publishing_keeps_the_previous_state(tmp_path, monkeypat
 @single
 def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_path):
     """A real ENOSPC (/dev/full) in a rank-0 output (summary.json) written the way the
-    runner should write them, inside h5dist.collective: OutputDirError (exit 5) on every
+    runner should write them, inside collective.collective: OutputDirError (exit 5) on every
     rank, one line; the old run intact after close."""
     from flowpm_mtf.runs import io
 
@@ -602,7 +602,7 @@ def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_pat
         with RunDir(out, "simulate", overwrite=True) as rd:
             path = rd.file("summary.json")
             os.symlink("/dev/full", io._tmp_name(path))  # the temporary file is on a full disk
-            h5dist.collective(rd.comm, dict, lambda _: io.write_json(
+            collective.collective(rd.comm, dict, lambda _: io.write_json(
                 path, {"x": list(range(10000))}, rank=0), "writing the outputs in %s" % out)
             rd.publish()
     assert e.value.exit_code == 5 and "\n" not in str(e.value)

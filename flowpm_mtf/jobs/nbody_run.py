@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from ..runs import checkpoint, h5dist, io
+from ..runs.collective import collective
 from ..mesh import domain, donate
 from ..physics import ics, lpt, nbody, painting, power, sizing, stepper, timeloop
 from ..logs import rank0_only
@@ -706,7 +707,7 @@ class PowerWriter:
             self.written.append(name)
 
         # rank 0 writes; an error there (e.g. a full disk: exit 5) reaches every rank, no hang
-        h5dist.collective(self.ctx.comm, dict, write_rank0, "writing %s" % name)
+        collective(self.ctx.comm, dict, write_rank0, "writing %s" % name)
 
 
 class PowerAtStages:

@@ -59,6 +59,7 @@ import numpy as np
 
 from .. import allocator
 from ..runs import checkpoint, h5dist, io
+from ..runs.collective import collective
 from ..mesh import domain
 from ..physics import sizing
 from ..errors import CapacityError, ResumeError, StoppedError
@@ -656,7 +657,7 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
 
     if run_dir is not None:
         # rank 0 writes; an error there (e.g. a full disk: exit 5) reaches every rank, no hang
-        h5dist.collective(ctx.comm, dict, write_rank0, "writing the outputs in %s" % run_dir.path)
+        collective(ctx.comm, dict, write_rank0, "writing the outputs in %s" % run_dir.path)
     job.check(ctx, summary)
     for hook in hooks.after_run:
         hook(ctx, summary)

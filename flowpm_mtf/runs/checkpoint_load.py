@@ -31,7 +31,7 @@ from .checkpoint_identity import (FIELDS_GROUP, FORMAT, OUTPUTS_DIR, RESLICEABLE
                                   STATE_NAMES, _check_outputs, _part_name, candidates,
                                   check_identity, checkpoint_root)
 from .checkpoint_save import _link_or_copy
-from .h5dist import collective
+from .collective import collective
 
 __all__ = ["RANGE_MARGIN", "verify_resume", "load", "restore_outputs", "check_resume_config",
            "resume_command", "resume_hint"]

@@ -35,7 +35,8 @@ import numpy as np
 from . import digest
 from .checkpoint_identity import (FIELDS_GROUP, FORMAT, OUTPUTS_DIR, STATE_NAMES, _part_name,
                                   _step_dirs, checkpoint_root, read_manifest, step_dir)
-from .h5dist import _agree, _write_h5, collective, known_digest
+from .collective import _agree, collective
+from .h5dist_part import _write_h5, known_digest
 from .io import fsync_path
 
 __all__ = ["save"]
@@ -113,7 +114,7 @@ def save(out_dir, comm, step, a, config, parts, *, grid, ident, outputs_dir=None
                     for name, (v, begin) in fields.get(pnum, {}).items()}
             name = _part_name(pnum)
             path = os.path.join(tmp, name)
-            # One writer for all part files (h5dist._write_h5): the space is reserved first
+            # One writer for all part files (h5dist_part._write_h5): the space is reserved first
             # (a full disk fails cleanly, not inside HDF5's close), the data are written with
             # O_DIRECT past HDF5 and hashed while written (no second read of the file).
             datasets, dattrs = {}, {}

@@ -182,7 +182,7 @@ def atomic_path(path):
         As the write raised it, also for a full disk (``ENOSPC``/``EDQUOT``):
         the writers run on rank 0 alone, where a :class:`FlowpmError` would
         leave the other ranks waiting; the caller makes it collective
-        (:func:`flowpm_mtf.runs.h5dist.collective` turns a full disk into
+        (:func:`flowpm_mtf.runs.collective.collective` turns a full disk into
         ``OutputDirError``, exit 5, on every rank).
     """
     path = os.fspath(path)
@@ -225,10 +225,10 @@ def write_hdf5(path, datasets, attrs=None, *, compression=None, rank=None):
     """
     import h5py
 
-    from .h5dist import HDF5_OVERHEAD_BYTES, reserve_space
+    from .collective import HDF5_OVERHEAD_BYTES, reserve_space
 
     def write(tmp):
-        # A full disk fails here, cleanly, not in HDF5's close (see h5dist.reserve_space).
+        # A full disk fails here, cleanly, not in HDF5's close (see collective.reserve_space).
         reserve_space(tmp, HDF5_OVERHEAD_BYTES + sum(np.asarray(v).nbytes
                                                      for _, v, _ in datasets))
         with h5py.File(tmp, "w") as f:

@@ -96,7 +96,8 @@ import time
 from ..backend import SerialComm
 from ..errors import FlowpmError, OutputDirError, ResumeError, error_from_name
 from . import digest
-from .h5dist import disk_full_error, is_disk_full, known_digest
+from .collective import disk_full_error, is_disk_full
+from .h5dist_part import known_digest
 from .io import fsync_path
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
@@ -755,7 +756,7 @@ class RunDir:
                 if rel in (MANIFEST, LOCK) or _TMP_RE.search(name):
                     continue
                 fsync_path(path)  # on disk before the manifest that vouches for it
-                # part files were hashed while written (h5dist.known_digest)
+                # part files were hashed while written (h5dist_part.known_digest)
                 files.append({"path": rel, "size": os.path.getsize(path),
                               digest.DIGEST: known_digest(path) or digest.file_digest(path)})
         previous = read_manifest(self.out)
