@@ -1,7 +1,7 @@
 """Snapshot write throughput, direct I/O against buffered, back to back (issue 31, item 4).
 
 Writes a float32 snapshot of ``nc^3`` particles (position, velocity float32, id int64:
-32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.runs.io.write_snapshot_distributed`
+32 bytes per particle, 0.54 GB at 256^3) with :func:`flowpm_mtf.runs.snapshot.write_snapshot_distributed`
 from every rank's share, alternating the two modes of the part-file writer
 (:mod:`flowpm_mtf.runs.h5dist_part`: ``O_DIRECT`` from aligned staging buffers, or the
 same buffers through the page cache), ``--repeat`` times each after one untimed round, and prints the write's GB/s (all part files of all ranks,
@@ -36,7 +36,7 @@ def _comm():
 
 def snapshot_parts(nc, comm, seed=0):
     """This rank's parts of a float32 ``nc^3`` snapshot split over ``comm.size`` x-blocks."""
-    from flowpm_mtf.runs import io
+    from flowpm_mtf.runs import snapshot
     from flowpm_mtf.config import SimConfig
 
     conf = SimConfig(nc=(nc, nc, nc), box_size=200.0, grid=(comm.size, 1), dtype="float32")
@@ -45,12 +45,12 @@ def snapshot_parts(nc, comm, seed=0):
     bs = conf.block_shape
     pos = (rng.random((n, 3), np.float32) * np.asarray(bs, np.float32)).astype(np.float32)
     mom = rng.standard_normal((n, 3), np.float32)
-    return conf, {comm.rank: io.particle_part(conf, (comm.rank, 0), pos, mom, a=1.0)}
+    return conf, {comm.rank: snapshot.particle_part(conf, (comm.rank, 0), pos, mom, a=1.0)}
 
 
 def measure(nc, repeat, directory, comm):
     """``{"direct": [...], "buffered": [...]}`` of ``{"gb_per_s", "seconds", "cpu_s", "mode"}``."""
-    from flowpm_mtf.runs import h5dist_part, io
+    from flowpm_mtf.runs import h5dist_part, snapshot
 
     conf, parts = snapshot_parts(nc, comm)
     out = {"direct": [], "buffered": []}
@@ -62,8 +62,8 @@ def measure(nc, repeat, directory, comm):
             stats = {}
             comm.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
-            io.write_snapshot_distributed(os.path.join(d, "snapshot.h5"), comm, parts, conf,
-                                          stats=stats)
+            snapshot.write_snapshot_distributed(os.path.join(d, "snapshot.h5"), comm, parts,
+                                                conf, stats=stats)
             seconds = max(comm.allgather(time.perf_counter() - t0))
             cpu = time.process_time() - c0
             comm.barrier()

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from flowpm_mtf.runs import io
+from flowpm_mtf.runs import io, snapshot, writers
 
 # Text columns are written with 17 significant digits: float64 round trips exactly.
 TEXT_RTOL = 0.0
@@ -146,7 +146,7 @@ def test_disk_full_keeps_the_old_file_and_stays_an_oserror(workdir, writer):
     path = os.path.join(workdir, "out." + {"hdf5": "h5", "table": "txt", "json": "json"}[writer])
     with open(path, "w") as f:
         f.write("previous")
-    os.symlink("/dev/full", io._tmp_name(path))
+    os.symlink("/dev/full", writers._tmp_name(path))
     big = np.zeros((20000, 3))
     with pytest.raises(OSError) as err:
         if writer == "hdf5":
@@ -181,7 +181,7 @@ def test_hdf5_space_is_reserved_before_hdf5_writes(workdir, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_particle_part_per_axis_constants(dtype, monkeypatch):
     """Non-cubic cells, a block away from the origin: the rows converted over the flat array
-    with tiled per-axis constants (io._PerAxis) equal numpy's broadcast of the [3] constants
+    with tiled per-axis constants (snapshot._PerAxis) equal numpy's broadcast of the [3] constants
     bit for bit, for pieces of one row to several tiles (PIECE_ROWS 7 on 50 rows)."""
     from flowpm_mtf.runs import h5dist_part
     from flowpm_mtf.config import SimConfig
@@ -240,7 +240,7 @@ def test_particle_part_writes_the_runs_dtype():
 @pytest.mark.parametrize("box", [(200.0, 200.0, 200.0), (100.0, 250.0, 40.0)])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_periodic_wrap_equals_numpy_mod(box, dtype):
-    """io._PerAxis.wrap (the snapshot's positions across the periodic edge, without numpy's
+    """snapshot._PerAxis.wrap (the snapshot's positions across the periodic edge, without numpy's
     slow mod) gives np.mod's values bit for bit, per axis, in [0, box), also at the edges:
     values just below 0 and just below the box, the box itself, -box, multiples of it."""
     rng = np.random.RandomState(3)
@@ -251,7 +251,7 @@ def test_periodic_wrap_equals_numpy_mod(box, dtype):
             np.nextafter(-v[0], 0), np.nextafter(2 * v[0], 0)]
     x[:len(edge), 0] = np.asarray(edge, dtype)
     got = x.copy()
-    io._PerAxis(v).wrap(got)
+    snapshot._PerAxis(v).wrap(got)
     want = np.mod(x, v)
     want[want >= v] -= np.broadcast_to(v, want.shape)[want >= v]   # rounded up to the box: 0
     np.testing.assert_array_equal(got, want)

@@ -591,7 +591,7 @@ def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_pat
     """A real ENOSPC (/dev/full) in a rank-0 output (summary.json) written the way the
     runner should write them, inside collective.collective: OutputDirError (exit 5) on every
     rank, one line; the old run intact after close."""
-    from flowpm_mtf.runs import io
+    from flowpm_mtf.runs import io, writers
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -601,7 +601,7 @@ def test_disk_full_in_a_rank0_output_is_exit_5_when_written_collectively(tmp_pat
                        match="no space left on device.*writing the outputs in .*run on rank 0") as e:
         with RunDir(out, "simulate", overwrite=True) as rd:
             path = rd.file("summary.json")
-            os.symlink("/dev/full", io._tmp_name(path))  # the temporary file is on a full disk
+            os.symlink("/dev/full", writers._tmp_name(path))  # the temporary file: a full disk
             collective.collective(rd.comm, dict, lambda _: io.write_json(
                 path, {"x": list(range(10000))}, rank=0), "writing the outputs in %s" % out)
             rd.publish()

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from ..mesh import fft, noise
-from ..runs import io, preflight
+from ..runs import preflight, writers
 from .. import layout
 from ..config import SimConfig
 from ..logs import rank0_only
@@ -117,7 +117,7 @@ class FftDemoJob(Job):
         return {"fft": res["result"]}
 
     def write(self, ctx, out, res, summary):
-        io.write_json(out.path("fft_demo.json"), res["result"], rank=0)
+        writers.write_json(out.path("fft_demo.json"), res["result"], rank=0)
 
     def check(self, ctx, summary):
         err = max(summary["fft"]["max_rel_error_forward_vs_numpy"],

@@ -44,7 +44,7 @@ import time
 
 import numpy as np
 
-from ..runs import checkpoint, h5dist, io
+from ..runs import checkpoint, h5dist, io, writers
 from ..logs import rank0_only
 from . import register, runner
 from .base import ConfigSection, Job
@@ -273,8 +273,8 @@ class ImagingJob(Job):
         title = ("flowpm-mtf imaging: volume %s, grid %s, R = %g, noise sigma %g"
                  % ("x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)),
                     conf.acceleration, conf.noise_sigma))
-        io.write_markdown_table(out.path("metrics.md"), ("method", "PSNR [dB]", "SSIM"), rows,
-                                title=title, rank=0)
+        writers.write_markdown_table(out.path("metrics.md"), ("method", "PSNR [dB]", "SSIM"),
+                                     rows, title=title, rank=0)
 
     def plot(self, ctx, out, res, summary):
         imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"])

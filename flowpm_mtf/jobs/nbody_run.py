@@ -37,7 +37,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from ..runs import checkpoint, h5dist, io
+from ..runs import checkpoint, h5dist, io, snapshot
 from ..runs.collective import collective
 from ..mesh import domain, donate
 from ..physics import ics, lpt, nbody, painting, power, sizing, stepper, timeloop
@@ -537,7 +537,7 @@ def snapshot_parts(conf, state, rho_slices, rho_vals, a):
     parts = {}
     for (p, _, begin), rho in zip(rho_slices, rho_vals):
         block, pos, mom, _, ids = state[p]
-        parts[p] = io.particle_part(conf, block, pos, mom, a, ids=ids, valid=ids >= 0)
+        parts[p] = snapshot.particle_part(conf, block, pos, mom, a, ids=ids, valid=ids >= 0)
         parts[p]["density"] = h5dist.Block(rho, begin, conf.nc)
     return parts
 
@@ -560,8 +560,8 @@ def write_snapshot(ctx, name, parts, compression=None):
     path = ctx.file(name)
     if path is not None:
         stats = {}
-        io.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf,
-                                      compression=compression, stats=stats)
+        snapshot.write_snapshot_distributed(path, ctx.comm, parts, attrs=ctx.conf,
+                                            compression=compression, stats=stats)
         ctx.record_write(name, stats)
 
 

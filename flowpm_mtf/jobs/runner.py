@@ -58,7 +58,7 @@ import time
 import numpy as np
 
 from .. import allocator
-from ..runs import checkpoint, h5dist, io
+from ..runs import checkpoint, h5dist, io, writers
 from ..runs.collective import collective
 from ..mesh import domain
 from ..physics import sizing
@@ -632,7 +632,8 @@ def _run(job, configs, backend, run_dir, plot, hooks, checkpoint_every, resume, 
     mem_all = ctx.comm.allgather(mem)
     timings["total_s"] = ctx.elapsed()
     summary = {key: cfg.to_dict() for key, cfg in configs.items()}
-    summary.update(timings=timings, peak_memory_mb_per_rank=mem_all, versions=io.versions(),
+    summary.update(timings=timings, peak_memory_mb_per_rank=mem_all,
+                   versions=writers.versions(),
                    allocator=allocator.active(),
                    memory_phases_mb_per_rank=ctx.comm.allgather(ctx.memory))
     # where each rank ran: host, ranks on its node, thread pools (docs/output.md)

@@ -151,7 +151,7 @@ def config_hash(state, stages):
     stages : sequence of float
         Scale factors of the time loop.
     """
-    from .io import to_jsonable
+    from .writers import to_jsonable
 
     text = json.dumps({"config": to_jsonable(state), "stages": [float(a) for a in stages]},
                       sort_keys=True, separators=(",", ":"))
@@ -186,7 +186,7 @@ def identity(job, configs, stages, sections=None, fields=(), total=None):
         ``fields`` and ``total`` where given): JSON-able, merged into the
         manifest.
     """
-    from .io import to_jsonable
+    from .writers import to_jsonable
 
     state = to_jsonable(state_config(configs, sections))
     stages = [float(a) for a in stages]

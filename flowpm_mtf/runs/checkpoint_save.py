@@ -21,7 +21,7 @@ links are impossible) of all of them, with size and digest, and a resumed run
 puts them back into its staging area
 (:func:`flowpm_mtf.runs.checkpoint_load.restore_outputs`) before it continues, so it
 publishes the same files as an uninterrupted run. Writers
-replace files by rename (:func:`flowpm_mtf.runs.io.atomic_path`, ``h5dist``), never
+replace files by rename (:func:`flowpm_mtf.runs.writers.atomic_path`, ``h5dist``), never
 in place, so a link in a checkpoint never changes afterwards.
 """
 import json
@@ -37,7 +37,7 @@ from .checkpoint_identity import (FIELDS_GROUP, FORMAT, OUTPUTS_DIR, STATE_NAMES
                                   _step_dirs, checkpoint_root, read_manifest, step_dir)
 from .collective import _agree, collective
 from .h5dist_part import _write_h5, known_digest
-from .io import fsync_path
+from .writers import fsync_path
 
 __all__ = ["save"]
 

@@ -98,7 +98,7 @@ from ..errors import FlowpmError, OutputDirError, ResumeError, error_from_name
 from . import digest
 from .collective import disk_full_error, is_disk_full
 from .h5dist_part import known_digest
-from .io import fsync_path
+from .writers import fsync_path
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
            "verify_manifest", "has_checkpoint", "swap_paths", "locate",
@@ -112,7 +112,7 @@ STAGING = ".staging"
 CHECKPOINT = "checkpoint"
 #: Value of the ``format`` key of ``manifest.json``.
 MANIFEST_FORMAT = "flowpm_mtf.manifest/1"
-# Temporary names of flowpm_mtf.runs.io (``<file>.tmp-<pid>``) and of this module.
+# Temporary names of flowpm_mtf.runs.writers (``<file>.tmp-<pid>``) and of this module.
 _TMP_RE = re.compile(r"\.tmp-\d+$|\.tmp$")
 # renameat2(2) flag: swap two paths atomically (Linux >= 3.15, most local file systems).
 _RENAME_EXCHANGE = 2
@@ -467,7 +467,7 @@ class RunDir:
         Parameters
         ----------
         config : dict or config object, optional
-            Recorded in the manifest (JSON-able via :func:`flowpm_mtf.runs.io.to_jsonable`).
+            Recorded in the manifest (JSON-able via :func:`flowpm_mtf.runs.writers.to_jsonable`).
         extra : dict, optional
             More JSON-able entries for the manifest.
         keep_checkpoints : bool
@@ -745,7 +745,7 @@ class RunDir:
 
     # ------------------------------------------------------------------ rank 0: publish
     def _publish_rank0(self, config, extra, keep_checkpoints, box):
-        from .io import to_jsonable, versions
+        from .writers import to_jsonable, versions
 
         files = []
         for root, dirs, names in os.walk(self.staging):
