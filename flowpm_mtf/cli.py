@@ -250,12 +250,12 @@ def resume_configs(job, args):
         nothing to continue), one written by another job, or an option that
         contradicts it.
     """
-    from .runs import checkpoint, rundir
+    from .runs import checkpoint, rundir_manifest
     from .errors import ResumeError
 
     found = checkpoint.candidates(args.resume)
     if not found:   # a complete run (its checkpoints removed at publish) or none at all
-        raise rundir.nothing_to_resume(args.resume)
+        raise rundir_manifest.nothing_to_resume(args.resume)
     path, manifest = found[0]
     if manifest.get("job") not in (None, job.name):   # before its configs are read as ours
         raise ResumeError(checkpoint.check_identity(

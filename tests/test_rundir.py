@@ -17,7 +17,7 @@ import blake3
 import numpy as np
 import pytest
 
-from flowpm_mtf.runs import collective, h5dist, rundir
+from flowpm_mtf.runs import collective, h5dist, rundir, rundir_swap
 from flowpm_mtf.errors import OutputDirError, ResumeError
 from flowpm_mtf.runs.rundir import RunDir
 
@@ -344,11 +344,11 @@ class KillAt:
         for name in MUTATORS:
             mp.setattr(os, name, self._wrap(getattr(os, name)))
         if self.exchange:
-            mp.setattr(rundir, "_exchange", self._wrap(rundir._exchange))
+            mp.setattr(rundir_swap, "_exchange", self._wrap(rundir_swap._exchange))
         else:
             def no_exchange(a, b):
-                raise rundir._NoExchange("not on this file system (test)")
-            mp.setattr(rundir, "_exchange", no_exchange)
+                raise rundir_swap._NoExchange("not on this file system (test)")
+            mp.setattr(rundir_swap, "_exchange", no_exchange)
         return self
 
     def __exit__(self, *exc):
@@ -482,7 +482,7 @@ def test_publish_killed_at_every_step_keeps_one_complete_run(tmp_path, monkeypat
 
 KILL_SCRIPT = r"""
 import os, sys
-from flowpm_mtf import rundir
+from flowpm_mtf.runs import rundir, rundir_swap
 out, k, exchange = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 files = %r
 mutators = %r
@@ -501,11 +501,11 @@ def wrap(fn):
 for name in mutators:
     setattr(os, name, wrap(getattr(os, name)))
 if exchange:
-    rundir._exchange = wrap(rundir._exchange)
+    rundir_swap._exchange = wrap(rundir_swap._exchange)
 else:
     def no_exchange(a, b):
-        raise rundir._NoExchange("test")
-    rundir._exchange = no_exchange
+        raise rundir_swap._NoExchange("test")
+    rundir_swap._exchange = no_exchange
 rd.publish()
 rd.close()
 os._exit(0)
@@ -518,7 +518,7 @@ def test_publishing_process_killed_at_every_step(tmp_path, exchange):
     """The same with a real process that exits at once (os._exit, as kill -9) at every step:
     its locks are released by the kernel and the next start recovers one complete run."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(rundir.__file__)))]
+        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(rundir.__file__))))]
         + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     states = set()
     for k in range(1, 200):
@@ -567,8 +567,8 @@ def test_disk_full_while_publishing_keeps_the_previous_state(tmp_path, monkeypat
             return real(src, dst, *a, **kw)
 
         def no_exchange(a, b):
-            raise rundir._NoExchange("test")
-        monkeypatch.setattr(rundir, "_exchange", no_exchange)
+            raise rundir_swap._NoExchange("test")
+        monkeypatch.setattr(rundir_swap, "_exchange", no_exchange)
         monkeypatch.setattr(os, "rename", rename)
     else:
         monkeypatch.setattr(rundir, "_write_json", enospc)

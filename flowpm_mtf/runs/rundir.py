@@ -82,7 +82,6 @@ shared file system), which :meth:`RunDir.open` checks when ``all_ranks_write``.
 A disk or quota that fills up gives :class:`~flowpm_mtf.errors.OutputDirError`
 (exit 5) and leaves the previous complete run untouched.
 """
-import ctypes
 import errno
 import fcntl
 import json
@@ -94,10 +93,15 @@ import socket
 import time
 
 from ..backend import SerialComm
-from ..errors import FlowpmError, OutputDirError, ResumeError, error_from_name
+from ..errors import FlowpmError, OutputDirError, error_from_name
 from . import digest
 from .collective import disk_full_error, is_disk_full
 from .h5dist_part import known_digest
+# Re-exported: the readers' side of a run directory (docs/running.md names it rundir.*).
+from .rundir_manifest import (CHECKPOINT, MANIFEST, MANIFEST_FORMAT, _complete,  # noqa: F401
+                              generation, has_checkpoint, locate, nothing_to_resume,
+                              read_manifest, verify_manifest)
+from .rundir_swap import _remove, _remove_tree, swap_in, swap_paths
 from .writers import fsync_path
 
 __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read_manifest",
@@ -106,230 +110,14 @@ __all__ = ["MANIFEST", "LOCK", "STAGING", "CHECKPOINT", "MANIFEST_FORMAT", "read
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 LOCK = ".lock"
 STAGING = ".staging"
-CHECKPOINT = "checkpoint"
-#: Value of the ``format`` key of ``manifest.json``.
-MANIFEST_FORMAT = "flowpm_mtf.manifest/1"
 # Temporary names of flowpm_mtf.runs.writers (``<file>.tmp-<pid>``) and of this module.
 _TMP_RE = re.compile(r"\.tmp-\d+$|\.tmp$")
-# renameat2(2) flag: swap two paths atomically (Linux >= 3.15, most local file systems).
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-# What renameat2 returns where the file system (or the C library) has no exchange.
-_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
-
-
-def read_manifest(out):
-    """The manifest of a complete run in ``out``, or ``None`` (absent, unreadable, not ours)."""
-    try:
-        with open(os.path.join(out, MANIFEST)) as f:
-            m = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(m, dict) or m.get("format") != MANIFEST_FORMAT or not isinstance(
-            m.get("files"), list):
-        return None
-    return m
-
-
-def verify_manifest(out, check_hashes=True):
-    """Problems of the run in ``out`` against its manifest (empty list: complete and intact).
-
-    Parameters
-    ----------
-    out : str
-    check_hashes : bool
-        Also recompute every file's digest (reads every byte; BLAKE3, or SHA-256 for
-        a manifest of before BLAKE3, :func:`flowpm_mtf.runs.digest.matches`).
-
-    Returns
-    -------
-    list of str
-    """
-    m = read_manifest(out)
-    if m is None:
-        return ["%s: no valid %s" % (out, MANIFEST)]
-    problems = []
-    for i, entry in enumerate(m["files"]):
-        bad = _entry_problem(entry, check_hashes)
-        if bad:
-            problems.append("%s entry %d: %s" % (MANIFEST, i, bad))
-            continue
-        path = os.path.join(out, entry["path"])
-        try:
-            size = os.path.getsize(path) if os.path.isfile(path) else None
-            if size is None:
-                problems.append("%s: missing" % entry["path"])
-            elif size != entry["size"]:
-                problems.append("%s: size %d, manifest says %d"
-                                % (entry["path"], size, entry["size"]))
-            elif check_hashes and not digest.matches(path, entry):
-                problems.append("%s: %s differs from the manifest"
-                                % (entry["path"], digest.recorded(entry)[0]))
-        except OSError as e:  # removed while we read it (a run being replaced)
-            problems.append("%s: %s" % (entry["path"], e.strerror or e))
-    return problems
-
-
-def _entry_problem(entry, check_hashes):
-    """Why a manifest entry cannot be checked (None when it can): not a ``{path, size,
-    digest}`` record, a path outside the run directory, or (``check_hashes``) no digest of
-    a known algorithm. A damaged or hand-edited manifest is then a listed problem, not an
-    exception."""
-    if not isinstance(entry, dict):
-        return "not a record (%s)" % type(entry).__name__
-    path, size = entry.get("path"), entry.get("size")
-    if not isinstance(path, str) or not path:
-        return "no file path"
-    if os.path.isabs(path) or os.pardir in os.path.normpath(path).split(os.sep):
-        return "%s: outside the run directory" % path
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        return "%s: no valid size (%r)" % (path, size)
-    if check_hashes:
-        try:
-            digest.recorded(entry)
-        except ValueError:
-            return "%s: no digest (one of: %s)" % (path, ", ".join(digest.ALGORITHMS))
-    return None
-
-
-def generation(manifest):
-    """The ``generation`` of a manifest (0 for none, or one written before generations)."""
-    try:
-        return int((manifest or {}).get("generation", 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def swap_paths(out):
-    """``(P/.B.flowpm-new, P/.B.flowpm-old)``: where a run replacing ``out = P/B`` passes."""
-    parent, base = os.path.split(os.path.abspath(os.fspath(out)))
-    return (os.path.join(parent, ".%s.flowpm-new" % base),
-            os.path.join(parent, ".%s.flowpm-old" % base))
-
-
-def _complete(tree):
-    """The manifest of ``tree`` if every file it lists is there with its size, else None."""
-    m = read_manifest(tree)
-    if m is None or verify_manifest(tree, check_hashes=False):
-        return None
-    return m
-
-
-def locate(out):
-    """The directory holding the complete run of ``out``, for readers; ``None`` if none.
-
-    ``out`` itself when it holds a complete run, which is always so except
-    between the two renames of a publish on a file system without
-    ``RENAME_EXCHANGE`` (or after a kill exactly there, until the next start):
-    then the newest complete ``.B.flowpm-new``/``.B.flowpm-old`` next to it.
-    A reader that gets ``None`` or a vanishing file retries after a moment.
-
-    Parameters
-    ----------
-    out : str or os.PathLike
-
-    Returns
-    -------
-    str or None
-    """
-    out = os.path.abspath(os.fspath(out))
-    if _complete(out) is not None:
-        return out
-    found = [(generation(m), t) for t, m in ((t, _complete(t)) for t in swap_paths(out))
-             if m is not None]
-    return max(found)[1] if found else None
-
-
-def has_checkpoint(out):
-    """Whether ``out/checkpoint/`` holds at least one completed checkpoint directory.
-
-    A completed checkpoint is a directory ``step_NNNNNN`` (renamed from its
-    temporary name when complete, see :mod:`flowpm_mtf.runs.checkpoint`).
-    """
-    d = os.path.join(out, CHECKPOINT)
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return False
-    return any(re.fullmatch(r"step_\d+", n) and os.path.isdir(os.path.join(d, n)) for n in names)
-
-
-def nothing_to_resume(out):
-    """The :class:`ResumeError` of ``--resume OUT`` when OUT holds no checkpoint.
-
-    A complete run (:func:`locate`: also one whose publish was killed midway) is
-    said to be complete, with the job that wrote it, not "no checkpoint": the
-    checkpoints of a run are removed when it publishes. Exit code 6 like every
-    resume that has nothing to continue (docs/running.md).
-
-    Parameters
-    ----------
-    out : str or os.PathLike
-
-    Returns
-    -------
-    ResumeError
-    """
-    out = os.fspath(out)
-    where = locate(out)
-    if where is not None:
-        job = (read_manifest(where) or {}).get("job")
-        return ResumeError("--resume %s: the %srun there is complete (%s): nothing to resume; "
-                           "its outputs are in %s (to run it again: --out %s --overwrite, "
-                           "without --resume)" % (out, "%r " % job if job else "", MANIFEST, out,
-                                                  out))
-    return ResumeError("--resume %s: no valid checkpoint in %s (run with --checkpoint-every K to "
-                       "write checkpoints, or start a new run)"
-                       % (out, os.path.join(out, CHECKPOINT)))
-
-
-def _remove(path):
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _remove_tree(path):
-    """Delete a run tree that is no longer OUT; a failure only leaves it for the next start."""
-    try:
-        _remove(path)
-    except OSError as e:
-        log.warning("could not remove %s (%s); the next run on this --out removes it",
-                    path, e.strerror or e)
 
 
 def _is_infrastructure(name):
     return name.startswith(".") or name in (MANIFEST, CHECKPOINT)
-
-
-class _NoExchange(Exception):
-    """The file system (or the C library) cannot swap two paths atomically."""
-
-
-def _exchange(a, b):
-    """Swap the directory entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``).
-
-    Raises
-    ------
-    _NoExchange
-        Not supported here (then two renames do it, see :meth:`RunDir._swap_in`).
-    OSError
-        Any other failure (nothing was changed).
-    """
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        raise _NoExchange("no renameat2 in the C library") from None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        if err in _NO_EXCHANGE:
-            raise _NoExchange(os.strerror(err))
-        raise OSError(err, os.strerror(err), a, None, b)
 
 
 def _write_json(path, obj):
@@ -682,7 +470,7 @@ class RunDir:
         if winner == out:
             self._take_lock(locks[out])
         elif out in locks:
-            previous = self._swap_in(winner)
+            previous = swap_in(self.out, winner)
             self._take_lock(locks[winner])
             _remove_tree(previous)
         else:
@@ -694,38 +482,6 @@ class RunDir:
                     "the %s run completed %s (generation %d)" % (
                         m.get("job"), m.get("completed"), generation(m)) if m
                     else "the unfinished run that was there")
-
-    def _swap_in(self, src):
-        """Put the directory ``src`` (a sibling of OUT) at OUT; the path now holding the old OUT.
-
-        One ``RENAME_EXCHANGE`` where supported; else OUT is renamed to the
-        other sibling name and ``src`` to OUT (put back if the second rename
-        fails).
-        """
-        out = self.out
-        parent = os.path.dirname(out)
-        try:
-            _exchange(src, out)
-            fsync_path(parent)
-            return src
-        except _NoExchange:
-            pass
-        new, old = swap_paths(out)
-        aside = old if src != old else new
-        if os.path.lexists(aside):
-            _remove(aside)
-        os.rename(out, aside)      # OUT is absent from here ...
-        try:
-            os.rename(src, out)    # ... to here
-        except OSError:
-            try:
-                os.rename(aside, out)
-            except OSError:
-                log.error("run directory %s: the previous run is at %s; the next run on this "
-                          "--out puts it back", out, aside)
-            raise
-        fsync_path(parent)
-        return aside
 
     def _clean_leftovers(self, complete):
         """Remove what a killed run left: staging, temporary files, a torn run's outputs."""
@@ -799,7 +555,7 @@ class RunDir:
         fsync_path(self.out)
         fsync_path(os.path.dirname(self.out))
         try:
-            previous = self._swap_in(new)
+            previous = swap_in(self.out, new)
         except OSError:
             if os.path.isdir(new) and read_manifest(self.out) is not None:
                 _remove_tree(new)  # OUT still holds the previous run: drop the new one
