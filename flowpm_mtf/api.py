@@ -48,10 +48,11 @@ from typing import List, NamedTuple
 import mesh_tensorflow as mtf
 
 from . import backend as _backend
-from .mesh import domain as _domain
+from .mesh import slots as _slots
 from .physics import ics as _ics
 from . import layout as _layout
 from .physics import lensing as _lensing
+from .physics import lensing_geometry as _lensing_geometry
 from .physics import linear_power as _linear_power
 from .physics import lpt as _lpt
 from .gradients import model_gradient as _model_gradient
@@ -59,7 +60,7 @@ from .physics import nbody as _nbody
 from .physics import painting as _painting
 from .physics import power as _power
 from .config import Cosmology, SimConfig, default_stages
-from .physics.lensing import LensingConfig, LightconeGeometry
+from .physics.lensing_geometry import LensingConfig, LightconeGeometry
 from .physics.lpt import State
 from .gradients.model_gradient import ModelGradient
 
@@ -249,7 +250,7 @@ def nbody(conf, state, stages=None, snapshots=None):
 def _positions_and_weight(conf, particles, weight):
     """Positions and painting weights of a State (its empty slots weigh 0) or a tensor."""
     if isinstance(particles, State):
-        w = _domain.weights(particles.ids, conf)
+        w = _slots.weights(particles.ids, conf)
         if weight is not None:
             w = weight if w is None else w * weight
         return particles.positions, w
@@ -393,9 +394,9 @@ def lensing_geometry(conf, lensing=None):
     -------
     LightconeGeometry
         Raises ``ValueError`` when a source lies beyond ``conf.a_start`` or the
-        field does not fit in the box (wraps :func:`flowpm_mtf.physics.lensing.geometry`).
+        field does not fit in the box (wraps :func:`flowpm_mtf.physics.lensing_geometry.geometry`).
     """
-    return _lensing.geometry(conf, LensingConfig() if lensing is None else lensing)
+    return _lensing_geometry.geometry(conf, LensingConfig() if lensing is None else lensing)
 
 
 def density_plane(conf, particles, geometry, index, name=None):

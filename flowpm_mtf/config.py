@@ -229,7 +229,7 @@ class SimConfig:
         (:func:`flowpm_mtf.physics.sizing.send_capacity`).
     sort_every : int
         A job's N-body run reorders every block's particles by column every
-        ``sort_every`` steps (eulerian; :func:`flowpm_mtf.mesh.domain.sort_by_column`:
+        ``sort_every`` steps (eulerian; :func:`flowpm_mtf.mesh.slots.sort_by_column`:
         the CIC ops' cache locality; default 0: never). The results differ from
         an unsorted run in the last bits (the paint's summation order).
         The reordering costs about what the faster steps after it save (the

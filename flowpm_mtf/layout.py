@@ -159,7 +159,7 @@ def slot_tiles(conf):
     With the eulerian decomposition the ICs put the lattice particles of a block
     in slots tile by tile: the tiles of ``tx * ty * tz`` lattice cells in
     row-major order, the cells of a tile row-major inside it
-    (``FlowpmLatticeCombine``, :func:`flowpm_mtf.mesh.domain.lattice_ids`). The slots
+    (``FlowpmLatticeCombine``, :func:`flowpm_mtf.mesh.slots.lattice_ids`). The slots
     keep their particles, and particles that start close together stay close, so
     the CIC paint and readout then walk the field tile by tile instead of plane by
     plane. At 512^3 on one rank the field planes a stretch of slot-ordered particles

@@ -187,7 +187,7 @@ def _loss_fn(conf, weight):
     import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
 
-    from flowpm_mtf.mesh import domain, fft
+    from flowpm_mtf.mesh import fft, slots
     from flowpm_mtf.physics import gravity
     from flowpm_mtf import layout
 
@@ -195,7 +195,7 @@ def _loss_fn(conf, weight):
         mesh = state.positions.mesh
         w = mtf.import_tf_tensor(mesh, tf.constant(weight.astype(conf.np_dtype)),
                                  fft.real_shape(conf))
-        rho = gravity.density(state.positions, conf, domain.weights(state.ids, conf))
+        rho = gravity.density(state.positions, conf, slots.weights(state.ids, conf))
         ids = state.ids
         k = mtf.cast(mtf.range(mesh, mtf.Dimension(layout.XYZ, 3), dtype=tf.int32),
                      conf.tf_dtype)

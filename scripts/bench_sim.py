@@ -111,7 +111,7 @@ def _phase_graphs(conf, impl, slices, particle_shape, real_space):
     from flowpm_mtf import config as cfg
     import dataclasses
 
-    from flowpm_mtf.mesh import domain, fft, halo
+    from flowpm_mtf.mesh import fft, halo, slots
     from flowpm_mtf.physics import gravity, lpt, nbody, painting
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.physics.kernels import neg_gradient_potential
@@ -144,7 +144,7 @@ def _phase_graphs(conf, impl, slices, particle_shape, real_space):
         return [x for x in new[:4]]
 
     def paint(mesh, t):
-        return [gravity.density(t["positions"], conf, domain.weights(t["ids"], conf))]
+        return [gravity.density(t["positions"], conf, slots.weights(t["ids"], conf))]
 
     def fft_phase(mesh, t):
         kernels = nbody.make_kernels(conf, mesh)

@@ -102,7 +102,7 @@ import mesh_tensorflow as mtf
 import numpy as np
 import tensorflow.compat.v1 as tf
 
-from ..mesh import domain
+from ..mesh import domain, slots
 from .. import layout
 from ..physics import nbody, sizing, timeloop
 from . import reverse_kdk
@@ -229,7 +229,7 @@ def reverse_step(state, cot, conf, factors, kernels=None, name="reverse", native
     # the force's cotangent is fb = (K0_i + K1_{i-1}) pb_h; the VJP is linear in it, so
     # it is taken for pb_h and scaled in the kick (no separate product over the particles)
     c = k0 + k1_prev
-    weight, checked = domain.weights(ids, conf), stats is not None
+    weight, checked = slots.weights(ids, conf), stats is not None
     if native_op:  # the force and its VJP with one readout (gravity.pm_forces_vjp)
         f, vjp = pm_forces_vjp(x, pb_h, conf, kernels, weight, escape_checked=checked,
                                name=name + "_force_vjp")
@@ -324,7 +324,7 @@ class AdjointGraph:
         # stages' steps, both ways)
         self.stepper = st = Stepper(conf, mesh, stages, shape, prefix="adjoint_")
         self.stages, self.send_rows = st.stages, st.send_rows
-        self.variables = st.add_ids(mtf.Shape(shape.dims[:3]), domain.id_dtype(conf))
+        self.variables = st.add_ids(mtf.Shape(shape.dims[:3]), slots.id_dtype(conf))
         dt = conf.tf_dtype
         self.cotangents = Cotangents(*[zeros_variable(mesh, "adjoint_" + n, shape, dt)
                                        for n in ("xbar", "pbar")])
@@ -338,7 +338,7 @@ class AdjointGraph:
             grads = mtf.gradients([self.loss], list(self.variables[:2]))
             # empty slots (eulerian) carry no particle: their cotangents are zero whatever
             # the loss does with them
-            valid = domain.weights(self.variables.ids, conf)
+            valid = slots.weights(self.variables.ids, conf)
             grads = [mtf.zeros(mesh, shape, dt) if g is None else g if valid is None
                      else g * valid for g in grads]
             self.loss_ops = [mtf.assign(v, g) for v, g in zip(self.cotangents, grads)]

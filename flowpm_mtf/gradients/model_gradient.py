@@ -176,7 +176,7 @@ def lattice_cotangents(conf, cotangents, ids, a, name="lattice_cotangents"):
     list of mtf.Tensor
         ``[bx, by, npart, xyz]`` with ``npart`` the lattice count ``sx sy nz``:
         entry ``k`` of block ``(i, j)`` belongs to the particle that started at
-        that block's ``k``-th lattice site (:func:`flowpm_mtf.mesh.domain.lattice_ids`).
+        that block's ``k``-th lattice site (:func:`flowpm_mtf.mesh.slots.lattice_ids`).
         Lagrangian decomposition: the input (already in that order).
 
     Raises

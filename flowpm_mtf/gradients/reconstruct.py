@@ -54,7 +54,7 @@ import tensorflow.compat.v1 as tf
 from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
 from . import adjoint, model_gradient
-from ..mesh import complex_ops, domain, fft
+from ..mesh import complex_ops, fft, slots
 from ..physics import gravity, ics, lpt, nbody, power
 from ..mesh import noise as noise_mod
 from ..logs import rank0_only
@@ -202,7 +202,7 @@ def forward_model(linear, conf, forward="lpt"):
     """
     if forward == "lpt":
         state = lpt.lpt_init(linear, conf, a=conf.a_end)
-        return gravity.density(state.positions, conf, domain.weights(state.ids, conf))
+        return gravity.density(state.positions, conf, slots.weights(state.ids, conf))
     if forward == "nbody":
         return nbody.forward(linear, conf)[1]
     raise ValueError("forward must be one of %s, got %r" % (FORWARD_MODELS, forward))
@@ -432,7 +432,7 @@ class ReconstructionGraph:
             sigma2 = float(1.0 / rconf.likelihood_sigma**2)
 
             def data_term(state):   # chi2 / N of the final state
-                model = gravity.density(state.positions, conf, domain.weights(state.ids, conf))
+                model = gravity.density(state.positions, conf, slots.weights(state.ids, conf))
                 return mtf.reduce_sum(mtf.square(self.observed - model)) * (sigma2 * inv_n)
 
             mg = model_gradient.ModelGradient(conf, mesh, data_term, linear=s,
@@ -446,7 +446,7 @@ class ReconstructionGraph:
                     lpt.lpt_init(truth, conf, a=float(adj.stages[0]), forces=False))
                 v = adj.variables
                 self.observe_op = mtf.assign(self.observed, self._noisy(
-                    gravity.density(v.positions, conf, domain.weights(v.ids, conf))),
+                    gravity.density(v.positions, conf, slots.weights(v.ids, conf))),
                     name="observe")
             kernel = inverse_power_kernel(conf, mesh)
             self.prior = prior_chi2(s, conf, kernel)

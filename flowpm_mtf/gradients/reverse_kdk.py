@@ -13,7 +13,7 @@ two ops:
     ``p = p_h - K0 f``, ``xb_new = xb + c vjp`` and the block sums of
     ``w pb_h . f`` and ``w (c pb_h) . f``,
 
-with ``w`` the slot weights (:func:`flowpm_mtf.mesh.domain.weights`: 1 valid, 0
+with ``w`` the slot weights (:func:`flowpm_mtf.mesh.slots.weights`: 1 valid, 0
 empty; 1 everywhere for the lagrangian decomposition). On the CPU each is one
 native op (``flowpm_mtf/native/adjoint_ops.cc``) whose elementwise outputs equal
 the TensorFlow expressions bit for bit and whose sums agree to rounding (summed
@@ -35,7 +35,7 @@ DOT_DIM = "adjoint_sum"
 
 def _weights(ids, dtype):
     """``[bx, by, npart]`` 1 for a valid slot (id >= 0), 0 for an empty one; None without ids
-    (as :func:`flowpm_mtf.mesh.domain.weights`)."""
+    (as :func:`flowpm_mtf.mesh.slots.weights`)."""
     if ids is None:
         return None
     return mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)), dtype)

@@ -6,7 +6,7 @@ grid, and the ICs, every kick-drift-kick step and the painting of the planes
 of each stage are assign operations run one after the other in the time loop
 (progress and timings per step). The stages are those of the simulation plus
 the scale factor of every plane centre
-(:func:`flowpm_mtf.physics.lensing.lightcone_stages`), so each plane is painted from
+(:func:`flowpm_mtf.physics.lensing_geometry.lightcone_stages`), so each plane is painted from
 the particles at its own time. After painting the planes of a stage, the job
 also measures the 3D P(k) of the particles there: it is the input of the
 Limber prediction of the convergence power spectrum.
@@ -43,7 +43,7 @@ import numpy as np
 from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
 from ..runs import h5dist, io, preflight
-from ..physics import lensing, lensing_theory
+from ..physics import lensing, lensing_geometry, lensing_stats, lensing_theory
 from ..config import SimConfig
 from ..logs import rank0_only
 from . import nbody_run, register, runner
@@ -63,13 +63,13 @@ class LensingGraph(SimulationGraph):
     Parameters
     ----------
     conf : SimConfig
-    geom : lensing.LightconeGeometry
+    geom : lensing_geometry.LightconeGeometry
     mesh : mtf.Mesh
     """
 
     def __init__(self, conf, geom, mesh):
         self.geom = geom
-        stages, self.plane_stage = lensing.lightcone_stages(conf, geom)
+        stages, self.plane_stage = lensing_geometry.lightcone_stages(conf, geom)
         super().__init__(conf, mesh, stages)
         x = self.variables.positions
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
@@ -94,13 +94,13 @@ class LensingJob(Job):
     ------
     ValueError
         Before anything is built, for an impossible lightcone (see
-        :func:`flowpm_mtf.physics.lensing.geometry`).
+        :func:`flowpm_mtf.physics.lensing_geometry.geometry`).
     """
 
     name = "lensing"
     help = "lightcone density planes and Born convergence maps"
     sections = (ConfigSection("config", SimConfig, {"box_size": 256.0, "a_start": 0.2}),
-                ConfigSection("lensing", lensing.LensingConfig))
+                ConfigSection("lensing", lensing_geometry.LensingConfig))
     default_out = "out/lensing"
     checkpoints = True   # particles, planes and the P(k) at the planes so far
     state_sections = {"lensing": ()}   # every lensing setting shapes the stages or the planes
@@ -113,9 +113,9 @@ class LensingJob(Job):
         preflight.check_job_memory(
             ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
             tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
-        ctx.geom = lensing.geometry(ctx.conf, lconf)
+        ctx.geom = lensing_geometry.geometry(ctx.conf, lconf)
         if ctx.resume:   # a checkpoint of another run is refused before any graph
-            stages, _ = lensing.lightcone_stages(ctx.conf, ctx.geom)
+            stages, _ = lensing_geometry.lightcone_stages(ctx.conf, ctx.geom)
             nbody_run.check_resume(ctx, stages, plane_names(ctx.geom.n_planes))
 
     def build(self, ctx, mesh):
@@ -186,7 +186,7 @@ class LensingJob(Job):
         plane_k = np.stack([plane_pk[i]["k"][keep] for i in range(geom.n_planes)])
         plane_p = np.stack([plane_pk[i]["pk"][keep]
                             for i in range(geom.n_planes)]).astype(np.float64)
-        cls = [lensing.kappa_power_spectrum(m, geom.field_deg, None) for m in kappa]
+        cls = [lensing_stats.kappa_power_spectrum(m, geom.field_deg, None) for m in kappa]
         ell, n_modes = cls[0][0], cls[0][2]
         ok = n_modes > 0
         measured = np.stack([c[1] for c in cls])[:, ok]

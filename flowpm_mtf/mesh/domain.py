@@ -22,13 +22,9 @@ through the halo and moves at the next migration.
 
 Static shapes: capacity and validity
 ------------------------------------
-Mesh TF shapes are static, so each block holds a fixed number of particle
-**slots**, :func:`flowpm_mtf.physics.sizing.capacity` (>= its ``sx sy nz`` lattice particles), and each
-slot carries the particle's global id (:func:`lattice_ids`: its initial
-lattice index, row-major over the particle grid) or ``-1`` for an empty slot.
-Empty slots have zero position (block-local), momentum and force, and zero
-weight when painted (:func:`weights`). The lagrangian decomposition has no
-empty slots.
+Mesh TF shapes are static: each block holds a fixed number of particle slots,
+each with the particle's global id or ``-1`` for an empty slot
+(:mod:`flowpm_mtf.mesh.slots`: ids, validity, padding, order).
 
 A migration round along one axis split into several blocks (all in
 ``mtf.slicewise`` on the local blocks, plus two ``mtf.shift`` of ``send_capacity``
@@ -97,15 +93,20 @@ import math
 import re
 
 import mesh_tensorflow as mtf
-import numpy as np
 import tensorflow.compat.v1 as tf
 
-from .. import layout, native
+from .. import layout
 from ..errors import CapacityError, ConfigError, ParticleEscapeError
+from .domain_local import (_below, _count_true, _mask_rows, _particle_stats_fn, _rows_of,
+                           _scatter_add_rows, _wrap_fn)
 from .ordering import after
+# re-exported: the slots a migration fills, where a user of the migration looks for them
+# (the package's own modules import them from slots)
+from .slots import id_dtype, lattice_ids, pad_particles, sort_by_column, weights  # noqa: F401
 
-__all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles", "migrate",
-           "wrap_sizes", "wrap_tf", "error_from_tf", "bytes_per_migration"]
+__all__ = ["CHECK_MESSAGE", "STATS", "id_dtype", "lattice_ids", "weights", "pad_particles",
+           "sort_by_column", "migrate", "exchange_axes", "wrap_sizes", "error_from_tf",
+           "bytes_per_migration"]
 
 log = logging.getLogger(__name__)
 
@@ -147,239 +148,12 @@ def bytes_per_migration(conf, n_fields, send_rows, rounds=1):
     return 4 * rounds * int(send_rows) * cols * conf.np_dtype.itemsize
 
 
-def id_dtype(conf):
-    """tf dtype of particle ids: int32, or int64 from 2**31 particles on."""
-    return tf.int64 if conf.n_particles >= 2**31 else tf.int32
-
-
-# ----------------------------------------------------------------------------- ids
-def lattice_ids(conf, mesh, deps=(), order="slots"):
-    """Global ids of the lattice particles of every block, ``[bx, by, npart]``.
-
-    The id of the particle that starts at global cell ``(i, j, k)`` is
-    ``(i ny + j) nz + k`` (row-major; FlowPM's particle order); dtype
-    :func:`id_dtype`. Built only after ``deps`` (:func:`flowpm_mtf.mesh.ordering.after`),
-    if given, by broadcasting sums (no transpose).
-
-    ``order``: ``"slots"``, the order the ICs give the particles
-    (:func:`flowpm_mtf.layout.slot_tiles`: tile by tile; the lattice order with the
-    lagrangian decomposition), or ``"lattice"``, that of
-    :func:`flowpm_mtf.physics.painting.lattice` (row-major in the block).
-    """
-    if order not in ("slots", "lattice"):
-        raise ValueError("lattice_ids: order must be 'slots' or 'lattice', got %r" % (order,))
-    (P, Q), (sx, sy, nz) = conf.grid, conf.block_shape
-    ny = conf.nc[1]
-    dt = id_dtype(conf)
-    tx, ty, tz = layout.slot_tiles(conf) if order == "slots" else (1, 1, 1)
-    bx, by = mtf.Dimension(layout.BX, P), mtf.Dimension(layout.BY, Q)
-    rx = after(mtf.range(mesh, bx, dtype=dt), deps)
-    ry = mtf.range(mesh, by, dtype=dt)
-
-    def fn(ix, iy):
-        nbx, nby = ix.shape.as_list()[0], iy.shape.as_list()[0]
-
-        def at(t, axis):   # t along axis of [nbx, nby, sx/tx, sy/ty, nz/tz, tx, ty, tz]
-            shape = [1] * 8
-            shape[axis] = -1
-            return tf.reshape(t, shape)
-
-        def rng(n, step=1):
-            return tf.range(n, dtype=dt) * step
-
-        gx = (at(ix * sx, 0) + at(rng(sx // tx, tx), 2)) + at(rng(tx), 5)
-        gy = (at(iy * sy, 1) + at(rng(sy // ty, ty), 3)) + at(rng(ty), 6)
-        gz = at(rng(nz // tz, tz), 4) + at(rng(tz), 7)
-        return tf.reshape((gx * ny + gy) * nz + gz, [nbx, nby, sx * sy * nz])
-
-    return mtf.slicewise(fn, [rx, ry], output_shape=mtf.Shape(layout.particle_dims(conf)),
-                         output_dtype=dt, splittable_dims=[bx, by], grad_function=0,
-                         name="lattice_ids")
-
-
-def weights(ids, conf):
-    """Painting weights of the slots (1 valid, 0 empty), or None without empty slots.
-
-    Parameters
-    ----------
-    ids : mtf.Tensor or None
-        ``[bx, by, npart]`` particle ids (-1: empty slot).
-    conf : SimConfig
-
-    Returns
-    -------
-    mtf.Tensor or None
-        ``[bx, by, npart]`` of ``conf.dtype``; None for the lagrangian
-        decomposition, without ids, or on a single block whose capacity is its
-        lattice count (every slot then holds a particle for the whole run: none
-        can leave, and a checkpoint of another grid restores all of them): no
-        per-slot weights to compute every step and for the paint to read.
-    """
-    if ids is None or conf.decomposition == "lagrangian":
-        return None
-    if conf.n_ranks == 1 and (ids.shape.get_dim_by_name(layout.NPART).size
-                              == math.prod(conf.block_shape)):
-        return None
-    return mtf.cast(mtf.greater_equal(ids, mtf.zeros(ids.mesh, ids.shape, ids.dtype)),
-                    conf.tf_dtype)
-
-
-def pad_particles(t, slots, value=0):
-    """Pad a lattice-ordered ``[bx, by, npart, ...]`` tensor to ``slots`` slots.
-
-    Parameters
-    ----------
-    t : mtf.Tensor
-        ``[bx, by, npart, ...]``.
-    slots : int
-        Particle slots per block [particles] (the caller's
-        :func:`flowpm_mtf.physics.sizing.capacity`), at least ``npart``.
-    value : scalar
-        Value of the added slots (e.g. -1 for ids).
-    """
-    n = t.shape.get_dim_by_name(layout.NPART).size
-    extra = int(slots) - n
-    if extra == 0:
-        return t
-    if value == 0:
-        return mtf.pad(t, [0, extra], layout.NPART)
-    return mtf.pad(t - value, [0, extra], layout.NPART) + value
-
-
-# ----------------------------------------------------------------------------- local ops
-def _particle_ops(t, floating=True):
-    """The native op module (``flowpm_mtf/native/particle_ops.cc``) if it serves the local
-    tensor ``t`` (on a CPU; float32/float64 when ``floating``), else None (the
-    TensorFlow path: no library, ``FLOWPM_MTF_NATIVE=0``, or a GPU)."""
-    return native.ops_for("particle_ops", t, dtypes=native.FLOATS if floating else None)
-
-
-def _rows_of(sel, m, nb):
-    """For each of ``m`` output rows, the flat source row of the j-th selected row.
-
-    ``sel``: bool ``[nb, n]``. Returns int32 ``[nb, m]`` row indices into the
-    flattened ``[nb * n]`` rows (-1 where fewer than ``m`` rows are selected)
-    and the count of selected rows per block.
-    """
-    lib = _particle_ops(sel, floating=False)
-    if lib is not None:
-        # FlowpmSelectRows (particle_ops.cc): one scan per block, the same rows and count.
-        return tuple(lib.flowpm_select_rows(sel, m=int(m)))
-    n = sel.shape.as_list()[-1]
-    rank = tf.cumsum(tf.cast(sel, tf.int32), axis=-1, exclusive=True)
-    blk = tf.range(nb)[:, None]
-    seg = tf.where_v2(sel & (rank < m), rank, m) + blk * (m + 1)
-    src = tf.range(nb * n)
-    first = tf.math.unsorted_segment_max(src, tf.reshape(seg, [-1]), nb * (m + 1))
-    first = tf.reshape(first, [nb, m + 1])[:, :m]
-    return tf.where_v2(first >= 0, first, -1), tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
-
-
-def _count_true(sel, nb):
-    """int32 ``[nb]``: the true entries of each block of ``sel`` (bool ``[.., n]``)."""
-    sel = tf.reshape(sel, [nb, -1])
-    lib = _particle_ops(sel, floating=False)
-    if lib is not None:
-        return lib.flowpm_select_rows(sel, m=0)[1]      # a scan, no int32 copy
-    return tf.reduce_sum(tf.cast(sel, tf.int32), axis=-1)
-
-
-def _mask_rows(x, keep):
-    """``x`` ``[N, C]`` with the rows where ``keep`` (bool ``[N]``) is false set to zero.
-
-    On the CPU the native ``FlowpmMaskRows`` (in place; gradient below), else
-    ``x * keep``.
-    """
-    lib = _particle_ops(x)
-    if lib is not None:
-        return lib.flowpm_mask_rows(x, keep)
-    return x * tf.cast(keep, x.dtype)[:, None]
-
-
-@tf.RegisterGradient("FlowpmMaskRows")
-def _mask_rows_grad(op, dy):
-    """Masking rows is linear and self-adjoint: the gradient masks the same rows."""
-    return [_mask_rows(dy, op.inputs[1]), None]
-
-
-def _scatter_add_rows(x, rows, updates):
-    """``x`` ``[N, C]`` with row ``r`` of ``updates`` ``[R, C]`` added into row ``rows[r]``.
-
-    ``tf.tensor_scatter_nd_add(x, rows[:, None], updates)``. On the CPU the native
-    ``FlowpmScatterAddRows`` (in place, the same bits, a fraction of TensorFlow's ~60 ns
-    per update row; gradient below), else TensorFlow's op.
-    """
-    lib = native.ops_for("particle_ops", x, dtypes=(tf.float32, tf.float64, tf.int32, tf.int64))
-    if lib is not None:
-        return lib.flowpm_scatter_add_rows(x, rows, updates)
-    return tf.tensor_scatter_nd_add(x, tf.reshape(rows, [-1, 1]), updates)
-
-
-@tf.RegisterGradient("FlowpmScatterAddRows")
-def _scatter_add_rows_grad(op, dy):
-    """Linear: ``x`` gets ``dy``, update ``r`` gets row ``rows[r]`` of ``dy`` (as
-    TensorFlow's gradient of ``tensor_scatter_nd_add``)."""
-    return [dy, None, tf.gather(dy, op.inputs[1])]
-
-
+# ----------------------------------------------------------------------------- local parts
 def _leaving(x, ids, axis, s):
     """Masks ``[.., C]`` of the valid particles below (``< 0``) and above (``>= s``) the block."""
     pos = x[..., axis]
     valid = ids >= 0
     return valid & (pos < 0), valid & (pos >= s)
-
-
-def _below(s, dtype):
-    return tf.constant(np.nextafter(np.asarray(s, dtype.as_numpy_dtype), 0), dtype)
-
-
-def _wrap_fn(axes, sizes):
-    """Local periodic wrap of the coordinates along ``axes`` into ``[0, s)`` (one block).
-
-    On the CPU the native ``FlowpmWrap`` (``flowpm_mtf/native/particle_ops.cc``) does it
-    in one pass over the positions, in place, with the same float operations as the
-    TensorFlow path below (which unstacks, wraps and restacks the coordinates, a few
-    passes over the particles); its gradient is the identity, as the caller's ``grad_function``.
-    """
-
-    def fn(x):
-        lib = _particle_ops(x)
-        if lib is not None:
-            return lib.flowpm_wrap(x, sizes=[float(sizes[ax]) if ax in axes else 0.0
-                                             for ax in range(3)])
-        return wrap_tf(x, [float(sizes[ax]) if ax in axes else 0.0 for ax in range(3)])
-
-    return fn
-
-
-def wrap_tf(x, sizes):
-    """``FlowpmWrap`` as TensorFlow ops: ``x`` ``[..., 3]`` wrapped into ``[0, s)`` along
-    every axis of size ``s`` > 0 of ``sizes`` (3 floats; 0: unchanged), the same float
-    operations as the native op."""
-    cols = tf.unstack(x, axis=-1)
-    for ax, size in enumerate(sizes):
-        if size == 0:
-            continue
-        s = tf.cast(size, x.dtype)
-        w = cols[ax] - s * tf.floor(cols[ax] / s)
-        w = tf.where_v2(w < 0, w + s, w)
-        w = tf.where_v2(w >= s, w - s, w)
-        cols[ax] = tf.minimum(w, _below(size, x.dtype))
-    return tf.stack(cols, axis=-1)
-
-
-def wrap_sizes(conf):
-    """The sizes [cells] :func:`migrate` wraps the positions to, per axis: the block's
-    along an axis of one block (x, y; :func:`exchange_axes`), 0 (none) elsewhere."""
-    axes = exchange_axes(conf)
-    return [float(conf.block_shape[ax]) if ax in (0, 1) and ax not in axes else 0.0
-            for ax in range(3)]
-
-
-@tf.RegisterGradient("FlowpmWrap")
-def _wrap_grad(op, dy):
-    """The wrap is a translation by a whole period: its gradient is the identity."""
-    return dy
 
 
 def _send_fn(axis, s, m, n_fields):
@@ -480,55 +254,6 @@ def _merge_ids_fn(ids, recv, keep, target):
     return tf.reshape(out, ids.shape)
 
 
-def _count_fn(stat, sizes=None):
-    """Per-block float64 statistic ``[nbx, nby]`` (no gradient)."""
-
-    def fn(*ts):
-        if stat == "count":
-            return tf.reduce_sum(tf.cast(ts[0] >= 0, tf.float64), -1)
-        if stat == "outside":     # beyond what the padded block's CIC stencil covers
-            x, ids = ts
-            h = sizes[2]
-            bad = ~tf.reduce_all(tf.math.is_finite(x), axis=-1)
-            for ax, size in ((0, sizes[0]), (1, sizes[1])):
-                fl = tf.floor(x[..., ax])
-                bad = bad | (fl < -h) | (fl > size + h - 2)
-            return tf.reduce_sum(tf.cast((ids >= 0) & bad, tf.float64), -1)
-        if stat == "displacement":
-            return tf.cast(tf.reduce_max(tf.abs(ts[0][..., :2]), axis=[-2, -1]), tf.float64)
-        raise ValueError(stat)
-
-    return fn
-
-
-def _particle_stats_fn(sizes):
-    """Per-block float64 ``[nbx, nby, 3]``: the ``outside``, ``count`` and
-    ``displacement`` statistics of :func:`_count_fn` (in that order) from
-    ``(x, ids[, displacement])``; the displacement column is 0 without it.
-
-    On the CPU the native ``FlowpmParticleStats`` (``flowpm_mtf/native/particle_ops.cc``)
-    computes the three in one pass over the particles (the TensorFlow path below
-    makes about a dozen), with the same counts and
-    maximum (a NaN displacement gives NaN there; the escape count reports it anyway).
-    """
-    sx, sy, h = sizes
-
-    def fn(x, ids, *disp):
-        lib = _particle_ops(x)
-        if lib is not None:
-            nbx, nby = x.shape.as_list()[:2]
-            nb = nbx * nby
-            d = tf.reshape(disp[0], [nb, -1, 3]) if disp else tf.zeros([0], x.dtype)
-            out = lib.flowpm_particle_stats(tf.reshape(x, [nb, -1, 3]), tf.reshape(ids, [nb, -1]),
-                                            d, halo=h, sx=sx, sy=sy)
-            return tf.reshape(out, [nbx, nby, 3])
-        cols = [_count_fn("outside", sizes=sizes)(x, ids), _count_fn("count")(ids)]
-        cols.append(_count_fn("displacement")(disp[0]) if disp else tf.zeros_like(cols[1]))
-        return tf.stack(cols, axis=-1)
-
-    return fn
-
-
 def _block_stat(fn, inputs, name, extra=()):
     bdims = inputs[0].shape.dims[:2]
     return mtf.slicewise(fn, inputs, output_shape=mtf.Shape(bdims + list(extra)),
@@ -588,72 +313,6 @@ def _gate(t, stats, cap, m):
 
 
 # ----------------------------------------------------------------------------- migrate
-def sort_by_column(conf, fields, ids, name="sort_by_column"):
-    """Reorder every block's particles by the (x, y) column of the padded block they are in.
-
-    The CIC paint and readout touch the field around each particle in slot order;
-    the slots start in lattice (Lagrangian) order, which the particles' motion
-    scrambles in Eulerian space as the run goes on, so that late in a large run the
-    paint and readout spend most of their time on cache misses (``--sort-every`` and
-    docs/benchmarks.md). The order is a stable counting sort of the
-    columns (native ``FlowpmSortByColumn``; empty slots, id < 0, and non-finite
-    positions last), applied to every field and the ids in one pass
-    (``FlowpmPermuteRows``). The particles, their ids and the physics are
-    unchanged; the paint sums a cell's deposits in the new slot order (other
-    last bits). Not differentiable (a job's forward run only).
-
-    Parameters
-    ----------
-    conf : SimConfig
-        ``"eulerian"`` decomposition (the lagrangian one keeps its particles in
-        lattice order: its ids are implicit).
-    fields : list of mtf.Tensor
-        ``[bx, by, npart, ...]``; the first is the positions ``[..., xyz]``
-        (block-local cells), whose columns define the order.
-    ids : mtf.Tensor
-        ``[bx, by, npart]``.
-    name : str
-
-    Returns
-    -------
-    (list of mtf.Tensor, mtf.Tensor)
-        The fields and the ids, reordered.
-    """
-    if conf.decomposition != "eulerian":
-        raise ConfigError("sort_by_column: the eulerian decomposition only (got %r)"
-                          % conf.decomposition)
-    h = conf.halo_size
-    px, py, _ = conf.padded_block_shape
-    inputs = list(fields) + [ids]
-
-    def fn(*ts):
-        pos, idv = ts[0], ts[-1]
-        nbx, nby = pos.shape.as_list()[:2]
-        flat = [tf.reshape(t, [nbx * nby, -1] + t.shape.as_list()[3:]) for t in ts]
-        lib = _particle_ops(pos)
-        if lib is not None:
-            order = lib.flowpm_sort_by_column(tf.reshape(flat[0], [nbx * nby, -1, 3]), flat[-1],
-                                              halo=h, px=px, py=py)
-            out = lib.flowpm_permute_rows(order, flat)
-        else:   # the same order from TensorFlow ops (GPU; no native library)
-            p3 = tf.reshape(flat[0], [nbx * nby, -1, 3])
-            ok = tf.reduce_all(tf.math.is_finite(p3), -1) & (flat[-1] >= 0)
-            fl = tf.clip_by_value(tf.floor(tf.where_v2(ok[..., None], p3, tf.zeros_like(p3))),
-                                  -2.0 ** 30, 2.0 ** 30)
-            col = [tf.clip_by_value(tf.cast(fl[..., a], tf.int64) + h, 0, size - 1)
-                   for a, size in ((0, px), (1, py))]
-            key = tf.where_v2(ok, col[0] * py + col[1], tf.constant(px * py, tf.int64))
-            order = tf.argsort(key, axis=-1, stable=True)
-            out = [tf.gather(t, order, batch_dims=1) for t in flat]
-        return tuple(tf.reshape(o, t.shape) for o, t in zip(out, ts))
-
-    out = mtf.slicewise(fn, inputs, output_shape=[t.shape for t in inputs],
-                        output_dtype=[t.dtype for t in inputs],
-                        splittable_dims=inputs[0].shape.dims[:2], grad_function=0, name=name)
-    out = list(out)
-    return out[:-1], out[-1]
-
-
 def exchange_axes(conf):
     """The axes (0: x over ``row``, 1: y over ``col``) split into more than one block.
 
@@ -661,6 +320,14 @@ def exchange_axes(conf):
     wrapped periodically instead (no buffers, no communication).
     """
     return [ax for ax in (0, 1) if conf.grid[ax] > 1]
+
+
+def wrap_sizes(conf):
+    """The sizes [cells] :func:`migrate` wraps the positions to, per axis: the block's
+    along an axis of one block (x, y; :func:`exchange_axes`), 0 (none) elsewhere."""
+    axes = exchange_axes(conf)
+    return [float(conf.block_shape[ax]) if ax in (0, 1) and ax not in axes else 0.0
+            for ax in range(3)]
 
 
 def migrate(conf, positions, fields, ids, *, send_rows, displacement=None, rounds=1,

@@ -277,7 +277,7 @@ def halo_reduce_plane(padded, conf, pad_dims):
     padded : mtf.Tensor
         Padded plane blocks whose padded x and y dimensions are named
         ``pad_dims`` (sizes ``block + 2 * halo_size``), e.g. a freshly painted
-        lens plane (:func:`flowpm_mtf.physics.painting.cic_paint_plane`).
+        lens plane (:func:`flowpm_mtf.physics.painting_plane.cic_paint_plane`).
     conf : SimConfig
     pad_dims : (str, str)
         Names of the padded x and y dimensions.

@@ -42,8 +42,9 @@ from .. import config as cfg
 from ..mesh.halo import field_to_padded, from_blocks, padded_shape, reduced_to_field, to_blocks
 from ..layout import block_shape
 from .kernels import make_kernels, neg_gradient_potential
-from .painting import (_assert_none_escaped, escaped_count, paint_field, paint_pair,
-                       readout_field, readout_padded, readout_scaled_grad, readout_vjp)
+from .painting import (_assert_none_escaped, escaped_count, paint_field, readout_field,
+                       readout_padded)
+from .painting_vjp import paint_pair, readout_scaled_grad, readout_vjp
 
 __all__ = ["density", "density_cotangent", "force_field_of_potential", "gradient_tf",
            "gradient_transpose", "neg_divergence_tf", "pm_forces", "pm_forces_vjp"]
@@ -60,7 +61,7 @@ def density(positions, conf, weight=None, escape_checked=False):
         Block-local positions ``[bx, by, npart, xyz]`` [cells].
     conf : SimConfig
     weight : mtf.Tensor, optional
-        ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.mesh.domain.weights`:
+        ``[bx, by, npart]`` slot weights (:func:`flowpm_mtf.mesh.slots.weights`:
         0 for the empty slots of the eulerian decomposition).
     escape_checked : bool, optional
         The particles were checked to fit their padded blocks (e.g. by
@@ -311,7 +312,7 @@ def pm_forces_vjp(positions, cotangents, conf, kernels=None, weight=None, escape
     ``mtf.gradients`` of :func:`pm_forces` reads the force field at the particles
     twice (the readout, then its gradient) and multiplies the force and the
     cotangents by the prefactor and the weights as separate passes; here
-    :func:`flowpm_mtf.physics.painting.readout_vjp` does the readout, its position
+    :func:`flowpm_mtf.physics.painting_vjp.readout_vjp` does the readout, its position
     gradient and the paint of the scaled cotangents in one pass, and
     ``mtf.gradients`` runs only from the force field back to the positions
     (the adjoint FFTs, the halo reduction, the paint's position gradient). The

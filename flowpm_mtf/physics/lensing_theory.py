@@ -1,7 +1,7 @@
 r"""The expected convergence power of a lensing run: Limber through the run's windows.
 
-:func:`flowpm_mtf.physics.lensing.limber_cl` is the textbook Limber sum. What
-:func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` measures on a map of
+:func:`flowpm_mtf.physics.lensing_stats.limber_cl` is the textbook Limber sum. What
+:func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` measures on a map of
 :func:`flowpm_mtf.physics.lensing.born_convergence` differs from it by four windows,
 all of them applied here to the prediction instead of being deconvolved from
 the data (the data are too suppressed and too aliased beyond the mesh
@@ -40,7 +40,7 @@ import logging
 import numpy as np
 
 from . import halofit as halofit_mod
-from . import lensing
+from . import lensing_geometry, lensing_stats
 
 __all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "continuous_cl",
            "shell_power", "expected_pseudo_cl", "expected_cl", "window_factor", "resolved_range",
@@ -265,12 +265,12 @@ def continuous_cl(lx, ly, conf, geom, pfuns, weights, windows=True, shells=None)
     lx, ly : ndarray
         Multipole vector components (broadcastable).
     conf : SimConfig
-    geom : lensing.LightconeGeometry
+    geom : lensing_geometry.LightconeGeometry
     pfuns : list of callable
         Continuous 3D power of each plane [(Mpc/h)^3].
     weights : ndarray
         ``[n_planes]`` Born weights :math:`c_i` of one source (a row of
-        :func:`flowpm_mtf.physics.lensing.born_coefficients`, or an n(z)-weighted one).
+        :func:`flowpm_mtf.physics.lensing_geometry.born_coefficients`, or an n(z)-weighted one).
     windows : bool
     shells : list of callable, optional
         :func:`shell_power` of each plane (computed from ``pfuns`` if not given).
@@ -304,9 +304,10 @@ def _taper(n, taper):
     return w1[:, None] * w1[None, :]
 
 
-def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing.DEFAULT_TAPER,
+def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing_stats.DEFAULT_TAPER,
                        pad=DEFAULT_PAD, images=_IMAGES):
-    r"""Expectation of :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` for a given power.
+    r"""Expectation of :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` for a given
+    power.
 
     A statistically homogeneous field of power :math:`C(\boldsymbol\ell)`
     sampled at the pixel centres has the power :math:`C_a(\boldsymbol\ell) =
@@ -327,7 +328,7 @@ def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing.DEFAULT_
     field_deg : float
         Side of the map [deg].
     edges, taper :
-        As :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum`.
+        As :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum`.
     pad : int
         Oversampling of the ell' integral.
     images : int
@@ -336,7 +337,7 @@ def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing.DEFAULT_
     Returns
     -------
     ell, cl, n_modes : ndarray
-        As :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum` (same bins).
+        As :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` (same bins).
     """
     n, big = int(npix), int(pad) * int(npix)
     dth = np.deg2rad(field_deg) / n
@@ -371,14 +372,14 @@ def expected_pseudo_cl(cl2d, npix, field_deg, edges=None, taper=lensing.DEFAULT_
 
 def _source_weights(conf, geom, source):
     w = np.asarray(source, np.float64) if np.ndim(source) else \
-        lensing.born_coefficients(conf, geom)[int(source)]
+        lensing_geometry.born_coefficients(conf, geom)[int(source)]
     if w.shape != (geom.n_planes,):
         raise ValueError("lensing_theory: source weights must have %d planes, got shape %s"
                          % (geom.n_planes, w.shape))
     return w
 
 
-def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing.DEFAULT_TAPER,
+def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEFAULT_TAPER,
                 pad=DEFAULT_PAD):
     """The expected measured C_ell of a run: :func:`continuous_cl` with the plane and
     interpolation windows, through the ray sampling and the taper
@@ -387,7 +388,7 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing.DEFAULT_T
     Parameters
     ----------
     conf : SimConfig
-    geom : lensing.LightconeGeometry
+    geom : lensing_geometry.LightconeGeometry
     pfuns : list of callable
         Continuous 3D power at each plane [(Mpc/h)^3] (:func:`true_power`, or a
         model such as halofit).
@@ -399,7 +400,7 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing.DEFAULT_T
     Returns
     -------
     ell, cl, n_modes : ndarray
-        Bins as :func:`flowpm_mtf.physics.lensing.kappa_power_spectrum`; ``cl`` [sr].
+        Bins as :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum`; ``cl`` [sr].
     """
     w = _source_weights(conf, geom, source)
     shells = _shells(conf, geom, pfuns, w)
@@ -456,13 +457,13 @@ def resolved_range(ell, window):
 
 
 def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
-                   taper=lensing.DEFAULT_TAPER, halofit=True):
+                   taper=lensing_stats.DEFAULT_TAPER, halofit=True):
     """Everything a lensing run reports beside its measured C_ell, per source.
 
     Parameters
     ----------
     conf : SimConfig
-    geom : lensing.LightconeGeometry
+    geom : lensing_geometry.LightconeGeometry
     plane_k, plane_p : ndarray
         ``[n_planes, n_k]`` the run's grid P(k) at each plane (non-empty bins)
         [h/Mpc], [(Mpc/h)^3].

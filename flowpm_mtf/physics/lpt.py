@@ -2,7 +2,7 @@ r"""Lagrangian perturbation theory (1LPT, 2LPT) initial conditions on the block 
 
 Particles start on the lattice, one per cell, at the corner of every cell
 (:func:`flowpm_mtf.physics.painting.lattice`), each with its global id (its lattice
-index, :func:`flowpm_mtf.mesh.domain.lattice_ids`), in the slots of their block in
+index, :func:`flowpm_mtf.mesh.slots.lattice_ids`), in the slots of their block in
 16^3 tiles of its lattice (eulerian; :func:`flowpm_mtf.layout.slot_tiles`,
 :func:`lattice_combine`: the CIC ops' cache locality at size). With the eulerian decomposition
 (default) the displaced particles then move to the block that contains them,
@@ -51,6 +51,8 @@ from .. import config as cfg
 from .. import layout
 from . import cosmology as cosmo_mod
 from ..mesh import domain
+from ..mesh.domain_local import wrap_tf
+from ..mesh.slots import lattice_ids, pad_particles
 from . import sizing
 from ..mesh import fft, radial_filter
 from . import gravity, ics, lpt_source
@@ -88,7 +90,7 @@ class State(NamedTuple):
         (so that :math:`dp/da = F / (a^2 E)`).
     ids : mtf.Tensor or None
         ``[bx, by, npart]`` global particle ids (the initial lattice index,
-        row-major; :func:`flowpm_mtf.mesh.domain.id_dtype`), -1 for an empty slot.
+        row-major; :func:`flowpm_mtf.mesh.slots.id_dtype`), -1 for an empty slot.
         None means the lattice order of the lagrangian decomposition.
     stats : mtf.Tensor or None
         Statistics of the last migration (:data:`flowpm_mtf.mesh.domain.STATS`,
@@ -330,11 +332,12 @@ def lattice_combine_potentials_tf(phis, grad_coeffs, coeffs, tile, margins, latt
     """``FlowpmLatticeCombinePotentials`` as TensorFlow ops (its reference; the path of a
     device without the native op): :func:`flowpm_mtf.physics.gravity.gradient_tf` of each potential
     ``[B, ax, ay, nz]`` with its margin, then :func:`lattice_combine_tf`, then output
-    ``lattice_output`` wrapped to the sizes ``wrap`` (:func:`flowpm_mtf.mesh.domain.wrap_tf`)."""
+    ``lattice_output`` wrapped to the sizes ``wrap``
+    (:func:`flowpm_mtf.mesh.domain_local.wrap_tf`)."""
     psis = [gravity.gradient_tf(p, grad_coeffs, m) for p, m in zip(phis, margins)]
     outs = lattice_combine_tf(psis, coeffs, tile, lattice_output)
     if any(wrap):
-        outs[lattice_output] = domain.wrap_tf(outs[lattice_output], list(wrap))
+        outs[lattice_output] = wrap_tf(outs[lattice_output], list(wrap))
     return outs
 
 
@@ -402,7 +405,7 @@ def lattice_combine_potentials(potentials, coeffs, conf, lattice_output=-1, wrap
         the identity), in the same pass. Default: none.
     capacity : int, optional
         Slots per block [particles], at least the block's lattice sites: the slots past
-        them are zero (:func:`flowpm_mtf.mesh.domain.pad_particles`, in the same pass).
+        them are zero (:func:`flowpm_mtf.mesh.slots.pad_particles`, in the same pass).
         Default: the lattice sites.
     donors : sequence of mtf.Tensor, optional
         At most ``M`` tensors of the outputs' shape (``[bx, by, capacity, xyz]``), e.g.
@@ -753,7 +756,7 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
     rows = [coef[k] for k in keys]
     lagrangian = conf.decomposition == "lagrangian"
     slots = None if lagrangian else sizing.capacity(conf)
-    pad = (lambda t: t) if lagrangian else (lambda t: domain.pad_particles(t, slots))
+    pad = (lambda t: t) if lagrangian else (lambda t: pad_particles(t, slots))
     if real_space:   # the positions wrapped as the migration would, padded (no more passes)
         vecs = lattice_combine_potentials(_potentials_real_space(linear, conf, order, kernels),
                                           rows, conf, lattice_output=0,
@@ -766,13 +769,13 @@ def lpt_init(linear, conf, a=None, order=None, forces=True, kernels=None, donors
                                lattice_output=0, name="lpt_state")
         vecs = [pad(v) for v in vecs]
     x, fields = vecs[0], vecs[1:]
-    ids = domain.lattice_ids(conf, linear.mesh, deps=fields[-1:])
+    ids = lattice_ids(conf, linear.mesh, deps=fields[-1:])
     # What uses the positions (the migration, a PM force) waits for the other results
     # too: psi1, psi2 are freed first.
     x = after(x, fields + [ids], name="lpt_after")
     if lagrangian:
         return State(x, fields[0], fields[1] if forces else None, ids)
-    ids = domain.pad_particles(ids, slots, value=-1)
+    ids = pad_particles(ids, slots, value=-1)
     disp = sizing.lpt_displacement_cells(conf, a)
     rounds = sizing.migration_rounds(conf, disp)
     x, fields, ids, stats = domain.migrate(conf, x, fields, ids, rounds=rounds,

@@ -26,7 +26,7 @@ import logging
 import numpy as np
 
 from . import cosmology as cosmo_mod
-from ..mesh import domain
+from ..mesh import domain, slots
 from . import sizing
 from . import timeloop
 from ..config import default_stages  # defined with the configuration; part of the N-body API
@@ -194,7 +194,7 @@ def kdk_step(state, conf, a0=None, a1=None, kernels=None, factors=None, send_row
         x, (p,), ids, stats = domain.migrate(conf, x, [p], ids, send_rows=send_rows,
                                              displacement=dx)
     # After a migration its gate has checked that every particle fits its padded block.
-    f = pm_forces(x, conf, kernels, domain.weights(ids, conf),
+    f = pm_forces(x, conf, kernels, slots.weights(ids, conf),
                   escape_checked=stats is not None)
     p = p + f * kick1
     return State(x, p, f, ids, stats)
@@ -227,5 +227,5 @@ def forward(linear, conf, snapshot_a=None):
     state = lpt_init(linear, conf, conf.a_start, conf.lpt_order, forces=False)
     out = nbody(state, conf, snapshot_a=snapshot_a)
     final, snaps = out if snapshot_a is not None else (out, None)
-    rho = density(final.positions, conf, domain.weights(final.ids, conf))
+    rho = density(final.positions, conf, slots.weights(final.ids, conf))
     return (final, rho) if snapshot_a is None else (final, rho, snaps)

@@ -154,7 +154,7 @@ class Stepper:
         shape : mtf.Shape
             ``[bx, by, npart]``.
         dtype : tf.DType
-            :func:`flowpm_mtf.mesh.domain.id_dtype`.
+            :func:`flowpm_mtf.mesh.slots.id_dtype`.
 
         Returns
         -------

@@ -66,7 +66,7 @@ def initial_state(state, conf, kernels, escape_checked=None, donor=None):
     lpt.State
         ``state`` with ``forces = pm_forces(positions)`` [cells].
     """
-    from ..mesh.domain import weights
+    from ..mesh.slots import weights
     if escape_checked is None:
         escape_checked = state.stats is not None
     return state._replace(forces=pm_forces(state.positions, conf, kernels,
