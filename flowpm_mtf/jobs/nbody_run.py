@@ -39,7 +39,7 @@ import tensorflow.compat.v1 as tf
 
 from ..runs import checkpoint, h5dist, io, snapshot
 from ..runs.collective import collective
-from ..mesh import domain, donate
+from ..mesh import domain, donate, slots
 from ..physics import ics, lpt, nbody, painting, power, sizing, stepper, timeloop
 from ..logs import rank0_only
 from . import runner
@@ -143,16 +143,16 @@ class SimulationGraph:
         self.step_stats = st.step_stats  # migration statistics of the step (or None)
         self.send_rows = st.send_rows
         # Every conf.sort_every steps: the particles reordered by column (the CIC ops'
-        # cache locality, domain.sort_by_column); the variables' values permuted
+        # cache locality, slots.sort_by_column); the variables' values permuted
         self.sort_interval = conf.sort_every
         self.sort_ops = []
         if self.sort_interval:
-            fields, ids = domain.sort_by_column(conf, list(self.variables[:3]),
-                                                self.variables.ids)
+            fields, ids = slots.sort_by_column(conf, list(self.variables[:3]),
+                                               self.variables.ids)
             self.sort_ops = [mtf.assign(v, t) for v, t in
                              zip(self.variables[:4], fields + [ids])]
         x = self.variables.positions
-        self.weights = domain.weights(self.variables.ids, conf)   # 0 for empty slots
+        self.weights = slots.weights(self.variables.ids, conf)   # 0 for empty slots
         self.rho = painting.paint_field(x, conf, self.weights)
         self.k, self.pk, self.modes = power.power_spectrum(self.rho - 1.0, conf,
                                                            deconvolve_cic=False)
