@@ -8,13 +8,16 @@ refused with one line (exit 6); and a new run on an OUT holding a checkpoint is 
 is true for that checkpoint (--resume for its own job's, the other job's command, or
 --overwrite only).
 
-The reference of every comparison is the uninterrupted run with the same options. The
-in-process runs send SIGTERM from rank 0 to itself when it logs the step waited for (the
-ranks agree on the stop at the step boundary).
+The reference of every comparison is the uninterrupted run with the same options; each case's
+uninterrupted and stopped runs are made once per module (fixture ``runs``) and the tests
+resume copies of the stopped one. The in-process runs send SIGTERM from rank 0 to itself
+when it logs the step waited for (the ranks agree on the stop at the step boundary).
 """
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import h5py
@@ -27,18 +30,24 @@ from flowpm_mtf.runs import checkpoint
 from flowpm_mtf import cli
 from flowpm_mtf.errors import OutputDirError
 
-# 16^3 particles in 256 Mpc/h from a = 0.4, 3 regular steps, 6 planes to z_s = 0.5 on 32^2
-# rays: 7 N-body stages (every plane its own stage), ~1 s a run after the graph build.
+# 16^3 particles in 256 Mpc/h from a = 0.4, 3 regular steps, 3 planes to z_s = 0.25 on 32^2
+# rays: 4 N-body stages (planes at stages 2, 3, 4: painted before the first checkpoint, at
+# the stop and after it). The cost of a run is the graph build and the Limber prediction at
+# the end (per plane), not the steps.
 ARGS = ["lensing", "--nc", "16", "--box-size", "256", "--a-start", "0.4", "--steps", "3",
-        "--z-source", "0.5", "--n-planes", "6", "--field-npix", "32", "--field-deg", "5",
+        "--z-source", "0.25", "--n-planes", "3", "--field-npix", "32", "--field-deg", "5",
         "--dtype", "float64", "--seed", "42", "--no-plot"]
-N_STAGES = 7
-N_PLANES = 6
+N_STAGES = 4
+N_PLANES = 3
 CHECKPOINT_EVERY = 2
 STOP_AT = 3   # SIGTERM when rank 0 logs step 3: checkpoints after steps 2 and 3
-# One placement case (the backend's checkpoint path; the grids are the hvd cases' job).
-CASES = {1: [("hvd", (1, 1), "eulerian"), ("hvd", (1, 1), "lagrangian"),
-             ("placement", (1, 2), "lagrangian")],
+# hvd on this world's ranks (eulerian on 1 rank; both decompositions on 2 ranks), and one
+# placement case (the backend's checkpoint path: one process writes both slices' parts) whose
+# runs the refusal and other-grid tests share (1-rank pass). The first hvd case of each world
+# size resumes from the periodic checkpoint as well (the same saving code as the stop's).
+PLACEMENT = ("placement", (1, 2), "lagrangian")
+PERIODIC = {("hvd", (1, 1), "eulerian"), ("hvd", (2, 1), "eulerian")}
+CASES = {1: [("hvd", (1, 1), "eulerian"), PLACEMENT],
          # not on 4 ranks (~60 s a case there): the per-slice checkpoint files and the
          # re-slicing by id are the same code on 2 ranks; lensing on the 2x2 grid is
          # checked by tests/test_lensing.py
@@ -80,19 +89,51 @@ def _assert_identical(resumed, ref):
     assert not os.path.exists(os.path.join(resumed, "checkpoint"))
 
 
+def _copy(src, dst, drop_step=None):
+    """Rank 0 copies run directory ``src`` to ``dst`` (without checkpoint ``drop_step``)."""
+    comm = _world()
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.copytree(src, dst)
+        if drop_step is not None:
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(dst), "step_%06d" % drop_step))
+    comm.barrier()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``runs(case)``: (base, uninterrupted run, run stopped by SIGTERM at STOP_AT after a
+    periodic checkpoint), each made once per module; the tests resume copies of the stopped
+    run, which stays as it was."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            base = _tmpdir("lens_resume")
+            ref, stopped = os.path.join(base, "ref"), os.path.join(base, "stopped")
+            assert _main(_args(case) + ["--out", ref])[0] == 0
+            code, sent = _main(_args(case) + ["--out", stopped, "--checkpoint-every",
+                                              str(CHECKPOINT_EVERY)],
+                               sigterm_at="step %d/%d " % (STOP_AT, N_STAGES))
+            assert code == 0 and (sent or _world().rank != 0)
+            made[case] = base, ref, stopped
+        return made[case]
+
+    yield get
+    _world().barrier()
+    if _world().rank == 0:
+        for base, _, _ in made.values():
+            shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.mark.parametrize("case", CASES.get(_world().size, []),
                          ids=lambda c: "%s-%dx%d-%s" % (c[0], c[1][0], c[1][1], c[2]))
-def test_interrupted_then_resumed_equals_uninterrupted(case):
-    comm = _world()
-    base = _tmpdir("lens_resume")
-    ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
-    assert _main(_args(case) + ["--out", ref])[0] == 0
-    code, sent = _main(_args(case) + ["--out", run, "--checkpoint-every", str(CHECKPOINT_EVERY)],
-                       sigterm_at="step %d/%d " % (STOP_AT, N_STAGES))
-    assert code == 0 and (sent or comm.rank != 0)
-    root = checkpoint.checkpoint_root(run)
+def test_interrupted_then_resumed_equals_uninterrupted(case, runs):
+    base, ref, stopped = runs(case)
+    root = checkpoint.checkpoint_root(stopped)
     assert sorted(os.listdir(root)) == ["step_%06d" % CHECKPOINT_EVERY, "step_%06d" % STOP_AT]
-    assert not os.path.exists(os.path.join(run, "manifest.json"))
+    assert not os.path.exists(os.path.join(stopped, "manifest.json"))
     with open(os.path.join(root, "step_%06d" % STOP_AT, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["job"] == "lensing" and manifest["step"] == STOP_AT
@@ -105,39 +146,26 @@ def test_interrupted_then_resumed_equals_uninterrupted(case):
     # the P(k) of the planes painted so far (at stages <= STOP_AT), and only those
     painted = [j for j, _ in manifest["loop"]["job"]["plane_pk"]]
     assert painted and max(painted) <= STOP_AT
-    periodic = os.path.join(base, "periodic")
-    if case[0] == "hvd":
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.copytree(run, periodic)
-            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(periodic),
-                                       "step_%06d" % STOP_AT))
-        comm.barrier()
+    run = _copy(stopped, os.path.join(base, "run"))
     assert _main(["lensing", "--resume", run, "--no-plot", "--backend", case[0]])[0] == 0
     _assert_identical(run, ref)
-    if case[0] == "hvd":
+    if case in PERIODIC:   # from the periodic checkpoint as well (the newest removed)
+        periodic = _copy(stopped, os.path.join(base, "periodic"), drop_step=STOP_AT)
         assert _main(["lensing", "--resume", periodic, "--no-plot"])[0] == 0
         _assert_identical(periodic, ref)
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- refusals
 @pytest.fixture(scope="module")
-def stopped():
-    """A lensing run (placement, 1x1) stopped by SIGTERM after step 2."""
-    out = os.path.join(tempfile.mkdtemp(prefix="lens_refuse"), "run")
-    code, sent = _main(ARGS + ["--backend", "placement", "--grid", "1x1", "--out", out],
-                       sigterm_at="step 2/%d " % N_STAGES)
-    assert code == 0 and sent
-    yield out
-    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+def stopped(runs):
+    """The placement case's run (1x2, lagrangian), stopped by SIGTERM after step 3 with a
+    periodic checkpoint after step 2."""
+    return runs(PLACEMENT)[2]
 
 
 @pytest.mark.rank_independent   # the CLI prints the error on rank 0 only
-@pytest.mark.parametrize("option, value", [("--n-planes", "5"), ("--field-npix", "16"),
-                                           ("--z-source", "0.6"), ("--steps", "4")])
+@pytest.mark.parametrize("option, value", [("--n-planes", "4"), ("--field-npix", "16"),
+                                           ("--z-source", "0.2"), ("--steps", "4")])
 def test_resume_with_other_settings_is_refused(stopped, capsys, option, value):
     before = _tree(stopped)
     line = _refused(["lensing", "--resume", stopped, "--backend", "placement", option, value],
@@ -177,13 +205,13 @@ def test_resume_by_simulate_is_refused(stopped, capsys):
 
 
 @pytest.mark.skipif(_world().size > 1, reason="placement grids: in the 1-rank pass")
-def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
-    """Written on 1x1, resumed on 1x2 (placement): equal to the uninterrupted 1x1 run to
+def test_resume_on_another_grid_matches_to_round_off(runs, tmp_path):
+    """Written on 1x2, resumed on 2x1 (placement): equal to the uninterrupted 1x2 run to
     float64 round-off."""
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
-    assert cli.main(ARGS + ["--backend", "placement", "--grid", "1x1", "--out", ref]) == 0
+    _, ref, stopped = runs(PLACEMENT)
+    out = str(tmp_path / "run")
     shutil.copytree(stopped, out)
-    assert cli.main(["lensing", "--resume", out, "--backend", "placement", "--grid", "1x2",
+    assert cli.main(["lensing", "--resume", out, "--backend", "placement", "--grid", "2x1",
                      "--no-plot"]) == 0
     a, b = _outputs(out), _outputs(ref)
     for k in KAPPA:
@@ -191,6 +219,8 @@ def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
         assert scale > 0, k
         np.testing.assert_allclose(a[k], b[k], rtol=0, atol=OTHER_GRID_RTOL * scale, err_msg=k)
     assert a["table"] != b"" and a["summary"]["stages"] == b["summary"]["stages"]
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["config"]["grid"] == [2, 1]
 
 
 def _new_run_refused(job, out, capsys):
@@ -205,10 +235,10 @@ def _new_run_refused(job, out, capsys):
 
 @pytest.mark.rank_independent
 def test_new_run_on_a_checkpointed_out_is_told_what_is_true(stopped, capsys, tmp_path):
-    """A new run on OUT holding a checkpoint: lensing may resume its own (and does, with the
-    command it is told); simulate is told lensing's command; an old checkpoint (format 1,
-    e.g. of a lensing run of an older flowpm-mtf, which could not resume) gets --overwrite
-    only."""
+    """A new run on OUT holding a checkpoint: lensing may resume its own (that the command it
+    is told resumes this checkpoint is test_interrupted_then_resumed_equals_uninterrupted's
+    placement case); simulate is told lensing's command; an old checkpoint (format 1, e.g. of
+    a lensing run of an older flowpm-mtf, which could not resume) gets --overwrite only."""
     line = _new_run_refused("lensing", stopped, capsys)
     assert "pass --resume %s to continue it or --overwrite" % stopped in line, line
     line = _new_run_refused("simulate", stopped, capsys)
@@ -229,23 +259,22 @@ def test_new_run_on_a_checkpointed_out_is_told_what_is_true(stopped, capsys, tmp
     line = _new_run_refused("lensing", old, capsys)
     assert "older flowpm-mtf and cannot be resumed; pass --overwrite" in line, line
     assert "--resume" not in line
-    # and the hint given first is true: the lensing run resumes
-    copy = str(tmp_path / "copy")
-    shutil.copytree(stopped, copy)
-    assert cli.main(["lensing", "--resume", copy, "--backend", "placement", "--no-plot"]) == 0
 
 
 @pytest.mark.single_process
 def test_sigterm_to_one_rank_under_mpirun_then_resume():
     """mpirun -np 2, SIGTERM to rank 1 only: both ranks checkpoint and exit 0 with the resume
-    command; `--resume` ends bit-identical to the uninterrupted 2-rank run."""
+    command; `--resume` ends bit-identical to the uninterrupted run on the same grid (2x1,
+    eulerian: the defaults on 2 ranks). That run is the command in one process on the
+    placement backend (no second MPI job): with two slices every cross-slice sum has the same
+    two terms whichever backend adds them, so it equals the hvd run bit for bit (a command,
+    not this process: the command's allocator settings change TensorFlow's kernels)."""
     from test_cli import _mpirun
+    from test_mpi_jobs import clean_env
     from test_restart import _run_and_sigterm
 
     base = tempfile.mkdtemp(prefix="lens_mpirun")
     ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
-    proc = _mpirun(2, *ARGS, "--out", ref, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     rc, sent, log = _run_and_sigterm(2, run, rank=1, args=ARGS, after="step 2/")
     assert sent and rc == 0, log[-3000:]
     assert "continue with: flowpm-mtf lensing --resume %s" % run in log
@@ -253,5 +282,13 @@ def test_sigterm_to_one_rank_under_mpirun_then_resume():
     proc = _mpirun(2, "lensing", "--resume", run, "--no-plot", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr
+    with open(os.path.join(run, "summary.json")) as f:
+        config = json.load(f)["config"]
+    assert config["grid"] == [2, 1] and config["decomposition"] == "eulerian"
+    proc = subprocess.run([sys.executable, "-m", "flowpm_mtf.cli", *ARGS, "--backend",
+                           "placement", "--grid", "2x1", "--decomposition", "eulerian",
+                           "--out", ref], capture_output=True, text=True, timeout=600,
+                          env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_identical(run, ref)
     shutil.rmtree(base, ignore_errors=True)

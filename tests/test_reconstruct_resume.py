@@ -1,13 +1,15 @@
 """`flowpm-mtf reconstruct` survives interruption: a run stopped by SIGTERM (after periodic
 checkpoints, --checkpoint-every) and resumed with --resume ends bit-identical to the
 uninterrupted run on the same process grid (every output field, the loss/chi2/prior history),
-with the N-body forward model on both decompositions on the hvd backend of this world's
-ranks, and (1-rank pass) on placement grids; a resume with another configuration, or by
-another job, is refused with one line and exit code 6 before anything is computed.
+with the N-body forward model on the hvd backend of this world's ranks (both decompositions
+over the 1- and 2-rank passes), and (1-rank pass) on placement grids; a resume with another
+configuration, or by another job, is refused with one line and exit code 6 before anything
+is computed.
 
-The reference of every comparison is the uninterrupted run with the same options. The runs
-are in-process (`flowpm_mtf.cli.main`; on 2 and 4 ranks every rank of this pytest runs the
-same command); the SIGTERM is sent by this process to itself (rank 0 only: the ranks agree
+The reference of every comparison is the uninterrupted run with the same options; each case's
+uninterrupted and stopped runs are made once per module (fixture ``runs``) and the tests
+resume copies of the stopped one. The runs are in-process (`flowpm_mtf.cli.main`; on 2
+ranks every rank of this pytest runs the same command); the SIGTERM is sent by this process to itself (rank 0 only: the ranks agree
 on the stop) when rank 0 logs the iteration it waits for.
 """
 import json
@@ -26,10 +28,6 @@ from flowpm_mtf import cli
 from flowpm_mtf.gradients import reconstruct as R
 from flowpm_mtf.errors import ResumeError
 
-# The gradient methods the resumed run is checked with: every case with the default
-# (adjoint), the first case of each world size with the stored gradient too (cost).
-GRADIENTS = R.GRADIENTS
-
 ITERATIONS = 5
 # Periodic checkpoints every CHECKPOINT_EVERY iterations; SIGTERM once rank 0 logged
 # iteration STOP_AT: the run stops there after a checkpoint (and one at CHECKPOINT_EVERY).
@@ -40,15 +38,22 @@ STOP_AT = 3
 ARGS = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
         "--dtype", "float64", "--n-steps", "2", "--a-start", "0.1", "--learning-rate", "0.1",
         "--noise", "0.1", "--iterations", str(ITERATIONS), "--log-every", "1", "--no-plot"]
-# (backend, grid, decomposition, forward model) per world size: the N-body forward model on
-# both decompositions on every world size; the placement grids (in one process, 1-rank pass
-# only) with the LPT forward model (the N-body one builds for ~6 s a run there).
-CASES = {1: [("hvd", (1, 1), "eulerian", "nbody"), ("hvd", (1, 1), "lagrangian", "nbody"),
-             ("placement", (1, 2), "lagrangian", "lpt")],
+# (backend, grid, decomposition, forward model, gradient) per world size: the N-body forward
+# model on both decompositions over the world sizes (eulerian on 1 rank, both on 2) with the
+# adjoint gradient, and on 1 rank with every gradient method (R.GRADIENTS: the checkpoint
+# holds the same variables whichever gradient computes the step); one placement case (in
+# one process, 1-rank pass only; the LPT forward model: the N-body one builds for ~6 s a run
+# there), whose runs the refusal and other-grid tests share.
+PLACEMENT = ("placement", (1, 2), "lagrangian", "lpt", "adjoint")
+CASES = {1: [("hvd", (1, 1), "eulerian", "nbody", g) for g in R.GRADIENTS] + [PLACEMENT],
          # not on 4 ranks: a resume writes and reads one part file per slice, which 2
          # ranks check; cotangents migrating over the 2x2 grid are checked by
          # tests/test_adjoint.py there (this case took 100 s on 4 oversubscribed ranks)
-         2: [("hvd", (2, 1), "eulerian", "nbody"), ("hvd", (1, 2), "lagrangian", "nbody")]}
+         2: [("hvd", (2, 1), "eulerian", "nbody", "adjoint"),
+             ("hvd", (1, 2), "lagrangian", "nbody", "adjoint")]}
+# The first case of each world size resumes from the periodic checkpoint as well (the same
+# saving code as the stop's).
+PERIODIC = {CASES[1][0], CASES[2][0]}
 # A resume on another grid re-slices the saved variables exactly; what follows differs from
 # the original grid only in the order of floating-point sums (FFT pencils, reductions): in
 # float64 the trajectories agree to ~1e-15 relative (tests/test_reconstruct.py bounds grid
@@ -64,8 +69,8 @@ def _world():
     return MPI.COMM_WORLD
 
 
-def _case_args(case, gradient):
-    backend, grid, decomposition, forward = case
+def _case_args(case):
+    backend, grid, decomposition, forward, gradient = case
     return ["--backend", backend, "--grid", "%dx%d" % grid, "--decomposition",
             decomposition, "--forward", forward, "--gradient", gradient]
 
@@ -129,29 +134,53 @@ def _assert_identical(resumed, ref):
     assert not os.path.exists(os.path.join(resumed, "checkpoint"))   # dropped at publish
 
 
-def _resume_cases():
-    cases = CASES.get(_world().size, [])
-    return ([(c, "adjoint") for c in cases]
-            + [(c, g) for c in cases[:1] for g in GRADIENTS
-               if g != "adjoint" and _world().size < 4])
-
-
-@pytest.mark.parametrize("case, gradient", _resume_cases(),
-                         ids=lambda c: c if isinstance(c, str) else "%s-%dx%d-%s-%s" % (
-                             c[0], c[1][0], c[1][1], c[2], c[3]))
-def test_interrupted_then_resumed_equals_uninterrupted(case, gradient):
+def _copy(src, dst, drop_step=None):
+    """Rank 0 copies run directory ``src`` to ``dst`` (without checkpoint ``drop_step``)."""
     comm = _world()
-    base = _tmpdir("recon_resume")
-    ref, run = os.path.join(base, "ref"), os.path.join(base, "run")
-    opts = ARGS + _case_args(case, gradient)
-    assert _main(opts + ["--out", ref])[0] == 0
-    code, sent = _main(opts + ["--out", run, "--checkpoint-every", str(CHECKPOINT_EVERY)],
-                       sigterm_at="iteration %d/%d:" % (STOP_AT, ITERATIONS))
-    assert code == 0                               # stopped after its checkpoint: exit 0
-    assert sent or comm.rank != 0                  # rank 0 sent it; the others agreed
-    root = checkpoint.checkpoint_root(run)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.copytree(src, dst)
+        if drop_step is not None:
+            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(dst), "step_%06d" % drop_step))
+    comm.barrier()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """``runs(case)``: (base, uninterrupted run, run stopped by SIGTERM at STOP_AT after a
+    periodic checkpoint), each made once per module; the tests resume copies of the stopped
+    run, which stays as it was."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            base = _tmpdir("recon_resume")
+            ref, stopped = os.path.join(base, "ref"), os.path.join(base, "stopped")
+            opts = ARGS + _case_args(case)
+            assert _main(opts + ["--out", ref])[0] == 0
+            code, sent = _main(opts + ["--out", stopped, "--checkpoint-every",
+                                       str(CHECKPOINT_EVERY)],
+                               sigterm_at="iteration %d/%d:" % (STOP_AT, ITERATIONS))
+            assert code == 0                        # stopped after its checkpoint: exit 0
+            assert sent or _world().rank != 0       # rank 0 sent it; the others agreed
+            made[case] = base, ref, stopped
+        return made[case]
+
+    yield get
+    _world().barrier()
+    if _world().rank == 0:
+        for base, _, _ in made.values():
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", CASES.get(_world().size, []),
+                         ids=lambda c: "%s-%dx%d-%s-%s-%s" % (c[0], c[1][0], c[1][1], *c[2:]))
+def test_interrupted_then_resumed_equals_uninterrupted(case, runs):
+    base, ref, stopped = runs(case)
+    root = checkpoint.checkpoint_root(stopped)
     assert sorted(os.listdir(root)) == ["step_%06d" % CHECKPOINT_EVERY, "step_%06d" % STOP_AT]
-    assert not os.path.exists(os.path.join(run, "manifest.json"))   # nothing published
+    assert not os.path.exists(os.path.join(stopped, "manifest.json"))   # nothing published
     with open(os.path.join(root, "step_%06d" % STOP_AT, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["job"] == "reconstruct" and manifest["step"] == STOP_AT
@@ -162,38 +191,21 @@ def test_interrupted_then_resumed_equals_uninterrupted(case, gradient):
     assert sorted(manifest["files"]) == ["rank%05d.h5" % p for p in range(n_slices)]
     for info in manifest["files"].values():
         assert info["fields"]["linear"]["shape"] == [16 // case[1][0], 16 // case[1][1], 16]
-    periodic = os.path.join(base, "periodic")
-    if case[0] == "hvd":   # resume from the periodic checkpoint as well (the newest removed)
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.copytree(run, periodic)
-            shutil.rmtree(os.path.join(checkpoint.checkpoint_root(periodic),
-                                       "step_%06d" % STOP_AT))
-        comm.barrier()
+    run = _copy(stopped, os.path.join(base, "run"))
     assert _main(["reconstruct", "--resume", run, "--no-plot", "--backend", case[0]])[0] == 0
     _assert_identical(run, ref)
-    if case[0] == "hvd":
+    if case in PERIODIC:   # from the periodic checkpoint as well (the newest removed)
+        periodic = _copy(stopped, os.path.join(base, "periodic"), drop_step=STOP_AT)
         assert _main(["reconstruct", "--resume", periodic, "--no-plot"])[0] == 0
         _assert_identical(periodic, ref)
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- refusals
-SMALL = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
-         "--dtype", "float64", "--forward", "lpt", "--iterations", "4", "--no-plot",
-         "--backend", "placement", "--grid", "1x1"]
-
-
 @pytest.fixture(scope="module")
-def stopped():
-    """A small reconstruction (lpt, 1x1, placement) stopped by SIGTERM after iteration 2."""
-    out = os.path.join(tempfile.mkdtemp(prefix="recon_refuse"), "run")
-    code, sent = _main(SMALL + ["--out", out, "--log-every", "1"], sigterm_at="iteration 2/4:")
-    assert code == 0 and sent
-    yield out
-    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+def stopped(runs):
+    """The placement case's run (1x2, lagrangian, LPT forward model), stopped by SIGTERM
+    after iteration 3 with a periodic checkpoint after iteration 2."""
+    return runs(PLACEMENT)[2]
 
 
 def _tree(out):
@@ -257,11 +269,11 @@ def test_resume_by_another_job_is_refused(stopped, capsys, job):
 
 
 @pytest.mark.skipif(_world().size > 1, reason="placement grids: in the 1-rank pass")
-def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
-    """Written on 1x1, resumed on 2x1 (placement): every rank reads the parts overlapping its
-    slices; the result equals the uninterrupted 1x1 run to float64 round-off."""
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
-    assert cli.main(SMALL + ["--out", ref]) == 0
+def test_resume_on_another_grid_matches_to_round_off(runs, tmp_path):
+    """Written on 1x2, resumed on 2x1 (placement): every rank reads the parts overlapping its
+    slices; the result equals the uninterrupted 1x2 run to float64 round-off."""
+    _, ref, stopped = runs(PLACEMENT)
+    out = str(tmp_path / "run")
     shutil.copytree(stopped, out)
     assert cli.main(["reconstruct", "--resume", out, "--backend", "placement", "--grid", "2x1",
                      "--no-plot"]) == 0
@@ -278,22 +290,24 @@ def test_resume_on_another_grid_matches_to_round_off(stopped, tmp_path):
 def test_checkpoint_every_counts_iterations(capsys):
     from flowpm_mtf.errors import ConfigError
 
-    assert cli.main(SMALL + ["--checkpoint-every", "0", "--out", tempfile.mkdtemp()]) == \
-        ConfigError.exit_code
+    assert cli.main(ARGS + _case_args(PLACEMENT) + ["--checkpoint-every", "0", "--out",
+                                                    tempfile.mkdtemp()]) == ConfigError.exit_code
     assert "--checkpoint-every takes a number of iterations >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.single_process
-def test_mismatched_resume_on_two_ranks_is_one_line_exit_6(stopped):
-    """Under mpirun -np 2: every rank exits 6, one line, nothing computed."""
-    from test_cli import _mpirun
-
+@pytest.mark.skipif(_world().size != 2, reason="every rank of a 2-rank job: the 2-rank pass")
+def test_mismatched_resume_on_two_ranks_is_one_line_exit_6(runs, capsys):
+    """On 2 ranks (this pass's, in-process): every rank exits 6, one line (rank 0's), nothing
+    computed."""
+    comm = _world()
+    stopped = runs(CASES[2][0])[2]
     before = _tree(stopped)
-    proc = _mpirun(2, "reconstruct", "--resume", stopped, "--grid", "2x1", "--noise", "0.3",
-                   timeout=300)
-    assert proc.returncode == 6, proc.stderr[-3000:]
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("flowpm-mtf: error:")]
-    assert len(lines) == 1 and "noise=0.3 contradicts the checkpoint's noise=0.1" in lines[0], \
-        proc.stderr[-3000:]
-    assert "graph built" not in proc.stderr and "Traceback" not in proc.stderr
+    code = cli.main(["reconstruct", "--resume", stopped, "--grid", "2x1", "--noise", "0.3"])
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("flowpm-mtf: error:")]
+    assert comm.allgather(code) == [6, 6], err[-3000:]
+    assert comm.allgather(len(lines)) == [1, 0], err[-3000:]
+    if comm.rank == 0:
+        assert "noise=0.3 contradicts the checkpoint's noise=0.1" in lines[0], err[-3000:]
+    assert "graph built" not in err and "Traceback" not in err
     assert _tree(stopped) == before
