@@ -1,6 +1,7 @@
 """`flowpm-mtf lensing` end to end on 2 MPI ranks: outputs well formed, the convergence
-power spectrum against the Limber prediction from the run's own P(k), and bad input
-failing on every rank."""
+power spectrum against the Limber prediction from the run's own P(k); and bad input failing
+on every rank of this world with one line, before any compute (in-process, on the ranks of
+this pytest: 1 and 2)."""
 import json
 import os
 import tempfile
@@ -11,7 +12,8 @@ import pytest
 
 from test_cli import _mpirun
 
-pytestmark = pytest.mark.single_process
+from flowpm_mtf import cli
+from flowpm_mtf.errors import ConfigError
 
 # 32^3 in 256 Mpc/h, 2LPT at a = 0.4, lightcone to z_s = 0.5 in 6 shells of 220 Mpc/h,
 # 8 deg field on 64^2 rays, plus two n(z) bins: 7 N-body steps (~45 s of CPU per rank on an idle machine).
@@ -35,12 +37,14 @@ LIMBER_TOL = 0.4
 
 @pytest.fixture(scope="module")
 def run():
+    """The 2-rank job (mpirun), once per module."""
     out = tempfile.mkdtemp(prefix="lensing")
     proc = _mpirun(2, *ARGS, "--out", out, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc.stderr
 
 
+@pytest.mark.single_process
 def test_outputs_well_formed(run):
     out, log = run
     with h5py.File(os.path.join(out, "kappa.h5"), "r") as f:
@@ -102,6 +106,7 @@ def test_outputs_well_formed(run):
     assert log.count("plane ") >= 6
 
 
+@pytest.mark.single_process
 def test_kappa_power_matches_limber(run):
     """Measured flat-sky C_ell vs the expected one from the run's own P(k) at each plane's
     scale factor, through the run's windows (flowpm_mtf.physics.lensing_theory)."""
@@ -115,22 +120,30 @@ def test_kappa_power_matches_limber(run):
     assert abs(gmean - 1) < LIMBER_TOL, (gmean, ratio)
 
 
-def test_source_beyond_lightcone_fails_on_every_rank():
-    proc = _mpirun(2, "lensing", "--nc", "16", "--box-size", "128", "--halo", "2",
-                   "--a-start", "0.5", "--z-source", "2", "--n-planes", "30",
-                   "--out", tempfile.mkdtemp(), timeout=300)
-    assert proc.returncode != 0
-    # raised by geometry() on every rank before any collective; the first rank to raise
-    # aborts the job, so the other rank may be killed before it prints
-    assert proc.stderr.count("z_source=2 is beyond the simulated lightcone") >= 1, \
-        proc.stderr[-3000:]
+def _fails_on_every_rank(args, capsys):
+    """``flowpm-mtf lensing ARGS`` on every rank of this world (in-process): the
+    configuration error's exit code everywhere, one line (rank 0's), no step run."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out = comm.bcast(tempfile.mkdtemp() if comm.rank == 0 else None)
+    code = cli.main(["lensing", "--nc", "16", "--box-size", "128", "--halo", "2"] + args
+                    + ["--out", os.path.join(out, "o")])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("flowpm-mtf: error: ")]
+    assert comm.allgather(code) == [ConfigError.exit_code] * comm.size, err[-3000:]
+    assert comm.allgather(len(lines)) == [1] + [0] * (comm.size - 1), err[-3000:]
+    assert "step 1/" not in err and "graph built" not in err   # before any compute
+    return comm.bcast(lines[0] if comm.rank == 0 else None)
 
 
-def test_empty_nz_bin_fails_on_every_rank():
-    proc = _mpirun(2, "lensing", "--nc", "16", "--box-size", "128", "--halo", "2",
-                   "--a-start", "0.5", "--z-source", "0.3", "--n-planes", "8",
-                   "--nz-smail", "2,4,0.01", "--nz-bins", "0,0.1,0.2",
-                   "--out", tempfile.mkdtemp(), timeout=300)
-    assert proc.returncode != 0
-    assert proc.stderr.count("bin 1 (z 0.1-0.2) holds no sources") >= 1, proc.stderr[-3000:]
-    assert "step 1/" not in proc.stderr                     # before any compute
+def test_source_beyond_lightcone_fails_on_every_rank(capsys):
+    line = _fails_on_every_rank(["--a-start", "0.5", "--z-source", "2", "--n-planes", "30"],
+                                capsys)
+    assert "z_source=2 is beyond the simulated lightcone" in line, line
+
+
+def test_empty_nz_bin_fails_on_every_rank(capsys):
+    line = _fails_on_every_rank(["--a-start", "0.5", "--z-source", "0.3", "--n-planes", "8",
+                                 "--nz-smail", "2,4,0.01", "--nz-bins", "0,0.1,0.2"], capsys)
+    assert "bin 1 (z 0.1-0.2) holds no sources" in line, line
