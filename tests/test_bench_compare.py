@@ -98,10 +98,13 @@ def test_scaling_model_runs_on_smoke_json(smoke, tmp_path):
     out, _ = smoke
     doc = tmp_path / "scaling.md"
     doc.write_text("# prose kept\n")
-    assert sm.main(["--json", os.path.join(out, "bench_compare.json"), "--doc", str(doc)]) == 0
+    # the GPU tables for 1 and 8 GPUs (all counts: a growth integral per tried mesh, ~1200)
+    assert sm.main(["--json", os.path.join(out, "bench_compare.json"), "--doc", str(doc),
+                    "--gpus", "1,8"]) == 0
     text = doc.read_text()
     assert text.startswith("# prose kept\n") and sm.BEGIN in text and sm.END in text
     assert "Largest relative difference predicted vs measured/counted: 0.00e+00" in text
+    assert "| 8 | 4x2 | " in text and "| 8 | 1024 | 1024^3 | " in text    # both GPU tables
 
 
 # ============================================================================ model units
