@@ -1,12 +1,13 @@
 """The batch scripts on a real Slurm, a preempted run that resumes, and horovodrun for real.
 
 A private one-node Slurm 22.05 cluster (:mod:`slurm_harness`: munged, slurmctld and
-slurmd in a temporary directory, stopped at the end of this module) runs the templates
-``slurm/*.sbatch`` exactly as they are in the repository; only sbatch command-line options
-adapt them to this CPU-only node (``--gpus-per-node=0``, ranks per node, one CPU per
-task). srun starts the ranks through PMIx (Debian's Open MPI 4.1 is built against PMIx
-and has no Slurm PMI-1/PMI-2 support, so ``--mpi=pmi2`` fails here). The jobs are tiny
-(16^3 cells) so the whole file takes a few minutes.
+slurmd in a temporary directory, stopped at the end of this module) runs the template
+``slurm/single_node_multi_gpu.sbatch`` exactly as it is in the repository; only sbatch
+command-line options adapt it to this CPU-only node (``--gpus-per-node=0``, ranks per node,
+one CPU per task). ``slurm/multi_node.sbatch`` runs the same way on two simulated nodes
+(tests/test_slurm_multinode.py: every line of it, on more than one node). srun starts
+the ranks through PMIx (Debian's Open MPI 4.1 is built against PMIx and has no Slurm
+PMI-1/PMI-2 support, so ``--mpi=pmi2`` fails here). The jobs are tiny (16^3 cells).
 
 These tests start their own jobs (``single_process``: the 1-rank pass runs them). Without
 root or without the Slurm packages the Slurm tests are skipped with the reason.
@@ -187,15 +188,6 @@ def test_single_node_template(reference):
     out, text = reference
     check_srun_started_ranks(text, 2)
     check_run(out, 2, STEPS)
-
-
-@two_jobs_timeout
-def test_multi_node_template_on_one_node(slurm, tmp_path):
-    out = str(tmp_path / "out-multi")
-    job_id, log = submit(slurm, MULTI, out, tmp_path, ntasks=4, STEPS=2)
-    text = finished(slurm, job_id, log)
-    check_srun_started_ranks(text, 4)
-    check_run(out, 4, 2)
 
 
 def _has_checkpointing():
