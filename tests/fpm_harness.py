@@ -49,6 +49,18 @@ def case_id(case):
     return "%s-%dx%d" % (kind, grid[0], grid[1])
 
 
+def case_dtypes(cases, dtypes=("float64", "float32")):
+    """``(case, dtype)`` parameters (ids ``dtype-case``): every dtype on every case but the
+    placement grid, float64 only there. That grid (1-rank pass) lowers its four blocks in
+    one process, the costliest case; what it adds, the slicing of a split grid, does not
+    depend on the dtype, and float32 on split grids is run by the 2-rank pass ((2,1),
+    (1,2)), on one block by the 1-rank cases."""
+    import pytest
+
+    return [pytest.param(c, d, id="%s-%s" % (d, case_id(c))) for c in cases for d in dtypes
+            if c[0] != "placement" or d == "float64"]
+
+
 def make_impl(kind, conf):
     """The MeshImpl of ``kind`` for ``conf`` (through the package's one backend factory)."""
     if kind in ("hvd", "placement"):

@@ -3,10 +3,11 @@
 and native ``FlowpmCicReadoutVjp``) and the native gradient of
 ``FlowpmInterleave``: against ``pm_forces`` and its ``mtf.gradients`` (the force bit for
 bit, the VJP to rounding) on every grid of the world size, both decompositions, float32
-and float64; the VJP by a dot-product test against central differences of the force; the
-interleave gradient against numpy and by a dot-product test; the real-space divergence of the
-density's cotangent (native ``FlowpmNegDivergence`` and its TensorFlow twin) against numpy;
-the force field from the potential in real space (native ``FlowpmGradient``, its TensorFlow
+and float64 (float64 only on the placement grid: ``fpm_harness.case_dtypes``); the VJP by
+a dot-product test against central differences of the force; the interleave gradient
+against numpy and by a dot-product test; the real-space divergence of the density's
+cotangent (native ``FlowpmNegDivergence`` and its TensorFlow twin) against numpy; the
+force field from the potential in real space (native ``FlowpmGradient``, its TensorFlow
 twin and its registered gradient) against numpy, by a dot-product test, and against the
 k-space gradient kernel on every grid; and the TensorFlow fold of one block's margins
 against the native one."""
@@ -70,9 +71,8 @@ def _vjp_and_reference(kind, conf, linear):
     return H.run(kind, conf, build)
 
 
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
     kind, grid = case
     conf = conf_for(grid, decomposition, dtype)
@@ -399,8 +399,7 @@ def test_gradient_native_tf_numpy(margin, shape):
 FIELD_RTOL = {"float64": 1e-12, "float32": 4e-6}
 
 
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
 def test_force_field_real_space_equals_kspace(case, dtype, linear):
     """The force field of the 2LPT state's density through the potential and the native
     four-point difference (gravity.force_field_of_potential) against the k-space gradient

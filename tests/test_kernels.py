@@ -8,7 +8,8 @@
   equals the unpacked map's gradient.
 
 On the process grids of the current world size, HvdSimdMeshImpl and
-PlacementMeshImpl (see ``fpm_harness``).
+PlacementMeshImpl (see ``fpm_harness``; both dtypes, float64 only on the placement grid:
+``fpm_harness.case_dtypes``).
 """
 import numpy as np
 import pytest
@@ -55,9 +56,8 @@ def numpy_fields(conf, x):
     return np.stack(grad, -1), hess
 
 
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
 @pytest.mark.parametrize("nc", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_packed_equals_unpacked(case, nc, dtype):
     conf = conf_for(case, nc, dtype)
     x = np.random.RandomState(4).randn(*nc).astype(dtype)
@@ -136,8 +136,7 @@ def test_packed_gradient_adjoint(case):
     assert H.rel_err(out["g"], out["g_u"]) < PACKED_RTOL["float64"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=H.case_id)
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "tf"])
 def test_sequential_equals_batched(case, dtype, use_native, monkeypatch):
     """neg_gradient_potential(sequential=True): the two packed transforms one after the

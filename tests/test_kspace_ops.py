@@ -4,7 +4,8 @@
 for bit (in the field's memory or not, on 1 and 4 threads); bad inputs; and on the mesh
 (every grid of the world size, native and TensorFlow paths) the fused products against
 the full-size kernels they replace (``apply_kernel`` with ``inverse_laplace_kernel`` /
-``radial_kernel``), bit for bit, with their gradients by the dot-product test."""
+``radial_kernel``), bit for bit, with their gradients by the dot-product test (both dtypes;
+float64 only on the placement grid, ``fpm_harness.case_dtypes``)."""
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -130,8 +131,7 @@ def _values(k):
     return np.sqrt(1e3 * k ** -1.5 * np.exp(-k))
 
 
-@pytest.mark.parametrize("case", H.cases(), ids=H.case_id)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(H.cases(), ("float32", "float64")))
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "tf"])
 def test_fused_equals_full_kernel(case, dtype, use_native, monkeypatch):
     """On every grid: the fused products equal ``apply_kernel`` with the full-size
