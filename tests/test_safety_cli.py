@@ -1,8 +1,11 @@
 """Issue 10 through the command line: a run never destroys or mixes results, and fails
 before the compute when it has to fail, with one error line.
 
-Every test starts its own ``flowpm-mtf`` processes (one process, or ``mpirun -np 2``),
-so they run in the 1-rank pass only. Meshes are 16^3."""
+The refusals and runs that need no process of their own run the command line in the test's
+process (:func:`here`, the placement backend on one block); a real ``flowpm-mtf`` process
+(one, or ``mpirun -np 2``) is started where the behaviour is the process's: a run killed while
+it writes, two jobs racing for one OUT, one launch per kind of refusal. They run in the
+1-rank pass only. Meshes are 16^3. More refusals on 2 ranks: tests/test_preflight_cli.py."""
 import os
 import re
 import shutil
@@ -10,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -19,6 +23,8 @@ from test_mpi_jobs import clean_env
 pytestmark = pytest.mark.single_process
 
 SMALL = ["--nc", "16", "--halo", "2", "--steps", "2", "--no-plot"]
+# A run in the test's process: the placement backend, one block (no MPI job of its own).
+IN_PROCESS = ["--backend", "placement", "--grid", "1x1"]
 ERROR_RE = re.compile(r"flowpm-mtf: error: ")
 # Limit per flowpm-mtf process: catches a hang. Generous: on the shared 2-core machine a
 # 16^3 run that takes 15 s alone has taken 100 s under load (imports alone 60 s).
@@ -39,6 +45,17 @@ def flowpm(*args, np_=None, timeout=JOB_DEADLINE_S, wait=True):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
     proc.out = proc.stdout + proc.stderr
     return proc
+
+
+def here(capsys, *args):
+    """``flowpm-mtf ARGS`` in this process (:func:`flowpm_mtf.cli.main`, what the command
+    runs after its start-up); its exit code and output like :func:`flowpm`'s."""
+    from flowpm_mtf import cli
+
+    capsys.readouterr()
+    code = cli.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, out=cap.out + cap.err)
 
 
 def tree(d):
@@ -70,33 +87,45 @@ def assert_no_step_ran(proc):
     assert not re.search(r"graph built|step \d+/\d+", proc.out), proc.out[-3000:]
 
 
-def test_existing_run_untouched_then_overwritten(tmp_path):
+@pytest.fixture(scope="module")
+def complete_run(tmp_path_factory):
+    """A complete run (in this process); tests copy it before changing it."""
+    from flowpm_mtf import cli
+
+    out = tmp_path_factory.mktemp("complete") / "D"
+    assert cli.main(["simulate", *SMALL, *IN_PROCESS, "--out", str(out)]) == 0
+    return out
+
+
+def test_existing_run_untouched_then_overwritten(tmp_path, complete_run, capsys):
     out = tmp_path / "D"
-    first = flowpm("simulate", *SMALL, "--out", out)
-    assert first.returncode == 0, first.out[-3000:]
+    shutil.copytree(complete_run, out)
+    assert_only_manifest_files(out)
     assert "overview.png" not in os.listdir(out)  # --no-plot
     before = tree(out)
-    second = flowpm("simulate", *SMALL, "--seed", "7", "--out", out)
+    second = flowpm("simulate", *SMALL, "--seed", "7", "--out", out)   # its own process
     assert_one_error_line(second, r"holds a complete run.*--overwrite")
     assert_no_step_ran(second)
     assert tree(out) == before  # byte-identical
-    third = flowpm("simulate", "--nc", "16", "--halo", "2", "--steps", "1", "--seed", "7",
-                   "--out", out, "--overwrite")
+    third = here(capsys, "simulate", "--nc", "16", "--halo", "2", "--steps", "1", "--seed", "7",
+                 *IN_PROCESS, "--out", out, "--overwrite")
     assert third.returncode == 0, third.out[-3000:]
+    assert re.search(r"step 1/1", third.out)   # the log is seen here (assert_no_step_ran)
     assert_only_manifest_files(out)
     m = rundir.read_manifest(out)
     assert m["config"]["config"]["seed"] == 7 and m["config"]["config"]["n_steps"] == 1
     assert "overview.png" in os.listdir(out)
 
 
-def test_each_subcommand_has_its_own_default_out(tmp_path):
-    from flowpm_mtf import jobs
+def test_each_subcommand_has_its_own_default_out(capsys):
+    from flowpm_mtf import cli, jobs
 
     outs = {name: job.default_out for name, job in jobs.all_jobs().items()}
     assert outs == {"simulate": "out/sim", "lensing": "out/lensing", "reconstruct": "out/recon",
                     "imaging": "out/imaging", "fft-demo": "out/fft-demo"}
-    proc = flowpm("fft-demo", "--help")
-    assert proc.returncode == 0 and "out/fft-demo" in proc.stdout
+    with pytest.raises(SystemExit) as done:
+        cli.main(["fft-demo", "--help"])
+    assert done.value.code == 0 and "out/fft-demo" in capsys.readouterr().out
 
 
 def test_concurrent_runs_exactly_one_succeeds(tmp_path):
@@ -116,9 +145,9 @@ def test_concurrent_runs_exactly_one_succeeds(tmp_path):
         assert json.load(f)["config"]["seed"] == seed  # no mixing
 
 
-def test_kill_during_writing_leaves_old_run_or_nothing(tmp_path):
+def test_kill_during_writing_leaves_old_run_or_nothing(tmp_path, complete_run, capsys):
     out = tmp_path / "D"
-    assert flowpm("simulate", *SMALL, "--out", out).returncode == 0
+    shutil.copytree(complete_run, out)
     old = tree(out)
     job = flowpm("simulate", *SMALL, "--seed", "5", "--out", out, "--overwrite", wait=False)
     staging = out / ".staging"
@@ -135,13 +164,13 @@ def test_kill_during_writing_leaves_old_run_or_nothing(tmp_path):
         m_files = {f["path"] for f in rundir.read_manifest(out)["files"]}
         assert {k: v for k, v in tree(out).items() if k in m_files} == {
             k: v for k, v in old.items() if k in m_files}
-    nxt = flowpm("simulate", *SMALL, "--out", out, "--overwrite")
+    nxt = here(capsys, "simulate", *SMALL, *IN_PROCESS, "--out", out, "--overwrite")
     assert nxt.returncode == 0, nxt.out[-3000:]
     assert_only_manifest_files(out)  # no staging, temporary or lock file left
 
 
 @pytest.mark.parametrize("case", ["file", "under_file", "immutable"])
-def test_unwritable_out_fails_before_the_compute(tmp_path, case):
+def test_unwritable_out_fails_before_the_compute(tmp_path, capsys, case):
     f = tmp_path / "afile"
     f.write_text("x")
     out = {"file": f, "under_file": f / "sub", "immutable": tmp_path / "ro"}[case]
@@ -153,7 +182,7 @@ def test_unwritable_out_fails_before_the_compute(tmp_path, case):
         else:
             os.chmod(out, 0o555)
     try:
-        proc = flowpm("simulate", *SMALL, "--out", out)
+        proc = here(capsys, "simulate", *SMALL, *IN_PROCESS, "--out", out)
     finally:
         if case == "immutable":
             subprocess.run(["chattr", "-i", str(out)], capture_output=True)
@@ -168,35 +197,4 @@ def test_over_memory_config_fails_before_the_compute(tmp_path):
     assert_one_error_line(proc, r"estimated peak memory .* per process .* available per rank "
                                 r".*smallest rank count that fits .* --force")
     assert_no_step_ran(proc)
-    assert not os.path.exists(tmp_path / "D")
-
-
-def test_grid_mismatch_one_line_no_traceback(tmp_path):
-    proc = flowpm("simulate", *SMALL, "--grid", "2x2", "--out", tmp_path / "D", np_=2)
-    assert_one_error_line(proc, r"needs 4 ranks but the job has 2")
-
-
-def test_particle_escape_one_line_with_the_value_that_works(tmp_path):
-    # The fixed (Lagrangian) decomposition: particles stay on their block, so one long
-    # step carries them beyond a 1-cell halo (with migration they change rank instead).
-    proc = flowpm("simulate", "--nc", "16", "--halo", "1", "--box-size", "20", "--steps", "1",
-                  "--decomposition", "lagrangian", "--no-plot", "--out", tmp_path / "D", np_=2)
-    # a halo that surely fits, or (16^3 on 2 ranks) the statement that none surely does
-    assert_one_error_line(proc, r"beyond the 1-cell halo.*(rerun with --halo \d+|no --halo "
-                                r"surely suffices on this grid.*--decomposition eulerian)")
-    assert rundir.read_manifest(tmp_path / "D") is None
-    assert os.listdir(tmp_path / "D") == []  # no staging or lock left
-
-
-def test_placement_backend_refused_under_mpi(tmp_path):
-    proc = flowpm("simulate", *SMALL, "--backend", "placement", "--out", tmp_path / "D", np_=2)
-    assert_one_error_line(proc, r"--backend placement runs the whole mesh in one process")
-
-
-def test_user_errors_one_line(tmp_path):
-    proc = flowpm("fft-demo", "--nc", "16", "--halo", "2", "--repeats", "0",
-                  "--out", tmp_path / "D")
-    assert_one_error_line(proc, r"repeats must be an integer >= 1, got 0")
-    proc = flowpm("simulate", *SMALL, "--a-start", "1e-10", "--out", tmp_path / "D")
-    assert_one_error_line(proc, r"a_start=1e-10 is below what float32 resolves.*--a-start >= ")
     assert not os.path.exists(tmp_path / "D")
