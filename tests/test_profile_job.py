@@ -1,8 +1,9 @@
 """scripts/profile_job.py at 16^3 in a subprocess (it re-executes itself under the job's
 allocator and patches ``tf.Session.run``): the job's two IC runs and the traced steps are
 recorded with their ops (the CIC paint and readout, the 2LPT source), untraced steps
-without, the other runs (kept from 0 s) with theirs (the final P(k)'s shell sums), a rerun
-replaces its record, and a bad ``--trace`` or ``--other-min-s`` is refused."""
+without, the other runs (kept from 0 s) with theirs (the final P(k)'s shell sums), a run
+replaces the record of the same mesh, steps and commit, and a bad ``--trace`` or
+``--other-min-s`` is refused."""
 import json
 import os
 import subprocess
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from flowpm_bench.results import json_path
+from flowpm_bench import provenance
+from flowpm_bench.results import json_path, write_json
 
 pytestmark = pytest.mark.rank_independent
 
@@ -27,14 +29,18 @@ def _run(*args):
 
 def test_profile_records_ics_and_traced_steps(tmp_path):
     out = str(tmp_path)
-    for _ in range(2):    # the second run replaces the first's record
-        p = _run("--nc", "16", "--steps", "3", "--trace", "2", "3", "--other-min-s", "0",
-                 "--out", out)
-        assert p.returncode == 0, p.stderr[-2000:]
+    # the record of an earlier run of this mesh, steps and commit: the run replaces it
+    write_json(json_path(out, "profile_job"), [{
+        "nc": 16, "steps": 3, "extra": [], "commit": provenance.commit_label(), "trace": [1],
+        "date": "earlier", "machine": {"loadavg": [0.0]}, "allocator": "tf", "runs": []}])
+    p = _run("--nc", "16", "--steps", "3", "--trace", "2", "3", "--other-min-s", "0",
+             "--out", out)
+    assert p.returncode == 0, p.stderr[-2000:]
     with open(json_path(out, "profile_job")) as f:    # out/ itself outside results/
         records = json.load(f)
     assert len(records) == 1
     rec = records[0]
+    assert rec["date"] != "earlier"
     assert (rec["nc"], rec["steps"], rec["trace"], rec["extra"]) == (16, 3, [2, 3], [])
     runs = {r["run"]: r for r in rec["runs"]}
     assert [r["run"] for r in rec["runs"] if r["run"] != "other"] == [
