@@ -421,11 +421,14 @@ def _write_result(out, name, records, render):
 
 def cmd_migration(args):
     """The eulerian decomposition (migration, automatic halo) against the lagrangian one
-    with the halo it needs, same configuration, 4 ranks on 2x2."""
+    with the halo it needs, same configuration, on the process grid ``--grid`` (default
+    2x2, 4 ranks)."""
     tmp = tempfile.mkdtemp(prefix="bench_migration")
     records = []
+    ranks = args.grid[0] * args.grid[1]
     common = ["--nc", str(args.nc), "--box-size", str(args.box_size), "--steps",
-              str(args.steps), "--repeats", str(args.repeats), "--grid", "2x2"]
+              str(args.steps), "--repeats", str(args.repeats),
+              "--grid", "%dx%d" % tuple(args.grid)]
     halo = args.lagrangian_halo
     for decomposition in ("eulerian", "lagrangian"):
         path = os.path.join(tmp, decomposition + ".json")
@@ -433,10 +436,10 @@ def cmd_migration(args):
         if decomposition == "lagrangian":
             if halo is None:
                 halo = int(np.ceil(records[0]["lagrangian_halo_needed_cells"]))
-            halo = min(halo, args.nc // 2 - 1)
+            halo = min(halo, args.nc // max(args.grid) - 1)   # < the block's side
             extra += ["--halo", str(halo)]
-        cmd = (mpirun_command() + ["-np", "4", sys.executable, __file__, "run"] + common + extra
-               + ["--json", path])
+        cmd = (mpirun_command() + ["-np", str(ranks), sys.executable, __file__, "run"] + common
+               + extra + ["--json", path])
         try:
             records.append(_launch_record(cmd, path, args.timeout))
         except RuntimeError as exc:  # e.g. the lagrangian halo is too small: record it
@@ -589,6 +592,8 @@ def main(argv=None):
     p.add_argument("--box-size", type=float, default=64.0)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--grid", type=lambda s: tuple(int(v) for v in s.split("x")), default=(2, 2),
+                   help="process grid PxQ of both runs (default 2x2: 4 ranks)")
     p.add_argument("--lagrangian-halo", type=int,
                    help="halo of the lagrangian run [cells] (default: what the eulerian run "
                         "measured it needs, capped at the block size - 1)")
