@@ -1,8 +1,8 @@
 """`flowpm-mtf lensing` survives interruption: a run stopped by SIGTERM (after periodic
 checkpoints, --checkpoint-every) and resumed with --resume ends bit-identical to the
 uninterrupted run on the same process grid (convergence maps, every lens plane, the P(k) at
-the planes, the C_ell table), on the hvd backend of this world's ranks, on placement grids
-(1-rank pass) and under mpirun with the signal to one rank only; the checkpoint holds the
+the planes, the C_ell table), on the hvd backend of 2 ranks, on placement grids (1-rank
+pass) and under mpirun with the signal to one rank only; the checkpoint holds the
 planes as per-rank blocks; a resume with other lensing settings or by another job is
 refused with one line (exit 6); and a new run on an OUT holding a checkpoint is told what
 is true for that checkpoint (--resume for its own job's, the other job's command, or
@@ -41,17 +41,18 @@ N_STAGES = 4
 N_PLANES = 3
 CHECKPOINT_EVERY = 2
 STOP_AT = 3   # SIGTERM when rank 0 logs step 3: checkpoints after steps 2 and 3
-# hvd on this world's ranks (eulerian on 1 rank; both decompositions on 2 ranks), and one
-# placement case (the backend's checkpoint path: one process writes both slices' parts) whose
-# runs the refusal and other-grid tests share (1-rank pass). The first hvd case of each world
-# size resumes from the periodic checkpoint as well (the same saving code as the stop's).
+# 1 rank: one placement case (the backend's checkpoint path: one process writes both slices'
+# parts), whose runs the refusal and other-grid tests share; the hvd backend's is the mpirun
+# test's (2 ranks, SIGTERM to rank 1) and the 2-rank pass's, both decompositions. The first
+# case of each world size resumes from the periodic checkpoint as well (the same saving code
+# as the stop's).
 PLACEMENT = ("placement", (1, 2), "lagrangian")
-PERIODIC = {("hvd", (1, 1), "eulerian"), ("hvd", (2, 1), "eulerian")}
-CASES = {1: [("hvd", (1, 1), "eulerian"), PLACEMENT],
+CASES = {1: [PLACEMENT],
          # not on 4 ranks (~60 s a case there): the per-slice checkpoint files and the
          # re-slicing by id are the same code on 2 ranks; lensing on the 2x2 grid is
          # checked by tests/test_lensing.py
          2: [("hvd", (2, 1), "eulerian"), ("hvd", (1, 2), "lagrangian")]}
+PERIODIC = {CASES[1][0], CASES[2][0]}
 KAPPA = ("kappa", "planes", "plane_k", "plane_pk", "theta")
 # Resumed on another grid: the particles are re-sliced by id (positions re-expressed relative
 # to the new block origins) and the planes by their index ranges; the rest differs from the
@@ -151,7 +152,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(case, runs):
     _assert_identical(run, ref)
     if case in PERIODIC:   # from the periodic checkpoint as well (the newest removed)
         periodic = _copy(stopped, os.path.join(base, "periodic"), drop_step=STOP_AT)
-        assert _main(["lensing", "--resume", periodic, "--no-plot"])[0] == 0
+        assert _main(["lensing", "--resume", periodic, "--no-plot", "--backend",
+                      case[0]])[0] == 0
         _assert_identical(periodic, ref)
 
 
