@@ -28,7 +28,7 @@
 //   FlowpmSortByColumn(positions [B, n, 3], ids [B, n], halo, px, py) -> int32 [B, n]:
 //       per block, the stable order of the particles by the (x, y) column of the
 //       padded block their CIC stencil starts in, empty slots last
-//       (flowpm_mtf.mesh.domain.sort_by_column: the CIC ops' cache locality).
+//       (flowpm_mtf.mesh.slots.sort_by_column: the CIC ops' cache locality).
 //   FlowpmPermuteRows(order int32 [B, n], fields N x [B, n, ...]) -> the fields with
 //       out[b, j] = field[b, order[b, j]] (any dtypes; row copies in one op).
 //
@@ -429,7 +429,7 @@ class LatticeScatterOp : public OpKernel {
 // over chunks of particles; the result does not depend on the thread count. The
 // CIC ops then touch the field column by column: at 512^3, with the particles in
 // their Lagrangian (slot) order at a = 1, the readout is 3x and the paint 2.4x
-// faster in this order (flowpm_mtf.mesh.domain.sort_by_column).
+// faster in this order (flowpm_mtf.mesh.slots.sort_by_column).
 template <typename T, typename Tid>
 class SortByColumnOp : public OpKernel {
  public:

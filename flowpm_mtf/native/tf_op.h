@@ -90,7 +90,7 @@ inline void four_point_column(const T* const xs[4], const T* const ys[4], const 
 
 // x wrapped into [0, s) (s > 0; below: the largest value under s), as FlowpmWrap
 // (particle_ops.cc) and the wrap of FlowpmLatticeCombinePotentials (lpt_ops.cc) compute it,
-// operation for operation as flowpm_mtf.mesh.domain.wrap_tf: w = x - s floor(x / s); w += s if
+// operation for operation as flowpm_mtf.mesh.domain_local.wrap_tf: w = x - s floor(x / s); w += s if
 // w < 0; w -= s if w >= s; min(w, below). x in (0, s) is returned as it is, without the
 // division: the formula's result (x / s rounds below 1, the floor is 0, x - 0 = x); +-0
 // take the formula (-0 becomes +0).
