@@ -35,10 +35,12 @@ HVD_GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2)]}
 PLACEMENT_GRIDS = {1: [(2, 2)]}
 
 
-def cases(single=False):
-    """(kind, grid) pairs for this world size; ``single`` adds the 1-processor mesh."""
+def cases(single=False, placement=True):
+    """(kind, grid) pairs for this world size; ``single`` adds the 1-processor mesh,
+    ``placement=False`` leaves out the placement grid."""
     out = [("hvd", g) for g in HVD_GRIDS.get(SIZE, [])]
-    out += [("placement", g) for g in PLACEMENT_GRIDS.get(SIZE, [])]
+    if placement:
+        out += [("placement", g) for g in PLACEMENT_GRIDS.get(SIZE, [])]
     if single and SIZE == 1:
         out.append(("single", (2, 2)))
     return out

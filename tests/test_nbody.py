@@ -127,11 +127,14 @@ def layout_reference(linear):
     return run_forward("single", conf, linear, snapshot_a=[stages[1]])
 
 
-@pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)
+# The hvd grids only: the reference is the 1-processor mesh with 2 x 2 blocks itself (that
+# case compared it with itself), and PlacementMeshImpl's 2x2 lowering adds nothing that
+# the 4-rank pass's hvd 2x2 case does not check against the same reference (the placement
+# backend runs the physics in test_lagrangian_equals_eulerian and the other files).
+@pytest.mark.parametrize("case", H.cases(placement=False), ids=H.case_id)
 def test_layout_independent(case, linear, layout_reference):
-    """2LPT + 2 steps in float64 on every grid of this world size (HvdSimdMeshImpl),
-    on PlacementMeshImpl and on a 1-processor mesh with 2 x 2 blocks: the same
-    particles end at the same positions as on a single block."""
+    """2LPT + 2 steps in float64 on every grid of this world size (HvdSimdMeshImpl): the
+    same particles end at the same positions as on a 1-processor mesh with 2 x 2 blocks."""
     conf = conf_for(case[1], order=2, dtype="float64", n_steps=2)
     stages = nbody.default_stages(conf)
     out = run_forward(case[0], conf, linear, snapshot_a=[stages[1]])
