@@ -22,6 +22,9 @@ ARGS = ["simulate", "--nc", str(NC), "--box-size", str(BOX), "--steps", "4", "--
 # float64 sums in another order than numpy's (partial sums per rank): round-off only
 POS_ATOL = 1e-9            # [Mpc/h], positions ~ 1e1
 VEL_ATOL = 1e-8            # [km/s], velocities ~ 1e2
+# hvd against placement: the same graph, float64, only the order of sums differs
+# (tests/test_simulate.py's BACKEND_POS_ATOL)
+BACKEND_POS_ATOL = 1e-8    # [Mpc/h]
 MASS_RTOL = 1e-14          # n x the particle mass, computed alike: one rounding at most
 
 
@@ -125,3 +128,19 @@ def test_halos_job_without_a_snapshot_is_one_line(capsys):
     errors = [ln for ln in lines if ln.startswith("flowpm-mtf: error: ")]
     assert code == 2 and len(errors) == 1, lines
     assert "holds no snapshot" in errors[0] and empty in errors[0]
+
+
+@pytest.mark.single_process
+def test_placement_backend_finds_the_same_halos(run_dir):
+    """The same run on PlacementMeshImpl (one process holding both blocks: the finder runs on
+    one block of the whole box) finds the hvd run's halos."""
+    from flowpm_mtf import cli
+
+    out = tempfile.mkdtemp(prefix="fofpl")
+    assert cli.main([*ARGS, "--backend", "placement", "--grid", "2x1", "--out", out]) == 0
+    a = halos_io.read_halos(os.path.join(run_dir, "halos.h5"))
+    b = halos_io.read_halos(os.path.join(out, "halos.h5"))
+    for name in ("n", "min_id", "member_id"):
+        np.testing.assert_array_equal(a[name], b[name])
+    # the two backends' particles differ by the order of float64 sums only
+    np.testing.assert_allclose(a["position"], b["position"], atol=BACKEND_POS_ATOL)
