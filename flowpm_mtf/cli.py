@@ -187,7 +187,7 @@ def make_configs(job, args):
 
 
 #: Jobs without an N-body (no numerics or memory-model check of a ``SimConfig``).
-NO_NBODY_JOBS = ("fft-demo", "imaging")
+NO_NBODY_JOBS = ("fft-demo", "imaging", "halos")
 
 
 def safety_hooks(job, args, run_dir):

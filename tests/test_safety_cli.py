@@ -122,7 +122,7 @@ def test_each_subcommand_has_its_own_default_out(capsys):
 
     outs = {name: job.default_out for name, job in jobs.all_jobs().items()}
     assert outs == {"simulate": "out/sim", "lensing": "out/lensing", "reconstruct": "out/recon",
-                    "imaging": "out/imaging", "fft-demo": "out/fft-demo"}
+                    "imaging": "out/imaging", "fft-demo": "out/fft-demo", "halos": "out/halos"}
     with pytest.raises(SystemExit) as done:
         cli.main(["fft-demo", "--help"])
     assert done.value.code == 0 and "out/fft-demo" in capsys.readouterr().out

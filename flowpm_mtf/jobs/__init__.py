@@ -9,7 +9,8 @@
   side of the time loop, shared by the N-body jobs;
 * the jobs: :mod:`~flowpm_mtf.jobs.simulate`, :mod:`~flowpm_mtf.jobs.lensing`,
   :mod:`~flowpm_mtf.jobs.reconstruct`, :mod:`~flowpm_mtf.jobs.imaging`,
-  :mod:`~flowpm_mtf.jobs.fft_demo`.
+  :mod:`~flowpm_mtf.jobs.fft_demo`, :mod:`~flowpm_mtf.jobs.halos` (also the FoF of
+  ``simulate --fof``).
 
 Adding a job = one module with a :class:`~flowpm_mtf.jobs.base.Job` subclass
 decorated with :func:`register`, and its name in :data:`JOB_MODULES`.
@@ -18,7 +19,7 @@ import importlib
 
 __all__ = ["JOB_MODULES", "register", "get", "all_jobs"]
 
-JOB_MODULES = ("simulate", "lensing", "reconstruct", "imaging", "fft_demo")
+JOB_MODULES = ("simulate", "lensing", "reconstruct", "imaging", "fft_demo", "halos")
 """Modules of the registered jobs, in the order of ``flowpm-mtf --help``."""
 
 _REGISTRY = {}

@@ -16,6 +16,12 @@ snapshot.h5
     (empty slots of the fixed-capacity buffers are not written).
 snapshot_a<a>.h5
     The same at each scale factor of ``--snapshots`` (other than ``a_end``).
+halos.h5, halos_a<a>.h5
+    With ``--fof``: the friends-of-friends halos of the final state and of every
+    ``--snapshots`` state (number of members, mass [M_sun/h], periodic centre of mass
+    [Mpc/h], mean velocity and 1D dispersion [km/s], smallest member id; with
+    ``--fof-members`` the member ids), every rank its halos
+    (:mod:`flowpm_mtf.jobs.halos`, :mod:`flowpm_mtf.runs.halos`).
 power.txt
     k [h/Mpc], P(k) [(Mpc/h)^3], number of modes.
 power_a<a>.txt
@@ -45,7 +51,8 @@ from ..runs import io
 from ..physics import nbody, timeloop
 from ..config import SimConfig
 from ..logs import rank0_only
-from . import nbody_run, register
+from ..analysis.fof import FofConfig
+from . import halos, nbody_run, register
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
 
@@ -69,12 +76,25 @@ class SimulateOptions:
     compression : {"none", "gzip", "lzf"}
         Compression of the snapshots' part files (default none: written at
         disk speed; gzip is several times slower to write, lzf less so).
+    fof : bool
+        Find the friends-of-friends halos of the final state and of every
+        ``--snapshots`` state: ``halos.h5``, ``halos_a<a>.h5``.
+    fof_b : float
+        FoF linking length in units of the mean particle separation [dimensionless]; > 0.
+    fof_min : int
+        Smallest FoF halo in the catalogue [particles]; >= 1.
+    fof_members : bool
+        Also write each halo's member ids (``member_id``) into the catalogues.
     """
 
     snapshots: Tuple[float, ...] = ()
     power_steps: bool = False
     compression: str = dataclasses.field(default="none",
                                          metadata={"choices": ("none", "gzip", "lzf")})
+    fof: bool = False
+    fof_b: float = 0.2
+    fof_min: int = 20
+    fof_members: bool = False
 
     def __post_init__(self):
         snaps = self.snapshots
@@ -87,6 +107,14 @@ class SimulateOptions:
         object.__setattr__(self, "power_steps", bool(self.power_steps))
         if self.compression not in ("none", "gzip", "lzf"):
             raise ValueError("compression must be none, gzip or lzf, got %r" % (self.compression,))
+        for flag, kwargs in (("--fof-b", {"b": self.fof_b}),
+                             ("--fof-min", {"min_members": self.fof_min})):
+            try:
+                FofConfig(**kwargs)
+            except ValueError as e:
+                raise ValueError("%s: %s" % (flag, e)) from None
+        object.__setattr__(self, "fof", bool(self.fof))
+        object.__setattr__(self, "fof_members", bool(self.fof_members))
 
     @property
     def h5_compression(self):
@@ -96,7 +124,8 @@ class SimulateOptions:
     def to_dict(self):
         """A JSON-able dict."""
         return {"snapshots": list(self.snapshots), "power_steps": self.power_steps,
-                "compression": self.compression}
+                "compression": self.compression, "fof": self.fof, "fof_b": self.fof_b,
+                "fof_min": self.fof_min, "fof_members": self.fof_members}
 
 
 @register
@@ -138,6 +167,10 @@ class SimulateJob(Job):
         if extra:
             observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra,
                                                         opts.h5_compression))
+        halo_writer = None
+        if extra and opts.fof:   # after the snapshot's writer: halos_a<a>.h5 beside it
+            halo_writer = halos.HalosWriter(ctx, sess, sim, ops, extra, opts)
+            observers.append(halo_writer)
         if opts.power_steps:   # written as the loop goes: a checkpoint holds the earlier ones
             observers.append(nbody_run.PowerWriter(ctx, sess, ops["fetch"],
                                                    range(1, len(sim.stages))))
@@ -150,6 +183,7 @@ class SimulateJob(Job):
                 sess, ops, forces=False, extra=(ops["fetch"], [t for _, t, _ in ops["rho"]]))
             res.update(fetched)
         res["ops"], res["sim"] = ops, sim
+        res["halo_records"] = halo_writer.records if halo_writer is not None else []
         return res
 
     def finish(self, ctx, res):
@@ -159,13 +193,23 @@ class SimulateJob(Job):
         res["slab"], res["depth"] = nbody_run.density_slab(conf, res["ops"]["rho"], res["rho"],
                                                            ctx.comm)
         res["keep"] = res["modes"] > 0
-        return {"n_particles": conf.n_cells,
-                "migration": nbody_run.migration_summary(conf, res["sim"].migration,
-                                                             res["sim"].send_rows)}
+        extra = {"n_particles": conf.n_cells,
+                 "migration": nbody_run.migration_summary(conf, res["sim"].migration,
+                                                              res["sim"].send_rows)}
+        opts = ctx.configs["simulate"]
+        if opts.fof:   # collective: every rank its particles, no gather
+            with ctx.timed("fof_s"):
+                res["fof"] = halos.find(conf, ctx.comm, res["state"], conf.a_end, opts)
+            extra["halos"] = res["halo_records"] + [halos.record(
+                conf, halos.halos_name(), res["fof"], conf.a_end, opts)]
+        return extra
 
     def write_all(self, ctx, res):
         nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"],
                                  ctx.configs["simulate"].h5_compression)
+        if "fof" in res:
+            halos.write_catalogue(ctx, halos.halos_name(), res["fof"], ctx.conf.a_end,
+                                  ctx.configs["simulate"])
 
     def write(self, ctx, out, res, summary):
         keep = res["keep"]
