@@ -95,6 +95,7 @@ FOUR_RANK_TESTS=(
   tests/test_mri_conv.py         # 3D convolution halos with corners (imaging)
   tests/test_h5dist.py           # per-rank parts of a 2x2 / 4x1 grid in one file
   tests/test_checkpoint.py       # a 4-rank checkpoint read back on another grid
+  tests/test_gadget4.py          # Gadget-4 files of a 2x2 grid read by yt and pynbody
 )
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv
