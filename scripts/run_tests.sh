@@ -96,6 +96,7 @@ FOUR_RANK_TESTS=(
   tests/test_h5dist.py           # per-rank parts of a 2x2 / 4x1 grid in one file
   tests/test_checkpoint.py       # a 4-rank checkpoint read back on another grid
   tests/test_fof.py              # FoF groups across the corner of 4 blocks (2x2 ghosts)
+  tests/test_gadget4.py          # Gadget-4 files of a 2x2 grid read by yt and pynbody
 )
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv

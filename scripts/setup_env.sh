@@ -131,6 +131,10 @@ if [ "$STACK" = tf2.21 ]; then
   # tensorflow-probability 0.25 imports tf_keras; tf-keras 2.21 requires the distribution
   # "tensorflow", which would install the full TensorFlow over tensorflow-cpu: without deps.
   "${PIP[@]}" install -q --no-deps "tf-keras==2.21.0"
+  # pynbody 2.8.0 (a reader of the Gadget-4 snapshots in tests/test_gadget4.py) caps
+  # scipy < 1.18 in its metadata, below this stack's scipy: without deps (it needs only
+  # h5py, numpy, scipy and matplotlib, all in the stack; its Gadget reader works here).
+  "${PIP[@]}" install -q --no-deps "pynbody==2.8.0"
 fi
 
 # ---------------------------------------------------------------- 4. horovod

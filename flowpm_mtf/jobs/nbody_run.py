@@ -637,11 +637,16 @@ class SnapshotWriter:
         Scale factors of the snapshots (each a stage of ``sim``).
     compression : {None, "gzip", "lzf"}
         Of the snapshots' part files (default none).
+    write : callable, optional
+        ``write(a_requested, a, parts) -> name``: writes the snapshot in another
+        format (collective; e.g. Gadget-4 files, :mod:`flowpm_mtf.jobs.simulate`);
+        default :func:`write_snapshot` to ``snapshot_a<a>.h5``.
     """
 
-    def __init__(self, ctx, sess, sim, ops, scale_factors, compression=None):
+    def __init__(self, ctx, sess, sim, ops, scale_factors, compression=None, write=None):
         self.ctx, self.sess, self.sim, self.ops = ctx, sess, sim, ops
         self.compression = compression
+        self.write = write
         idx = timeloop.stage_indices(scale_factors, sim.stages)
         self.at = dict(zip(idx, (float(a) for a in scale_factors)))
         self.written = []
@@ -651,9 +656,12 @@ class SnapshotWriter:
             return
         st, rho = fetch_state(self.sess, self.ops, forces=False,
                               extra=[t for _, t, _ in self.ops["rho"]])
-        name = snapshot_name(self.at[j])
-        write_snapshot(self.ctx, name, snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a),
-                       self.compression)
+        parts = snapshot_parts(self.sim.conf, st, self.ops["rho"], rho, a)
+        if self.write is not None:
+            name = self.write(self.at[j], a, parts)
+        else:
+            name = snapshot_name(self.at[j])
+            write_snapshot(self.ctx, name, parts, self.compression)
         self.written.append(name)
 
 

@@ -22,6 +22,11 @@ halos.h5, halos_a<a>.h5
     [Mpc/h], mean velocity and 1D dispersion [km/s], smallest member id; with
     ``--fof-members`` the member ids), every rank its halos
     (:mod:`flowpm_mtf.jobs.halos`, :mod:`flowpm_mtf.runs.halos`).
+snapdir_NNN/snapshot_NNN.R.hdf5
+    With ``--snapshot-format gadget4``, instead of the two above: Gadget-4 HDF5
+    snapshots, one file per rank ``R``, numbered ``NNN`` by scale factor (the
+    ``--snapshots`` times, then the final state); positions [kpc/h], velocities
+    [km/s] / sqrt(a), ids, no density (:mod:`flowpm_mtf.runs.gadget`).
 power.txt
     k [h/Mpc], P(k) [(Mpc/h)^3], number of modes.
 power_a<a>.txt
@@ -47,7 +52,7 @@ import numpy as np
 
 from ..physics import cosmology as cosmo_mod
 from ..physics import linear_power
-from ..runs import io
+from ..runs import gadget, io
 from ..physics import nbody, timeloop
 from ..config import SimConfig
 from ..logs import rank0_only
@@ -56,9 +61,13 @@ from . import halos, nbody_run, register
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
 
-__all__ = ["SimulateOptions", "SimulateJob", "overview_plot"]
+__all__ = ["SimulateOptions", "SimulateJob", "overview_plot", "write_gadget_snapshot",
+           "SNAPSHOT_FORMATS"]
 
 log = rank0_only(logging.getLogger(__name__))
+
+#: Values of ``--snapshot-format``: the package's own layout, Gadget-4 HDF5.
+SNAPSHOT_FORMATS = ("flowpm", "gadget4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +94,11 @@ class SimulateOptions:
         Smallest FoF halo in the catalogue [particles]; >= 1.
     fof_members : bool
         Also write each halo's member ids (``member_id``) into the catalogues.
+    snapshot_format : {"flowpm", "gadget4"}
+        Format of the snapshots: ``flowpm`` (``snapshot.h5``: one HDF5 file over
+        per-rank parts, with the density) or ``gadget4`` (Gadget-4 HDF5, one
+        file per rank, ``snapdir_NNN/snapshot_NNN.R.hdf5``: positions [kpc/h],
+        velocities [km/s] / sqrt(a), ids; read by yt and pynbody; a cubic box).
     """
 
     snapshots: Tuple[float, ...] = ()
@@ -95,6 +109,8 @@ class SimulateOptions:
     fof_b: float = 0.2
     fof_min: int = 20
     fof_members: bool = False
+    snapshot_format: str = dataclasses.field(default="flowpm",
+                                             metadata={"choices": SNAPSHOT_FORMATS})
 
     def __post_init__(self):
         snaps = self.snapshots
@@ -115,6 +131,9 @@ class SimulateOptions:
                 raise ValueError("%s: %s" % (flag, e)) from None
         object.__setattr__(self, "fof", bool(self.fof))
         object.__setattr__(self, "fof_members", bool(self.fof_members))
+        if self.snapshot_format not in SNAPSHOT_FORMATS:
+            raise ValueError("snapshot_format must be one of %s, got %r"
+                             % (", ".join(SNAPSHOT_FORMATS), self.snapshot_format))
 
     @property
     def h5_compression(self):
@@ -125,7 +144,8 @@ class SimulateOptions:
         """A JSON-able dict."""
         return {"snapshots": list(self.snapshots), "power_steps": self.power_steps,
                 "compression": self.compression, "fof": self.fof, "fof_b": self.fof_b,
-                "fof_min": self.fof_min, "fof_members": self.fof_members}
+                "fof_min": self.fof_min, "fof_members": self.fof_members,
+                "snapshot_format": self.snapshot_format}
 
 
 @register
@@ -145,6 +165,8 @@ class SimulateJob(Job):
 
     def preflight(self, ctx):
         stages = self._stages(ctx)  # every rank raises the same error for a snapshot outside
+        if ctx.configs["simulate"].snapshot_format == "gadget4":
+            gadget.check_box(ctx.conf)   # Gadget's box is one number
         if ctx.resume:              # the run; a checkpoint of another run is refused
             nbody_run.check_resume(ctx, stages)
 
@@ -162,11 +184,17 @@ class SimulateJob(Job):
     def execute(self, ctx, sess, sim, ops):
         opts = ctx.configs["simulate"]
         conf = ctx.conf
-        observers = []
+        observers, res = [], {}
         extra = [a for a in opts.snapshots if abs(a - conf.a_end) > timeloop.STAGE_RTOL * a]
         if extra:
+            write = None
+            if opts.snapshot_format == "gadget4":   # numbered by scale factor, final last
+                def write(a_req, a, parts):
+                    return write_gadget_snapshot(ctx, extra.index(a_req), a, parts,
+                                                 opts.h5_compression)
             observers.append(nbody_run.SnapshotWriter(ctx, sess, sim, ops, extra,
-                                                        opts.h5_compression))
+                                                        opts.h5_compression, write=write))
+        res["n_extra"] = len(extra)
         halo_writer = None
         if extra and opts.fof:   # after the snapshot's writer: halos_a<a>.h5 beside it
             halo_writer = halos.HalosWriter(ctx, sess, sim, ops, extra, opts)
@@ -175,7 +203,6 @@ class SimulateJob(Job):
             observers.append(nbody_run.PowerWriter(ctx, sess, ops["fetch"],
                                                    range(1, len(sim.stages))))
         nbody_run.run_stages(ctx, sess, sim, ops, observers)
-        res = {}
         with ctx.timed("fetch_s"):   # this process's slices and the reduced P(k) only,
             # in one session call (the density is painted once for itself and its P(k));
             # the forces are not part of a snapshot
@@ -205,8 +232,12 @@ class SimulateJob(Job):
         return extra
 
     def write_all(self, ctx, res):
-        nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"],
-                                 ctx.configs["simulate"].h5_compression)
+        opts = ctx.configs["simulate"]
+        if opts.snapshot_format == "gadget4":
+            write_gadget_snapshot(ctx, res["n_extra"], ctx.conf.a_end, res["parts"],
+                                  opts.h5_compression)
+        else:
+            nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"], opts.h5_compression)
         if "fof" in res:
             halos.write_catalogue(ctx, halos.halos_name(), res["fof"], ctx.conf.a_end,
                                   ctx.configs["simulate"])
@@ -220,6 +251,35 @@ class SimulateJob(Job):
         keep = res["keep"]
         overview_plot(out.path("overview.png"), ctx.conf, res["slab"], res["k"][keep],
                       res["pk"][keep], res["depth"])
+
+
+def write_gadget_snapshot(ctx, number, a, parts, compression=None):
+    """Write Gadget-4 snapshot ``number`` into ``snapdir_NNN`` (collective; every rank its files).
+
+    Parameters
+    ----------
+    ctx : runner.RunContext
+    number : int
+        ``NNN``.
+    a : float
+        Scale factor of the state.
+    parts : dict
+        :func:`flowpm_mtf.jobs.nbody_run.snapshot_parts`.
+    compression : {None, "gzip", "lzf"}
+
+    Returns
+    -------
+    str
+        The directory's name.
+    """
+    name = gadget.snapshot_dir(number)
+    path = ctx.file(name)
+    if path is not None:
+        stats = {}
+        gadget.write_gadget4(path, ctx.comm, parts, ctx.conf, a, number,
+                             compression=compression, stats=stats)
+        ctx.record_write(name, stats)
+    return name
 
 
 def overview_plot(path, conf, slab, k, pk, depth):

@@ -359,14 +359,16 @@ def _raw_ok(shape, dtype, compression):
             and dtype.kind in "biufc" and not dtype.hasobject)
 
 
-def _write_h5(path, datasets, attrs, dataset_attrs, compression=None):
+def _write_h5(path, datasets, attrs, dataset_attrs, compression=None, groups=None):
     """Write an HDF5 file under a temporary name and rename it (atomic for readers).
 
     Without compression every dataset is contiguous: HDF5 writes the metadata
     and allocates the data, then :func:`_fill_raw` writes the data without
     HDF5 (no copy beyond the converted pieces) and hashes the file on the way.
     With ``compression`` (chunked datasets) h5py writes the pieces and the
-    file is hashed after it is written (on this rank).
+    file is hashed after it is written (on this rank). ``groups``: group name ->
+    its attributes, created first (e.g. a Gadget file's ``Header``); a dataset name
+    may name a group path (``PartType1/Coordinates``).
 
     Returns
     -------
@@ -382,6 +384,10 @@ def _write_h5(path, datasets, attrs, dataset_attrs, compression=None):
     try:
         raw = []
         with h5py.File(tmp, "w") as f:
+            for group, gattrs in (groups or {}).items():
+                g = f.require_group(group)
+                for k, v in gattrs.items():
+                    g.attrs[k] = v
             for name, value in datasets.items():
                 if not isinstance(value, Rows):
                     value = np.asarray(value)
