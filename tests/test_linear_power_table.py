@@ -7,7 +7,7 @@
 * the run's growth D1(z)^2 against CAMB's P(k, z) / P(k, 0) at linear k (the stored CAMB
   table of tests/data, and CAMB itself when installed);
 * the ICs' measured P(k) (an ensemble of seeds) against a table of another shape than the
-  Eisenstein & Hu fit, on every process grid of the world size; a table of the EH fit gives
+  Eisenstein & Hu fit, on the first process grid of the world size; a table of the EH fit gives
   the EH path's field to interpolation round-off;
 * ModelGradient refuses cosmology parameters with a table;
 * ``simulate --linear-power FILE`` and ``--boltzmann camb`` on 2 ranks (one MPI job,
@@ -21,7 +21,7 @@ import types
 import numpy as np
 import pytest
 
-from flowpm_mtf.backend import SerialComm, world
+from flowpm_mtf.backend import SerialComm
 from flowpm_mtf.config import Cosmology, SimConfig
 from flowpm_mtf.errors import ConfigError, ResumeError
 from flowpm_mtf.physics import cosmology as cm
@@ -66,7 +66,6 @@ EH_TABLE_N = 20000
 # integral's 1e-5; CAMB's own interpolation and accuracy settings by ~1e-4.
 CAMB_RTOL = 2e-3
 
-RANK, SIZE = world()
 CONF = SimConfig(nc=16, box_size=100.0, halo_size=1, dtype="float64")
 
 
