@@ -3,7 +3,8 @@
 * bad tables (every rule of :func:`read_power_table`, a k range short of the mesh's or of
   the sigma8 integral's): one line, before compute; on 2 ranks every rank raises the same
   error and only rank 0 reads the file;
-* the normalisation (sigma8, none with the run's growth) and the digest a resume checks;
+* the normalisation (sigma8, none with the run's growth) and the digest a resume checks:
+  a run stopped after a checkpoint whose table file then changed is refused on --resume;
 * the run's growth D1(z)^2 against CAMB's P(k, z) / P(k, 0) at linear k (the stored CAMB
   table of tests/data, and CAMB itself when installed);
 * the ICs' measured P(k) (an ensemble of seeds) against a table of another shape than the
@@ -437,3 +438,32 @@ def test_cli_boltzmann_camb(cli_runs):
     d = np.abs(a - b)
     d = np.minimum(d, 100 - d)
     assert 1e-3 < d.max() < 5.0
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.rank_independent   # one process (placement backend); the CLI prints on rank 0
+def test_resume_refuses_another_table(tmp_path, capsys):
+    """A run stopped (SIGTERM) after a checkpoint; its table file changed: --resume is
+    refused in one line before any graph; with the table back, it resumes."""
+    from test_reconstruct_resume import _main, _refused
+
+    table = linear_power.linear_power_table(CONF.cosmology, 1e-3, 10.0, n=512)
+    path = write_table(tmp_path / "pk.txt", table.k, table.pk)
+    out = str(tmp_path / "run")
+    args = ["simulate", "--nc", "16", "--box-size", "100", "--steps", "3", "--dtype",
+            "float64", "--no-plot", "--backend", "placement"]
+    code, sent = _main(args + ["--linear-power", path, "--checkpoint-every", "1", "--out",
+                               out], sigterm_at="step 2/3 ")
+    assert code == 0 and sent and os.path.isdir(os.path.join(out, "checkpoint"))
+    original, digest = open(path, "rb").read(), lps.file_digest(path)
+    write_table(path, table.k, 1.01 * table.pk)
+    capsys.readouterr()   # the first run's log
+    line = _refused(["simulate", "--resume", out, "--backend", "placement"], capsys)
+    assert re.search(r"linear_power=%s: the table is sha256:[0-9a-f]{64} but the run that "
+                     r"wrote the checkpoint used %s" % (re.escape(path), digest), line), line
+    with open(path, "wb") as f:
+        f.write(original)
+    assert _main(["simulate", "--resume", out, "--backend", "placement"])[0] == 0
+    summary = json.loads(open(os.path.join(out, "summary.json")).read())
+    assert summary["resumed"] and summary["linear_power"]["linear_power_digest"] == \
+        lps.file_digest(path)
