@@ -10,7 +10,8 @@
 * the ICs' measured P(k) (an ensemble of seeds) against a table of another shape than the
   Eisenstein & Hu fit, on the first process grid of the world size; a table of the EH fit gives
   the EH path's field to interpolation round-off;
-* ModelGradient refuses cosmology parameters with a table;
+* ModelGradient refuses cosmology parameters with a table, and gives the noise's gradient
+  through the table's amplitude without them;
 * ``simulate --linear-power FILE`` and ``--boltzmann camb`` on 2 ranks (one MPI job,
   tests/mpi_scripts/cli_cases.py) and their refusals.
 """
@@ -344,6 +345,44 @@ def test_model_gradient_refuses_cosmology_with_a_table():
         ModelGradient(CONF, None, None, noise=noise, power=table)
     with pytest.raises(ValueError, match="power colours the noise"):
         ModelGradient(CONF, None, None, linear=noise, power=table, params=())
+
+
+def test_model_gradient_with_a_table_is_the_fields(tf_harness):
+    """params=() with a table: the noise's gradient through the table's amplitude, equal to
+    the EH path's for a table of the EH fit (to EH_TABLE_RTOL: only the amplitude differs),
+    another for 4 times that table."""
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+    import nbody_harness as NH
+    from flowpm_mtf.gradients.model_gradient import ModelGradient
+    from test_model_gradient import conf_for, make_loss
+
+    H = tf_harness
+    kind, grid = H.cases()[0]
+    conf = conf_for(grid, n_steps=2)
+    white = np.random.RandomState(5).randn(*conf.nc)
+    weight = np.random.RandomState(13).randn(*conf.nc)
+    table = linear_power.linear_power_table(conf.cosmology, 1e-3, 10.0, n=EH_TABLE_N)
+    out = {}
+    four = linear_power.PowerTable(table.k, 4 * table.pk)     # the table is what is used
+    for name, plin in (("eh", None), ("table", table), ("four", four)):
+        with tf.Graph().as_default():
+            graph = mtf.Graph()
+            mesh = mtf.Mesh(graph, "mesh")
+            mg = ModelGradient(conf, mesh, make_loss(conf, weight), params=(),
+                               noise=NH.import_field(mesh, conf, white), power=plin)
+            lowering = mtf.Lowering(graph, {mesh: H.make_impl(kind, conf)})
+            ops = mg.lower(lowering)
+            grad = lowering.export_to_tf_tensor(mg.field_gradient)
+            with tf.Session(config=H.session_config(kind, conf)) as sess:
+                sess.run(tf.global_variables_initializer())
+                sess.run(lowering.copy_masters_to_slices())
+                res = mg.run(sess, ops, extra=grad)
+        out[name] = res["loss"], res["extra"]
+    assert np.abs(out["eh"][1]).max() > 0
+    assert out["table"][0] == pytest.approx(out["eh"][0], rel=EH_TABLE_RTOL)
+    assert H.rel_err(out["table"][1], out["eh"][1]) < EH_TABLE_RTOL
+    assert H.rel_err(out["four"][1], out["eh"][1]) > 0.1
 
 
 # ----------------------------------------------------------------------------- the command
