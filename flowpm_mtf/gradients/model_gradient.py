@@ -345,6 +345,13 @@ class ModelGradient:
     stages : sequence of float, optional
         N-body stages (default :func:`flowpm_mtf.config.default_stages`); the
         LPT is evaluated at ``stages[0]``.
+    power : PowerTable or callable, optional
+        With ``noise``: the linear P(k) at a = 1 that colours it (e.g. a table of
+        :mod:`flowpm_mtf.physics.linear_power_source`) instead of the Eisenstein & Hu fit
+        of ``conf.cosmology``. A table does not move with the cosmology, so the
+        gradient is then the field's alone: ``params`` must be empty (refused
+        otherwise, rather than a gradient through the growth only that would leave
+        out the power's, usually the largest, term).
 
     Attributes
     ----------
@@ -360,16 +367,25 @@ class ModelGradient:
     ------
     ValueError
         At graph construction: neither or both of ``linear`` and ``noise``,
-        wrong shapes, an unknown or repeated parameter.
+        wrong shapes, an unknown or repeated parameter, ``power`` without
+        ``noise`` or with cosmological parameters.
     """
 
     def __init__(self, conf, mesh, loss_fn, linear=None, noise=None,
-                 params=DEFAULT_PARAMETERS, stages=None):
+                 params=DEFAULT_PARAMETERS, stages=None, power=None):
         if (linear is None) == (noise is None):
             raise ValueError("ModelGradient: give exactly one of linear (a linear field) and "
                              "noise (white noise coloured with P(k))")
         self.conf = conf
         self.params = _check_params(params)
+        if power is not None and noise is None:
+            raise ValueError("ModelGradient: power colours the noise; with linear= the field "
+                             "is given (pass power only with noise=)")
+        if power is not None and self.params:
+            raise ValueError("ModelGradient: cosmology gradients (params=%s) need the "
+                             "Eisenstein & Hu P(k), which moves with the cosmology; a P(k) "
+                             "table does not: pass params=() for the field gradient alone"
+                             % (",".join(self.params),))
         self.stages = timeloop.check_stages(cfg.default_stages(conf) if stages is None
                                             else [float(a) for a in stages])
         kernels = make_kernels(conf, mesh)
@@ -379,7 +395,7 @@ class ModelGradient:
             if noise.shape != shape:
                 raise ValueError("ModelGradient: noise must have the shape %s, got %s"
                                  % (shape, noise.shape))
-            self.amplitude = ics.linear_amplitude(conf, mesh, name="mg_amplitude")
+            self.amplitude = ics.linear_amplitude(conf, mesh, power=power, name="mg_amplitude")
             modes = complex_ops.apply_kernel(fft.r2c(noise, conf, name="mg_noise_r2c"),
                                              self.amplitude, name="mg_modes")
             s = fft.c2r(modes, conf, name="mg_linear")

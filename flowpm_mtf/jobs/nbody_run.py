@@ -67,6 +67,10 @@ class SimulationGraph:
     stages : sequence of float, optional
         Scale factors of the N-body stages (default
         :func:`flowpm_mtf.config.default_stages`); the ICs are set up at the first.
+    plin : PowerTable or callable, optional
+        The linear P(k) at a = 1 of the ICs (:func:`flowpm_mtf.physics.ics.linear_field`;
+        e.g. :attr:`flowpm_mtf.physics.linear_power_source.LinearPower.table`); default
+        the Eisenstein & Hu fit of ``conf.cosmology``.
 
     Attributes
     ----------
@@ -97,9 +101,9 @@ class SimulationGraph:
         Outputs of the current state (density; its P(k), reduced and replicated).
     """
 
-    def __init__(self, conf, mesh, stages=None):
+    def __init__(self, conf, mesh, stages=None, plin=None):
         self.conf = conf
-        linear = ics.linear_field(conf, mesh)
+        linear = ics.linear_field(conf, mesh, power=plin)
         kernels = nbody.make_kernels(conf, mesh)
         shape = lpt.state_shape(conf)
         # The state's variables, its fed factors and its one step: the stepper's. The zeros

@@ -52,6 +52,7 @@ import numpy as np
 
 from ..physics import cosmology as cosmo_mod
 from ..physics import linear_power
+from ..physics import linear_power_source
 from ..runs import gadget, io
 from ..physics import nbody, timeloop
 from ..config import SimConfig
@@ -155,9 +156,12 @@ class SimulateJob(Job):
     name = "simulate"
     help = "LPT + FastPM N-body simulation (the main job)"
     sections = (ConfigSection("config", SimConfig),
-                ConfigSection("simulate", SimulateOptions))
+                ConfigSection("simulate", SimulateOptions),
+                ConfigSection("linear_power", linear_power_source.LinearPowerOptions))
     default_out = "out/sim"
     checkpoints = True
+    # the ICs' P(k): a resume with another table (its digest) is refused
+    state_sections = {"linear_power": ()}
 
     def _stages(self, ctx):
         conf, opts = ctx.conf, ctx.configs["simulate"]
@@ -167,11 +171,24 @@ class SimulateJob(Job):
         stages = self._stages(ctx)  # every rank raises the same error for a snapshot outside
         if ctx.configs["simulate"].snapshot_format == "gadget4":
             gadget.check_box(ctx.conf)   # Gadget's box is one number
+        # the ICs' P(k) table (--linear-power, --boltzmann): read once on rank 0, broadcast,
+        # checked on every rank; its digest recorded in the config (the checkpoint identity)
+        # (a caller's configs without the section: the default, the Eisenstein & Hu fit)
+        # (the command line's checks run this preflight before the runner does: read once)
+        lp = ctx.configs.setdefault("linear_power", linear_power_source.LinearPowerOptions())
+        if not hasattr(ctx, "linear_power"):
+            ctx.linear_power = linear_power_source.resolve(lp, ctx.conf, ctx.comm,
+                                                           resume=ctx.resume)
+        if ctx.linear_power is not None and not lp.linear_power_digest:
+            ctx.configs["linear_power"] = dataclasses.replace(
+                lp, linear_power_digest=ctx.linear_power.digest)
         if ctx.resume:              # the run; a checkpoint of another run is refused
             nbody_run.check_resume(ctx, stages)
 
     def build(self, ctx, mesh):
-        return SimulationGraph(ctx.conf, mesh, self._stages(ctx))
+        lp = getattr(ctx, "linear_power", None)
+        return SimulationGraph(ctx.conf, mesh, self._stages(ctx),
+                               plin=None if lp is None else lp.table)
 
     def describe(self, ctx, sim):
         conf = ctx.conf
@@ -223,6 +240,9 @@ class SimulateJob(Job):
         extra = {"n_particles": conf.n_cells,
                  "migration": nbody_run.migration_summary(conf, res["sim"].migration,
                                                               res["sim"].send_rows)}
+        lp = getattr(ctx, "linear_power", None)
+        if lp is not None:          # where the ICs' P(k) came from (summary.json)
+            extra["linear_power_table"] = lp.record
         opts = ctx.configs["simulate"]
         if opts.fof:   # collective: every rank its particles, no gather
             with ctx.timed("fof_s"):
@@ -249,8 +269,9 @@ class SimulateJob(Job):
 
     def plot(self, ctx, out, res, summary):
         keep = res["keep"]
+        lp = getattr(ctx, "linear_power", None)
         overview_plot(out.path("overview.png"), ctx.conf, res["slab"], res["k"][keep],
-                      res["pk"][keep], res["depth"])
+                      res["pk"][keep], res["depth"], power=None if lp is None else lp.table)
 
 
 def write_gadget_snapshot(ctx, number, a, parts, compression=None):
@@ -282,7 +303,7 @@ def write_gadget_snapshot(ctx, number, a, parts, compression=None):
     return name
 
 
-def overview_plot(path, conf, slab, k, pk, depth):
+def overview_plot(path, conf, slab, k, pk, depth, power=None):
     """Density slab and measured P(k) vs the growth-scaled linear P(k).
 
     Parameters
@@ -290,6 +311,8 @@ def overview_plot(path, conf, slab, k, pk, depth):
     slab : ndarray
         ``[NX, NY]`` mean of 1 + delta over the first ``depth`` cells along z
         (:func:`flowpm_mtf.jobs.nbody_run.density_slab`).
+    power : callable, optional
+        The linear P(k) at a = 1 of the ICs (a table); default the Eisenstein & Hu fit.
     """
     import matplotlib
 
@@ -305,7 +328,9 @@ def overview_plot(path, conf, slab, k, pk, depth):
     kk = np.logspace(np.log10(k.min()), np.log10(k.max()), 200)
     d1 = cosmo_mod.growth(conf.cosmology, np.array([conf.a_end])).D1[0]
     ax1.loglog(k, pk, "o-", ms=3, label="measured (CIC, not deconvolved)")
-    ax1.loglog(kk, d1**2 * linear_power.linear_matter_power(conf.cosmology, kk), "k--",
+    plin = (linear_power.linear_matter_power(conf.cosmology, kk) if power is None
+            else power(kk))
+    ax1.loglog(kk, d1**2 * plin, "k--",
                label="linear, D1(a)^2 P_lin")
     ax1.set_xlabel("k [h/Mpc]")
     ax1.set_ylabel("P(k) [(Mpc/h)^3]")

@@ -42,6 +42,7 @@ from . import cosmology as cosmo_mod
 from ..mesh import fft
 from .. import layout, native
 from . import linear_power
+from .linear_power_source import k_range  # noqa: F401 (re-exported: the mesh's k range)
 from ..mesh import noise as noise_mod
 from ..mesh.radial_filter import gather_radial, radial_scale_tf, radial_tables
 
@@ -53,36 +54,6 @@ log = logging.getLogger(__name__)
 
 # Points at which a generic P(k) callable is probed at graph-build time.
 _N_PROBE = 64
-
-
-def k_range(conf):
-    """Smallest and largest non-zero ``|k|`` of the mesh [h/Mpc].
-
-    Parameters
-    ----------
-    conf : SimConfig
-
-    Returns
-    -------
-    (float, float)
-        ``k_min``: the fundamental mode of the longest box side, ``2 pi / L_max``
-        (over the axes with more than one cell); ``k_max``: the Nyquist corner,
-        ``sqrt(sum_i (pi / cell_i)^2)`` for even ``nc`` (``(n-1)/2`` instead of
-        ``n/2`` modes along an odd axis). Computed from the same float64
-        ``fftfreq`` values as the k-space grid.
-
-    Raises
-    ------
-    ValueError
-        If the mesh has a single cell (no non-zero mode).
-    """
-    ks = layout.axis_k(conf)
-    nonzero = [np.abs(k[k != 0]).min() for k in ks if np.any(k != 0)]
-    if not nonzero:
-        raise ValueError("the mesh nc=%r has no non-zero wave vector" % (conf.nc,))
-    k_min = float(min(nonzero))
-    k_max = float(np.sqrt(sum(np.max(k * k) for k in ks)))
-    return k_min, k_max
 
 
 def power_function(conf, power=None, a=1.0):
