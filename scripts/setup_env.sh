@@ -141,10 +141,12 @@ fi
 # Horovod 0.28.1 from its PyPI source with our patch (patches/horovod-0.28.1-flowpm.patch:
 # the background thread's cycle re-anchored at the global synchronisation, so idle ranks
 # stop busy-polling; the version it sets is HOROVOD_VERSION). The wheel is kept in
-# HVD_WHEELS, keyed by what it is built against (the patch, the pinned stack with its
-# TensorFlow, the Python version, the GPU option), so a re-install does not rebuild.
+# HVD_WHEELS, keyed by what it is built against (the patch, the pins of the packages it
+# compiles or links against: TensorFlow, numpy, mpi4py; the Python version, the GPU
+# option), so a re-install does not rebuild, nor does a new test or benchmark package in
+# the requirements.
 HOROVOD_VERSION="$(sed -n "s/^+__version__ = '\(.*\)'$/\1/p" "${HVD_PATCHES[@]}")"
-HVD_KEY="$(cat "${HVD_PATCHES[@]}" "$REQS" \
+HVD_KEY="$(cat "${HVD_PATCHES[@]}" <(grep -E '^(tensorflow(-cpu)?|numpy|mpi4py)[=<>!~ ]' "$REQS") \
   <("$VENV/bin/python" -c 'import sys; print(sys.version)') \
   <(echo "${HOROVOD_GPU_OPERATIONS:-cpu}") | sha256sum | cut -c1-12)"
 HVD_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/flowpm-mtf/horovod-$HVD_KEY"
