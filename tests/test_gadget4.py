@@ -24,6 +24,8 @@ import pytest
 from flowpm_bench import pk_reference
 from flowpm_mtf import cli
 from flowpm_mtf.runs import gadget, io, rundir
+from flowpm_mtf.runs import halos as halos_io
+from test_fof import reference_labels
 from test_mpi_jobs import mpirun
 from test_reconstruct_resume import _main, _tmpdir, _world
 
@@ -33,6 +35,9 @@ ARGS = ["simulate", "--nc", str(NC), "--box-size", str(BOX), "--steps", "3", "--
 # stages 0.1, 0.4, 0.5, 0.7, 1.0: the snapshot at stage 2, the final state at stage 4
 N_STAGES = 4
 GRIDS = {1: ("placement", "2x1"), 2: ("hvd", "2x1"), 4: ("hvd", "2x2")}
+# FoF of the command-line run: the default linking length; 16^3 particles in 100 Mpc/h at
+# z = 0 form a few groups of 5 or more (20, the default, leaves almost none).
+FOF_B, FOF_MIN = 0.2, 5
 # float32 run: Gadget's coordinates are the snapshot's float32 Mpc/h times 1000 rounded to
 # float32 (half an ulp), read back in float64: within one float32 ulp of the box.
 POS_ATOL = BOX * 2.0**-23          # [Mpc/h]
@@ -262,9 +267,12 @@ def test_resumed_run_writes_the_same_files(runs):
 
 @pytest.mark.single_process
 def test_command_line_on_two_ranks(tmp_path):
-    """``mpirun -np 2 flowpm-mtf simulate --snapshot-format gadget4``; an unknown format and
-    a non-cubic box are refused with one line on every rank, before the run (one job)."""
-    cases = {"run": ARGS + ["--snapshot-format", "gadget4"],
+    """``mpirun -np 2 flowpm-mtf simulate --snapshot-format gadget4 --fof``: the Gadget files
+    and, beside them, the halo catalogues of the same particles (the serial reference FoF of
+    the Gadget files' particles); an unknown format and a non-cubic box are refused with one
+    line on every rank, before the run (one job)."""
+    cases = {"run": ARGS + ["--snapshot-format", "gadget4", "--fof", "--fof-min",
+                            str(FOF_MIN)],
              "unknown": ARGS + ["--snapshot-format", "gadget5"],
              "box": ARGS + ["--snapshot-format", "gadget4", "--box-size", "100,100,50"]}
     names = list(cases)
@@ -279,6 +287,19 @@ def test_command_line_on_two_ranks(tmp_path):
     assert len(snap["files"]) == 2 and np.array_equal(np.sort(snap["ParticleIDs"]),
                                                         np.arange(NC**3))
     assert rundir.verify_manifest(str(tmp_path / "run")) == []
+    # the catalogues of both states, from the particles the Gadget files hold
+    ll = FOF_B * BOX / NC
+    for number, name in ((0, "halos_a%.4f.h5" % SNAP_A), (1, "halos.h5")):
+        part = gadget.read_gadget4(tmp_path / "run" / gadget.snapshot_dir(number))
+        pos = np.asarray(part["Coordinates"], np.float64) / 1000.0 % BOX   # kpc/h -> Mpc/h
+        ids = np.asarray(part["ParticleIDs"], np.int64)
+        labels = reference_labels(pos, ids, BOX, ll)
+        low, count = np.unique(labels, return_counts=True)
+        cat = halos_io.read_halos(str(tmp_path / "run" / name))
+        if number == 1:   # the final state has groups (at a = 0.5 there may be none)
+            assert len(low[count >= FOF_MIN]) > 0, name
+        np.testing.assert_array_equal(cat["min_id"], low[count >= FOF_MIN], err_msg=name)
+        np.testing.assert_array_equal(cat["n"], count[count >= FOF_MIN], err_msg=name)
     for name, pattern in (("unknown", "invalid choice: 'gadget5'"), ("box", "cubic box")):
         r = results[name]
         assert r["codes"] == [2, 2], r
