@@ -284,3 +284,16 @@ def test_documented_blocks_run(path, workspace):
            if code != 0 or missing]
     print("%s: %d blocks in %.1f s" % (path, len(results), sum(r[2] for r in results)))
     assert not bad, "\n\n".join(bad)
+
+
+#: docs/benchmarks.md holds the current table of each benchmark with its command; the history
+#: of the measurements is in git and results/ (issue 56): a page past this length is a log.
+BENCHMARKS_MAX_LINES = 400
+
+
+def test_benchmarks_page_stays_a_reference():
+    with open(os.path.join(REPO, "docs", "benchmarks.md")) as f:
+        n = len(f.read().splitlines())
+    assert n <= BENCHMARKS_MAX_LINES, (
+        "docs/benchmarks.md has %d lines (at most %d): keep the current tables and their "
+        "commands, move history to results/" % (n, BENCHMARKS_MAX_LINES))
