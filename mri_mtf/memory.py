@@ -30,9 +30,9 @@ the training's activations
     forward pass, one block at a time.
 the network's weights
     Replicated on every rank: ``W = f^3 (2C + C^2 + 2C) + 2C + 2 + K`` values, as the
-    float64 numpy initial values, the graph constant and its tensor, the variable,
-    Adam's two moments, the gradient and its allreduce and Adam's temporaries:
-    ``8 +`` :data:`WEIGHT_ITEMSIZES` ``s`` bytes per value. Does not shrink with more
+    float64 numpy initial values, the graph constant's copies, the variable, Adam's two
+    moments, the gradient and its allreduce and Adam's temporaries: ``8 +``
+    :data:`WEIGHT_ITEMSIZES` ``s`` bytes per value. Does not shrink with more
     ranks (the advice names the ``--channels`` that fits).
 
 ``tests/test_imaging_safety.py`` checks the model against the peak RSS of runs (the
@@ -65,10 +65,12 @@ DC_ITEMSIZES = 2 * 5 + FFT_ITEMSIZES
 #: The training sample per voxel: the fed phantom (1), its k-space (2), the 4 noise fields
 #: (1 each), their mix (2 per field: 8) and the complex noise (2).
 SAMPLE_ITEMSIZES = 1 + 2 + 4 + 8 + 2
-#: Copies of each weight besides its float64 initial value: the graph constant and its
-#: tensor, the variable, Adam's m and v, the gradient and its allreduce result, and Adam's
-#: update temporaries (2).
-WEIGHT_ITEMSIZES = 9
+#: Copies of each weight besides its float64 initial value: at the graph build its cast,
+#: the constant's tensor proto in the Python graph, in the C++ graph and in the session's
+#: executor graph (4, with the proto's serialisation 6); at the first step the constant's
+#: value, the variable, Adam's m and v, the gradient and its allreduce result, and Adam's
+#: update temporaries (8).
+WEIGHT_ITEMSIZES = 14
 #: Largest TensorFlow constant (a tensor proto is limited to 2 GB): the initial filters
 #: are constants of the graph.
 MAX_CONSTANT_BYTES = 2**31 - 1
