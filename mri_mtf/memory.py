@@ -1,7 +1,8 @@
 r"""The imaging job's estimated peak memory per rank, part by part (its preflight's model).
 
 Counted from the arrays the job's code allocates (no fitted constant but the TensorFlow
-runtime's, ``RUNTIME_MB`` of :mod:`flowpm_mtf.runs.preflight_memory`), for a rank holding
+runtime's, ``RUNTIME_MB`` of :mod:`flowpm_mtf.runs.preflight_memory`, and the graph's per
+block), for a rank holding
 ``N = (nx / P)(ny / Q) nz`` voxels of itemsize ``s`` (4 for float32, 8 for float64):
 
 the sampling mask
@@ -26,8 +27,10 @@ the training's activations
     output; and the data-consistency step's complex fields
     (:data:`DC_ITEMSIZES`). Plus the training sample (fed phantom, its k-space, the
     mixes of the 4 noise fields: :data:`SAMPLE_ITEMSIZES`) and the backward pass's
-    largest gradients (one block's CNN again). Without training: the evaluation's
-    forward pass, one block at a time.
+    gradients, :data:`BACKWARD_BLOCKS` blocks' worth (measured). Without training: the
+    evaluation's forward pass, one block at a time.
+the graph
+    :data:`GRAPH_MB_PER_BLOCK` per unrolled block (measured). Does not shrink.
 the network's weights
     Replicated on every rank: ``W = f^3 (2C + C^2 + 2C) + 2C + 2 + K`` values, as the
     float64 numpy initial values, the graph constant's copies, the variable, Adam's two
@@ -44,7 +47,8 @@ from flowpm_mtf.runs.preflight_memory import (MAX_RANKS, MAX_TENSOR_ELEMENTS, RU
                                               _ceil, _fraction)
 
 __all__ = ["MASK_BYTES_PER_POSITION", "DATA_ITEMSIZES", "FFT_ITEMSIZES", "CNN_EDGE_ITEMSIZES",
-           "DC_ITEMSIZES", "SAMPLE_ITEMSIZES", "WEIGHT_ITEMSIZES", "MAX_CONSTANT_BYTES",
+           "DC_ITEMSIZES", "SAMPLE_ITEMSIZES", "BACKWARD_BLOCKS", "WEIGHT_ITEMSIZES", "GRAPH_MB_PER_BLOCK",
+           "MAX_CONSTANT_BYTES",
            "weight_count", "imaging_terms", "check_sizes", "check_constants", "smallest_grid", "hint"]
 
 #: The mask's numpy arrays live at once per phase-encode position [bytes]: radius, draw,
@@ -65,12 +69,22 @@ DC_ITEMSIZES = 2 * 5 + FFT_ITEMSIZES
 #: The training sample per voxel: the fed phantom (1), its k-space (2), the 4 noise fields
 #: (1 each), their mix (2 per field: 8) and the complex noise (2).
 SAMPLE_ITEMSIZES = 1 + 2 + 4 + 8 + 2
+#: The backward pass's gradients at the training's peak, in blocks' worth of the
+#: activations above (measured: the counted arrays of the K = 4 blocks give 427 itemsizes
+#: per voxel at 128^3 on 2 ranks where the peak RSS grows by 676; 4 blocks more of them
+#: match the runs of 32^3 to 128^3, docs/imaging.md).
+BACKWARD_BLOCKS = 4
 #: Copies of each weight besides its float64 initial value: at the graph build its cast,
 #: the constant's tensor proto in the Python graph, in the C++ graph and in the session's
 #: executor graph (4, with the proto's serialisation 6); at the first step the constant's
 #: value, the variable, Adam's m and v, the gradient and its allreduce result, and Adam's
 #: update temporaries (8).
 WEIGHT_ITEMSIZES = 14
+#: The graph's own memory per unrolled block [MB]: the evaluated network and the training's
+#: forward and backward operations of one block, in Python, in the C++ graph and in the
+#: executor (measured, like the runtime's: the RSS after the graph build grows by 27-29 MB
+#: from 4 to 8 blocks, at 32^3 and 64^3 alike).
+GRAPH_MB_PER_BLOCK = 7
 #: Largest TensorFlow constant (a tensor proto is limited to 2 GB): the initial filters
 #: are constants of the graph.
 MAX_CONSTANT_BYTES = 2**31 - 1
@@ -102,7 +116,7 @@ def _volume_itemsizes(conf, uconf, methods):
         p = _pad_ratio(conf, uconf.kernel_size)
         cnn = c * (3 + 3 * p) + CNN_EDGE_ITEMSIZES + p
         if uconf.train_steps:
-            work = max(work, k * (cnn + DC_ITEMSIZES) + SAMPLE_ITEMSIZES + cnn)
+            work = max(work, (k + BACKWARD_BLOCKS) * (cnn + DC_ITEMSIZES) + SAMPLE_ITEMSIZES)
         else:
             work = max(work, 2 * cnn + DC_ITEMSIZES)
     return data + work
@@ -136,6 +150,9 @@ def imaging_terms(conf, uconf, methods, advice=True):
                   % (cells, ", the network's activations" if "unrolled" in methods else ""),
                   _ceil(_volume_itemsizes(conf, uconf, methods) * cells * s), True)]
     if "unrolled" in methods:
+        terms.append(Term("the graph of the %d unrolled blocks" % uconf.blocks,
+                          GRAPH_MB_PER_BLOCK * 2**20 * int(uconf.blocks), False,
+                          "fewer --blocks"))
         terms.append(Term("the network's weights (%d values: %d channels, %d^3 filters) and "
                           "Adam's state, on every rank" % (weight_count(uconf), uconf.channels,
                                                             uconf.kernel_size),
