@@ -6,7 +6,7 @@ command line); the memory model of :mod:`mri_mtf.memory` refuses the issue's run
 configuration that fits, and stays within 5 % under and 20 % over the peak RSS measured
 on runs of 32^3 to 128^3, 8 blocks, 32 and 1024 channels, a 7^3 filter; ``--train-steps
 0`` is labelled untrained.
-In fresh processes (the 1-rank pass only): the memory refusal on 2 ranks (exit 4 on every
+All in the 1-rank pass. In fresh processes: the memory refusal on 2 ranks (exit 4 on every
 rank, one line, nothing created) and SIGTERM to one rank during the TV iterations (both
 stop at the next iteration with the checkpoint of the training's step 0, exit 0).
 """
@@ -29,6 +29,10 @@ from mri_mtf.recon import TVConfig
 from mri_mtf.unrolled import UnrolledConfig
 from test_restart import _rank_pid
 from test_safety_cli import JOB_DEADLINE_S, assert_one_error_line, flowpm
+
+# The in-process checks need no MPI world and the launches start their own: the 1-rank
+# pass only (the other passes would repeat the same checks).
+pytestmark = pytest.mark.single_process
 
 ALL = ("zero-filled", "tv", "unrolled")
 GB = 2**30
@@ -141,7 +145,6 @@ def test_zero_training_steps_is_labelled_untrained(tmp_path):
     assert job.finish(types.SimpleNamespace(configs=_configs(), conf=None), res)["untrained"] == []
 
 
-@pytest.mark.single_process
 def test_memory_refusal_on_two_ranks_creates_nothing(tmp_path):
     out = tmp_path / "D"
     proc = flowpm("imaging", "--nc", "100000", "--out", out, np_=2)
@@ -151,7 +154,6 @@ def test_memory_refusal_on_two_ranks_creates_nothing(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.single_process
 def test_sigterm_to_one_rank_during_tv_checkpoints_step_zero(tmp_path):
     # rank 1 alone is signalled during the TV iterations: both ranks agree at the next
     # iteration and write the checkpoint of the training's step 0
