@@ -1,15 +1,16 @@
 r"""The imaging job's estimated peak memory per rank, part by part (its preflight's model).
 
-Counted from the arrays the job's code allocates (no fitted constant but the TensorFlow
-runtime's, ``RUNTIME_MB`` of :mod:`flowpm_mtf.runs.preflight_memory`, and the graph's per
-block), for a rank holding
+Counted from the arrays the job's code allocates, with three measured constants (the
+TensorFlow runtime's ``RUNTIME_MB`` of :mod:`flowpm_mtf.runs.preflight_memory`, the
+graph's per block and the backward pass's blocks), for a rank holding
 ``N = (nx / P)(ny / Q) nz`` voxels of itemsize ``s`` (4 for float32, 8 for float64):
 
 the sampling mask
     :func:`mri_mtf.sampling.mask_numpy` builds the whole ``ny x nz`` phase-encode plane on
     every rank (float64 radii, draws, weights, keys and two argsorts at once, then the
     0/1 plane, its stored-order copy and the graph constant):
-    :data:`MASK_BYTES_PER_POSITION` per position. Does not shrink with more ranks.
+    :data:`MASK_BYTES_PER_POSITION` ``+ 2 s`` per position. Does not shrink with more
+    ranks.
 the data and the images
     The measured k-space variable (2 real channels), the TV state (``x``, ``z``, ``u``:
     7 complex fields as 14 real channels, with ``tv``), the truth and one magnitude per
@@ -47,9 +48,9 @@ from flowpm_mtf.runs.preflight_memory import (MAX_RANKS, MAX_TENSOR_ELEMENTS, RU
                                               _ceil, _fraction)
 
 __all__ = ["MASK_BYTES_PER_POSITION", "DATA_ITEMSIZES", "FFT_ITEMSIZES", "CNN_EDGE_ITEMSIZES",
-           "DC_ITEMSIZES", "SAMPLE_ITEMSIZES", "BACKWARD_BLOCKS", "WEIGHT_ITEMSIZES", "GRAPH_MB_PER_BLOCK",
-           "MAX_CONSTANT_BYTES",
-           "weight_count", "imaging_terms", "check_sizes", "check_constants", "smallest_grid", "hint"]
+           "DC_ITEMSIZES", "SAMPLE_ITEMSIZES", "BACKWARD_BLOCKS", "WEIGHT_ITEMSIZES",
+           "GRAPH_MB_PER_BLOCK", "MAX_CONSTANT_BYTES", "weight_count", "imaging_terms",
+           "check_sizes", "check_constants", "smallest_grid", "hint"]
 
 #: The mask's numpy arrays live at once per phase-encode position [bytes]: radius, draw,
 #: weight, key (float64), two argsort outputs (int64), the chosen flags (bool), then the

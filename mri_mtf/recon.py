@@ -46,8 +46,8 @@ from flowpm_mtf.layout import K_DIMS
 
 from . import operators
 
-__all__ = ["TVConfig", "MAX_TV_ITERATIONS", "SteppedTV", "gradient", "gradient_adjoint", "laplacian_symbol", "tv_admm",
-           "tv_admm_numpy", "zero_filled"]
+__all__ = ["TVConfig", "SteppedTV", "gradient", "gradient_adjoint", "laplacian_symbol", "tv_admm",
+           "tv_admm_numpy", "zero_filled", "MAX_TV_ITERATIONS"]
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,8 @@ def _configs(*argv):
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    (["--train-steps", "99999999999999999999"], r"train_steps must be an integer in \[0, 1000000\]"),
+    (["--train-steps", "99999999999999999999"],
+     r"train_steps must be an integer in \[0, 1000000\]"),
     (["--blocks", "1000"], r"blocks must be an integer in \[1, 100\]"),
     (["--tv-iterations", "1000000"], r"iterations must be an integer in \[1, 100000\]"),
     (["--init-seed", str(2**63)], r"init_seed must be an integer in \[0, 9223372036854775807\]"),
