@@ -76,9 +76,10 @@ flat-sky maps')."""
 # Largest nside accepted: 12 * 8192^2 = 805 M pixels per map is beyond any memory here, and
 # int32 segment ids of a block's map must stay < 2^31.
 MAX_NSIDE = 8192
-# Replicas processed together in one vectorised pass (elements per pass: this times the
-# particles of a rank; 16 keeps a pass of 64^3/2 particles at ~2 M elements).
+# Replicas processed together in one vectorised pass: at most _REPLICA_CHUNK, and at most
+# CHUNK_ELEMENTS particle-replica pairs per pass (the pass's temporaries, ~100 bytes a pair).
 _REPLICA_CHUNK = 16
+CHUNK_ELEMENTS = 2**21
 # Key mixed with conf.seed for the shells' random shifts and flips (independent of the ICs'
 # stream and of the flat-sky planes' key).
 _RANDOMIZE_KEY = 0x5e11
@@ -306,12 +307,6 @@ def shell_counts(positions, conf, geom, index, weight=None, name=None):
     nc = np.asarray(conf.nc, np.float64)
     cell = np.asarray(conf.cell_size, np.float64)
     reps = geom.replicas[index].astype(np.float64) * nc                      # [cells]
-    m = reps.shape[0]
-    k = _REPLICA_CHUNK
-    n_chunks = max(1, -(-m // k))
-    padded = np.full((n_chunks * k, 3), _FAR_REPLICA * nc.max())
-    padded[:m] = reps
-    chunks = padded.reshape(n_chunks, k, 3) * cell                           # [Mpc/h]
     r2_lo = float(geom.r_edges[index])**2
     r2_hi = float(geom.r_edges[index + 1])**2
     shift, flip = geom.shift[index], geom.flip[index]
@@ -323,6 +318,7 @@ def shell_counts(positions, conf, geom, index, weight=None, name=None):
         pos = _local_particles(pos)                              # [nbx, nby, n, 3]
         nbx, nby, n, _ = pos.shape.as_list()
         nb = nbx * nby
+        chunks = replica_chunks(reps, nb * n, nc) * cell                  # [Mpc/h]
         g = tf.cast(pos + origin[:, :, None, :], tf.float64)     # global [cells]
         g = tf.math.floormod(g * flip + shift, nc) * cell         # in the box [Mpc/h]
         g = tf.reshape(g, [nb * n, 3])
@@ -348,6 +344,18 @@ def shell_counts(positions, conf, geom, index, weight=None, name=None):
     per_block = mtf.slicewise(fn, inputs, output_shape=mtf.Shape([bx, by, hpix]),
                               output_dtype=dt, splittable_dims=[bx, by], name=name)
     return mtf.reduce_sum(per_block, output_shape=mtf.Shape([hpix]))
+
+
+def replica_chunks(reps, n_particles, nc):
+    """The replica offsets ``[m, 3]`` [cells] in chunks ``[n_chunks, k, 3]`` of ``k``
+    replicas (at most ``_REPLICA_CHUNK`` and ``CHUNK_ELEMENTS / n_particles``), the last one
+    padded with offsets far beyond every shell."""
+    m = reps.shape[0]
+    k = max(1, min(_REPLICA_CHUNK, CHUNK_ELEMENTS // max(1, int(n_particles))))
+    n_chunks = max(1, -(-m // k))
+    padded = np.full((n_chunks * k, 3), _FAR_REPLICA * np.max(nc))
+    padded[:m] = reps
+    return padded.reshape(n_chunks, k, 3)
 
 
 def mean_count(conf, geom, index):

@@ -25,7 +25,7 @@ Limber for the shells
 so :math:`C_\ell = \sum_i c_i^2 P_i\big((\ell + \tfrac12)/r_i\big) / (r_i^2 \Delta r_i)`
 (:math:`c_i` the Born weights, :math:`P_i` the 3D power at the shell's scale factor).
 The nearest-pixel painting multiplies the power by the pixel window
-:math:`w_\ell^2` (``healpy.pixwin``), and the particles' Poisson noise adds
+:math:`w_\ell^2` (:func:`pixel_window`), and the particles' Poisson noise adds
 :math:`\sum_i c_i^2\, 4\pi / N_i` (:math:`N_i` the expected particles in shell ``i``).
 """
 import logging
@@ -36,14 +36,21 @@ from . import halofit as halofit_mod
 from . import lensing_geometry, lensing_theory
 from .lensing_fullsky import mean_count
 
-__all__ = ["RESOLVED_WINDOW", "kappa_cl_fullsky", "bin_edges", "shear_fullsky", "shear_eb",
-           "limber_shells", "shot_noise", "fullsky_prediction"]
+__all__ = ["RESOLVED_WINDOW", "RESOLVED_LMAX_PER_NSIDE", "kappa_cl_fullsky", "bin_edges", "bin_cl", "shear_fullsky", "shear_eb",
+           "pixel_window", "limber_shells", "shot_noise", "fullsky_prediction"]
 
 log = logging.getLogger(__name__)
 
 # As on the flat sky: a bin is resolved where the pixel window keeps at least half of C_ell
-# and the particles' shot noise is at most half of the run's continuous C_ell.
+# and the particles' shot noise is at most half of the run's continuous C_ell ...
 RESOLVED_WINDOW = lensing_theory.RESOLVED_WINDOW
+# ... and ell <= 2 nside: above, HEALPix's harmonic transforms of maps that are not band-
+# limited alias (the B-modes of the pure-E shear pass 1 % of E at ell ~ 2.3 nside).
+RESOLVED_LMAX_PER_NSIDE = 2
+# The pixel window: sub-pixels per pixel side 2^_PIXWIN_SUB (midpoint rule on cells of 1/8
+# pixel: ~0.6 % at ell = 3 nside), over _PIXWIN_PIXELS pixels spread over the rings.
+_PIXWIN_SUB = 3
+_PIXWIN_PIXELS = 48
 # Iterations of healpy's map2alm (its quadrature refinement): 3 is healpy's anafast default.
 _ALM_ITER = 3
 
@@ -62,7 +69,8 @@ def bin_edges(nside, lmax=None):
     return np.append(np.arange(2, lmax + 1, width), lmax + 1)
 
 
-def _bin(cl_l, edges):
+def bin_cl(cl_l, edges):
+    """``(ell, cl, modes)`` of per-multipole ``cl_l`` in the bins ``edges`` (mode-weighted)."""
     ell = np.arange(cl_l.size)
     out, lc, modes = [], [], []
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -94,7 +102,7 @@ def kappa_cl_fullsky(kappa, edges=None, lmax=None):
     nside = hp.npix2nside(np.asarray(kappa).size)
     edges = bin_edges(nside, lmax) if edges is None else np.asarray(edges, int)
     cl = hp.anafast(np.asarray(kappa, np.float64), lmax=int(edges[-1]) - 1, iter=_ALM_ITER)
-    return _bin(cl, edges)
+    return bin_cl(cl, edges)
 
 
 def _spin2_factor(lmax):
@@ -140,6 +148,42 @@ def shear_eb(gamma1, gamma2, lmax=None):
     return hp.alm2cl(e), hp.alm2cl(b)
 
 
+def pixel_window(nside, lmax=None):
+    """The HEALPix pixel window :math:`w_\\ell` (computed here: healpy's ``pixwin`` reads
+    data files it downloads).
+
+    By the addition theorem, the power window of pixel :math:`p` is
+    :math:`w_\\ell^2(p) = \\Omega_p^{-2}\\iint_p P_\\ell(\\hat n\\cdot\\hat n')\\,d\\Omega\\,
+    d\\Omega'`; the double integral is the mean over the pairs of the pixel's
+    ``4^_PIXWIN_SUB`` NESTED sub-pixel centres, averaged over ``_PIXWIN_PIXELS`` pixels
+    spread over the rings (the pixels' shapes vary with latitude).
+
+    Returns
+    -------
+    ndarray
+        :math:`w_\\ell`, ``ell = 0 .. lmax`` (default ``3 nside - 1``).
+    """
+    hp = _healpy()
+    nside = int(nside)
+    lmax = 3 * nside - 1 if lmax is None else int(lmax)
+    npix = 12 * nside**2
+    ring = np.unique(np.linspace(0, npix - 1, min(npix, _PIXWIN_PIXELS)).astype(np.int64))
+    nest = hp.ring2nest(nside, ring)
+    m = 4**_PIXWIN_SUB
+    sub = (nest[:, None] * m + np.arange(m)[None, :]).ravel()
+    v = np.stack(hp.pix2vec(nside * 2**_PIXWIN_SUB, sub, nest=True), -1).reshape(-1, m, 3)
+    c = np.clip(np.einsum("pid,pjd->pij", v, v).reshape(v.shape[0], -1), -1.0, 1.0)
+    w2 = np.empty(lmax + 1)
+    p0, p1 = np.ones_like(c), c
+    w2[0] = 1.0
+    if lmax >= 1:
+        w2[1] = p1.mean()
+    for ell in range(1, lmax):
+        p0, p1 = p1, ((2 * ell + 1) * c * p1 - ell * p0) / (ell + 1)
+        w2[ell + 1] = p1.mean()
+    return np.sqrt(np.clip(w2, 0.0, None))
+
+
 def limber_shells(ell, conf, geom, pfuns, source=0):
     """Limber sum of the shells: :math:`\\sum_i c_i^2 P_i((\\ell+1/2)/r_i)/(r_i^2\\Delta
     r_i)` [sr], with ``pfuns[i]`` the 3D power at shell ``i`` (callable of k [h/Mpc])."""
@@ -181,11 +225,10 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell):
         ``halofit`` (halofit x pixel window + shot noise), ``halofit_cont``, ``shot``,
         ``resolved`` (bool); ``pixwin2`` (the pixel window of the power).
     """
-    hp = _healpy()
     pfuns = [lensing_theory.true_power(plane_k[i], plane_p[i], conf)
              for i in range(geom.n_planes)]
     hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a]
-    pw = hp.pixwin(geom.nside, lmax=3 * geom.nside - 1)
+    pw = pixel_window(geom.nside)
     pw2 = np.interp(ell, np.arange(pw.size), pw**2)
     out = {k: [] for k in ("limber", "limber_cont", "halofit", "halofit_cont", "shot",
                            "resolved")}
@@ -198,6 +241,7 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell):
         out["halofit_cont"].append(hcont)
         out["halofit"].append(hcont * pw2 + shot)
         out["shot"].append(shot)
-        out["resolved"].append((pw2 >= RESOLVED_WINDOW) & (shot <= RESOLVED_WINDOW * cont))
+        out["resolved"].append((pw2 >= RESOLVED_WINDOW) & (shot <= RESOLVED_WINDOW * cont)
+                               & (ell <= RESOLVED_LMAX_PER_NSIDE * geom.nside))
     out["pixwin2"] = pw2
     return out
