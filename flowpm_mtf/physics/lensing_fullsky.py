@@ -329,11 +329,11 @@ def shell_counts(positions, conf, geom, index, weight=None, name=None):
         def add(acc, chunk):                                     # chunk [k, 3] [Mpc/h]
             x = g[None, :, :] + chunk[:, None, :]                # [k, N, 3]
             r2 = tf.reduce_sum(x * x, -1)
-            inside = tf.cast((r2 >= r2_lo) & (r2 < r2_hi), dt)
-            pix = vec2pix_ring(x[..., 0], x[..., 1], x[..., 2], nside)
-            seg = tf.reshape(pix + block[None, :], [-1])
-            val = tf.reshape(inside * wt[None, :], [-1])
-            return acc + tf.math.unsorted_segment_sum(val, seg, nb * npix)
+            sel = tf.where((r2 >= r2_lo) & (r2 < r2_hi))         # [M, 2]: replica, particle
+            xs = tf.gather_nd(x, sel)                            # only those in the shell
+            pix = vec2pix_ring(xs[:, 0], xs[:, 1], xs[:, 2], nside)
+            seg = pix + tf.gather(block, sel[:, 1])
+            return acc + tf.math.unsorted_segment_sum(tf.gather(wt, sel[:, 1]), seg, nb * npix)
 
         acc = tf.foldl(add, tf.constant(chunks), initializer=tf.zeros([nb * npix], dt),
                        back_prop=True)
