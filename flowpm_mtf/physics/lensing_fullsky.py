@@ -96,7 +96,8 @@ class FullSkyConfig:
     ----------
     sky : str
         ``flat`` (planes and a square field, :mod:`flowpm_mtf.physics.lensing`) or
-        ``full`` (HEALPix shells around the observer, this module).
+        ``full`` (HEALPix shells around the observer,
+        :mod:`flowpm_mtf.physics.lensing_fullsky`).
     nside : int
         HEALPix resolution of the full-sky maps (a power of 2; 12 nside^2 pixels).
 

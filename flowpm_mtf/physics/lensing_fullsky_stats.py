@@ -36,8 +36,8 @@ from . import halofit as halofit_mod
 from . import lensing_geometry, lensing_theory
 from .lensing_fullsky import mean_count
 
-__all__ = ["RESOLVED_WINDOW", "RESOLVED_LMAX_PER_NSIDE", "kappa_cl_fullsky", "bin_edges", "bin_cl", "shear_fullsky", "shear_eb",
-           "pixel_window", "limber_shells", "shot_noise", "fullsky_prediction"]
+__all__ = ["RESOLVED_WINDOW", "RESOLVED_LMAX_PER_NSIDE", "kappa_cl_fullsky", "bin_edges", "bin_cl",
+           "shear_fullsky", "shear_eb", "pixel_window", "limber_shells", "shot_noise", "fullsky_prediction"]
 
 log = logging.getLogger(__name__)
 
