@@ -255,3 +255,22 @@ def test_pixel_window_against_monte_carlo():
     w = FS.pixel_window(nside, lmax)
     np.testing.assert_allclose(w**2, mc, rtol=PIXWIN_RTOL)
     assert w[0] == 1.0 and np.all(np.diff(w) < 0)
+
+
+@pytest.mark.rank_independent
+def test_limber_of_the_shells_for_a_power_law():
+    """P(k) = A k^-2 makes P((l+1/2)/r) / r^2 constant across a shell, so the shell integral is
+    exact: C_ell = sum_i c_i^2 A / ((l+1/2)^2 Delta r_i); and the shot noise is
+    sum_i c_i^2 4 pi / N_i with N_i = nbar V_i."""
+    conf = sky_conf()
+    geom = F.fullsky_geometry(conf, LCONF, SCONF)
+    amp = 3.0
+    ell = np.array([5.0, 20.0, 100.0])
+    got = FS.limber_shells(ell, conf, geom, [lambda k: amp / k**2] * geom.n_planes)
+    coef = lensing_geometry.born_coefficients(conf, geom.base)[0]
+    expect = sum(c**2 * amp / ((ell + 0.5)**2 * w) for c, w in zip(coef, geom.width))
+    np.testing.assert_allclose(got, expect, rtol=BORN_RTOL)
+    nbar = conf.n_particles / 64.0**3
+    n_i = nbar * 4 * np.pi / 3 * np.diff(geom.r_edges**3)
+    assert FS.shot_noise(conf, geom) == pytest.approx(np.sum(coef**2 * 4 * np.pi / n_i),
+                                                      rel=1e-12)

@@ -22,7 +22,8 @@ r"""Statistics of full-sky convergence maps (numpy + healpy, after the graph).
 Limber for the shells
 ---------------------
 :math:`\kappa = \sum_i c_i \delta_i` with :math:`\delta_i` the shell-averaged contrast,
-so :math:`C_\ell = \sum_i c_i^2 P_i\big((\ell + \tfrac12)/r_i\big) / (r_i^2 \Delta r_i)`
+so :math:`C_\ell = \sum_i c_i^2 \Delta r_i^{-2} \int_{\rm shell} P_i\big((\ell +
+\tfrac12)/r\big) r^{-2} dr` (thin shells: :math:`c_i^2 P_i((\ell+\tfrac12)/r_i)/(r_i^2\Delta r_i)`)
 (:math:`c_i` the Born weights, :math:`P_i` the 3D power at the shell's scale factor).
 The nearest-pixel painting multiplies the power by the pixel window
 :math:`w_\ell^2` (:func:`pixel_window`), and the particles' Poisson noise adds
@@ -51,6 +52,9 @@ RESOLVED_LMAX_PER_NSIDE = 2
 # pixel: ~0.6 % at ell = 3 nside), over _PIXWIN_PIXELS pixels spread over the rings.
 _PIXWIN_SUB = 3
 _PIXWIN_PIXELS = 48
+# Nodes of the midpoint rule across a shell in the Limber sum (the nearest shell, from r = 0,
+# is far from thin: its r^-2 weight changes by orders of magnitude across it).
+_LIMBER_NODES = 32
 # Iterations of healpy's map2alm (its quadrature refinement): 3 is healpy's anafast default.
 _ALM_ITER = 3
 
@@ -185,15 +189,21 @@ def pixel_window(nside, lmax=None):
 
 
 def limber_shells(ell, conf, geom, pfuns, source=0):
-    """Limber sum of the shells: :math:`\\sum_i c_i^2 P_i((\\ell+1/2)/r_i)/(r_i^2\\Delta
-    r_i)` [sr], with ``pfuns[i]`` the 3D power at shell ``i`` (callable of k [h/Mpc])."""
+    """Limber sum of the shells [sr]: :math:`\\sum_i c_i^2 \\Delta r_i^{-2}\\int_{\\rm shell}
+    P_i((\\ell+1/2)/r)\\,r^{-2}\\,dr` (the shell-averaged contrast; the midpoint rule on
+    ``_LIMBER_NODES`` nodes), with ``pfuns[i]`` the 3D power at shell ``i`` (callable of k
+    [h/Mpc]); for thin shells :math:`c_i^2 P_i((\\ell+1/2)/r_i)/(r_i^2 \\Delta r_i)`."""
     coef = lensing_geometry.born_coefficients(conf, geom.base)[source]
     ell = np.asarray(ell, np.float64)
     out = np.zeros_like(ell)
+    u = (np.arange(_LIMBER_NODES) + 0.5) / _LIMBER_NODES
     for i in range(geom.n_planes):
         if coef[i] > 0:
-            k = (ell + 0.5) / geom.r[i]
-            out += coef[i]**2 * pfuns[i](k) / (geom.r[i]**2 * geom.width[i])
+            lo, w = geom.r_edges[i], geom.width[i]
+            r = lo + w * u                                               # midpoint nodes
+            k = (ell[:, None] + 0.5) / r[None, :]
+            inner = np.mean(pfuns[i](k.ravel()).reshape(k.shape) / r**2, axis=1) / w
+            out += coef[i]**2 * inner
     return out
 
 
