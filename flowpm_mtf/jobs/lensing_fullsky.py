@@ -40,6 +40,7 @@ __all__ = ["FullSkyGraph", "FLAT_ONLY", "is_full", "check_options", "fullsky_mem
            "write_full", "plot_full", "shell_names"]
 
 log = rank0_only(logging.getLogger(__name__))
+Term = preflight.Term
 
 #: The options of the flat sky only (field of view and rays): refused with ``--sky full``.
 FLAT_ONLY = (("field_deg", "--field-deg"), ("field_npix", "--field-npix"))
@@ -109,8 +110,6 @@ def fullsky_memory(conf, n_planes, n_source, nside):
 
     return extra
 
-
-Term = preflight.Term
 
 
 def preflight_full(ctx):
