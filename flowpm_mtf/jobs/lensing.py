@@ -110,7 +110,7 @@ class LensingJob(Job):
     def preflight(self, ctx):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
-        lensing_fullsky.check_options(ctx, self.sections[1], self.sections[2])
+        lensing_fullsky.check_options(ctx, self.sections)
         if lensing_fullsky.is_full(ctx):   # --sky full: HEALPix shells (jobs/lensing_fullsky.py)
             return lensing_fullsky.preflight_full(ctx)
         lconf = ctx.configs["lensing"]

@@ -58,14 +58,16 @@ def shell_names(n):
     return ["shell_%d" % i for i in range(n)]
 
 
-def check_options(ctx, lensing_section, sky_section):
+def check_options(ctx, sections):
     """One line per misuse: flat-sky options with ``--sky full``, ``--nside`` with the flat
-    sky (an option differs from the job's default).
+    sky (an option differs from the job's default, ``sections``: the job's config sections).
 
     Raises
     ------
     ConfigError
     """
+    by_key = {s.key: s for s in sections}
+    lensing_section, sky_section = by_key["lensing"], by_key["sky"]
     lconf, sconf = ctx.configs["lensing"], ctx.configs["sky"]
     if sconf.sky == "full":
         for field, flag in FLAT_ONLY:
