@@ -85,6 +85,7 @@ FOUR_RANK_TESTS=(
   tests/test_halo.py             # corner cells: the diagonal neighbour's halo
   tests/test_domain.py           # migration across both axes (diagonal moves)
   tests/test_painting.py         # CIC paint/readout across block corners
+  tests/test_lensing_fullsky.py  # HEALPix shells painted on a 2x2 grid, all-reduced
   tests/test_noise.py            # white noise independent of the decomposition
   tests/test_ics.py
   tests/test_lpt.py              # 2LPT: mixed second differences read corner halos
