@@ -419,7 +419,7 @@ def node_budget(comm, available=None):
     return min(per_rank) if per_rank else None
 
 
-def check_estimate(terms, comm, subject, hint, force=False, available=None):
+def check_estimate(terms, comm, subject, hint, force=False, available=None, node=False):
     """Fail before the compute if a job's own estimate does not fit the node.
 
     The check of :func:`check_memory` for a job whose model gives every part itself
@@ -438,6 +438,9 @@ def check_estimate(terms, comm, subject, hint, force=False, available=None):
         or why none does.
     force, available
         See :func:`check_memory`.
+    node : tuple or None, optional
+        :func:`node_budget`'s result if the caller has it (the allgather is collective:
+        made once); by default this function gathers it.
 
     Returns
     -------
@@ -452,7 +455,8 @@ def check_estimate(terms, comm, subject, hint, force=False, available=None):
     """
     est = sum(t.nbytes for t in terms)
     result = {"estimate": est, "available_per_rank": None, "ranks_on_node": None}
-    node = node_budget(comm, available)
+    if node is False:
+        node = node_budget(comm, available)
     if node is None:
         log.warning("memory check skipped: available memory unknown on this system")
         return result
@@ -509,30 +513,16 @@ def check_memory(conf, comm, processes=None, masters=True, force=False, availabl
         part that does not shrink with more ranks), or why none does.
     """
     check_sizes(conf)
-    node = node_budget(comm, available)
     terms = memory_breakdown(conf, processes=processes, masters=masters, extra=extra,
                              particles=particles)
-    est = sum(t.nbytes for t in terms)
-    result = {"estimate": est, "available_per_rank": None, "ranks_on_node": None}
-    if node is None:
-        log.warning("memory check skipped: available memory unknown on this system")
-        return result
-    budget, node_avail, share = node
-    result.update(available_per_rank=budget, ranks_on_node=share)
-    log.info("memory: estimated peak %s per process, %s available per rank",
-             _gb(est), _gb(budget))
-    if est <= budget:
-        return result
-    big = max(terms, key=lambda t: t.nbytes)
-    what = ("estimated peak memory %s per process (model of docs/scaling.md for %s^3, %s; "
-            "largest part: %s, %s) exceeds the %s available per rank (%s on the node for %d "
-            "rank%s)" % (_gb(est), _numbers(conf), conf.dtype, big.label, _gb(big.nbytes),
-                         _gb(budget), _gb(node_avail), share, "s" if share > 1 else ""))
-    hint = _memory_hint(conf, terms, budget, node_avail, share, processes, masters, extra,
-                        particles)
-    message = "%s; %s; --force skips this check" % (what, hint)
-    if force:
-        log.warning("--force: %s", message)
-        return result
-    raise MemoryBudgetError(message)
+    subject = "model of docs/scaling.md for %s^3, %s" % (_numbers(conf), conf.dtype)
+
+    node = node_budget(comm, available)
+
+    def hint(budget):   # called only when the node's memory is known (node is not None)
+        return _memory_hint(conf, terms, budget, node[1], node[2], processes, masters, extra,
+                            particles)
+
+    return check_estimate(terms, comm, subject, hint, force=force, available=available,
+                          node=node)
 
