@@ -108,43 +108,74 @@ class _Graph:
 
     def __init__(self, ctx, mesh):
         import mesh_tensorflow as mtf
+        import tensorflow.compat.v1 as tf
 
-        from mri_mtf import metrics, operators, phantom, recon, sampling, unrolled
+        from mri_mtf import augment, metrics, operators, phantom, recon, sampling, unrolled
+        from mri_mtf import sense, tv_sense, volume
         from ..mesh import complex_ops
         from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
         conf = ctx.conf
         self.methods = ctx.configs["imaging"].methods
         uconf = ctx.configs["unrolled"]
-        self.truth = phantom.phantom(mesh, conf)
+        zeros = unfolded_zeros_initializer()
+        self.raw = None
+        if conf.volume == "phantom":
+            self.truth = phantom.phantom(mesh, conf)
+        else:
+            # the resampled volume, each rank's slab assigned from its file block (execute)
+            self.raw = mtf.get_variable(mesh, "volume_raw", operators.image_shape(conf),
+                                        dtype=conf.tf_dtype, initializer=zeros,
+                                        trainable=False)
+            self.truth = self.raw / mtf.reduce_max(self.raw)
         mask = sampling.mask(mesh, conf)
-        measured = operators.forward(self.truth, mask, conf) + complex_ops.apply_kernel(
-            sampling.complex_noise(mesh, conf), mask, name="noise_mask")
+        if conf.coils > 1:
+            op = sense.Sense(mesh, conf, conf.coils, mask)
+            measured = op.measure(self.truth)
+        else:
+            op = unrolled.SingleCoil(conf, mask)
+            measured = operators.forward(self.truth, mask, conf) + complex_ops.apply_kernel(
+                sampling.complex_noise(mesh, conf), mask, name="noise_mask")
         # the data in a variable (real, imaginary parts): TV's steps read it
-        kvar = mtf.get_variable(mesh, "kdata", mtf.Shape(operators.kspace_shape(conf).dims
+        kvar = mtf.get_variable(mesh, "kdata", mtf.Shape(op.kspace_shape.dims
                                                          + [operators.CHAN]),
-                                dtype=conf.tf_dtype, initializer=unfolded_zeros_initializer(),
-                                trainable=False)
+                                dtype=conf.tf_dtype, initializer=zeros, trainable=False)
         self.observe_op = mtf.assign(kvar, operators.to_channels(measured), name="observe")
         kdata = operators.to_complex(kvar, name="kdata_read")
         self.images = {"truth": self.truth}
         self.tv = self.training = None
         if "zero-filled" in self.methods:
-            self.images["zero_filled"] = recon.zero_filled(kdata, mask, conf)
+            self.images["zero_filled"] = (op.rss(kdata, name="zero_filled") if conf.coils > 1
+                                          else recon.zero_filled(kdata, mask, conf))
         if "tv" in self.methods:
-            self.tv = recon.SteppedTV(kdata, mask, conf, ctx.configs["tv"])
+            self.tv = (tv_sense.SteppedTVSense(kdata, op, ctx.configs["tv"]) if conf.coils > 1
+                       else recon.SteppedTV(kdata, mask, conf, ctx.configs["tv"]))
             self.images["tv"] = operators.magnitude(self.tv.x, name="tv_magnitude")
         if "unrolled" in self.methods:
             weights = unrolled.make_weights(mesh, conf, uconf)
+            source = (None if self.raw is None
+                      else augment.VolumeAugmentation(self.truth, conf, uconf.data_seed))
             if uconf.train_steps:
-                self.training = unrolled.UnrolledTraining(mesh, conf, uconf, mask, weights)
-            out = unrolled.network(kdata, mask, weights, conf, uconf, name="net")
+                self.training = unrolled.UnrolledTraining(mesh, conf, uconf, mask, weights,
+                                                          op=op, source=source)
+            out = unrolled.network(kdata, mask, weights, conf, uconf, name="net", op=op)
             self.images["unrolled"] = unrolled.channel_magnitude(out, name="net_magnitude")
+        # metrics: the whole volume (phantom), or the brain mask and its held-out part
+        regions = {"": None}
+        if self.raw is not None:
+            brain = mtf.cwise(lambda t: tf.cast(t > volume.BRAIN_THRESHOLD, t.dtype),
+                              [self.truth], name="brain_mask")
+            regions = {"": brain, "_heldout": brain * augment.heldout_mask(
+                mesh, conf, conf.tf_dtype, name="heldout_mask")}
         self.metrics = {}
         for m in self.methods:
-            img = self.images[_KEYS[m]]
-            self.metrics[m] = {"psnr_db": metrics.psnr(img, self.truth, name="psnr_" + _KEYS[m]),
-                               "ssim": metrics.ssim(img, self.truth, name="ssim_" + _KEYS[m])}
+            img, k = self.images[_KEYS[m]], _KEYS[m]
+            self.metrics[m] = {}
+            for suffix, w in regions.items():
+                self.metrics[m]["psnr_db" + suffix] = metrics.psnr(
+                    img, self.truth, name="psnr%s_%s" % (suffix, k), weights=w)
+                self.metrics[m]["ssim" + suffix] = metrics.ssim(
+                    img, self.truth, name="ssim%s_%s" % (suffix, k), weights=w)
 
 
 @register
@@ -165,6 +196,13 @@ class ImagingJob(Job):
         from mri_mtf import metrics
 
         conf, uconf = ctx.conf, ctx.configs["unrolled"]
+        if conf.volume != "phantom":
+            from mri_mtf.volume import VolumeSource
+
+            try:
+                VolumeSource(conf.volume, conf.nc)   # header only: file, 3D, size
+            except FileNotFoundError as e:
+                raise ValueError(str(e))
         if min(conf.nc) < metrics.SSIM_WINDOW:
             raise ValueError("nc=%s is too small: SSIM needs at least %d voxels per axis"
                              % (conf.nc, metrics.SSIM_WINDOW))
@@ -189,6 +227,8 @@ class ImagingJob(Job):
 
     def lower(self, ctx, g, lowering):
         ops = {"observe": lowering.lowered_operation(g.observe_op),
+               "volume": (None if g.raw is None
+                          else runner.VariableSlices(lowering, {"volume": g.raw})),
                "metrics": {m: runner.replicated(lowering, v) for m, v in g.metrics.items()},
                "images": runner.local(lowering, g.images)}
         if g.tv is not None:
@@ -202,6 +242,9 @@ class ImagingJob(Job):
     def execute(self, ctx, sess, g, ops):
         conf, timings = ctx.conf, ctx.timings
         res = {"metrics": {}, "loss": []}
+        if ops["volume"] is not None:
+            with ctx.timed("read_volume_s"):
+                _read_volume(ctx, sess, ops["volume"])
         with ctx.timed("observe_s"):
             sess.run(ops["observe"])
         if "zero-filled" in g.methods:
@@ -217,8 +260,9 @@ class ImagingJob(Job):
             timings["tv_s"] = time.perf_counter() - t
             timings["tv_per_iteration_s"] = timings["tv_s"] / n
             res["metrics"]["tv"] = sess.run(ops["metrics"]["tv"])
-            _log_metrics("tv", res["metrics"]["tv"], "%d ADMM iterations, %.3f s/iteration"
-                         % (n, timings["tv_per_iteration_s"]))
+            _log_metrics("tv", res["metrics"]["tv"], "%d %s iterations, %.3f s/iteration"
+                         % (n, "PDHG (TV-SENSE)" if conf.coils > 1 else "ADMM",
+                            timings["tv_per_iteration_s"]))
         if "unrolled" in g.methods:
             if g.training is not None:
                 self._train(ctx, sess, g, ops, res["loss"])
@@ -260,8 +304,18 @@ class ImagingJob(Job):
     def finish(self, ctx, res):
         m = {k: {n: float(v) for n, v in d.items()} for k, d in res["metrics"].items()}
         res["metrics"] = m
-        return {"methods": list(m), "psnr_db": {k: v["psnr_db"] for k, v in m.items()},
-                "ssim": {k: v["ssim"] for k, v in m.items()}, "train_loss": list(res["loss"])}
+        out = {"methods": list(m), "psnr_db": {k: v["psnr_db"] for k, v in m.items()},
+               "ssim": {k: v["ssim"] for k, v in m.items()}, "train_loss": list(res["loss"])}
+        if ctx.conf.volume != "phantom":
+            from mri_mtf import augment
+
+            out["metrics_region"] = "brain mask (normalised intensity > 0.2)"
+            out["heldout"] = ("y >= %d (the last %g of the y planes; never in the network's "
+                              "training images)" % (augment.heldout_start(ctx.conf),
+                                                    augment.HELDOUT_FRACTION))
+            out["psnr_db_heldout"] = {k: v["psnr_db_heldout"] for k, v in m.items()}
+            out["ssim_heldout"] = {k: v["ssim_heldout"] for k, v in m.items()}
+        return out
 
     def write_all(self, ctx, res):
         io.write_imaging(ctx.file("imaging.h5"), ctx.comm, ctx.configs, res["parts"],
@@ -269,12 +323,16 @@ class ImagingJob(Job):
 
     def write(self, ctx, out, res, summary):
         conf = ctx.conf
-        rows = [(k, "%.2f" % v["psnr_db"], "%.4f" % v["ssim"]) for k, v in res["metrics"].items()]
-        title = ("flowpm-mtf imaging: volume %s, grid %s, R = %g, noise sigma %g"
-                 % ("x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)),
-                    conf.acceleration, conf.noise_sigma))
-        writers.write_markdown_table(out.path("metrics.md"), ("method", "PSNR [dB]", "SSIM"),
-                                     rows, title=title, rank=0)
+        held = conf.volume != "phantom"
+        rows = [(k, "%.2f" % v["psnr_db"], "%.4f" % v["ssim"])
+                + (("%.2f" % v["psnr_db_heldout"], "%.4f" % v["ssim_heldout"]) if held else ())
+                for k, v in res["metrics"].items()]
+        title = ("flowpm-mtf imaging: %s %s, %d coil(s), grid %s, R = %g, noise sigma %g"
+                 % (conf.volume, "x".join(map(str, conf.nc)), conf.coils,
+                    "x".join(map(str, conf.grid)), conf.acceleration, conf.noise_sigma))
+        head = ("method", "PSNR [dB]", "SSIM") + (
+            ("PSNR held-out [dB]", "SSIM held-out") if held else ())
+        writers.write_markdown_table(out.path("metrics.md"), head, rows, title=title, rank=0)
 
     def plot(self, ctx, out, res, summary):
         imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"])
@@ -285,8 +343,22 @@ class ImagingJob(Job):
 
 
 def _log_metrics(method, values, extra=""):
-    log.info("%s: PSNR %.2f dB, SSIM %.4f%s", method, float(values["psnr_db"]),
-             float(values["ssim"]), (" (%s)" % extra) if extra else "")
+    held = ("; held-out PSNR %.2f dB, SSIM %.4f" % (float(values["psnr_db_heldout"]),
+                                                    float(values["ssim_heldout"]))
+            if "psnr_db_heldout" in values else "")
+    log.info("%s: PSNR %.2f dB, SSIM %.4f%s%s", method, float(values["psnr_db"]),
+             float(values["ssim"]), held, (" (%s)" % extra) if extra else "")
+
+
+def _read_volume(ctx, sess, slices):
+    """Assign every local slice of the volume variable from its block of the file."""
+    from mri_mtf.volume import VolumeSource
+
+    src = VolumeSource(ctx.conf.volume, ctx.conf.nc)
+    values = {}
+    for p, t, begin in slices.slices["volume"]:
+        values.setdefault(p, {})["volume"] = src.read(begin, t.shape.as_list())
+    slices.restore(sess, values)
 
 
 def _mid_planes(comm, nc, blocks):
