@@ -121,9 +121,23 @@ def test_metrics_equal_one_process_and_files(uninterrupted):
     (["--nc", "16", "--method", "tv,wavelet"], r"unknown method 'wavelet'"),
     (["--nc", "6"], r"SSIM needs at least 7 voxels per axis"),
     (["--nc", "16", "--kernel-size", "4"], r"kernel_size must be odd"),
+    (["--nc", "16", "--coils", "0"], r"coils must be an integer >= 1, got 0"),
+    (["--nc", "16", "--volume", "{out}/missing.nii.gz"], r"volume file .*missing.nii.gz does not exist"),
+    (["--nc", "16", "--volume", "{out}/plane.nii"], r"must be a 3D NIfTI, got shape \(20, 20\)"),
+    (["--nc", "16", "--volume", "{out}/small.nii"], r"smaller than --nc 16x16x16"),
+    (["--nc", "160", "--volume", "mni152"], r"\(145x181x155 voxels in the brain's box\) is smaller"),
 ])
 def test_bad_input_is_one_line_before_any_compute(argv, pattern, capsys, tmp_path):
     out = _world().bcast(str(tmp_path) if _world().rank == 0 else None)
+    if _world().rank == 0:
+        import nibabel as nib
+
+        nib.save(nib.Nifti1Image(np.zeros((20, 20), np.float32), np.eye(4)),
+                 os.path.join(out, "plane.nii"))
+        nib.save(nib.Nifti1Image(np.zeros((20, 20, 12), np.float32), np.eye(4)),
+                 os.path.join(out, "small.nii"))
+    _world().barrier()
+    argv = [a.format(out=out) for a in argv]
     grid = [] if "--mesh-shape" in argv else _grid_args()
     code = _main(["imaging"] + argv + grid + ["--out", os.path.join(out, "o")])
     err = capsys.readouterr().err.splitlines()
