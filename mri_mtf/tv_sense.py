@@ -171,7 +171,7 @@ def objective_numpy(x, y, A, lam, norm="isotropic"):
     return float(0.5 * np.sum(np.abs(A(x) - y) ** 2) + lam * tv_numpy(x, norm))
 
 
-def tv_sense_numpy(y, A, AH, lam, iterations, norm="isotropic"):
+def tv_sense_numpy(y, A, AH, lam, iterations, norm="isotropic", start="adjoint"):
     """Reference of :func:`tv_sense` on whole arrays (numpy FFT order, complex128).
 
     Parameters
@@ -179,9 +179,11 @@ def tv_sense_numpy(y, A, AH, lam, iterations, norm="isotropic"):
     y : ndarray ``[coil, x, y, z]``
     A, AH : functions
         :func:`mri_mtf.sense.sense_numpy`.
+    start : {"adjoint", "zero"}
+        ``x = A^H y`` (as :func:`tv_sense`) or ``x = 0`` (as sigpy's PDHG).
     """
     s = STEP
-    x = AH(y)
+    x = AH(y) if start == "adjoint" else np.zeros_like(AH(y))
     xbar, p = x, np.zeros_like(y)
     q = [np.zeros_like(x) for _ in range(3)]
     for _ in range(iterations):
