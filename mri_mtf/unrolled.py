@@ -35,6 +35,10 @@ uses the evaluation's mask. Adam with bias correction
 (:func:`flowpm_mtf.mesh.optim.adam_update`, Mesh TF operations on the mesh) updates
 every weight; the whole optimiser state is :attr:`UnrolledTraining.checkpoint_variables`.
 Everything but the order of floating-point sums is independent of the process grid.
+With a ``source`` (:class:`mri_mtf.augment.VolumeAugmentation`, the job's brain) the
+training images are that source's instead of phantoms; with an encoding operator ``op``
+(:class:`mri_mtf.sense.Sense`) the measurement and the data-consistency steps are SENSE's
+and the training noise lives on ``[coil, kx, ky, kz]``.
 """
 import dataclasses
 import logging

@@ -151,6 +151,7 @@ def test_brain_with_coils_equals_one_process():
     (["--nc", "6"], r"SSIM needs at least 7 voxels per axis"),
     (["--nc", "16", "--kernel-size", "4"], r"kernel_size must be odd"),
     (["--nc", "16", "--coils", "0"], r"coils must be an integer >= 1, got 0"),
+    (["--nc", "16", "--tv-norm", "anisotropic"], r"--tv-norm anisotropic needs --coils >= 2"),
     (["--nc", "16", "--volume", "{out}/missing.nii.gz"], r"volume file .*missing.nii.gz does not exist"),
     (["--nc", "16", "--volume", "{out}/plane.nii"], r"must be a 3D NIfTI, got shape \(20, 20\)"),
     (["--nc", "16", "--volume", "{out}/small.nii"], r"smaller than --nc 16x16x16"),

@@ -1,18 +1,23 @@
 """The imaging job: a 3D MRI reconstruction with the image split over the ranks (issue 29).
 
 ``flowpm-mtf imaging`` (the methods: :mod:`mri_mtf`). Makes the Shepp-Logan phantom
-(``--nc``), measures it (variable-density mask of acceleration ``--acceleration``,
-complex noise ``--noise``; :mod:`mri_mtf.sampling`) and reconstructs it with each
+(``--nc``), or reads a brain (``--volume mni152`` or a NIfTI file, each rank its slab:
+:mod:`mri_mtf.volume`), measures it (variable-density mask of acceleration
+``--acceleration``, complex noise ``--noise``; :mod:`mri_mtf.sampling`; with ``--coils N``
+> 1, N birdcage coils and SENSE, :mod:`mri_mtf.sense`) and reconstructs it with each
 ``--method`` (comma-separated, or ``all``):
 
 zero-filled
-    ``|A^H y|`` (:func:`mri_mtf.recon.zero_filled`).
+    ``|A^H y|`` (:func:`mri_mtf.recon.zero_filled`); with coils the root-sum-of-squares
+    (:meth:`mri_mtf.sense.Sense.rss`).
 tv
-    Total variation by ADMM (:class:`mri_mtf.recon.SteppedTV`): one lowered iteration
-    run ``--tv-iterations`` times, the state in Mesh TF variables.
+    Total variation by ADMM (:class:`mri_mtf.recon.SteppedTV`); with coils TV-SENSE by
+    PDHG (:class:`mri_mtf.tv_sense.SteppedTVSense`): one lowered iteration run
+    ``--tv-iterations`` times, the state in Mesh TF variables.
 unrolled
     The unrolled network (:mod:`mri_mtf.unrolled`) trained for ``--train-steps`` Adam
-    steps on perturbed phantoms, then applied to the measurement.
+    steps on perturbed phantoms (a brain: shifted, scaled copies of its training part,
+    :mod:`mri_mtf.augment`), then applied to the measurement.
 
 Outputs (run directory):
 
@@ -20,9 +25,10 @@ imaging.h5
     ``truth`` and one magnitude volume per method ``[NX, NY, NZ]``, written by every
     rank (its blocks; :func:`flowpm_mtf.runs.io.write_imaging`), ``train_loss``.
 metrics.md
-    PSNR [dB] and SSIM per method.
+    PSNR [dB] and SSIM per method (a brain: in its mask, and in the mask's held-out part).
 summary.json
-    Configs, ``psnr_db`` and ``ssim`` per method, the training loss, timings [s], peak
+    Configs, ``psnr_db`` and ``ssim`` per method (a brain: also ``psnr_db_heldout``,
+    ``ssim_heldout``), the training loss, timings [s], peak
     memory per rank [MB].
 imaging.png
     The three orthogonal mid-slices of the truth and of each reconstruction (only
@@ -35,7 +41,8 @@ checkpoint/
     training, ending bit-identical to an uninterrupted run on the same grid.
 
 Bad input (a grid that does not divide the volume, an impossible R, an unknown
-method, a volume smaller than the SSIM window) is one ``flowpm-mtf: error:`` line on
+method, a volume smaller than the SSIM window, ``--coils 0``, a missing or non-3D NIfTI
+file, a file smaller than ``--nc``) is one ``flowpm-mtf: error:`` line on
 every rank before anything is built.
 """
 import dataclasses
@@ -203,6 +210,11 @@ class ImagingJob(Job):
                 VolumeSource(conf.volume, conf.nc)   # header only: file, 3D, size
             except FileNotFoundError as e:
                 raise ValueError(str(e))
+        tv = ctx.configs["tv"]
+        if "tv" in ctx.configs["imaging"].methods and conf.coils == 1 \
+                and tv.norm != "isotropic":
+            raise ValueError("--tv-norm %s needs --coils >= 2 (the single-coil ADMM is "
+                             "isotropic)" % tv.norm)
         if min(conf.nc) < metrics.SSIM_WINDOW:
             raise ValueError("nc=%s is too small: SSIM needs at least %d voxels per axis"
                              % (conf.nc, metrics.SSIM_WINDOW))
@@ -221,9 +233,9 @@ class ImagingJob(Job):
 
     def describe(self, ctx, g):
         conf = ctx.conf
-        return "volume %s, grid %s, R=%g, methods %s" % (
-            "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)), conf.acceleration,
-            ",".join(g.methods))
+        return "%s %s, %d coil(s), grid %s, R=%g, methods %s" % (
+            conf.volume, "x".join(map(str, conf.nc)), conf.coils,
+            "x".join(map(str, conf.grid)), conf.acceleration, ",".join(g.methods))
 
     def lower(self, ctx, g, lowering):
         ops = {"observe": lowering.lowered_operation(g.observe_op),
