@@ -118,10 +118,13 @@ class VolumeSource:
     """
 
     def __init__(self, volume, nc):
-        import nibabel as nib
-
         self.volume = volume
         self.path = source_path(volume)
+        try:
+            import nibabel as nib
+        except ImportError:
+            raise ValueError("--volume %s needs the nibabel package (pip install nibabel)"
+                             % volume)
         try:
             img = nib.load(self.path)
         except Exception as e:

@@ -10,6 +10,8 @@ import pytest
 from mri_mtf import augment, volume
 
 pytestmark = pytest.mark.rank_independent
+pytest.importorskip("nibabel")   # nibabel and nilearn: not in the tf2.12 stack's requirements
+pytest.importorskip("nilearn")
 
 NC = (24, 20, 16)
 # sums of a few products of float64 weights: rounding only
