@@ -26,7 +26,8 @@ and the differences per iteration, no inner loop. With ``K = [A; D]``,
 
     p &\leftarrow (p + \sigma (A \bar x - y)) / (1 + \sigma), \\
     q &\leftarrow \Pi_\lambda(q + \sigma D \bar x), \\
-    x' &\leftarrow x - \tau (A^H p + D^T q), \qquad \bar x \leftarrow 2 x' - x, \quad x \leftarrow x',
+    x' &\leftarrow x - \tau (A^H p + D^T q), \qquad
+    \bar x \leftarrow 2 x' - x, \quad x \leftarrow x',
 
 with ``Pi_lambda`` the projection on ``{|q| <= lambda}`` per voxel (isotropic: the norm
 over the three directions; anisotropic: each direction's complex modulus). Start:
@@ -167,7 +168,10 @@ def tv_numpy(x, norm="isotropic"):
 
 
 def objective_numpy(x, y, A, lam, norm="isotropic"):
-    """``Phi(x) = 1/2 |A x - y|^2 + lam TV(x)``; ``A`` a function (:func:`mri_mtf.sense.sense_numpy`)."""
+    """``Phi(x) = 1/2 |A x - y|^2 + lam TV(x)``.
+
+    ``A`` is a function (:func:`mri_mtf.sense.sense_numpy`).
+    """
     return float(0.5 * np.sum(np.abs(A(x) - y) ** 2) + lam * tv_numpy(x, norm))
 
 

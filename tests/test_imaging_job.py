@@ -154,10 +154,12 @@ def test_brain_with_coils_equals_one_process():
     (["--nc", "16", "--kernel-size", "4"], r"kernel_size must be odd"),
     (["--nc", "16", "--coils", "0"], r"coils must be an integer >= 1, got 0"),
     (["--nc", "16", "--tv-norm", "anisotropic"], r"--tv-norm anisotropic needs --coils >= 2"),
-    (["--nc", "16", "--volume", "{out}/missing.nii.gz"], r"volume file .*missing.nii.gz does not exist"),
+    (["--nc", "16", "--volume", "{out}/missing.nii.gz"],
+     r"volume file .*missing.nii.gz does not exist"),
     (["--nc", "16", "--volume", "{out}/plane.nii"], r"must be a 3D NIfTI, got shape \(20, 20\)"),
     (["--nc", "16", "--volume", "{out}/small.nii"], r"smaller than --nc 16x16x16"),
-    (["--nc", "160", "--volume", "mni152"], r"\(145x181x155 voxels in the brain's box\) is smaller"),
+    (["--nc", "160", "--volume", "mni152"],
+     r"\(145x181x155 voxels in the brain's box\) is smaller"),
 ])
 def test_bad_input_is_one_line_before_any_compute(argv, pattern, capsys, tmp_path):
     out = _world().bcast(str(tmp_path) if _world().rank == 0 else None)

@@ -11,7 +11,8 @@ widest halo (3 planes, SSIM's window), ``(nx/P + 6)(ny/Q + 6) nz`` voxels. Axes 
 elements (channels, unit block axes; the network here has 4 hidden channels) do not
 count as voxels; the operations of the multi-coil graph (names in :data:`COIL_OPS`) may hold
 the rank's share for each of the 4 coils (the FFT folds the coil axis into its pencils),
-so their bound is 4 times that (a gathered 4-coil volume is still above it); the mask plane ``ny nz`` is
+so their bound is 4 times that (a gathered 4-coil volume is still above it); the mask
+plane ``ny nz`` is
 2D and smaller. With 32^3 a full-size volume is 1.2x (2 ranks) or 2.1x (4 ranks) the
 bound, so a gathered or full-size tensor fails.
 """

@@ -5,7 +5,8 @@
 * on 1, 2 and 4 ranks (one graph per module): the distributed maps, SENSE forward,
   adjoint, root-sum-of-squares and the noisy measurement equal numpy on the gathered
   arrays, the dot-product test ``<A x, y> = <x, A^H y>``, and TV-SENSE (PDHG, a few
-  iterations, unrolled in the graph and stepped in variables as the job runs it) equals its numpy reference;
+  iterations, unrolled in the graph and stepped in variables as the job runs it) equals
+  its numpy reference;
 * one process: our TV-SENSE iterates equal those of sigpy's ``TotalVariationRecon``
   (same data, maps, mask, lambda, steps, anisotropic TV) to rounding.
 """
