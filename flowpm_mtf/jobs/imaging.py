@@ -469,6 +469,9 @@ def imaging_plot(path, conf, planes, metrics):
     for m in metrics:
         titles[_KEYS[m]] = "%s\nPSNR %.2f dB, SSIM %.3f" % (m, metrics[m]["psnr_db"],
                                                             metrics[m]["ssim"])
+        if "psnr_db_heldout" in metrics[m]:   # a brain: in its mask, and its held-out part
+            titles[_KEYS[m]] += "\nheld-out %.2f dB, %.3f" % (metrics[m]["psnr_db_heldout"],
+                                                             metrics[m]["ssim_heldout"])
     vmax = max(float(planes["truth"][a].max()) for a in "xyz")
     fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 9.5), squeeze=False)
     labels = {"x": ("y", "z"), "y": ("x", "z"), "z": ("x", "y")}
