@@ -48,7 +48,7 @@ while our fused collectives are scalars and P(k) bins. A collective larger
 than the threshold simply runs unfused, on its own buffers. A value already
 in the environment (e.g. ``HOROVOD_FUSION_THRESHOLD=134217728``) is kept."""
 
-PATCHED_HOROVOD_VERSION = "0.28.1+flowpm.1"
+PATCHED_HOROVOD_VERSION = "0.28.1+flowpm.2"
 """``horovod.__version__`` of the build ``scripts/setup_env.sh`` makes from the PyPI source
 with ``patches/horovod-0.28.1-flowpm.patch``.
 
@@ -57,8 +57,9 @@ synchronises all ranks every cycle. Upstream, a rank whose cycle starts early
 busy-polls in that collective for its phase offset to the latest rank, every cycle:
 idle ranks burnt up to a full core each here (0.02 and 1.00 of a core on 2 ranks,
 0.21-0.71 on 4 oversubscribed ranks; patched: 0.03-0.05), taken from TensorFlow's
-threads whenever the rank computes while its collectives wait. :func:`init` warns on
-another build (it works, only slower)."""
+threads whenever the rank computes while its collectives wait. It also imports
+``SyncBatchNormalization`` on first use, so that ``import horovod.tensorflow`` does not
+load Keras. :func:`init` warns on another build (it works, only slower)."""
 
 EXIT_BARRIER_TIMEOUT_S = 1800.0
 """Default of ``FLOWPM_MTF_EXIT_TIMEOUT``: seconds a rank waits at exit for the others

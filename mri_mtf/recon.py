@@ -47,11 +47,15 @@ from flowpm_mtf.layout import K_DIMS
 from . import operators
 
 __all__ = ["TVConfig", "SteppedTV", "gradient", "gradient_adjoint", "laplacian_symbol", "tv_admm",
-           "tv_admm_numpy", "zero_filled"]
+           "tv_admm_numpy", "zero_filled", "MAX_TV_ITERATIONS"]
 
 log = logging.getLogger(__name__)
 
 zero_filled = operators.zero_filled
+
+MAX_TV_ITERATIONS = 100000
+"""Most ADMM iterations of one TV reconstruction: it converges in tens to hundreds; 10^5
+iterations of a 16^3 volume already take over an hour."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +69,8 @@ class TVConfig:
     rho : float
         ADMM penalty ``rho`` (> 0) [dimensionless].
     iterations : int
-        ADMM iterations (>= 1); with coils, PDHG iterations (:mod:`mri_mtf.tv_sense`).
+        ADMM iterations, in ``[1, MAX_TV_ITERATIONS]``; with coils, PDHG iterations
+        (:mod:`mri_mtf.tv_sense`).
     norm : {"isotropic", "anisotropic"}
         TV of the multi-coil reconstruction (:mod:`mri_mtf.tv_sense`): the norm over the
         three directions per voxel, or the sum of each direction's modulus (sigpy's).
@@ -87,6 +92,9 @@ class TVConfig:
         it = self.iterations
         if isinstance(it, bool) or not isinstance(it, (int, np.integer)) or it < 1:
             raise ValueError("TVConfig.iterations must be an integer >= 1, got %r" % (it,))
+        if it > MAX_TV_ITERATIONS:
+            raise ValueError("TVConfig.iterations must be an integer in [1, %d], got %d"
+                             % (MAX_TV_ITERATIONS, it))
         object.__setattr__(self, "iterations", int(it))
         if self.norm not in ("isotropic", "anisotropic"):
             raise ValueError("TVConfig.norm must be isotropic or anisotropic, got %r"

@@ -53,7 +53,8 @@ from flowpm_mtf.mesh.optim import adam_update
 from . import conv, operators, phantom
 from .sampling import NOISE_SEED_OFFSETS
 
-__all__ = ["UnrolledConfig", "CHAN", "TRAIN_NOISE_FIELDS", "TRAIN_NOISE_SEED_OFFSET",
+__all__ = ["UnrolledConfig", "MAX_TRAIN_STEPS", "MAX_BLOCKS", "MAX_SEED", "check_kernel_fits",
+           "largest_kernel", "CHAN", "TRAIN_NOISE_FIELDS", "TRAIN_NOISE_SEED_OFFSET",
            "channel_magnitude", "init_weights", "weight_shapes", "make_weights",
            "network", "training_sample", "UnrolledTraining", "network_numpy"]
 
@@ -72,6 +73,18 @@ assert not set(NOISE_SEED_OFFSETS) & set(range(TRAIN_NOISE_SEED_OFFSET,
                                                TRAIN_NOISE_SEED_OFFSET + TRAIN_NOISE_FIELDS))
 
 
+MAX_TRAIN_STEPS = 10**6
+"""Most Adam steps of one run: 10^6 steps of the smallest volume (16^3, ~0.16 s per step on
+2 ranks) already take ~2 days; more is a typo, not a training."""
+
+MAX_BLOCKS = 100
+"""Most unrolled blocks: the graph holds every block (and its gradient), so its build time
+and the training's activations grow with K; MoDL-type networks use ~10."""
+
+MAX_SEED = 2**63
+"""Seeds are integers in ``[0, MAX_SEED)``, as :attr:`ImagingConfig.seed`."""
+
+
 def _positive(v):
     return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) \
         and np.isfinite(v) and v > 0
@@ -84,11 +97,12 @@ class UnrolledConfig:
     Parameters
     ----------
     blocks : int
-        Unrolled blocks K (CNN + data-consistency step), >= 1.
+        Unrolled blocks K (CNN + data-consistency step), in ``[1, MAX_BLOCKS]``.
     channels : int
         Hidden channels C of the CNN (2 -> C -> C -> 2), >= 1.
     kernel_size : int
-        Filter side f (odd, >= 1) [voxels].
+        Filter side f (odd, >= 1; at most :func:`largest_kernel` of the volume and grid,
+        :func:`check_kernel_fits`) [voxels].
     eta_init : float
         Initial data-consistency step of every block (> 0) [dimensionless].
     init_scale : float
@@ -96,16 +110,17 @@ class UnrolledConfig:
         ``sqrt(2 / fan_in)`` (> 0; the last layer gets a tenth of it, so the network
         starts close to K data-consistency steps) [dimensionless].
     init_seed : int
-        Seed of the initial weights (numpy), >= 0.
+        Seed of the initial weights (numpy), in ``[0, 2**63)``.
     train_steps : int
-        Adam steps, one training phantom each (>= 0; 0 evaluates the initial network).
+        Adam steps, one training phantom each, in ``[0, MAX_TRAIN_STEPS]`` (0 evaluates
+        the initial network, reported as untrained).
     learning_rate : float
         Adam step size (> 0) [weight units per step].
     perturbation : float
         Scale of the random ellipsoid perturbations of the training phantoms
         (``phantom.perturbed_table``), >= 0 [dimensionless].
     data_seed : int
-        Seed of the training phantoms and noise mixes, >= 0.
+        Seed of the training phantoms and noise mixes, in ``[0, 2**63)``.
     beta1, beta2, epsilon : float
         Adam's moment decay rates and regulariser.
     log_every : int
@@ -128,12 +143,18 @@ class UnrolledConfig:
     log_every: int = 10
 
     def __post_init__(self):
-        for name, low in (("blocks", 1), ("channels", 1), ("kernel_size", 1),
-                          ("train_steps", 0), ("init_seed", 0), ("data_seed", 0),
-                          ("log_every", 1)):
+        # (the network's size against the volume and the memory: check_kernel_fits and the
+        # job's memory check, which know the volume and the machine)
+        for name, low, high in (("blocks", 1, MAX_BLOCKS), ("channels", 1, None),
+                                ("kernel_size", 1, None), ("train_steps", 0, MAX_TRAIN_STEPS),
+                                ("init_seed", 0, MAX_SEED - 1), ("data_seed", 0, MAX_SEED - 1),
+                                ("log_every", 1, None)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise ValueError("%s must be an integer >= %d, got %r" % (name, low, v))
+            if high is not None and v > high:
+                raise ValueError("%s must be an integer in [%d, %d], got %d"
+                                 % (name, low, high, v))
             object.__setattr__(self, name, int(v))
         if self.kernel_size % 2 == 0:
             raise ValueError("kernel_size must be odd, got %d" % self.kernel_size)
@@ -156,6 +177,36 @@ class UnrolledConfig:
     def to_dict(self):
         """A JSON-able dict of the fields."""
         return dataclasses.asdict(self)
+
+
+def largest_kernel(conf):
+    """The largest odd filter side that fits the volume and the halo of ``conf``'s grid.
+
+    A filter fits if it is no wider than the volume along every axis (``f <= n``) and its
+    halo ``f // 2`` is no wider than a rank's block along the split axes x and y, so that
+    every rank's convolution needs only the planes of its direct neighbours (a wider halo
+    makes :func:`mri_mtf.conv.conv3d` gather whole blocks of farther ranks, and the
+    convolution's cost grows as ``f^3``) [voxels].
+    """
+    sx, sy, _ = conf.block_shape
+    k = min(min(conf.nc), 2 * min(sx, sy) + 1)
+    return k if k % 2 else k - 1
+
+
+def check_kernel_fits(conf, uconf):
+    """Raise ``ValueError`` (one line) if ``uconf.kernel_size`` does not fit ``conf``.
+
+    See :func:`largest_kernel` for the rule.
+    """
+    f, best = uconf.kernel_size, largest_kernel(conf)
+    if f <= best:
+        return
+    sx, sy, _ = conf.block_shape
+    why = ("wider than the volume %s" % "x".join(map(str, conf.nc)) if f > min(conf.nc) else
+           "its halo of %d planes is wider than a rank's block (%d x %d voxels in x, y on "
+           "grid %dx%d)" % (f // 2, sx, sy, conf.grid[0], conf.grid[1]))
+    raise ValueError("kernel_size %d does not fit: %s; use --kernel-size %d or less"
+                     % (f, why, best))
 
 
 # ----------------------------------------------------------------------------- channels

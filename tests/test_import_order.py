@@ -53,17 +53,32 @@ README_RESULT = "result 71008.0 True"  # sum_ij x[i-1, j] x[i, j], x = arange(64
 TF_ALONE = """
 import os, sys
 import tensorflow
+print("keras", "keras" in sys.modules)
 ours = sorted(m for m in sys.modules
               if m.split(".")[0] in ("mesh_tensorflow", "hvd_mesh_impl", "flowpm_mtf"))
 print("modules", ",".join(ours) or "none", os.environ.get("TF_CPP_MIN_LOG_LEVEL", "unset"))
 """
 
-OURS_THEN_TF = "import flowpm_mtf, tensorflow\nprint('imported')\n"
+OURS_THEN_TF = ("import sys, flowpm_mtf, tensorflow\nprint('keras', 'keras' in sys.modules)\n"
+                "print('imported')\n")
+
+# A job's imports, Mesh TF first (the start-up file's path): TensorFlow, Horovod and our
+# packages load without Keras (hvd_mesh_impl.tf_compat.without_eager_keras, the Horovod
+# patch), and tf.keras still loads it on first use.
+LEAN = """
+import sys
+import mesh_tensorflow, horovod.tensorflow, flowpm_mtf.api
+from hvd_mesh_impl import HvdSimdMeshImpl
+print("keras", "keras" in sys.modules, "sklearn" in sys.modules)
+import tensorflow as tf
+print("tf.keras", tf.keras.layers.Dense.__module__.split(".")[0])
+"""
 
 CASES = {
     "readme_order": (README_ORDER, {}),
     "tf_alone": (TF_ALONE, {}),
     "quiet": (OURS_THEN_TF, {}),
+    "lean": (LEAN, {}),
     "logs_asked": (OURS_THEN_TF, {"FLOWPM_MTF_TF_LOGS": "1"}),
     "level_0_kept": (OURS_THEN_TF, {"TF_CPP_MIN_LOG_LEVEL": "0"}),
 }
@@ -125,6 +140,16 @@ def test_mesh_tensorflow_alone_imports_no_package_of_ours(runs):
 def test_tensorflow_alone_is_not_changed(runs):
     last, _ = ok(runs, "tf_alone")
     assert last == "modules none unset"
+    assert "keras True" in runs["tf_alone"][1].splitlines()  # TF's own eager Keras load
+
+
+def test_no_keras_at_start_up_and_tf_keras_on_first_use(runs):
+    """Our first TensorFlow import skips its eager Keras load; Horovod does not load it."""
+    last, _ = ok(runs, "lean")
+    assert runs["lean"][1].splitlines()[-2:] == ["keras False False", "tf.keras keras"]
+    for case in ("quiet", "logs_asked"):  # flowpm_mtf's import hook, with or without logs
+        ok(runs, case)
+        assert "keras False" in runs[case][1].splitlines(), case
 
 
 def test_tensorflow_start_up_lines_hidden_by_default(runs):

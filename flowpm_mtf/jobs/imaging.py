@@ -40,10 +40,21 @@ checkpoint/
     ``--resume OUT`` recomputes the data, zero-filled and TV, and continues the
     training, ending bit-identical to an uninterrupted run on the same grid.
 
+SIGTERM to the ranks is acted on at the next phase boundary all ranks agree on: after
+the data, the zero-filled reconstruction, every TV iteration and every training step.
+Before the training's first step a run with a training writes the checkpoint of its
+initial weights (step 0) and exits 0 (without a training, or a run directory: exit 8,
+nothing written); during the training it checkpoints as above; after the last loop
+the evaluation and the outputs finish (exit 0). ``--train-steps 0`` evaluates the
+initial network and labels it ``unrolled (untrained)`` (log, metrics.md, figure;
+``summary["untrained"]``).
+
 Bad input (a grid that does not divide the volume, an impossible R, an unknown
-method, a volume smaller than the SSIM window, ``--coils 0``, a missing or non-3D NIfTI
-file, a file smaller than ``--nc``) is one ``flowpm-mtf: error:`` line on
-every rank before anything is built.
+method, a volume smaller than the SSIM window, a filter that does not fit the volume
+or the halo, counts beyond their bounds, ``--coils 0``, a missing or non-3D NIfTI file, a
+file smaller than ``--nc``: exit 2) and an estimated peak memory beyond the node's
+(:mod:`mri_mtf.memory`, exit 4) are one ``flowpm-mtf: error:`` line before anything is
+built or created.
 """
 import dataclasses
 import logging
@@ -200,9 +211,10 @@ class ImagingJob(Job):
     state_sections = {"unrolled": ("log_every",)}
 
     def preflight(self, ctx):
-        from mri_mtf import metrics
+        from mri_mtf import metrics, unrolled
 
         conf, uconf = ctx.conf, ctx.configs["unrolled"]
+        methods = ctx.configs["imaging"].methods
         if conf.volume != "phantom":
             from mri_mtf.volume import VolumeSource
 
@@ -211,16 +223,16 @@ class ImagingJob(Job):
             except FileNotFoundError as e:
                 raise ValueError(str(e))
         tv = ctx.configs["tv"]
-        if "tv" in ctx.configs["imaging"].methods and conf.coils == 1 \
+        if "tv" in methods and conf.coils == 1 \
                 and tv.norm != "isotropic":
             raise ValueError("--tv-norm %s needs --coils >= 2 (the single-coil ADMM is "
                              "isotropic)" % tv.norm)
         if min(conf.nc) < metrics.SSIM_WINDOW:
             raise ValueError("nc=%s is too small: SSIM needs at least %d voxels per axis"
                              % (conf.nc, metrics.SSIM_WINDOW))
-        if "unrolled" in ctx.configs["imaging"].methods and uconf.kernel_size // 2 > min(conf.nc):
-            raise ValueError("kernel_size %d is wider than the volume nc=%s"
-                             % (uconf.kernel_size, conf.nc))
+        if "unrolled" in methods:
+            unrolled.check_kernel_fits(conf, uconf)
+        _check_memory(ctx, methods)
         if ctx.resume:
             if ctx.run_dir is None:
                 from ..errors import ResumeError
@@ -254,21 +266,30 @@ class ImagingJob(Job):
     def execute(self, ctx, sess, g, ops):
         conf, timings = ctx.conf, ctx.timings
         res = {"metrics": {}, "loss": []}
+        # SIGTERM: every phase ends at a boundary where the ranks agree on a stop request
+        # (_stop_point); after the last loop only the evaluation and the outputs are left,
+        # and the run finishes (exit 0), as the other jobs after their last step.
         if ops["volume"] is not None:
             with ctx.timed("read_volume_s"):
                 _read_volume(ctx, sess, ops["volume"])
         with ctx.timed("observe_s"):
             sess.run(ops["observe"])
+        _stop_point(ctx, sess, g, ops, "the data", last=not (
+            "zero-filled" in g.methods or g.tv is not None or g.training is not None))
         if "zero-filled" in g.methods:
             with ctx.timed("zero_filled_s"):
                 res["metrics"]["zero-filled"] = sess.run(ops["metrics"]["zero-filled"])
             _log_metrics("zero-filled", res["metrics"]["zero-filled"])
+            _stop_point(ctx, sess, g, ops, "the zero-filled reconstruction",
+                        last=g.tv is None and g.training is None)
         if g.tv is not None:
             n = ctx.configs["tv"].iterations
             t = time.perf_counter()
             sess.run(ops["tv_init"])
-            for _ in range(n):
+            for i in range(n):
                 sess.run(ops["tv_step"])
+                _stop_point(ctx, sess, g, ops, "TV iteration %d/%d" % (i + 1, n),
+                            last=i + 1 == n and g.training is None)
             timings["tv_s"] = time.perf_counter() - t
             timings["tv_per_iteration_s"] = timings["tv_s"] / n
             res["metrics"]["tv"] = sess.run(ops["metrics"]["tv"])
@@ -278,9 +299,12 @@ class ImagingJob(Job):
         if "unrolled" in g.methods:
             if g.training is not None:
                 self._train(ctx, sess, g, ops, res["loss"])
+                if ctx.stop is not None:
+                    ctx.stop.finished = True   # evaluation and outputs: the run finishes
             with ctx.timed("unrolled_eval_s"):
                 res["metrics"]["unrolled"] = sess.run(ops["metrics"]["unrolled"])
-            _log_metrics("unrolled", res["metrics"]["unrolled"])
+            _log_metrics("unrolled", res["metrics"]["unrolled"], None if g.training else
+                         "untrained: --train-steps 0, the initial weights")
         with ctx.timed("fetch_s"):
             sl = ops["images"]
             vals = sess.run({n: [t for _, t, _ in s] for n, s in sl.items()})
@@ -318,12 +342,16 @@ class ImagingJob(Job):
         res["metrics"] = m
         out = {"methods": list(m), "psnr_db": {k: v["psnr_db"] for k, v in m.items()},
                "ssim": {k: v["ssim"] for k, v in m.items()}, "train_loss": list(res["loss"])}
-        if ctx.conf.volume != "phantom":
+        if "unrolled" in m:
+            # --train-steps 0 evaluates the initial network: said, never silent
+            out["untrained"] = ["unrolled"] if not ctx.configs["unrolled"].train_steps else []
+        conf = ctx.configs["config"]
+        if conf.volume != "phantom":
             from mri_mtf import augment
 
             out["metrics_region"] = "brain mask (normalised intensity > 0.2)"
             out["heldout"] = ("y >= %d (the last %g of the y planes; never in the network's "
-                              "training images)" % (augment.heldout_start(ctx.conf),
+                              "training images)" % (augment.heldout_start(conf),
                                                     augment.HELDOUT_FRACTION))
             out["psnr_db_heldout"] = {k: v["psnr_db_heldout"] for k, v in m.items()}
             out["ssim_heldout"] = {k: v["ssim_heldout"] for k, v in m.items()}
@@ -336,7 +364,7 @@ class ImagingJob(Job):
     def write(self, ctx, out, res, summary):
         conf = ctx.conf
         held = conf.volume != "phantom"
-        rows = [(k, "%.2f" % v["psnr_db"], "%.4f" % v["ssim"])
+        rows = [(_label(k, summary), "%.2f" % v["psnr_db"], "%.4f" % v["ssim"])
                 + (("%.2f" % v["psnr_db_heldout"], "%.4f" % v["ssim_heldout"]) if held else ())
                 for k, v in res["metrics"].items()]
         title = ("flowpm-mtf imaging: %s %s, %d coil(s), grid %s, R = %g, noise sigma %g"
@@ -347,11 +375,88 @@ class ImagingJob(Job):
         writers.write_markdown_table(out.path("metrics.md"), head, rows, title=title, rank=0)
 
     def plot(self, ctx, out, res, summary):
-        imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"])
+        imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"],
+                     untrained=summary.get("untrained", ()))
 
     def report(self, ctx, summary):
-        return "PSNR %s, " % ", ".join("%s %.2f dB" % (k, v)
+        return "PSNR %s, " % ", ".join("%s %.2f dB" % (_label(k, summary), v)
                                        for k, v in summary["psnr_db"].items())
+
+
+def _label(method, summary):
+    """The method's name in the tables and logs: ``unrolled (untrained)`` with
+    ``--train-steps 0``."""
+    return method + (" (untrained)" if method in summary.get("untrained", ()) else "")
+
+
+def _check_memory(ctx, methods):
+    """The imaging job's memory check (:mod:`mri_mtf.memory`), once per run, before the
+    run directory exists: exit 4 with a configuration that fits (``--force`` skips)."""
+    from mri_mtf import memory, unrolled
+    from ..runs import preflight
+
+    conf, uconf = ctx.conf, ctx.configs["unrolled"]
+    memory.check_sizes(conf, uconf, methods)
+    if getattr(ctx, "_imaging_memory_checked", False):
+        return
+    # the placement backend holds every block in this one process
+    held = conf.replace(grid=(1, 1)) if ctx.backend.name == "placement" else conf
+    fits = None if "unrolled" not in methods else (
+        lambda c: unrolled.largest_kernel(c) >= uconf.kernel_size)
+    subject = "model of mri_mtf/memory.py for %s on grid %dx%d, %s%s" % (
+        "x".join(map(str, conf.nc)), conf.grid[0], conf.grid[1], conf.dtype,
+        ", %d channels, %d^3 filters, %d blocks" % (uconf.channels, uconf.kernel_size,
+                                                     uconf.blocks)
+        if "unrolled" in methods else "")
+    preflight.check_estimate(memory.imaging_terms(held, uconf, methods), ctx.comm, subject,
+                             memory.hint(held, uconf, methods, fits),
+                             force=getattr(ctx, "force", False))
+    memory.check_constants(conf, uconf, methods)
+    ctx._imaging_memory_checked = True
+
+
+def _stop_point(ctx, sess, g, ops, where, last=False):
+    """A phase boundary before the training: stop here if the ranks agree on SIGTERM.
+
+    Collective (every rank, the same boundaries). ``last``: nothing but the evaluation
+    and the outputs follow, so the run finishes instead (the signal is logged).
+
+    Raises
+    ------
+    runner.Stopped
+        With a checkpoint of the training before its first step (a fresh run; exit 0,
+        ``--resume`` recomputes the data, zero-filled and TV and trains) or the newest
+        one of a resumed run.
+    StoppedError
+        A run without a training to checkpoint or without a run directory (exit 8).
+    """
+    if ctx.stop is None:
+        return
+    if last:
+        ctx.stop.finished = True
+        return
+    if not ctx.stop.agreed():   # collective
+        return
+    total = ctx.configs["unrolled"].train_steps
+    if g.training is None or ctx.run_dir is None:
+        from ..errors import StoppedError
+
+        why = ("no run directory to checkpoint into" if g.training is not None else
+               "this run has no training to checkpoint (only the training checkpoints)")
+        raise StoppedError("stopped by a signal after %s; %s: nothing was written, rerun the "
+                           "same command to start over" % (where, why))
+    if ctx.resume:   # its newest checkpoint stays the one to continue from
+        path, manifest = checkpoint.candidates(ctx.run_dir.path)[0]
+        done = int(manifest["step"])
+    else:
+        done, path = 0, checkpoint.save(
+            ctx.run_dir.path, ctx.comm, 0, None, {k: c.to_dict() for k, c in ctx.configs.items()},
+            {}, grid=ctx.conf.grid, ident=_identity(ctx), extra={"loop": {"loss": []}},
+            fields=ops["state"].fetch(sess))
+    log.warning("stopped by signal after %s, before training step %d/%d; checkpoint in %s; "
+                "continue with: %s", where, done + 1, total, path,
+                checkpoint.resume_command(ctx.run_dir.path, ctx.job.name))
+    raise runner.Stopped(done, total, checkpoint=path, unit="training step")
 
 
 def _log_metrics(method, values, extra=""):
@@ -453,11 +558,12 @@ def _checkpoint_or_stop(ctx, sess, state, done, history):
         raise runner.Stopped(done, total, checkpoint=path, unit="training step")
 
 
-def imaging_plot(path, conf, planes, metrics):
+def imaging_plot(path, conf, planes, metrics, untrained=()):
     """The three orthogonal mid-slices of the truth and of each reconstruction.
 
     ``planes``: name -> ``{"x": [NY, NZ], "y": [NX, NZ], "z": [NX, NY]}``
-    (:func:`_mid_planes`); ``metrics``: method -> ``{"psnr_db", "ssim"}``.
+    (:func:`_mid_planes`); ``metrics``: method -> ``{"psnr_db", "ssim"}``;
+    ``untrained``: methods labelled "(untrained)".
     """
     import matplotlib
 
@@ -467,8 +573,9 @@ def imaging_plot(path, conf, planes, metrics):
     names = ["truth"] + [_KEYS[m] for m in METHODS if m in metrics]
     titles = {"truth": "truth"}
     for m in metrics:
-        titles[_KEYS[m]] = "%s\nPSNR %.2f dB, SSIM %.3f" % (m, metrics[m]["psnr_db"],
-                                                            metrics[m]["ssim"])
+        titles[_KEYS[m]] = "%s%s\nPSNR %.2f dB, SSIM %.3f" % (
+            m, " (untrained)" if m in untrained else "", metrics[m]["psnr_db"],
+            metrics[m]["ssim"])
         if "psnr_db_heldout" in metrics[m]:   # a brain: in its mask, and its held-out part
             titles[_KEYS[m]] += "\nheld-out %.2f dB, %.3f" % (metrics[m]["psnr_db_heldout"],
                                                              metrics[m]["ssim_heldout"])

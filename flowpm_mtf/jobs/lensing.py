@@ -44,9 +44,10 @@ from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
 from ..runs import h5dist, io, preflight
 from ..physics import lensing, lensing_geometry, lensing_stats, lensing_theory
+from ..physics.lensing_fullsky import FullSkyConfig
 from ..config import SimConfig
 from ..logs import rank0_only
-from . import nbody_run, register, runner
+from . import lensing_fullsky, nbody_run, register, runner
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
 
@@ -100,14 +101,18 @@ class LensingJob(Job):
     name = "lensing"
     help = "lightcone density planes and Born convergence maps"
     sections = (ConfigSection("config", SimConfig, {"box_size": 256.0, "a_start": 0.2}),
-                ConfigSection("lensing", lensing_geometry.LensingConfig))
+                ConfigSection("lensing", lensing_geometry.LensingConfig),
+                ConfigSection("sky", FullSkyConfig))
     default_out = "out/lensing"
     checkpoints = True   # particles, planes and the P(k) at the planes so far
-    state_sections = {"lensing": ()}   # every lensing setting shapes the stages or the planes
+    state_sections = {"lensing": (), "sky": ()}   # every setting shapes the stages or the maps
 
     def preflight(self, ctx):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
+        lensing_fullsky.check_options(ctx, self.sections)
+        if lensing_fullsky.is_full(ctx):   # --sky full: HEALPix shells (jobs/lensing_fullsky.py)
+            return lensing_fullsky.preflight_full(ctx)
         lconf = ctx.configs["lensing"]
         n_source = lconf.n_maps
         preflight.check_job_memory(
@@ -119,15 +124,21 @@ class LensingJob(Job):
             nbody_run.check_resume(ctx, stages, plane_names(ctx.geom.n_planes))
 
     def build(self, ctx, mesh):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.FullSkyGraph(ctx.conf, ctx.geom, mesh)
         return LensingGraph(ctx.conf, ctx.geom, mesh)
 
     def describe(self, ctx, g):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.describe_full(ctx, g)
         conf, geom = ctx.conf, ctx.geom
         return "%d steps to a=%.4f, %d planes to %.0f Mpc/h (%s), mesh %s, grid %s" % (
             g.n_steps, g.stages[-1], geom.n_planes, geom.r_edges[-1], ", ".join(geom.labels),
             "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, g, lowering):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.lower_full(ctx, g, lowering)
         ops = nbody_run.lower_simulation(g, lowering)
         ops["planes"] = {j: runner.lowered_group(lowering, o) for j, o in g.plane_ops.items()}
         # kappa is small and replicated; the planes: this process's blocks only
@@ -141,6 +152,8 @@ class LensingJob(Job):
         return ops
 
     def execute(self, ctx, sess, g, ops):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.execute_full(ctx, sess, g, ops)
         geom = ctx.geom
         pk = nbody_run.PowerAtStages(sess, ops["fetch"], ops["planes"],
                                      before=lambda j: sess.run(ops["planes"][j]))
@@ -173,6 +186,8 @@ class LensingJob(Job):
         return res
 
     def finish(self, ctx, res):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.finish_full(ctx, res)
         conf, geom = ctx.conf, ctx.geom
         kappa = np.asarray(res["kappa"], np.float64)
         # per held slice: the planes [n_planes, sx, sy] of its (x, y) block
@@ -204,17 +219,23 @@ class LensingJob(Job):
                 "resolved_ell": [list(r) for r in pred["ell_range"]]}
 
     def write_all(self, ctx, res):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.write_all_full(ctx, res)
         io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
                        res["plane_k"], res["plane_p"], ctx.conf, ctx.configs["lensing"],
                        ctx.geom, gamma=(np.asarray(res["gamma1"], np.float64),
                                         np.asarray(res["gamma2"], np.float64)))
 
     def write(self, ctx, out, res, summary):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.write_full(ctx, out, res, summary)
         geom = ctx.geom
         io.write_kappa_power(out.path("kappa_power.txt"), res["ell"], res["measured"],
                              res["pred"], res["n_modes"], geom, rank=0)
 
     def plot(self, ctx, out, res, summary):
+        if lensing_fullsky.is_full(ctx):
+            return lensing_fullsky.plot_full(ctx, out, res, summary)
         kappa_plot(out.path("kappa.png"), res["kappa"][0], ctx.geom, res["ell"],
                    res["measured"], res["limber"])
 

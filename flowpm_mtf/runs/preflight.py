@@ -15,8 +15,9 @@ use: it holds the checks below and re-exports the memory model
 * :func:`check_memory`: the estimated peak memory per rank (the measured model
   of ``docs/scaling.md``, plus each job's own terms: :func:`fft_demo_memory`,
   :func:`lensing_memory`, :func:`reconstruct_memory`, run from the jobs'
-  preflight by :func:`check_job_memory`) against the memory the node has for
-  its ranks. Every size is an exact Python int (the model's constants as exact
+  preflight by :func:`check_job_memory`; the imaging job's own model,
+  :mod:`mri_mtf.memory`, through :func:`check_estimate`) against the memory the node
+  has for its ranks. Every size is an exact Python int (the model's constants as exact
   fractions): nothing wraps at 2^31 or 2^63 or rounds at 2^53. The advice is a
   configuration that fits (checked: a rank count and grid, or a value of the
   option whose part does not shrink with more ranks), or says that none does;
@@ -41,16 +42,17 @@ from ..physics.linear_power import trapezoid
 from ..logs import rank0_only
 from .preflight_memory import (  # noqa: F401  (re-exported: the memory model and check)
     BYTES_PER_PADDED_CELL, BYTES_PER_SLOT, MASTER_COPIES, MAX_RANKS, MAX_TENSOR_ELEMENTS,
-    MODEL_FILE, RUNTIME_MB, Term, _grid_fits, check_memory, check_sizes, estimate_peak_memory,
-    load_memory_model, memory_available, memory_breakdown, memory_terms, smallest_rank_count)
+    MODEL_FILE, RUNTIME_MB, Term, _grid_fits, check_estimate, check_memory, check_sizes,
+    estimate_peak_memory, load_memory_model, memory_available, memory_breakdown, memory_terms,
+    node_budget, smallest_rank_count)
 from .preflight_jobs import (  # noqa: F401  (re-exported: the jobs' own terms)
     check_job_memory, fft_demo_memory, lensing_memory, lensing_tensors, reconstruct_memory)
 
 __all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
            "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "MAX_TENSOR_ELEMENTS", "MAX_RANKS", "Term",
            "memory_terms", "memory_breakdown", "check_sizes", "smallest_rank_count",
-           "MIN_DISPLACEMENT_ULPS", "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "check_memory",
-           "displacement_rms_cells", "check_numerics",
+           "MIN_DISPLACEMENT_ULPS", "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "node_budget", "check_memory",
+           "check_estimate", "displacement_rms_cells", "check_numerics",
            "large_constants", "fft_demo_memory", "lensing_memory", "lensing_tensors",
            "reconstruct_memory", "check_job_memory"]
 

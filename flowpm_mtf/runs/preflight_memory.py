@@ -32,7 +32,8 @@ from ..logs import rank0_only
 __all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
            "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "MAX_TENSOR_ELEMENTS", "MAX_RANKS", "Term",
            "memory_terms", "memory_breakdown", "check_sizes", "smallest_rank_count",
-           "estimate_peak_memory", "memory_available", "check_memory"]
+           "estimate_peak_memory", "memory_available", "node_budget", "check_memory",
+           "check_estimate"]
 
 log = rank0_only(logging.getLogger(__name__))  # every rank computes the same verdict
 
@@ -389,6 +390,89 @@ def _memory_hint(conf, terms, budget, node_avail, share, processes, masters, ext
     return "%s; no option of this run makes it fit on this machine" % what
 
 
+def node_budget(comm, available=None):
+    """The memory each rank may use: the node's available memory shared by its ranks.
+
+    Collective: every rank gathers (host, available memory), so ranks sharing a node
+    split its memory; the tightest node counts.
+
+    Parameters
+    ----------
+    comm : object
+        Communicator with ``allgather``.
+    available : int, optional
+        Memory of this node [bytes] (default :func:`memory_available`; for tests).
+
+    Returns
+    -------
+    (int, int, int) or None
+        Bytes per rank, bytes of that node, ranks on that node; None if no rank
+        knows its memory.
+    """
+    avail = memory_available() if available is None else int(available)
+    info = comm.allgather((socket.gethostname(), avail))
+    per_rank = []
+    for host, node_avail in info:
+        if node_avail is not None:
+            share = sum(1 for h, _ in info if h == host)
+            per_rank.append((node_avail // share, node_avail, share))
+    return min(per_rank) if per_rank else None
+
+
+def check_estimate(terms, comm, subject, hint, force=False, available=None):
+    """Fail before the compute if a job's own estimate does not fit the node.
+
+    The check of :func:`check_memory` for a job whose model gives every part itself
+    (the imaging job, :mod:`mri_mtf.memory`): collective, the same error on every rank.
+
+    Parameters
+    ----------
+    terms : list of Term
+        The estimated peak memory of one process, part by part [bytes].
+    comm : object
+        Communicator with ``allgather``.
+    subject : str
+        What was estimated, for the message (e.g. ``"imaging 64^3 on grid 2x1"``).
+    hint : callable
+        ``hint(budget)`` -> text: a configuration that fits ``budget`` bytes per rank,
+        or why none does.
+    force, available
+        See :func:`check_memory`.
+
+    Returns
+    -------
+    dict
+        ``estimate`` [bytes per process], ``available_per_rank`` [bytes],
+        ``ranks_on_node``.
+
+    Raises
+    ------
+    MemoryBudgetError
+        With the estimate, its largest part, the memory per rank and the hint.
+    """
+    est = sum(t.nbytes for t in terms)
+    result = {"estimate": est, "available_per_rank": None, "ranks_on_node": None}
+    node = node_budget(comm, available)
+    if node is None:
+        log.warning("memory check skipped: available memory unknown on this system")
+        return result
+    budget, node_avail, share = node
+    result.update(available_per_rank=budget, ranks_on_node=share)
+    log.info("memory: estimated peak %s per process, %s available per rank",
+             _gb(est), _gb(budget))
+    if est <= budget:
+        return result
+    big = max(terms, key=lambda t: t.nbytes)
+    message = ("estimated peak memory %s per process (%s; largest part: %s, %s) exceeds the %s "
+               "available per rank (%s on the node for %d rank%s); %s; --force skips this "
+               "check" % (_gb(est), subject, big.label, _gb(big.nbytes), _gb(budget),
+                          _gb(node_avail), share, "s" if share > 1 else "", hint(budget)))
+    if force:
+        log.warning("--force: %s", message)
+        return result
+    raise MemoryBudgetError(message)
+
+
 def check_memory(conf, comm, processes=None, masters=True, force=False, available=None,
                  extra=None, particles=True):
     """Fail before the compute if the estimated peak memory does not fit the node.
@@ -425,21 +509,15 @@ def check_memory(conf, comm, processes=None, masters=True, force=False, availabl
         part that does not shrink with more ranks), or why none does.
     """
     check_sizes(conf)
-    avail = memory_available() if available is None else int(available)
-    info = comm.allgather((socket.gethostname(), avail))
+    node = node_budget(comm, available)
     terms = memory_breakdown(conf, processes=processes, masters=masters, extra=extra,
                              particles=particles)
     est = sum(t.nbytes for t in terms)
-    per_rank = []
-    for host, node_avail in info:
-        if node_avail is not None:
-            share = sum(1 for h, _ in info if h == host)
-            per_rank.append((node_avail // share, node_avail, share))
     result = {"estimate": est, "available_per_rank": None, "ranks_on_node": None}
-    if not per_rank:
+    if node is None:
         log.warning("memory check skipped: available memory unknown on this system")
         return result
-    budget, node_avail, share = min(per_rank)
+    budget, node_avail, share = node
     result.update(available_per_rank=budget, ranks_on_node=share)
     log.info("memory: estimated peak %s per process, %s available per rank",
              _gb(est), _gb(budget))
