@@ -71,6 +71,13 @@ class ImagingConfig:
         ``[0, 2**63)``.
     dtype : {"float32", "float64"}
         Real dtype of images (k-space uses the matching complex dtype).
+    volume : str
+        The imaged object: ``"phantom"`` (Shepp-Logan), ``"mni152"`` (the MNI152 brain
+        template of nilearn's wheel) or the path of a 3D NIfTI file
+        (:mod:`mri_mtf.volume`; the file is checked by the job's preflight).
+    coils : int
+        Receive coils (>= 1): 1 is the single-coil ``A = M F``; more are birdcage
+        coils and the SENSE operator (:mod:`mri_mtf.sense`).
 
     Raises
     ------
@@ -88,6 +95,8 @@ class ImagingConfig:
     noise_sigma: float = dataclasses.field(default=0.01, metadata={"flags": ("--noise",)})
     seed: int = 0
     dtype: str = "float32"
+    volume: str = "phantom"
+    coils: int = 1
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -122,6 +131,12 @@ class ImagingConfig:
         if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError("seed must be an integer in [0, 2**63), got %r" % (self.seed,))
         set_("seed", int(self.seed))
+        if not isinstance(self.volume, str) or not self.volume.strip():
+            raise ValueError("volume must be phantom, mni152 or a NIfTI path, got %r"
+                             % (self.volume,))
+        if not _is_int(self.coils) or self.coils < 1:
+            raise ValueError("coils must be an integer >= 1, got %r" % (self.coils,))
+        set_("coils", int(self.coils))
         if not 0.0 < self.centre_fraction <= 1.0:
             raise ValueError("centre_fraction must be in (0, 1], got %r" % self.centre_fraction)
         if self.density_power < 0:

@@ -15,11 +15,20 @@ the data and the images
     The measured k-space variable (2 real channels), the TV state (``x``, ``z``, ``u``:
     7 complex fields as 14 real channels, with ``tv``), the truth and one magnitude per
     method fetched at the end, and their float32/float64 copies for the HDF5 file:
-    :data:`DATA_ITEMSIZES` ``+ 14 [tv] + 2 (1 + methods)`` itemsizes per voxel.
+    :data:`DATA_ITEMSIZES` ``+ 14 [tv] + 2 (1 + methods)`` itemsizes per voxel. With
+    ``n`` coils (``--coils``): the data ``n`` times, the coil maps (``2 n``), TV-SENSE's
+    state (``x``, ``xbar``, 3 duals: 10, the coil k-space dual: ``2 n``) instead of
+    ADMM's 14 (counted; at 96^3 with 8 coils the runs of ``scripts/bench_tv_sense.py``
+    peaked at 1259 / 965 / 771 MB on 1 / 2 / 4 ranks, the model gives 1246 / 980 / 846;
+    the whole job at 32^3 on 2 ranks with 8 coils and 100 training steps peaked at
+    823 MB, the model gives 867).
 the transforms
     A distributed 3D FFT of a complex field holds the field, its pencil transposes and
     the all-to-all buffers: :data:`FFT_ITEMSIZES` itemsizes per voxel, live during
-    every phase (data, zero-filled, an ADMM iteration, a data-consistency step).
+    every phase (data, zero-filled, an ADMM iteration, a data-consistency step); with
+    ``n`` coils one batched transform of the ``n`` coil fields, ``n`` times as much (and the
+    data-consistency step's fields and the training sample's noise ``n`` times; not
+    measured with coils).
 the training's activations
     Per unrolled block, what the gradient keeps: the CNN's three convolutions with
     their blocks, halos (``p = (sx + 2h)(sy + 2h)(nz + 2h) / N`` with ``h = f // 2``),
@@ -110,16 +119,25 @@ def _pad_ratio(conf, f):
 
 def _volume_itemsizes(conf, uconf, methods):
     """Itemsizes per voxel of the rank's block at the peak (exact fraction)."""
-    data = DATA_ITEMSIZES + (14 if "tv" in methods else 0) + 2 * (1 + len(methods))
-    work = FFT_ITEMSIZES
+    n = int(getattr(conf, "coils", 1))
+    if n == 1:
+        tv = 14
+        dc, sample = DC_ITEMSIZES, SAMPLE_ITEMSIZES
+    else:   # SENSE: the coil maps; TV-SENSE's x, xbar, 3 duals and the coil k-space dual
+        tv = 10 + 2 * n
+        dc = (DC_ITEMSIZES - FFT_ITEMSIZES) * n + FFT_ITEMSIZES * n
+        sample = 1 + (SAMPLE_ITEMSIZES - 1) * n
+    data = DATA_ITEMSIZES * n + (2 * n if n > 1 else 0) + (tv if "tv" in methods else 0) \
+        + 2 * (1 + len(methods))
+    work = FFT_ITEMSIZES * n
     if "unrolled" in methods:
         c, k = int(uconf.channels), int(uconf.blocks)
         p = _pad_ratio(conf, uconf.kernel_size)
         cnn = c * (3 + 3 * p) + CNN_EDGE_ITEMSIZES + p
         if uconf.train_steps:
-            work = max(work, (k + BACKWARD_BLOCKS) * (cnn + DC_ITEMSIZES) + SAMPLE_ITEMSIZES)
+            work = max(work, (k + BACKWARD_BLOCKS) * (cnn + dc) + sample)
         else:
-            work = max(work, 2 * cnn + DC_ITEMSIZES)
+            work = max(work, 2 * cnn + dc)
     return data + work
 
 

@@ -45,7 +45,7 @@ def _data_range(truth, data_range):
     return mtf.constant(truth.mesh, float(data_range), dtype=truth.dtype)
 
 
-def psnr(x, truth, data_range=None, name="psnr"):
+def psnr(x, truth, data_range=None, name="psnr", weights=None):
     """Peak signal-to-noise ratio of ``x`` against ``truth`` [dB] (a replicated scalar).
 
     Parameters
@@ -54,10 +54,15 @@ def psnr(x, truth, data_range=None, name="psnr"):
         Real ``[x, y, z]`` images [phantom intensity].
     data_range : float, optional
         Peak ``L`` [phantom intensity]; default ``max(truth) - min(truth)``.
+    weights : mtf.Tensor, optional
+        Real 0/1 ``[x, y, z]`` mask (e.g. the brain): the mean squared error over it.
     """
     _check_pair(x, truth)
     peak = _data_range(truth, data_range)
-    mse = mtf.reduce_mean(mtf.square(x - truth))
+    if weights is None:
+        mse = mtf.reduce_mean(mtf.square(x - truth))
+    else:
+        mse = mtf.reduce_sum(mtf.square(x - truth) * weights) / mtf.reduce_sum(weights)
     return mtf.cwise(lambda p, m: 10.0 * tf.math.log(p * p / m) / np.log(10.0), [peak, mse],
                      name=name)
 
@@ -84,7 +89,7 @@ def _valid(mesh, conf_nc, width, dtype):
     return out
 
 
-def ssim(x, truth, data_range=None, name="ssim"):
+def ssim(x, truth, data_range=None, name="ssim", weights=None):
     """Mean structural similarity of ``x`` and ``truth`` (a replicated scalar in [-1, 1]).
 
     Parameters
@@ -93,6 +98,9 @@ def ssim(x, truth, data_range=None, name="ssim"):
         Real ``[x, y, z]`` images, each axis at least :data:`SSIM_WINDOW` voxels.
     data_range : float, optional
         ``L`` [phantom intensity]; default ``max(truth) - min(truth)``.
+    weights : mtf.Tensor, optional
+        Real 0/1 ``[x, y, z]`` mask: the mean of the SSIM map over its voxels (whose
+        window lies inside the volume).
     """
     _check_pair(x, truth)
     nc = [d.size for d in x.shape.dims]
@@ -113,18 +121,21 @@ def ssim(x, truth, data_range=None, name="ssim"):
     smap = mtf.slicewise(fn, [ux, uy, uxx, uyy, uxy, L], output_shape=x.shape,
                          output_dtype=x.dtype, splittable_dims=x.shape.dims, name=name + "_map")
     valid = _valid(x.mesh, nc, SSIM_WINDOW, x.dtype)
+    if weights is not None:
+        valid = valid * weights
     return mtf.reduce_sum(smap * valid) / mtf.reduce_sum(valid)
 
 
 # ----------------------------------------------------------------------------- numpy
-def psnr_numpy(x, truth, data_range=None):
+def psnr_numpy(x, truth, data_range=None, weights=None):
     """Reference of :func:`psnr` on whole arrays [dB]."""
     x, truth = np.asarray(x, np.float64), np.asarray(truth, np.float64)
     peak = truth.max() - truth.min() if data_range is None else float(data_range)
-    return float(10.0 * np.log10(peak ** 2 / np.mean((x - truth) ** 2)))
+    w = np.ones_like(truth) if weights is None else np.asarray(weights, np.float64)
+    return float(10.0 * np.log10(peak ** 2 / (np.sum(w * (x - truth) ** 2) / np.sum(w))))
 
 
-def ssim_numpy(x, truth, data_range=None):
+def ssim_numpy(x, truth, data_range=None, weights=None):
     """Reference of :func:`ssim` on whole arrays (``scipy.ndimage.uniform_filter``, the
     filter ``skimage`` uses, cropped to the windows inside the volume)."""
     from scipy.ndimage import uniform_filter
@@ -139,4 +150,7 @@ def ssim_numpy(x, truth, data_range=None):
     vx, vy, vxy = cov * (uxx - ux * ux), cov * (uyy - uy * uy), cov * (uxy - ux * uy)
     c1, c2 = (_K1 * L) ** 2, (_K2 * L) ** 2
     s = ((2 * ux * uy + c1) * (2 * vxy + c2)) / ((ux ** 2 + uy ** 2 + c1) * (vx + vy + c2))
-    return float(s[h:-h, h:-h, h:-h].mean())
+    if weights is None:
+        return float(s[h:-h, h:-h, h:-h].mean())
+    w = np.asarray(weights, np.float64)[h:-h, h:-h, h:-h]
+    return float(np.sum(s[h:-h, h:-h, h:-h] * w) / np.sum(w))

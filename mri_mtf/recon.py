@@ -69,12 +69,18 @@ class TVConfig:
     rho : float
         ADMM penalty ``rho`` (> 0) [dimensionless].
     iterations : int
-        ADMM iterations, in ``[1, MAX_TV_ITERATIONS]``.
+        ADMM iterations, in ``[1, MAX_TV_ITERATIONS]``; with coils, PDHG iterations
+        (:mod:`mri_mtf.tv_sense`).
+    norm : {"isotropic", "anisotropic"}
+        TV of the multi-coil reconstruction (:mod:`mri_mtf.tv_sense`): the norm over the
+        three directions per voxel, or the sum of each direction's modulus (sigpy's).
+        The single-coil ADMM is isotropic.
     """
 
     lam: float = dataclasses.field(default=0.005, metadata={"flags": ("--tv-lambda",)})
     rho: float = dataclasses.field(default=0.02, metadata={"flags": ("--tv-rho",)})
     iterations: int = dataclasses.field(default=20, metadata={"flags": ("--tv-iterations",)})
+    norm: str = dataclasses.field(default="isotropic", metadata={"flags": ("--tv-norm",)})
 
     def __post_init__(self):
         for name in ("lam", "rho"):
@@ -90,6 +96,9 @@ class TVConfig:
             raise ValueError("TVConfig.iterations must be an integer in [1, %d], got %d"
                              % (MAX_TV_ITERATIONS, it))
         object.__setattr__(self, "iterations", int(it))
+        if self.norm not in ("isotropic", "anisotropic"):
+            raise ValueError("TVConfig.norm must be isotropic or anisotropic, got %r"
+                             % (self.norm,))
 
     def to_dict(self):
         """A JSON-able dict of the fields."""

@@ -35,6 +35,10 @@ uses the evaluation's mask. Adam with bias correction
 (:func:`flowpm_mtf.mesh.optim.adam_update`, Mesh TF operations on the mesh) updates
 every weight; the whole optimiser state is :attr:`UnrolledTraining.checkpoint_variables`.
 Everything but the order of floating-point sums is independent of the process grid.
+With a ``source`` (:class:`mri_mtf.augment.VolumeAugmentation`, the job's brain) the
+training images are that source's instead of phantoms; with an encoding operator ``op``
+(:class:`mri_mtf.sense.Sense`) the measurement and the data-consistency steps are SENSE's
+and the training noise lives on ``[coil, kx, ky, kz]``.
 """
 import dataclasses
 import logging
@@ -271,7 +275,22 @@ def _cnn(x2, w, conf, name):
     return x2 + conv.conv3d(h, w["w3"], conf, name=name + "_c3") + w["b3"]
 
 
-def network(kdata, mask, weights, conf, uconf, name="unrolled"):
+class SingleCoil:
+    """``A = M F`` of :mod:`mri_mtf.operators` with the interface of
+    :class:`mri_mtf.sense.Sense` (``forward``, ``adjoint``)."""
+
+    def __init__(self, conf, mask):
+        self.conf, self.mask = conf, mask
+        self.kspace_shape = operators.kspace_shape(conf)
+
+    def forward(self, x, name="forward"):
+        return operators.forward(x, self.mask, self.conf, name=name)
+
+    def adjoint(self, y, name="adjoint"):
+        return operators.adjoint(y, self.mask, self.conf, name=name)
+
+
+def network(kdata, mask, weights, conf, uconf, name="unrolled", op=None):
     """The unrolled network (module docstring) on measured k-space.
 
     Parameters
@@ -284,6 +303,9 @@ def network(kdata, mask, weights, conf, uconf, name="unrolled"):
         :func:`make_weights` (or any tensors of those shapes).
     conf : ImagingConfig
     uconf : UnrolledConfig
+    op : optional
+        The encoding operator (``forward``, ``adjoint``): default :class:`SingleCoil`;
+        :class:`mri_mtf.sense.Sense` for ``kdata`` on ``[coil, kx, ky, kz]``.
 
     Returns
     -------
@@ -291,16 +313,17 @@ def network(kdata, mask, weights, conf, uconf, name="unrolled"):
         Real ``[x, y, z, chan]``: the reconstruction's real and imaginary parts
         [phantom intensity] (:func:`channel_magnitude` for ``|x|``).
     """
-    x2 = operators.to_channels(operators.adjoint(kdata, mask, conf, name=name + "_x0"),
+    op = op or SingleCoil(conf, mask)
+    x2 = operators.to_channels(op.adjoint(kdata, name=name + "_x0"),
                      name=name + "_x0_channels")
     block = weights["eta"].shape.dims[0]
     for k in range(uconf.blocks):
         x2 = _cnn(x2, weights, conf, "%s_cnn%d" % (name, k))
         eta = mtf.slice(weights["eta"], k, 1, block.name)
         eta = mtf.reshape(eta, mtf.Shape([]))
-        r = operators.forward(operators.to_complex(x2, name="%s_z%d" % (name, k)), mask, conf,
-                              name="%s_fwd%d" % (name, k)) - kdata
-        g = operators.to_channels(operators.adjoint(r, mask, conf, name="%s_adj%d" % (name, k)),
+        r = op.forward(operators.to_complex(x2, name="%s_z%d" % (name, k)),
+                       name="%s_fwd%d" % (name, k)) - kdata
+        g = operators.to_channels(op.adjoint(r, name="%s_adj%d" % (name, k)),
                         name="%s_g%d" % (name, k))
         x2 = x2 - g * eta
     return x2
@@ -375,6 +398,11 @@ class UnrolledTraining:
         Real 0/1 ``[ky, kz]`` (:func:`mri_mtf.sampling.mask`).
     weights : dict
         :func:`make_weights`.
+    op : optional
+        The encoding operator (default :class:`SingleCoil`; :class:`mri_mtf.sense.Sense`).
+    source : optional
+        The training images: an object with ``truth(mesh)`` (an mtf ``[x, y, z]`` image)
+        and ``feed(step)`` (its feed dict); default the perturbed phantoms.
 
     Attributes
     ----------
@@ -391,17 +419,21 @@ class UnrolledTraining:
         Name -> variable: the weights and Adam's moments and step counts.
     """
 
-    def __init__(self, mesh, conf, uconf, mask, weights, name="train"):
-        self.conf, self.uconf = conf, uconf
-        self.rows = tf.placeholder(tf.float64, (len(phantom.SHEPP_LOGAN_3D),
-                                                phantom.TABLE_ROW_WIDTH), name=name + "_rows")
+    def __init__(self, mesh, conf, uconf, mask, weights, name="train", op=None, source=None):
+        self.conf, self.uconf, self.source = conf, uconf, source
+        self.op = op or SingleCoil(conf, mask)
         self.mix = tf.placeholder(tf.float64, (2, TRAIN_NOISE_FIELDS), name=name + "_mix")
-        self.truth = phantom.phantom_fed(mesh, conf, self.rows, name=name + "_phantom")
-        kdata = operators.forward(self.truth, mask, conf, name=name + "_forward")
+        if source is None:
+            self.rows = tf.placeholder(tf.float64, (len(phantom.SHEPP_LOGAN_3D),
+                                                    phantom.TABLE_ROW_WIDTH), name=name + "_rows")
+            self.truth = phantom.phantom_fed(mesh, conf, self.rows, name=name + "_phantom")
+        else:
+            self.truth = source.truth(mesh)
+        kdata = self.op.forward(self.truth, name=name + "_forward")
         if conf.noise_sigma > 0:
             kdata = kdata + complex_ops.apply_kernel(self._noise(mesh), mask,
                                                      name=name + "_noise_mask")
-        x2 = network(kdata, mask, weights, conf, uconf, name=name + "_net")
+        x2 = network(kdata, mask, weights, conf, uconf, name=name + "_net", op=self.op)
         truth2 = self.truth * mtf.import_tf_tensor(
             mesh, tf.constant(np.array([1.0, 0.0], conf.np_dtype)), mtf.Shape([CHAN]),
             name=name + "_real_channel")
@@ -422,7 +454,7 @@ class UnrolledTraining:
         conf = self.conf
         field = mtf.Dimension("noise_field", TRAIN_NOISE_FIELDS)
         parts = mtf.Dimension("noise_part", 2)
-        kshape = operators.kspace_shape(conf)
+        kshape = self.op.kspace_shape
         fields = [noise_mod.white_noise(mesh, kshape, conf.seed + TRAIN_NOISE_SEED_OFFSET + i,
                                         conf.tf_dtype, name="train_noise%d" % i)
                   for i in range(TRAIN_NOISE_FIELDS)]
@@ -450,6 +482,10 @@ class UnrolledTraining:
     def feed(self, step):
         """The feed dict of training step ``step`` (0-based)."""
         rows, mix = training_sample(step, self.uconf)
+        if self.source is not None:
+            out = dict(self.source.feed(step))
+            out[self.mix] = mix
+            return out
         return {self.rows: rows, self.mix: mix}
 
     def step(self, sess, ops, step):

@@ -1,18 +1,23 @@
 """The imaging job: a 3D MRI reconstruction with the image split over the ranks (issue 29).
 
 ``flowpm-mtf imaging`` (the methods: :mod:`mri_mtf`). Makes the Shepp-Logan phantom
-(``--nc``), measures it (variable-density mask of acceleration ``--acceleration``,
-complex noise ``--noise``; :mod:`mri_mtf.sampling`) and reconstructs it with each
+(``--nc``), or reads a brain (``--volume mni152`` or a NIfTI file, each rank its slab:
+:mod:`mri_mtf.volume`), measures it (variable-density mask of acceleration
+``--acceleration``, complex noise ``--noise``; :mod:`mri_mtf.sampling`; with ``--coils N``
+> 1, N birdcage coils and SENSE, :mod:`mri_mtf.sense`) and reconstructs it with each
 ``--method`` (comma-separated, or ``all``):
 
 zero-filled
-    ``|A^H y|`` (:func:`mri_mtf.recon.zero_filled`).
+    ``|A^H y|`` (:func:`mri_mtf.recon.zero_filled`); with coils the root-sum-of-squares
+    (:meth:`mri_mtf.sense.Sense.rss`).
 tv
-    Total variation by ADMM (:class:`mri_mtf.recon.SteppedTV`): one lowered iteration
-    run ``--tv-iterations`` times, the state in Mesh TF variables.
+    Total variation by ADMM (:class:`mri_mtf.recon.SteppedTV`); with coils TV-SENSE by
+    PDHG (:class:`mri_mtf.tv_sense.SteppedTVSense`): one lowered iteration run
+    ``--tv-iterations`` times, the state in Mesh TF variables.
 unrolled
     The unrolled network (:mod:`mri_mtf.unrolled`) trained for ``--train-steps`` Adam
-    steps on perturbed phantoms, then applied to the measurement.
+    steps on perturbed phantoms (a brain: shifted, scaled copies of its training part,
+    :mod:`mri_mtf.augment`), then applied to the measurement.
 
 Outputs (run directory):
 
@@ -20,9 +25,10 @@ imaging.h5
     ``truth`` and one magnitude volume per method ``[NX, NY, NZ]``, written by every
     rank (its blocks; :func:`flowpm_mtf.runs.io.write_imaging`), ``train_loss``.
 metrics.md
-    PSNR [dB] and SSIM per method.
+    PSNR [dB] and SSIM per method (a brain: in its mask, and in the mask's held-out part).
 summary.json
-    Configs, ``psnr_db`` and ``ssim`` per method, the training loss, timings [s], peak
+    Configs, ``psnr_db`` and ``ssim`` per method (a brain: also ``psnr_db_heldout``,
+    ``ssim_heldout``), the training loss, timings [s], peak
     memory per rank [MB].
 imaging.png
     The three orthogonal mid-slices of the truth and of each reconstruction (only
@@ -45,9 +51,10 @@ initial network and labels it ``unrolled (untrained)`` (log, metrics.md, figure;
 
 Bad input (a grid that does not divide the volume, an impossible R, an unknown
 method, a volume smaller than the SSIM window, a filter that does not fit the volume
-or the halo, counts beyond their bounds: exit 2) and an estimated peak memory beyond
-the node's (:mod:`mri_mtf.memory`, exit 4) are one ``flowpm-mtf: error:`` line before
-anything is built or created.
+or the halo, counts beyond their bounds, ``--coils 0``, a missing or non-3D NIfTI file, a
+file smaller than ``--nc``: exit 2) and an estimated peak memory beyond the node's
+(:mod:`mri_mtf.memory`, exit 4) are one ``flowpm-mtf: error:`` line before anything is
+built or created.
 """
 import dataclasses
 import logging
@@ -119,43 +126,74 @@ class _Graph:
 
     def __init__(self, ctx, mesh):
         import mesh_tensorflow as mtf
+        import tensorflow.compat.v1 as tf
 
-        from mri_mtf import metrics, operators, phantom, recon, sampling, unrolled
+        from mri_mtf import augment, metrics, operators, phantom, recon, sampling, unrolled
+        from mri_mtf import sense, tv_sense, volume
         from ..mesh import complex_ops
         from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
         conf = ctx.conf
         self.methods = ctx.configs["imaging"].methods
         uconf = ctx.configs["unrolled"]
-        self.truth = phantom.phantom(mesh, conf)
+        zeros = unfolded_zeros_initializer()
+        self.raw = None
+        if conf.volume == "phantom":
+            self.truth = phantom.phantom(mesh, conf)
+        else:
+            # the resampled volume, each rank's slab assigned from its file block (execute)
+            self.raw = mtf.get_variable(mesh, "volume_raw", operators.image_shape(conf),
+                                        dtype=conf.tf_dtype, initializer=zeros,
+                                        trainable=False)
+            self.truth = self.raw / mtf.reduce_max(self.raw)
         mask = sampling.mask(mesh, conf)
-        measured = operators.forward(self.truth, mask, conf) + complex_ops.apply_kernel(
-            sampling.complex_noise(mesh, conf), mask, name="noise_mask")
+        if conf.coils > 1:
+            op = sense.Sense(mesh, conf, conf.coils, mask)
+            measured = op.measure(self.truth)
+        else:
+            op = unrolled.SingleCoil(conf, mask)
+            measured = operators.forward(self.truth, mask, conf) + complex_ops.apply_kernel(
+                sampling.complex_noise(mesh, conf), mask, name="noise_mask")
         # the data in a variable (real, imaginary parts): TV's steps read it
-        kvar = mtf.get_variable(mesh, "kdata", mtf.Shape(operators.kspace_shape(conf).dims
+        kvar = mtf.get_variable(mesh, "kdata", mtf.Shape(op.kspace_shape.dims
                                                          + [operators.CHAN]),
-                                dtype=conf.tf_dtype, initializer=unfolded_zeros_initializer(),
-                                trainable=False)
+                                dtype=conf.tf_dtype, initializer=zeros, trainable=False)
         self.observe_op = mtf.assign(kvar, operators.to_channels(measured), name="observe")
         kdata = operators.to_complex(kvar, name="kdata_read")
         self.images = {"truth": self.truth}
         self.tv = self.training = None
         if "zero-filled" in self.methods:
-            self.images["zero_filled"] = recon.zero_filled(kdata, mask, conf)
+            self.images["zero_filled"] = (op.rss(kdata, name="zero_filled") if conf.coils > 1
+                                          else recon.zero_filled(kdata, mask, conf))
         if "tv" in self.methods:
-            self.tv = recon.SteppedTV(kdata, mask, conf, ctx.configs["tv"])
+            self.tv = (tv_sense.SteppedTVSense(kdata, op, ctx.configs["tv"]) if conf.coils > 1
+                       else recon.SteppedTV(kdata, mask, conf, ctx.configs["tv"]))
             self.images["tv"] = operators.magnitude(self.tv.x, name="tv_magnitude")
         if "unrolled" in self.methods:
             weights = unrolled.make_weights(mesh, conf, uconf)
+            source = (None if self.raw is None
+                      else augment.VolumeAugmentation(self.truth, conf, uconf.data_seed))
             if uconf.train_steps:
-                self.training = unrolled.UnrolledTraining(mesh, conf, uconf, mask, weights)
-            out = unrolled.network(kdata, mask, weights, conf, uconf, name="net")
+                self.training = unrolled.UnrolledTraining(mesh, conf, uconf, mask, weights,
+                                                          op=op, source=source)
+            out = unrolled.network(kdata, mask, weights, conf, uconf, name="net", op=op)
             self.images["unrolled"] = unrolled.channel_magnitude(out, name="net_magnitude")
+        # metrics: the whole volume (phantom), or the brain mask and its held-out part
+        regions = {"": None}
+        if self.raw is not None:
+            brain = mtf.cwise(lambda t: tf.cast(t > volume.BRAIN_THRESHOLD, t.dtype),
+                              [self.truth], name="brain_mask")
+            regions = {"": brain, "_heldout": brain * augment.heldout_mask(
+                mesh, conf, conf.tf_dtype, name="heldout_mask")}
         self.metrics = {}
         for m in self.methods:
-            img = self.images[_KEYS[m]]
-            self.metrics[m] = {"psnr_db": metrics.psnr(img, self.truth, name="psnr_" + _KEYS[m]),
-                               "ssim": metrics.ssim(img, self.truth, name="ssim_" + _KEYS[m])}
+            img, k = self.images[_KEYS[m]], _KEYS[m]
+            self.metrics[m] = {}
+            for suffix, w in regions.items():
+                self.metrics[m]["psnr_db" + suffix] = metrics.psnr(
+                    img, self.truth, name="psnr%s_%s" % (suffix, k), weights=w)
+                self.metrics[m]["ssim" + suffix] = metrics.ssim(
+                    img, self.truth, name="ssim%s_%s" % (suffix, k), weights=w)
 
 
 @register
@@ -177,6 +215,18 @@ class ImagingJob(Job):
 
         conf, uconf = ctx.conf, ctx.configs["unrolled"]
         methods = ctx.configs["imaging"].methods
+        if conf.volume != "phantom":
+            from mri_mtf.volume import VolumeSource
+
+            try:
+                VolumeSource(conf.volume, conf.nc)   # header only: file, 3D, size
+            except FileNotFoundError as e:
+                raise ValueError(str(e))
+        tv = ctx.configs["tv"]
+        if "tv" in methods and conf.coils == 1 \
+                and tv.norm != "isotropic":
+            raise ValueError("--tv-norm %s needs --coils >= 2 (the single-coil ADMM is "
+                             "isotropic)" % tv.norm)
         if min(conf.nc) < metrics.SSIM_WINDOW:
             raise ValueError("nc=%s is too small: SSIM needs at least %d voxels per axis"
                              % (conf.nc, metrics.SSIM_WINDOW))
@@ -195,12 +245,14 @@ class ImagingJob(Job):
 
     def describe(self, ctx, g):
         conf = ctx.conf
-        return "volume %s, grid %s, R=%g, methods %s" % (
-            "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)), conf.acceleration,
-            ",".join(g.methods))
+        return "%s %s, %d coil(s), grid %s, R=%g, methods %s" % (
+            conf.volume, "x".join(map(str, conf.nc)), conf.coils,
+            "x".join(map(str, conf.grid)), conf.acceleration, ",".join(g.methods))
 
     def lower(self, ctx, g, lowering):
         ops = {"observe": lowering.lowered_operation(g.observe_op),
+               "volume": (None if g.raw is None
+                          else runner.VariableSlices(lowering, {"volume": g.raw})),
                "metrics": {m: runner.replicated(lowering, v) for m, v in g.metrics.items()},
                "images": runner.local(lowering, g.images)}
         if g.tv is not None:
@@ -217,6 +269,9 @@ class ImagingJob(Job):
         # SIGTERM: every phase ends at a boundary where the ranks agree on a stop request
         # (_stop_point); after the last loop only the evaluation and the outputs are left,
         # and the run finishes (exit 0), as the other jobs after their last step.
+        if ops["volume"] is not None:
+            with ctx.timed("read_volume_s"):
+                _read_volume(ctx, sess, ops["volume"])
         with ctx.timed("observe_s"):
             sess.run(ops["observe"])
         _stop_point(ctx, sess, g, ops, "the data", last=not (
@@ -238,8 +293,9 @@ class ImagingJob(Job):
             timings["tv_s"] = time.perf_counter() - t
             timings["tv_per_iteration_s"] = timings["tv_s"] / n
             res["metrics"]["tv"] = sess.run(ops["metrics"]["tv"])
-            _log_metrics("tv", res["metrics"]["tv"], "%d ADMM iterations, %.3f s/iteration"
-                         % (n, timings["tv_per_iteration_s"]))
+            _log_metrics("tv", res["metrics"]["tv"], "%d %s iterations, %.3f s/iteration"
+                         % (n, "PDHG (TV-SENSE)" if conf.coils > 1 else "ADMM",
+                            timings["tv_per_iteration_s"]))
         if "unrolled" in g.methods:
             if g.training is not None:
                 self._train(ctx, sess, g, ops, res["loss"])
@@ -289,6 +345,16 @@ class ImagingJob(Job):
         if "unrolled" in m:
             # --train-steps 0 evaluates the initial network: said, never silent
             out["untrained"] = ["unrolled"] if not ctx.configs["unrolled"].train_steps else []
+        conf = ctx.configs["config"]
+        if conf.volume != "phantom":
+            from mri_mtf import augment
+
+            out["metrics_region"] = "brain mask (normalised intensity > 0.2)"
+            out["heldout"] = ("y >= %d (the last %g of the y planes; never in the network's "
+                              "training images)" % (augment.heldout_start(conf),
+                                                    augment.HELDOUT_FRACTION))
+            out["psnr_db_heldout"] = {k: v["psnr_db_heldout"] for k, v in m.items()}
+            out["ssim_heldout"] = {k: v["ssim_heldout"] for k, v in m.items()}
         return out
 
     def write_all(self, ctx, res):
@@ -297,13 +363,16 @@ class ImagingJob(Job):
 
     def write(self, ctx, out, res, summary):
         conf = ctx.conf
+        held = conf.volume != "phantom"
         rows = [(_label(k, summary), "%.2f" % v["psnr_db"], "%.4f" % v["ssim"])
+                + (("%.2f" % v["psnr_db_heldout"], "%.4f" % v["ssim_heldout"]) if held else ())
                 for k, v in res["metrics"].items()]
-        title = ("flowpm-mtf imaging: volume %s, grid %s, R = %g, noise sigma %g"
-                 % ("x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)),
-                    conf.acceleration, conf.noise_sigma))
-        writers.write_markdown_table(out.path("metrics.md"), ("method", "PSNR [dB]", "SSIM"),
-                                     rows, title=title, rank=0)
+        title = ("flowpm-mtf imaging: %s %s, %d coil(s), grid %s, R = %g, noise sigma %g"
+                 % (conf.volume, "x".join(map(str, conf.nc)), conf.coils,
+                    "x".join(map(str, conf.grid)), conf.acceleration, conf.noise_sigma))
+        head = ("method", "PSNR [dB]", "SSIM") + (
+            ("PSNR held-out [dB]", "SSIM held-out") if held else ())
+        writers.write_markdown_table(out.path("metrics.md"), head, rows, title=title, rank=0)
 
     def plot(self, ctx, out, res, summary):
         imaging_plot(out.path("imaging.png"), ctx.conf, res["planes"], res["metrics"],
@@ -391,8 +460,22 @@ def _stop_point(ctx, sess, g, ops, where, last=False):
 
 
 def _log_metrics(method, values, extra=""):
-    log.info("%s: PSNR %.2f dB, SSIM %.4f%s", method, float(values["psnr_db"]),
-             float(values["ssim"]), (" (%s)" % extra) if extra else "")
+    held = ("; held-out PSNR %.2f dB, SSIM %.4f" % (float(values["psnr_db_heldout"]),
+                                                    float(values["ssim_heldout"]))
+            if "psnr_db_heldout" in values else "")
+    log.info("%s: PSNR %.2f dB, SSIM %.4f%s%s", method, float(values["psnr_db"]),
+             float(values["ssim"]), held, (" (%s)" % extra) if extra else "")
+
+
+def _read_volume(ctx, sess, slices):
+    """Assign every local slice of the volume variable from its block of the file."""
+    from mri_mtf.volume import VolumeSource
+
+    src = VolumeSource(ctx.conf.volume, ctx.conf.nc)
+    values = {}
+    for p, t, begin in slices.slices["volume"]:
+        values.setdefault(p, {})["volume"] = src.read(begin, t.shape.as_list())
+    slices.restore(sess, values)
 
 
 def _mid_planes(comm, nc, blocks):
@@ -493,6 +576,9 @@ def imaging_plot(path, conf, planes, metrics, untrained=()):
         titles[_KEYS[m]] = "%s%s\nPSNR %.2f dB, SSIM %.3f" % (
             m, " (untrained)" if m in untrained else "", metrics[m]["psnr_db"],
             metrics[m]["ssim"])
+        if "psnr_db_heldout" in metrics[m]:   # a brain: in its mask, and its held-out part
+            titles[_KEYS[m]] += "\nheld-out %.2f dB, %.3f" % (metrics[m]["psnr_db_heldout"],
+                                                             metrics[m]["ssim_heldout"])
     vmax = max(float(planes["truth"][a].max()) for a in "xyz")
     fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 9.5), squeeze=False)
     labels = {"x": ("y", "z"), "y": ("x", "z"), "z": ("x", "y")}
