@@ -135,6 +135,10 @@ if [ "$STACK" = tf2.21 ]; then
   # scipy < 1.18 in its metadata, below this stack's scipy: without deps (it needs only
   # h5py, numpy, scipy and matplotlib, all in the stack; its Gadget reader works here).
   "${PIP[@]}" install -q --no-deps "pynbody==2.8.0"
+  # nilearn 0.14.1 for the MNI152 template file in its wheel (imaging --volume mni152); its
+  # dependencies (scikit-learn, pandas, joblib, lxml, requests) are never used here, and
+  # Keras 3 imports scikit-learn whenever it is installed (a second per `import tensorflow`)
+  "${PIP[@]}" install -q --no-deps "nilearn==0.14.1"
 fi
 
 # ---------------------------------------------------------------- 4. horovod
