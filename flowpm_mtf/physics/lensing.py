@@ -34,24 +34,37 @@ convergence for a source at comoving distance :math:`r_s` is
     \kappa(\boldsymbol\theta) = \frac32 \Omega_m \Big(\frac{H_0}{c}\Big)^2
         \sum_i \Delta r\, \frac{r_i}{a_i}
         \big(\bar\delta_i(r_i\boldsymbol\theta) - \langle\bar\delta_i\rangle\big)
-        \Big(1 - \frac{r_i}{r_s}\Big)_+ ,
+        \Big(1 - \frac{r_i}{r_s}\Big)_+ .
 
-with :math:`\bar\delta_i(\mathbf x)` the bilinear interpolation of plane ``i``
-(grid node ``j`` at transverse position ``j`` cells, as the CIC painting) and
-:math:`\langle\cdot\rangle` the plane's mean. Bilinear weights factorise:
-the ray grid is a tensor product, so the interpolation of a plane is the
-matrix product :math:`W_x\, \bar\delta\, W_y^{T}` with :math:`W_x` of shape
-``[npix, nx]`` (two non-zeros per row). It is one ``mtf.einsum`` whose
-contraction over ``x`` and ``y`` ends in one all-reduce over ``row`` and ``col``
-(summed lazily over planes); gradients are Mesh TF's einsum gradients (exact;
-no tensorflow_addons). Memory per rank: :math:`O(n_{\rm pix}(n_x/P + n_y/Q))`.
+**Planes at the rays' resolution** (:func:`ray_born_terms`, what the job and
+:func:`lightcone_forward` use): the shell's particles are painted with 2D CIC on
+the plane's own ray grid, one cell of comoving side :math:`r_i\Delta\theta` per
+ray, centred on it, so the rays read the cells themselves; the window is one
+angular :math:`\mathrm{sinc}^2(\ell\Delta\theta/2)` per axis for every plane,
+however far, instead of the PM mesh's at :math:`k = \ell/r_i`. Each rank paints
+its own particles (global coordinates, nearest periodic image of the field
+centre) into a map-sized term; the terms are linear in the counts (the shell's
+mean, its count over the whole box, is subtracted the same way), so the map is
+their sum over the blocks (:func:`born_from_terms`, one all-reduce of the map).
+Point particles carry their shot noise into the map
+(:func:`flowpm_mtf.physics.lensing_theory.shot_noise_cl`).
+
+**Planes on the PM mesh** (:func:`density_plane`, :func:`born_convergence`):
+the shell painted on the (x, y) cells of the 3D mesh and read by bilinear
+interpolation, :math:`W_x\, \bar\delta\, W_y^{T}` with :math:`W_x` of shape
+``[npix, nx]`` (two non-zeros per row), one ``mtf.einsum`` per plane. The job
+still paints and writes these planes (they are the shells' density on the
+mesh), but its maps no longer come from them: their windows kept 17 % of
+C_ell at ell 700 on the default run.
 
 Sources with a redshift distribution: a tomographic bin of an n(z) (Smail or a
 table, :class:`~flowpm_mtf.physics.lensing_geometry.LensingConfig`) replaces
 :math:`(1 - r_i/r_s)_+` by its mean over the bin's n(z), :math:`g_b(r_i)`
 (:func:`~flowpm_mtf.physics.lensing_sources.nz_efficiency`); the Born sum is
-otherwise the same einsum (``geom.efficiency``, one row per map). Shear maps
-come from the convergence maps by Kaiser-Squires (:func:`shear_maps`).
+otherwise the same sum (``geom.efficiency``, one row per map). Shear maps come
+from the convergence maps' potential on a zero-padded field
+(:func:`shear_from_potential`; :func:`shear_maps` is the periodic
+Kaiser-Squires inversion).
 
 Decorrelating the replicas: shells deeper than the box share particles (a shell
 of 192 Mpc/h in a 256 Mpc/h box overlaps its neighbour's z range modulo the box
@@ -60,8 +73,9 @@ C_ell twice the Limber value without this). As in multiple-plane ray tracing
 codes, each plane is therefore used with its own random periodic shift,
 random flips of both axes and, when the box is square in (x, y), a random
 transposition (seeded by ``conf.seed``; ``LensingConfig(randomize=False)``
-turns it off). These are changes of the ray coordinates in the interpolation
-weights only: the planes themselves are unchanged and no data moves.
+turns it off). These are changes of the ray coordinates only (in the painting
+on the ray grid, :func:`ray_plane_coordinates`, and in the interpolation
+weights): no data moves.
 """
 import logging
 

@@ -1,39 +1,35 @@
 r"""The expected convergence power of a lensing run: Limber through the run's windows.
 
 :func:`flowpm_mtf.physics.lensing_stats.limber_cl` is the textbook Limber sum. What
-:func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` measures on a map of
-:func:`flowpm_mtf.physics.lensing.born_convergence` differs from it by four windows,
-all of them applied here to the prediction instead of being deconvolved from
-the data (the data are too suppressed and too aliased beyond the mesh
-Nyquist frequency to be deconvolved; the analysis is in ``docs/lensing.md``):
+:func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` measures on a map of a
+lensing run differs from it by the windows and the noise below, all of them applied here to the prediction (``C_ell_limber``, ``C_ell_halofit``),
+and undone from the data by :func:`sky_cl` (``C_ell_sky``, comparable with the
+continuum columns ``C_ell_limber_cont``, ``C_ell_halofit_cont``):
 
-1. **Plane painting** (2D CIC on the mesh): the plane's grid holds the
-   shell-averaged density convolved with the CIC kernel and sampled on the
-   cells, so its power at a transverse wavevector :math:`\mathbf k` (in the
-   first Brillouin zone) is :math:`P_G(\mathbf k) = \sum_{\mathbf n}
-   W^2(\mathbf k + 2k_N\mathbf n)\, P(|\mathbf k + 2k_N\mathbf n|)/\Delta r`
-   with :math:`W^2 = \prod_{\rm axes}\mathrm{sinc}^4(k_a\Delta_a/2)` (the
-   line of sight is a top hat: no window at :math:`k_z = 0`, Limber).
-   :math:`P` is the *continuous* 3D power, obtained from the run's measured
-   grid P(k) (3D CIC, angle-averaged, with images: :func:`true_power`).
-2. **Ray interpolation** (bilinear readout): a tent per axis,
-   :math:`\mathrm{sinc}^4(k_a\Delta_a/2)` on the power at the *unfolded*
-   :math:`\mathbf k = \boldsymbol\ell/r_i`, times the periodic :math:`P_G` at
-   the folded one (the images beyond the Nyquist frequency).
-3. **Ray sampling**: the map samples a continuous field at the pixel centres,
-   so its power is the continuous one folded at the pixel Nyquist
-   :math:`\ell_N = \pi/\Delta\theta` (the excess of the old prediction near
-   :math:`\ell_N`).
-4. **Taper**: the estimator multiplies the map by a cosine taper; its
+1. **Shell thickness** in the periodic box: a plane averages the k_z modes
+   with sinc^2 weights (:func:`shell_power`).
+2. **Plane painting at the rays' resolution**
+   (:func:`flowpm_mtf.physics.lensing.ray_born_terms`): an angular CIC window,
+   :func:`pixel_window`, the same for every plane.
+3. **Shot noise**: each particle's own footprint adds white noise through that
+   window (:func:`shot_noise_cl`, exact in expectation for any arrangement);
+   the continuous P(k) is the run's measured 3D grid P(k) deconvolved
+   (:func:`true_power`) minus :math:`1/\bar n` (:func:`pair_power`).
+4. **Ray sampling**: the map samples the field at the pixel centres, so its
+   power is folded at the pixel Nyquist :math:`\ell_N = \pi/\Delta\theta`.
+5. **Taper**: the estimator multiplies the map by a cosine taper; its
    expectation is the aliased power convolved with :math:`|\tilde w|^2`
    (mode coupling: +10 % at :math:`\ell` 200-1300 for the default run's steep
-   spectrum, the excess of the old prediction at low :math:`\ell`).
+   spectrum). :func:`coupling_matrix` (MASTER) and :func:`decouple` undo it.
 
 So the measured :math:`\hat C_\ell` and :func:`expected_cl` agree in expectation
-at every :math:`\ell` if the simulation, planes and Born sum are right; the
-ratio is the self-check of a run. Where the windows suppress the continuous
-:math:`C_\ell` by more than a factor two (:data:`RESOLVED_WINDOW`), the run does
-not resolve it: :func:`window_factor` and :func:`resolved_range` say where.
+at every :math:`\ell` where the run's P(k) is known (below the 3D mesh's Nyquist
+frequency; a power law beyond it); the ratio is the self-check of a run. A bin is
+**resolved** where the windows keep half of C_ell (:data:`RESOLVED_WINDOW`) and
+half of C_ell comes from wavenumbers the PM force resolves
+(:func:`mesh_share`, :data:`RESOLVED_K_NYQUIST`): :func:`resolved_range`.
+(The bilinear-readout windows of planes on the PM mesh, :func:`plane_grid_power`,
+are kept for :func:`flowpm_mtf.physics.lensing.born_convergence`'s users.)
 """
 import logging
 
