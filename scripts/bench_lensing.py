@@ -138,12 +138,17 @@ def ensemble(tables, bands=BANDS):
 
 
 # ----------------------------------------------------------------------------- runs
-def run_seeds(seeds, options, work, ranks=1, nice=10, timeout=1800):
+def run_seeds(seeds, options, work, ranks=1, nice=10, timeout=1800, reuse=False):
     """Run ``flowpm-mtf lensing --seed s`` for each seed; the paths of their
-    ``kappa_power.txt``."""
+    ``kappa_power.txt`` (with ``reuse``, a seed whose run in ``work`` is complete is
+    not run again)."""
     paths = []
     for s in seeds:
         out = os.path.join(work, "seed%d" % s)
+        if reuse and os.path.exists(os.path.join(out, "manifest.json")):
+            log.info("seed %d: reusing %s", s, out)
+            paths.append(os.path.join(out, "kappa_power.txt"))
+            continue
         cmd = [sys.executable, "-m", "flowpm_mtf.cli", "lensing", "--seed", str(s),
                "--out", out] + list(options)
         if ranks > 1:
@@ -252,6 +257,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--nice", type=int, default=10)
     p.add_argument("--timeout", type=float, default=1800.0, help="per run [s]")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the complete runs already in --work (same options!)")
     p.add_argument("--out", default=RESULTS, help="folder of the table and figure")
     p.add_argument("--work", default=None, help="folder of the runs (default: temporary)")
     p.add_argument("--bands", default=",".join("%g-%g" % b for b in BANDS),
@@ -264,7 +271,7 @@ def main(argv=None):
         work = args.work or tempfile.mkdtemp(prefix="bench_lensing")
         load0 = os.getloadavg()[0]
         seeds = range(args.first_seed, args.first_seed + args.seeds)
-        paths = run_seeds(seeds, extra, work, args.ranks, args.nice, args.timeout)
+        paths = run_seeds(seeds, extra, work, args.ranks, args.nice, args.timeout, args.reuse)
         load1 = os.getloadavg()[0]
         bands = [tuple(float(v) for v in b.split("-")) for b in args.bands.split(",")]
         data[args.label] = {"options": extra, "seeds": list(seeds), "ranks": args.ranks,
