@@ -139,7 +139,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(case, runs):
         manifest = json.load(f)
     assert manifest["job"] == "lensing" and manifest["step"] == STOP_AT
     assert manifest["state_config"]["lensing"]["n_planes"] == N_PLANES
-    assert manifest["fields"] == sorted("plane_%d" % i for i in range(N_PLANES))
+    assert manifest["fields"] == sorted(["born_kappa"] + ["plane_%d" % i
+                                                         for i in range(N_PLANES)])
     n_slices = case[1][0] * case[1][1]
     for info in manifest["files"].values():   # each part: its own (x, y) block of a plane
         assert info["fields"]["plane_0"]["shape"] == [16 // case[1][0], 16 // case[1][1]]

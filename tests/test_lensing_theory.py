@@ -18,6 +18,10 @@ MC_BAND_RTOL = 0.015
 # true_power inverts the angle-averaged CIC window with 8 x 8 directions: the quadrature
 # of sinc^4 products is good to ~0.5 %; the grid's own shells (not directions) add ~1 %.
 DECONV_RTOL = 0.03
+# The padded potential's B power beyond the estimator's own E-B leakage, in units of E.
+EB_LEAK = 0.01
+# Images +-4 per axis of sinc^4: the neglected tail sum_{|n|>4} (1/(pi n))^4 ~ 1e-4.
+PIXEL_WINDOW_RTOL = 1e-3
 # shell_power of a constant: its weights sum to 1 up to the tail integral (1e-4).
 SHELL_RTOL = 1e-3
 
@@ -30,12 +34,14 @@ def _cl(l):
     return out
 
 
-def test_expected_pseudo_cl_matches_monte_carlo():
+MC_N, MC_FOV = 64, 4.0
+
+
+@pytest.fixture(scope="module")
+def monte_carlo():
     """Gaussian fields of power C(ell) on a periodic sky 4x the map's side, cut into 16
-    maps per realisation: the mean of kappa_power_spectrum (tapered) equals
-    expected_pseudo_cl in ell bands, including the taper's mode coupling (+4 % at ell
-    200-800 on this spectrum) that the bare C(ell) misses."""
-    n, fov, big = 64, 4.0, 4
+    maps per realisation: the mean of kappa_power_spectrum (tapered)."""
+    n, fov, big = MC_N, MC_FOV, 4
     nn = big * n
     dth = np.deg2rad(fov) / n
     lk = 2 * np.pi * np.fft.fftfreq(nn, d=dth)
@@ -48,7 +54,15 @@ def test_expected_pseudo_cl_matches_monte_carlo():
             for b in range(0, nn, n):
                 ell, c, modes = L.kappa_power_spectrum(g[a:a + n, b:b + n], fov)
                 acc, count = acc + c, count + 1
-    mc = acc / count
+    return ell, acc / count, modes
+
+
+def test_expected_pseudo_cl_matches_monte_carlo(monte_carlo):
+    """The Monte-Carlo mean of the tapered estimator equals expected_pseudo_cl in ell
+    bands, including the taper's mode coupling (+4 % at ell 200-800 on this spectrum)
+    that the bare C(ell) misses."""
+    n, fov = MC_N, MC_FOV
+    ell, mc, modes = monte_carlo
     e2, expect, m2 = T.expected_pseudo_cl(lambda lx, ly: _cl(np.sqrt(lx**2 + ly**2)), n, fov,
                                           images=0)
     np.testing.assert_array_equal(m2, modes)
@@ -60,6 +74,81 @@ def test_expected_pseudo_cl_matches_monte_carlo():
         assert abs(ratio - 1) < MC_BAND_RTOL, (lo, hi, ratio)
     s = (ell >= 200) & (ell < 800)
     assert mc[s].sum() / bare[s].sum() > 1.025           # the coupling the model captures
+
+
+def test_master_decoupling_recovers_bare_power(monte_carlo):
+    """The MASTER coupling matrix of the tapered estimator (coupling_matrix, the spectrum's
+    shape within a bin) inverted on the Monte-Carlo mean gives the bare C(ell) averaged over
+    each bin's modes, in ell bands (the raw estimator: 1.6 % high at ell 200-800)."""
+    ell, mc, modes = monte_carlo
+    e2, m = T.coupling_matrix(MC_N, MC_FOV, shape=_cl)
+    np.testing.assert_allclose(e2, ell)
+    lk = 2 * np.pi * np.fft.fftfreq(MC_N, d=np.deg2rad(MC_FOV) / MC_N)
+    l2 = np.sqrt(lk[:, None]**2 + lk[None, :]**2).ravel()
+    edges = np.arange(0.5, MC_N / 2 + 1e-9, 2.0) * (2 * np.pi / np.deg2rad(MC_FOV))
+    b = np.digitize(l2, edges) - 1
+    ok = (b >= 0) & (b < edges.size - 1) & (l2 > 0)
+    bare = np.bincount(b[ok], _cl(l2[ok]), edges.size - 1) / np.maximum(modes, 1)
+    sky = T.decouple(mc, m)
+    for lo, hi in ((200, 800), (800, 1600), (1600, 2600)):
+        s = (ell >= lo) & (ell < hi) & (modes > 0)
+        assert abs(sky[s].sum() / bare[s].sum() - 1) < MC_BAND_RTOL, (lo, hi)
+    s = (ell >= 200) & (ell < 800)
+    assert mc[s].sum() / bare[s].sum() > 1.012
+
+
+def test_shear_from_padded_potential_adds_no_b_modes():
+    """A pure-E shear: Gaussian convergence on a periodic sky 4x the map's side, the true
+    shear of each cut map (periodic Kaiser-Squires on the whole sky) against the shear of
+    the cut map's potential on a 2x zero-padded field (lensing.shear_from_potential, in
+    numpy): the method's B power exceeds the estimator's own E-B leakage (the taper's, the
+    true shear's B) by less than 1 % of E at every ell, and their E powers agree to 10 %
+    above the lowest bins."""
+    n, fov, big = 64, 4.0, 4
+    nn = big * n
+    dth = np.deg2rad(fov) / n
+    lk = 2 * np.pi * np.fft.fftfreq(nn, d=dth)
+    amp = np.sqrt(_cl(np.sqrt(lk[:, None]**2 + lk[None, :]**2)))
+    m1, m2 = L.kaiser_squires_kernels(nn)
+    p1, p2 = L.kaiser_squires_kernels(2 * n)
+    rng = np.random.RandomState(9)
+    acc = 0.0
+    for _ in range(2):
+        kh = np.fft.fft2(np.fft.ifft2(amp * (rng.randn(nn, nn) + 1j * rng.randn(nn, nn))).real)
+        g1, g2 = np.fft.ifft2(kh * m1).real, np.fft.ifft2(kh * m2).real
+        k = np.fft.ifft2(kh).real
+        for a in range(0, nn, n):
+            for b in range(0, nn, n):
+                cut = k[a:a + n, b:b + n]
+                ph = np.fft.fft2(np.pad(cut - cut.mean(), ((0, n), (0, n))))
+                ell, te, tb, _ = L.shear_eb_power(g1[a:a + n, b:b + n], g2[a:a + n, b:b + n], fov)
+                _, pe, pb, _ = L.shear_eb_power(np.fft.ifft2(ph * p1).real[:n, :n],
+                                                np.fft.ifft2(ph * p2).real[:n, :n], fov)
+                acc += np.array([te, tb, pe, pb])
+    te, tb, pe, pb = acc
+    assert np.all(pb - tb < EB_LEAK * te), (pb - tb) / te
+    assert np.all(np.abs(pe[2:] / te[2:] - 1) < 0.1), pe / te
+    assert np.all(tb[4:] < 0.05 * te[4:])                      # the taper's own leakage
+
+
+def test_pixel_window_of_painted_points():
+    """Points painted with CIC on the ray grid: their white self-power through
+    pixel_window and its aliases (expected_pseudo_cl, no taper) is the closed form of
+    Hockney & Eastwood, prod_axes (1 - 2/3 sin^2(ell dtheta / 2)), at every ell (a
+    periodic map: pad 1, no taper)."""
+    n, fov = 32, 3.0
+    dth = np.deg2rad(fov) / n
+    e, c, m = T.expected_pseudo_cl(lambda lx, ly: T.pixel_window(lx, ly, dth), n, fov,
+                                   taper=0.0, pad=1, images=4)
+    lk = 2 * np.pi * np.fft.fftfreq(n, d=dth)
+    hw = ((1 - 2 / 3 * np.sin(lk[:, None] * dth / 2)**2)
+          * (1 - 2 / 3 * np.sin(lk[None, :] * dth / 2)**2)).ravel()
+    l2 = np.sqrt(lk[:, None]**2 + lk[None, :]**2).ravel()
+    edges = np.arange(0.5, n / 2 + 1e-9, 2.0) * (2 * np.pi / (n * dth))
+    b = np.digitize(l2, edges) - 1
+    ok = (b >= 0) & (b < edges.size - 1) & (l2 > 0)
+    ref = np.bincount(b[ok], hw[ok], edges.size - 1) / np.maximum(m, 1)
+    np.testing.assert_allclose(c[m > 0], ref[m > 0], rtol=PIXEL_WINDOW_RTOL)
 
 
 def test_ray_sampling_aliasing():

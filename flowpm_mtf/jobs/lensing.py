@@ -77,14 +77,31 @@ class LensingGraph(SimulationGraph):
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
                                         trainable=False, initializer=unfolded_zeros_initializer())
                        for i in range(geom.n_planes)]
-        # plane_ops[j]: assignments of the planes painted at stage j
+        # the Born maps' running sum over the planes painted so far, at the rays' resolution
+        # (lensing.ray_born_terms, summed over the blocks at each plane stage): [src, thx,
+        # thy], small and replicated (a checkpoint holds it once, for any process grid)
+        self.born_kappa = mtf.get_variable(
+            mesh, "born_kappa", mtf.Shape([
+                mtf.Dimension(lensing.SRC, geom.n_source),
+                mtf.Dimension(lensing.THX, geom.npix), mtf.Dimension(lensing.THY, geom.npix)]),
+            dtype=conf.tf_dtype, trainable=False, initializer=unfolded_zeros_initializer())
+        coef = lensing_geometry.born_coefficients(conf, geom)
+        # plane_ops[j]: assignments of the planes painted at stage j (the mesh planes and the
+        # rays' Born terms of the same particles)
         self.plane_ops = {}
+        terms = {}
         for i, j in enumerate(self.plane_stage):
             self.plane_ops.setdefault(int(j), []).append(
                 mtf.assign(self.planes[i], lensing.density_plane(x, conf, geom, i,
                                                                  weight=self.weights)))
-        self.kappa = lensing.born_convergence(self.planes, conf, geom)
-        self.gamma1, self.gamma2 = lensing.shear_maps(self.kappa)
+            if np.any(coef[:, i] > 0):
+                terms.setdefault(int(j), []).append(
+                    lensing.ray_born_terms(x, conf, geom, i, weight=self.weights))
+        for j, ts in terms.items():
+            self.plane_ops[j].append(mtf.assign(self.born_kappa, self.born_kappa
+                                                + lensing.born_from_terms(ts)))
+        self.kappa = mtf.identity(self.born_kappa)
+        self.gamma1, self.gamma2 = lensing.shear_from_potential(self.kappa)
 
 
 @register
@@ -148,7 +165,7 @@ class LensingJob(Job):
                        "gamma2": h5dist.replicated_value(lowering, g.gamma2),
                        "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
         ops["plane_vars"] = runner.VariableSlices(
-            lowering, dict(zip(plane_names(len(g.planes)), g.planes)))
+            lowering, dict(zip(plane_names(len(g.planes)), g.planes), born_kappa=g.born_kappa))
         return ops
 
     def execute(self, ctx, sess, g, ops):
@@ -208,6 +225,15 @@ class LensingJob(Job):
         with ctx.timed("theory_s"):
             pred = lensing_theory.run_prediction(conf, geom, plane_k, plane_p,
                                                  list(range(geom.n_source)))
+            sky = lensing_theory.sky_cl([c[1] for c in cls], conf, geom, pred)
+        pred.setdefault("extra", {})
+        pred["extra"]["C_ell_shot"] = pred["shot"]
+        pred["extra"]["C_ell_sky"] = list(sky)
+        eb = [lensing_stats.shear_eb_power(g1, g2, geom.field_deg)
+              for g1, g2 in zip(np.asarray(res["gamma1"], np.float64),
+                                np.asarray(res["gamma2"], np.float64))]
+        pred["extra"]["C_ell_E"] = [e[1] for e in eb]
+        pred["extra"]["C_ell_B"] = [e[2] for e in eb]
         for key in ("expected", "continuous", "window", "resolved"):
             pred[key] = [v[ok] for v in pred[key]]
         pred["extra"] = {n: [v[ok] for v in vals] for n, vals in pred.get("extra", {}).items()}

@@ -1,39 +1,35 @@
 r"""The expected convergence power of a lensing run: Limber through the run's windows.
 
 :func:`flowpm_mtf.physics.lensing_stats.limber_cl` is the textbook Limber sum. What
-:func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` measures on a map of
-:func:`flowpm_mtf.physics.lensing.born_convergence` differs from it by four windows,
-all of them applied here to the prediction instead of being deconvolved from
-the data (the data are too suppressed and too aliased beyond the mesh
-Nyquist frequency to be deconvolved; the analysis is in ``docs/lensing.md``):
+:func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` measures on a map of a
+lensing run differs from it by the windows and the noise below, all of them applied here to the prediction (``C_ell_limber``, ``C_ell_halofit``),
+and undone from the data by :func:`sky_cl` (``C_ell_sky``, comparable with the
+continuum columns ``C_ell_limber_cont``, ``C_ell_halofit_cont``):
 
-1. **Plane painting** (2D CIC on the mesh): the plane's grid holds the
-   shell-averaged density convolved with the CIC kernel and sampled on the
-   cells, so its power at a transverse wavevector :math:`\mathbf k` (in the
-   first Brillouin zone) is :math:`P_G(\mathbf k) = \sum_{\mathbf n}
-   W^2(\mathbf k + 2k_N\mathbf n)\, P(|\mathbf k + 2k_N\mathbf n|)/\Delta r`
-   with :math:`W^2 = \prod_{\rm axes}\mathrm{sinc}^4(k_a\Delta_a/2)` (the
-   line of sight is a top hat: no window at :math:`k_z = 0`, Limber).
-   :math:`P` is the *continuous* 3D power, obtained from the run's measured
-   grid P(k) (3D CIC, angle-averaged, with images: :func:`true_power`).
-2. **Ray interpolation** (bilinear readout): a tent per axis,
-   :math:`\mathrm{sinc}^4(k_a\Delta_a/2)` on the power at the *unfolded*
-   :math:`\mathbf k = \boldsymbol\ell/r_i`, times the periodic :math:`P_G` at
-   the folded one (the images beyond the Nyquist frequency).
-3. **Ray sampling**: the map samples a continuous field at the pixel centres,
-   so its power is the continuous one folded at the pixel Nyquist
-   :math:`\ell_N = \pi/\Delta\theta` (the excess of the old prediction near
-   :math:`\ell_N`).
-4. **Taper**: the estimator multiplies the map by a cosine taper; its
+1. **Shell thickness** in the periodic box: a plane averages the k_z modes
+   with sinc^2 weights (:func:`shell_power`).
+2. **Plane painting at the rays' resolution**
+   (:func:`flowpm_mtf.physics.lensing.ray_born_terms`): an angular CIC window,
+   :func:`pixel_window`, the same for every plane.
+3. **Shot noise**: each particle's own footprint adds white noise through that
+   window (:func:`shot_noise_cl`, exact in expectation for any arrangement);
+   the continuous P(k) is the run's measured 3D grid P(k) deconvolved
+   (:func:`true_power`) minus :math:`1/\bar n` (:func:`pair_power`).
+4. **Ray sampling**: the map samples the field at the pixel centres, so its
+   power is folded at the pixel Nyquist :math:`\ell_N = \pi/\Delta\theta`.
+5. **Taper**: the estimator multiplies the map by a cosine taper; its
    expectation is the aliased power convolved with :math:`|\tilde w|^2`
    (mode coupling: +10 % at :math:`\ell` 200-1300 for the default run's steep
-   spectrum, the excess of the old prediction at low :math:`\ell`).
+   spectrum). :func:`coupling_matrix` (MASTER) and :func:`decouple` undo it.
 
 So the measured :math:`\hat C_\ell` and :func:`expected_cl` agree in expectation
-at every :math:`\ell` if the simulation, planes and Born sum are right; the
-ratio is the self-check of a run. Where the windows suppress the continuous
-:math:`C_\ell` by more than a factor two (:data:`RESOLVED_WINDOW`), the run does
-not resolve it: :func:`window_factor` and :func:`resolved_range` say where.
+at every :math:`\ell` where the run's P(k) is known (below the 3D mesh's Nyquist
+frequency; a power law beyond it); the ratio is the self-check of a run. A bin is
+**resolved** where the windows keep half of C_ell (:data:`RESOLVED_WINDOW`) and
+half of C_ell comes from wavenumbers the PM force resolves
+(:func:`mesh_share`, :data:`RESOLVED_K_NYQUIST`): :func:`resolved_range`.
+(The bilinear-readout windows of planes on the PM mesh, :func:`plane_grid_power`,
+are kept for :func:`flowpm_mtf.physics.lensing.born_convergence`'s users.)
 """
 import logging
 
@@ -42,8 +38,10 @@ import numpy as np
 from . import halofit as halofit_mod
 from . import lensing_geometry, lensing_stats
 
-__all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "continuous_cl",
+__all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "pixel_window", "continuous_cl",
            "shell_power", "expected_pseudo_cl", "expected_cl", "window_factor", "resolved_range",
+           "RESOLVED_MESH_SHARE", "RESOLVED_K_NYQUIST", "mean_density", "grid_shot_noise",
+           "shot_noise_cl", "pair_power", "mesh_share", "coupling_matrix", "decouple", "sky_cl",
            "run_prediction"]
 
 log = logging.getLogger(__name__)
@@ -52,6 +50,12 @@ log = logging.getLogger(__name__)
 # (beyond, a deconvolution would more than double the noise and rest on the extrapolation of
 # P(k) beyond the mesh Nyquist frequency).
 RESOLVED_WINDOW = 0.5
+# ... and when at least this share of the continuous C_ell comes from wavenumbers below
+# RESOLVED_K_NYQUIST of the PM mesh's Nyquist frequency (mesh_share): there the PM's P(k)
+# stayed within ~10 % of halofit in the default run (0.91-0.97 at k <= 0.17 h/Mpc = 0.22 k_N,
+# 0.79 at 0.32 k_N: the PM force's own resolution).
+RESOLVED_MESH_SHARE = 0.5
+RESOLVED_K_NYQUIST = 0.25
 # Fixed-point iterations of the 3D CIC deconvolution (true_power): converged to < 1e-4 in 4
 # on the default run's tables.
 _DECONV_ITERS = 6
@@ -249,16 +253,15 @@ def continuous_cl(lx, ly, conf, geom, pfuns, weights, windows=True, shells=None)
 
     .. math::
 
-        C(\boldsymbol\ell) = \sum_i \frac{c_i^2}{\Delta r_i\, r_i^2}\,
-            T^2(\boldsymbol\ell/r_i)\, P_{G,i}(\boldsymbol\ell/r_i)
+        C(\boldsymbol\ell) = W_{\rm pix}(\boldsymbol\ell) \sum_i
+            \frac{c_i^2}{\Delta r_i\, r_i^2}\, P_{s,i}(|\boldsymbol\ell|/r_i)
 
-    with :math:`c_i` the Born weights, :math:`T^2` the bilinear window and
-    :math:`P_{G,i}` the plane's grid power (:func:`plane_grid_power`); with
-    ``windows=False``, :math:`T^2 P_G` is replaced by the continuous
-    :math:`P(|\boldsymbol\ell|/r_i)` (the Limber sum of the continuous field).
-
-    :math:`P_{G,i}` is built on the shell's power (:func:`shell_power`: the
-    shell thickness in the periodic box), not on Limber's :math:`P(k_\perp)`.
+    with :math:`c_i` the Born weights, :math:`P_{s,i}` the shell's power
+    (:func:`shell_power`: the shell thickness in the periodic box, not Limber's
+    :math:`P(k_\perp)`) and :math:`W_{\rm pix}` the rays' CIC painting window
+    (:func:`pixel_window`; the planes are painted on the ray grid, so it is the
+    same angular window for every plane); with ``windows=False``, the Limber sum
+    of the continuous :math:`P(|\boldsymbol\ell|/r_i)` without window.
 
     Parameters
     ----------
@@ -284,17 +287,37 @@ def continuous_cl(lx, ly, conf, geom, pfuns, weights, windows=True, shells=None)
     for i in range(geom.n_planes):
         if weights[i] == 0:
             continue
-        axes = (1, 0) if geom.transpose[i] else (0, 1)
-        cxy = (conf.cell_size[axes[0]], conf.cell_size[axes[1]])
         kx, ky = lx / geom.r[i], ly / geom.r[i]
         if windows:
             ps = shells[i] if shells is not None else \
                 shell_power(pfuns[i], geom.width[i], conf.box_size[2])
-            p = _w2(kx, cxy[0]) * _w2(ky, cxy[1]) * plane_grid_power(kx, ky, ps, cxy)
+            p = ps(np.sqrt(kx**2 + ky**2))
         else:
             p = pfuns[i](np.sqrt(kx**2 + ky**2))
         out = out + weights[i]**2 / (geom.width[i] * geom.r[i]**2) * p
+    if windows:
+        out = out * pixel_window(lx, ly, np.deg2rad(geom.field_deg) / geom.npix)
     return out
+
+
+def pixel_window(lx, ly, dtheta):
+    r"""Power window of the rays' CIC painting: :math:`\mathrm{sinc}^4(\ell_x\Delta\theta/2)
+    \,\mathrm{sinc}^4(\ell_y\Delta\theta/2)` (the same for every plane: each plane is
+    painted on its ray grid, :func:`flowpm_mtf.physics.lensing.ray_born_terms`).
+
+    Parameters
+    ----------
+    lx, ly : ndarray
+        Multipole components (any values: the unfolded ones).
+    dtheta : float
+        Pixel side [rad].
+
+    Returns
+    -------
+    ndarray
+        Broadcast shape of ``lx``, ``ly`` [dimensionless].
+    """
+    return _w2(lx, dtheta) * _w2(ly, dtheta)
 
 
 def _taper(n, taper):
@@ -380,7 +403,7 @@ def _source_weights(conf, geom, source):
 
 
 def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEFAULT_TAPER,
-                pad=DEFAULT_PAD):
+                pad=DEFAULT_PAD, shot=False):
     """The expected measured C_ell of a run: :func:`continuous_cl` with the plane and
     interpolation windows, through the ray sampling and the taper
     (:func:`expected_pseudo_cl`), in the bins of ``kappa_power_spectrum``.
@@ -396,6 +419,9 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEF
         Source index, or ``[n_planes]`` Born weights (n(z) sources).
     edges, taper, pad :
         As :func:`expected_pseudo_cl`.
+    shot : bool
+        Add the particles' shot noise (:func:`shot_noise_cl`; ``pfuns`` are then the
+        pairs' power, without it).
 
     Returns
     -------
@@ -404,9 +430,12 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEF
     """
     w = _source_weights(conf, geom, source)
     shells = _shells(conf, geom, pfuns, w)
-    return expected_pseudo_cl(
-        lambda lx, ly: continuous_cl(lx, ly, conf, geom, pfuns, w, shells=shells),
-        geom.npix, geom.field_deg, edges, taper, pad)
+
+    def cl2d(lx, ly):
+        out = continuous_cl(lx, ly, conf, geom, pfuns, w, shells=shells)
+        return out + shot_noise_cl(lx, ly, conf, geom, w) if shot else out
+
+    return expected_pseudo_cl(cl2d, geom.npix, geom.field_deg, edges, taper, pad)
 
 
 def _shells(conf, geom, pfuns, weights):
@@ -433,6 +462,43 @@ def window_factor(ell, conf, geom, pfuns, source=0, n_angles=32):
     return win / np.where(cont > 0, cont, 1.0)
 
 
+def pair_power(pfun, conf):
+    r"""The pairs' continuous power: ``pfun`` (:func:`true_power` of the run's grid P(k),
+    which holds the particles' own white :math:`1/\bar n`) minus :math:`1/\bar n`,
+    clipped at 0 (the lattice's anticorrelation at early times is not modelled)."""
+    noise = 1.0 / mean_density(conf)
+
+    def f(k):
+        return np.maximum(pfun(k) - noise, 0.0)
+
+    return f
+
+
+def mesh_share(ell, conf, geom, pfuns, source=0):
+    """Fraction of the continuous Limber C_ell at ``ell`` from planes where
+    :math:`k = \\ell/r_i` is at most :data:`RESOLVED_K_NYQUIST` of the PM mesh's
+    Nyquist frequency (where the PM force keeps the power, see ``docs/lensing.md``).
+
+    Returns
+    -------
+    ndarray
+        Shape of ``ell``, in [0, 1].
+    """
+    w = _source_weights(conf, geom, source)
+    ell = np.asarray(ell, np.float64)
+    k_res = RESOLVED_K_NYQUIST * np.pi / max(conf.cell_size)
+    num = np.zeros_like(ell)
+    den = np.zeros_like(ell)
+    for i in range(geom.n_planes):
+        if w[i] == 0:
+            continue
+        k = ell / geom.r[i]
+        c = w[i]**2 / (geom.width[i] * geom.r[i]**2) * pfuns[i](k)
+        den += c
+        num += np.where(k <= k_res, c, 0.0)
+    return num / np.where(den > 0, den, 1.0)
+
+
 def resolved_range(ell, window):
     """The ell range a run resolves: the bins from the first up to the last one before
     the window factor drops below :data:`RESOLVED_WINDOW`, and below the pixel Nyquist
@@ -454,6 +520,123 @@ def resolved_range(ell, window):
     if last == 0:
         return float("nan"), float("nan")
     return float(ell[0]), float(ell[last - 1])
+
+
+def mean_density(conf):
+    """Mean number density of the simulation's particles [(h/Mpc)^3]."""
+    return float(np.prod(conf.nc)) / float(np.prod(conf.box_size))
+
+
+def grid_shot_noise(k, conf):
+    r"""Shot noise of the particles in the run's 3D CIC grid P(k), angle-averaged.
+
+    A particle's own CIC weights add :math:`\bar n^{-1}\sum_{\mathbf n}
+    W^2(\mathbf k + 2k_N\mathbf n) = \bar n^{-1}\prod_a (1 - \tfrac23
+    \sin^2(k_a\Delta_a/2))` to the grid's power (Hockney & Eastwood), whatever the
+    particles' arrangement; the rest of the measured power is the pairs'.
+
+    Parameters
+    ----------
+    k : array_like
+        [h/Mpc].
+    conf : SimConfig
+
+    Returns
+    -------
+    ndarray
+        [(Mpc/h)^3], shape of ``k``.
+    """
+    k = np.asarray(k, np.float64)
+    u, w = _directions()
+    tot = 1.0
+    for a in range(3):
+        tot = tot * (1.0 - 2.0 / 3.0 * np.sin(k[..., None] * u[:, a] * conf.cell_size[a] / 2)**2)
+    return (tot * w).sum(-1) / mean_density(conf)
+
+
+def shot_noise_cl(lx, ly, conf, geom, weights):
+    r"""The map's shot noise before ray sampling: each particle's own CIC footprint on the
+    ray grid, :math:`W_{\rm pix}(\boldsymbol\ell)\sum_i c_i^2/(\Delta r_i\, r_i^2\,\bar n)`
+    (exact in expectation for any arrangement of the particles) [sr]."""
+    tot = np.sum(np.asarray(weights)**2 / (geom.width * geom.r**2)) / mean_density(conf)
+    return tot * pixel_window(lx, ly, np.deg2rad(geom.field_deg) / geom.npix)
+
+
+def coupling_matrix(npix, field_deg, edges=None, taper=lensing_stats.DEFAULT_TAPER,
+                    shape=None, window=None, pad=DEFAULT_PAD):
+    r"""MASTER coupling matrix of the flat-sky estimator (numpy).
+
+    :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum` of a field of
+    power :math:`C(\ell)` has the expectation :math:`\langle\hat C_b\rangle = \sum_{b'}
+    M_{bb'} C_{b'}` when :math:`C` is, within each bin :math:`b'`, the bandpower
+    :math:`C_{b'}` times the fixed ``shape`` (normalised to a mode average of 1 in
+    the bin): column :math:`b'` is :func:`expected_pseudo_cl` of the shape restricted
+    to bin :math:`b'` (taper mode coupling, ray sampling aliases, and ``window``,
+    e.g. the pixel window, applied to the field). :func:`decouple` inverts it.
+
+    Parameters
+    ----------
+    npix, field_deg, edges, taper, pad :
+        As :func:`expected_pseudo_cl`.
+    shape : callable, optional
+        ``shape(ell)``: the spectrum's shape within a bin (default flat).
+    window : callable, optional
+        ``window(lx, ly)``: a window on the field's power (default none).
+
+    Returns
+    -------
+    ell, M : ndarray
+        Bin centres and ``[n_bins, n_bins]`` (bins with no mode: identity rows).
+    """
+    n = int(npix)
+    dth = np.deg2rad(field_deg) / n
+    lf = 2.0 * np.pi / (n * dth)
+    if edges is None:
+        edges = np.arange(0.5, n / 2 + 1e-9, 2.0) * lf
+    edges = np.asarray(edges, np.float64)
+    shape = shape or (lambda ell: np.ones_like(ell))
+    window = window or (lambda lx, ly: 1.0)
+    lkn = 2.0 * np.pi * np.fft.fftfreq(n, d=dth)
+    ell_n = np.sqrt(lkn[:, None]**2 + lkn[None, :]**2)
+    nb = edges.size - 1
+    cols = []
+    ell_c = None
+    for b in range(nb):
+        lo, hi = edges[b], edges[b + 1]
+        sel = (ell_n >= lo) & (ell_n < hi) & (ell_n > 0)
+        norm = shape(ell_n[sel]).mean() if sel.any() else 1.0
+
+        def cl2d(lx, ly, lo=lo, hi=hi, norm=norm):
+            ell = np.sqrt(lx**2 + ly**2)
+            inside = (ell >= lo) & (ell < hi)
+            return np.where(inside, shape(np.where(inside, ell, lo)) / norm, 0.0) * window(lx, ly)
+
+        ell_c, col, modes = expected_pseudo_cl(cl2d, n, field_deg, edges, taper, pad)
+        cols.append(col)
+    m = np.array(cols).T
+    empty = modes == 0
+    m[empty, :] = 0.0
+    m[empty, empty] = 1.0
+    return ell_c, m
+
+
+def decouple(pseudo, matrix):
+    """Bandpowers :math:`C_b` from measured pseudo-C_ell: :math:`M^{-1}\\hat C` (numpy).
+
+    Parameters
+    ----------
+    pseudo : ndarray
+        ``[..., n_bins]`` measured (shot noise already subtracted if wanted) [sr].
+    matrix : ndarray
+        :func:`coupling_matrix`.
+
+    Returns
+    -------
+    ndarray
+        Shape of ``pseudo`` [sr].
+    """
+    return np.linalg.solve(matrix, np.moveaxis(np.asarray(pseudo, np.float64), -1, 0)).T \
+        if np.ndim(pseudo) > 1 else np.linalg.solve(matrix, np.asarray(pseudo, np.float64))
 
 
 def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
@@ -486,26 +669,34 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         with ``halofit``, ``extra = {"C_ell_halofit": [...], "C_ell_halofit_cont":
         [...]}`` per source [sr].
     """
-    pfuns = [true_power(plane_k[i], plane_p[i], conf) for i in range(geom.n_planes)]
+    pfuns = [pair_power(true_power(plane_k[i], plane_p[i], conf), conf)
+             for i in range(geom.n_planes)]
     hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a] \
         if halofit else None
-    out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": []}
+    out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": [],
+           "shot": []}
     extra = {"C_ell_halofit": [], "C_ell_halofit_cont": []}
     for src in sources:
         w = _source_weights(conf, geom, src)
-        ell, cl, modes = expected_cl(conf, geom, pfuns, w, edges, taper)
+        ell, cl, modes = expected_cl(conf, geom, pfuns, w, edges, taper, shot=True)
+        shot = expected_pseudo_cl(lambda lx, ly: shot_noise_cl(lx, ly, conf, geom, w),
+                                  geom.npix, geom.field_deg, edges, taper)[1]
         win = window_factor(ell, conf, geom, pfuns, w)
+        mesh = mesh_share(ell, conf, geom, pfuns, w)
         phi = (np.arange(32) + 0.5) * (0.5 * np.pi / 32)
         cont = continuous_cl(ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf,
                              geom, pfuns, w, windows=False).mean(-1)
-        rng = resolved_range(ell[modes > 0], win[modes > 0])
+        rng = resolved_range(ell[modes > 0], np.minimum(win, mesh / RESOLVED_MESH_SHARE
+                                                          * RESOLVED_WINDOW)[modes > 0])
+        out["shot"].append(shot)
         out["expected"].append(cl)
         out["continuous"].append(cont)
         out["window"].append(win)
         out["resolved"].append((ell >= rng[0]) & (ell <= rng[1]))
         out["ell_range"].append(rng)
         if halofit:
-            extra["C_ell_halofit"].append(expected_cl(conf, geom, hfuns, w, edges, taper)[1])
+            extra["C_ell_halofit"].append(expected_cl(conf, geom, hfuns, w, edges, taper,
+                                                      shot=True)[1])
             extra["C_ell_halofit_cont"].append(continuous_cl(
                 ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf, geom, hfuns, w,
                 windows=False).mean(-1))
@@ -513,3 +704,40 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
     if halofit:
         out["extra"] = extra
     return out
+
+
+def sky_cl(pseudo, conf, geom, pred, taper=lensing_stats.DEFAULT_TAPER):
+    """The measured C_ell as a sky power: the pseudo-C_ell minus the expected shot noise,
+    decoupled from the taper's mode coupling, the ray sampling and the pixel window
+    (:func:`coupling_matrix` with the first source's continuous C_ell as the shape
+    within a bin); comparable with the continuum columns (``C_ell_limber_cont``,
+    ``C_ell_halofit_cont``).
+
+    Parameters
+    ----------
+    pseudo : ndarray
+        ``[n_source, n_bins]`` :func:`flowpm_mtf.physics.lensing_stats.kappa_power_spectrum`
+        of each map, in the default bins [sr].
+    conf, geom :
+    pred : dict
+        :func:`run_prediction` (``ell``, ``shot``, ``continuous``), same bins.
+
+    Returns
+    -------
+    ndarray
+        ``[n_source, n_bins]`` [sr].
+    """
+    ell, cont = np.asarray(pred["ell"]), np.asarray(pred["continuous"][0])
+    good = (ell > 0) & (cont > 0)
+    lg, lc = np.log(ell[good]), np.log(cont[good])
+
+    def shape(x):   # flat when the run has no pair power left (tiny meshes)
+        if lg.size < 2:
+            return np.ones_like(x)
+        return np.exp(np.interp(np.log(np.maximum(x, 1e-30)), lg, lc))
+
+    dth = np.deg2rad(geom.field_deg) / geom.npix
+    _, m = coupling_matrix(geom.npix, geom.field_deg, None, taper, shape,
+                           lambda lx, ly: pixel_window(lx, ly, dth))
+    return np.array([decouple(np.asarray(c) - np.asarray(n), m)
+                     for c, n in zip(pseudo, pred["shot"])])

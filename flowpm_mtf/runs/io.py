@@ -234,11 +234,13 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
     cols.append(n_modes)
     names.append("modes")
     header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels, %d planes); "
-              "C_ell_limber: the expected measurement from the run's own P(k) through the "
-              "plane painting, interpolation, ray sampling and taper windows; "
+              "C_ell_limber: the expected measurement from the run's own P(k) and shot noise "
+              "through the pixel, ray sampling and taper windows; "
               "C_ell_limber_cont: Limber from the deconvolved P(k), no window; "
-              "C_ell_halofit(_cont): the same from halofit (Takahashi 2012) P(k); resolved: the "
-              "windows keep >= half of C_ell (ell range %s)\n%s"
+              "C_ell_halofit(_cont): the same from halofit (Takahashi 2012) P(k); C_ell_shot: "
+              "shot noise; C_ell_sky: measured minus shot noise, decoupled (vs the _cont "
+              "columns); C_ell_E/B: the shear's; resolved: the windows keep >= half of C_ell "
+              "and half of it comes from k <= k_N/4 of the PM mesh (ell range %s)\n%s"
               % (geom.field_deg, geom.npix, geom.n_planes, ", ".join(ranges), "  ".join(names)))
     return write_table(path, cols, header, fmt="%.10g", rank=rank)
 
