@@ -45,3 +45,40 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_process: test that starts its own mpirun")
     config.addinivalue_line("markers", "rank_independent: test without a Mesh TF mesh")
+
+
+# CPU seconds per test (this process and the processes it waited for: the MPI jobs and CLI
+# runs a test starts), written at the end to <FLOWPM_MTF_TEST_LOGDIR>/<tag>_cpu.tsv, costliest
+# first: where the suite's CPU goes, which on this 2-core machine is where its time goes
+# (docs/testing.md, "Where the time goes").
+_CPU = {}
+
+
+def _cpu_now():
+    import resource
+
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime, c.ru_utime + c.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    own0, kids0 = _cpu_now()
+    yield
+    own1, kids1 = _cpu_now()
+    _CPU[item.nodeid] = (own1 - own0, kids1 - kids0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    logdir = os.environ.get("FLOWPM_MTF_TEST_LOGDIR")
+    if not logdir or not _CPU:
+        return
+    rank, size = world()
+    part = os.environ.get("FLOWPM_MTF_TEST_PART")
+    tag = "np%d_rank%d%s" % (size, rank, "_" + part if part else "")
+    rows = sorted(_CPU.items(), key=lambda kv: -sum(kv[1]))
+    with open(os.path.join(logdir, tag + "_cpu.tsv"), "w") as f:
+        f.write("# cpu_s\tprocess_s\tchildren_s\ttest (total %.1f s)\n"
+                % sum(sum(v) for v in _CPU.values()))
+        for nodeid, (own, kids) in rows:
+            f.write("%.2f\t%.2f\t%.2f\t%s\n" % (own + kids, own, kids, nodeid))

@@ -18,7 +18,7 @@ from flowpm_mtf.config import SimConfig
 # different orders: relative rounding ~1e-13 at most.
 ADJOINT_RTOL = 1e-12
 NC = (8, 12, 4)
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 
 
 def conf_for(case, h, dtype="float64"):

@@ -46,7 +46,7 @@ MEAN_ATOL = 1e-13
 RADIAL_RTOL64 = 1e-14
 RADIAL_ULPS32 = 1
 
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 NC, BOX = (8, 12, 16), (100.0, 150.0, 200.0)   # non-cubic mesh and box, cells differ
 
 

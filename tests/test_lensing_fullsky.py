@@ -94,7 +94,7 @@ def particles():
     return q + disp.reshape(-1, 3), disp
 
 
-@pytest.mark.parametrize("case", H.cases(single=True), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
 def test_shell_counts_match_healpy(case, particles):
     """Each shell's count map, painted by every rank for its own particles and all-reduced,
     equals numpy + healpy's painting of the same particles (exact counts) on every grid;

@@ -16,7 +16,7 @@ from mri_mtf.config import ImagingConfig
 RTOL = {"float64": 1e-12, "float32": 2e-5}
 NC = (8, 8, 6)
 C_IN, C_OUT = 2, 3
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 
 
 def conf_for(case, dtype):

@@ -34,7 +34,7 @@ ITERS = 4
 SIGPY_ITERS = 50
 SIGPY_ATOL = 1e-10         # [phantom intensity]; intensities are 0..1
 OBJ_RTOL = 1e-3
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 
 
 def _conf(grid):

@@ -89,7 +89,7 @@ def flowpm_1lpt(linear):
     return NH.flowpm_run(linear, conf.a_start, 1, stages=nbody.default_stages(conf))
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases() if c[0] == "hvd"], ids=H.case_id)
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False) if c[0] == "hvd"], ids=H.case_id)
 def test_nbody_1lpt_matches_flowpm(case, linear, flowpm_1lpt):
     """forward (1LPT + 3 KDK steps) against flowpm.tfpm.lpt_init + nbody, float32."""
     conf = conf_for(case[1])
@@ -171,7 +171,7 @@ def test_snapshots_are_intermediate_states(linear):
 
 
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("case", [c for c in H.cases(single=True) if c[0] != "placement"],
+@pytest.mark.parametrize("case", [c for c in H.cases(single=True, placement=False) if c[0] != "placement"],
                          ids=H.case_id)
 def test_gradient_finite_differences(case, decomposition):
     """d loss / d linear field through LPT, 2 KDK steps (with the migrations of the
@@ -205,7 +205,7 @@ def test_gradient_finite_differences(case, decomposition):
     assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(single=False) if c[0] == "hvd"],
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False) if c[0] == "hvd"],
                          ids=H.case_id)
 def test_escape_raises(case, linear):
     """Particles moving beyond the halo make the run fail with a clear message on
@@ -220,7 +220,7 @@ def test_escape_raises(case, linear):
         H.run(case[0], conf, build)
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(single=False)
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False)
                                   if c[0] == "hvd" and max(c[1]) > 1], ids=H.case_id)
 def test_eulerian_escape_names_steps(case, linear):
     """Eulerian: a particle moving more than a block in one step fails the migration

@@ -27,7 +27,7 @@ FD_RTOL = 1e-6
 NC = (8, 12, 4)
 HALO = 2
 NPB = 24  # particles per block
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 
 
 def conf_for(case, dtype="float64", **kw):
@@ -235,7 +235,7 @@ def test_lattice_identities(case):
     np.testing.assert_array_equal(cells, np.arange(np.prod(NC)))
 
 
-@pytest.mark.parametrize("case", H.cases(), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(placement=False), ids=H.case_id)
 def test_escaped_particles_raise(case):
     """Particles beyond the halo (or NaN) are counted and make paint and readout
     fail on every rank with a clear message; the edges of the allowed range pass."""

@@ -42,7 +42,7 @@ N_SIGMA = 5.0
 FD_EPS = 1e-6
 FD_RTOL = 1e-6
 
-CASES = H.cases(single=True)
+CASES = H.cases(single=True, placement=False)
 GEOMETRIES = {
     "cubic": ((8, 8, 8), (100.0, 100.0, 100.0)),
     "noncubic": ((6, 10, 4), (60.0, 100.0, 40.0)),   # equal cells, odd factors 3, 5
