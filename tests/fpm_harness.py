@@ -35,7 +35,7 @@ HVD_GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2)]}
 PLACEMENT_GRIDS = {1: [(2, 2)]}
 
 
-def cases(single=False, placement=True):
+def cases(single=False, placement=True, one_1d=None):
     """(kind, grid) pairs for this world size; ``single`` adds the 1-processor mesh,
     ``placement=False`` leaves out the placement grid.
 
@@ -45,9 +45,11 @@ def cases(single=False, placement=True):
     check it twice. The other files keep it: it is their only 2x2 grid, and it splits x and
     y at once, so on 2 ranks they run the hvd grid (2, 1) alone: the x split with Horovod's
     collectives (each collective is checked on both 1D grids by test_backend), the y split
-    on the placement grid. ``placement=False`` keeps both 1D grids."""
+    on the placement grid. ``placement=False`` keeps both 1D grids; ``one_1d`` overrides
+    that choice (test_fft keeps both and the placement grid: the FFT's lowering for a
+    MeshImpl without laid-out pieces, PlacementMeshImpl's, is its own code path)."""
     grids = HVD_GRIDS.get(SIZE, [])
-    if placement:
+    if placement if one_1d is None else one_1d:
         grids = grids[:1]
     out = [("hvd", g) for g in grids]
     if placement:

@@ -28,7 +28,7 @@ FD_EPS = 1e-6
 FD_RTOL = 1e-6
 
 SHAPES = [(8, 8, 8), (6, 10, 4)]  # cubic; non-cubic with odd factors 3 and 5
-CASES = H.cases(single=True, placement=False)
+CASES = H.cases(single=True, one_1d=False)
 
 
 def conf_for(case, nc, dtype="float64"):
