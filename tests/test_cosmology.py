@@ -25,7 +25,7 @@ pytestmark = pytest.mark.rank_independent
 
 # --- named tolerances -------------------------------------------------------------
 # legacy_background integrates the same ODEs with odeint (rtol 1.5e-8, atol 0) in
-# float64; we integrate with DOP853 at rtol 1e-11. Observed differences <= 6e-8.
+# float64; we integrate with Dormand-Prince 5(4) at rtol 1e-11. Observed differences <= 6e-8.
 LEGACY_RTOL = 1e-6
 # tfbackground: float32, BDF solver with rtol=1e-4 and linear interpolation on its 1024-point
 # table (observed <= 1.6e-5, on D2).

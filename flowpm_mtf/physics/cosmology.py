@@ -44,10 +44,10 @@ The linear matter power spectrum (Eisenstein & Hu transfer functions, the sigma_
 normalisation, tables) is in :mod:`flowpm_mtf.physics.linear_power`.
 """
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.integrate import solve_ivp
 
 __all__ = [
     "C_KMS", "RH", "Omega_m0", "Omega_de0", "w", "de_density_ratio", "E", "H",
@@ -68,8 +68,20 @@ RH = C_KMS / 100.0
 # initial conditions are exact to double precision for Lambda (Omega_de(a)/Omega_m(a)
 # ~ a^3), and any residual decaying mode (~a^{-3/2} relative) is negligible by a~1e-3.
 _GROWTH_A_INIT = 1e-6
+# Tolerances of the solver on u = D1 / a, v = D2 / a^2 and their derivatives in ln a: u and
+# v are of order 1 (u = 1, v = -3/7 in matter domination), their derivatives 0 there, so
+# the absolute tolerance is the relative one (a smaller one would only shorten the steps
+# of matter domination, where the derivatives are ~Omega_de a^3).
 _GROWTH_RTOL = 1e-11
-_GROWTH_ATOL = 1e-15
+_GROWTH_ATOL = 1e-11
+# Dormand-Prince 5(4) tableau (Dormand & Prince 1980): nodes, stages, 5th-order weights
+# (= the last stage's row, first same as last) and the 5th minus 4th-order weights.
+_DP_C = (0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0)
+_DP_A = ((), (1 / 5,), (3 / 40, 9 / 40), (44 / 45, -56 / 15, 32 / 9),
+         (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
+         (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
+         (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84))
+_DP_E = (71 / 57600, 0.0, -71 / 16695, 71 / 1920, -17253 / 339200, 22 / 525, -1 / 40)
 # Gauss-Legendre nodes for the distance integral in ln a: the integrand 1/(a E) is
 # analytic in ln a, so 128 nodes reach double precision over ln a in [-20, 0].
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(128)
@@ -372,30 +384,71 @@ class Growth:
 
 
 def _growth_rhs(cosmo):
+    """``rhs(lna, y)`` of the growth ODEs in ``y = (u, u', v, v')``, ``u = D_1 / a`` and
+    ``v = D_2 / a^2`` (``'`` = d/d ln a): constant in matter domination, where ``D_1 = a``
+    and ``D_2 = -3/7 a^2``, so the solver's steps are long until dark energy matters."""
     om, ok, ode = Omega_m0(cosmo), param(cosmo, "Omega_k", 0.0), Omega_de0(cosmo)
     w0, wa = param(cosmo, "w0", -1.0), param(cosmo, "wa", 0.0)
 
     def rhs(lna, y):
-        # inlined E^2 terms (called ~10^3 times per solve)
-        a = np.exp(lna)
-        m, k = om * np.exp(-3.0 * lna), ok * np.exp(-2.0 * lna)
-        de = ode * np.exp(-3.0 * (1.0 + w0 + wa) * lna - 3.0 * wa * (1.0 - a))
+        # inlined E^2 terms, in Python floats (called ~10^3 times per solve, on 4 numbers)
+        a = math.exp(lna)
+        m, k = om * math.exp(-3.0 * lna), ok * math.exp(-2.0 * lna)
+        de = ode * math.exp(-3.0 * (1.0 + w0 + wa) * lna - 3.0 * wa * (1.0 - a))
         e2 = m + k + de
         damping = 2.0 + 0.5 * (-3.0 * m - 2.0 * k - 3.0 * (1.0 + w0 + wa * (1.0 - a)) * de) / e2
         om_a = 1.5 * m / e2
-        d1, f1_, d2, f2_ = y
-        return [f1_, -damping * f1_ + om_a * d1, f2_, -damping * f2_ + om_a * (d2 - d1 * d1)]
+        u, du, v, dv = y
+        # D'' + damping D' = om_a D and D2'' + damping D2' = om_a (D2 - D1^2), rewritten
+        return (du, -(2.0 + damping) * du - (1.0 + damping - om_a) * u,
+                dv, -(4.0 + damping) * dv - (4.0 + 2.0 * damping - om_a) * v - om_a * u * u)
     return rhs
+
+
+def _dopri5(rhs, t0, y0, t_eval, rtol, atol):
+    """Integrate ``y' = rhs(t, y)`` from ``t0`` through the increasing ``t_eval`` with the
+    adaptive Dormand-Prince 5(4) method (local extrapolation, first same as last), stepping
+    onto each point of ``t_eval``; returns ``y`` there, ``[len(y0), len(t_eval)]``. In
+    Python floats: the system is a handful of numbers, for which numpy's per-call
+    overhead would dominate."""
+    t, y = float(t0), tuple(float(v) for v in y0)
+    n = len(y)
+    k1 = rhs(t, y)
+    out = np.empty((n, len(t_eval)))
+    h = 1e-2
+    for i, target in enumerate(t_eval):
+        target = float(target)
+        while t < target:
+            last = t + h >= target
+            step = target - t if last else h
+            ks = [k1]
+            for c, row in zip(_DP_C[1:], _DP_A[1:]):
+                yi = tuple(y[j] + step * sum(a_ * k[j] for a_, k in zip(row, ks) if a_)
+                           for j in range(n))
+                ks.append(rhs(t + step * c, yi))
+            # yi is the 5th-order solution (the last row is its weights), ks[-1] its rhs
+            norm = math.sqrt(sum(
+                (step * sum(e * k[j] for e, k in zip(_DP_E, ks) if e)
+                 / (atol + rtol * max(abs(y[j]), abs(yi[j])))) ** 2 for j in range(n)) / n)
+            if not math.isfinite(norm):
+                raise RuntimeError("growth ODE failed: non-finite step at ln a = %g" % t)
+            if norm <= 1.0:
+                t, y, k1 = (target if last else t + step), yi, ks[-1]
+            h = step * min(5.0, max(0.2, 0.9 * max(norm, 1e-10) ** -0.2))
+            if h < 1e-12:
+                raise RuntimeError("growth ODE failed: step size underflow at ln a = %g" % t)
+        out[:, i] = y
+    return out
 
 
 def growth(cosmo, a):
     """Solve the growth ODEs and return :class:`Growth` at the scale factors ``a``.
 
-    The ODEs for :math:`D_1` and :math:`D_2` (module docstring) are integrated
-    in :math:`\\ln a` from matter-dominated growing-mode initial conditions at
-    :math:`a = 10^{-6}` (or below the smallest ``a``) with an 8th-order
-    Runge-Kutta method (rtol 1e-11), evaluated exactly at ``a`` and at
-    :math:`a = 1` for the normalisation.
+    The ODEs for :math:`D_1` and :math:`D_2` (module docstring) are integrated for
+    :math:`D_1 / a` and :math:`D_2 / a^2` in :math:`\\ln a` from matter-dominated
+    growing-mode initial conditions at :math:`a = 10^{-6}` (or below the smallest ``a``)
+    with an adaptive Dormand-Prince 5(4) Runge-Kutta method (rtol 1e-11), stepping onto
+    each ``a`` and :math:`a = 1` for the normalisation.
 
     Parameters
     ----------
@@ -413,16 +466,17 @@ def growth(cosmo, a):
     a_init = min(_GROWTH_A_INIT, 0.1 * flat.min())
     lna_eval = np.unique(np.concatenate([np.log(flat), [0.0]]))
     rhs = _growth_rhs(cosmo)
-    y0 = [a_init, a_init, -3.0 / 7.0 * a_init**2, -6.0 / 7.0 * a_init**2]
-    sol = solve_ivp(rhs, (np.log(a_init), lna_eval[-1]), y0, method="DOP853",
-                    t_eval=lna_eval, rtol=_GROWTH_RTOL, atol=_GROWTH_ATOL)
-    if not sol.success:
-        raise RuntimeError("growth ODE failed: %s" % sol.message)
-    y = sol.y
-    dy = np.array(rhs(sol.t, y))
-    i1 = np.searchsorted(sol.t, 0.0)
-    norm1 = y[0, i1]
-    idx = np.searchsorted(sol.t, np.log(flat))
+    y = _dopri5(rhs, np.log(a_init), [1.0, 0.0, -3.0 / 7.0, 0.0], lna_eval,
+                _GROWTH_RTOL, _GROWTH_ATOL)
+    u, du, v, dv = y
+    d2u, d2v = np.array([rhs(float(t), tuple(y[:, j])) for j, t in enumerate(lna_eval)]).T[[1, 3]]
+    ae = np.exp(lna_eval)
+    # back to D1, D2 and their first two derivatives in ln a
+    rows = (ae * u, ae * (u + du), ae * (u + 2.0 * du + d2u),
+            ae**2 * v, ae**2 * (2.0 * v + dv), ae**2 * (4.0 * v + 4.0 * dv + d2v))
+    i1 = np.searchsorted(lna_eval, 0.0)
+    norm1 = rows[0][i1]
+    idx = np.searchsorted(lna_eval, np.log(flat))
     shape = np.shape(np.atleast_1d(a))
 
     def pick(row, norm):
@@ -430,8 +484,8 @@ def growth(cosmo, a):
 
     return Growth(
         a=np.atleast_1d(a).copy(),
-        D1=pick(y[0], norm1), dD1=pick(y[1], norm1), d2D1=pick(dy[1], norm1),
-        D2=pick(y[2], norm1**2), dD2=pick(y[3], norm1**2), d2D2=pick(dy[3], norm1**2),
+        D1=pick(rows[0], norm1), dD1=pick(rows[1], norm1), d2D1=pick(rows[2], norm1),
+        D2=pick(rows[3], norm1**2), dD2=pick(rows[4], norm1**2), d2D2=pick(rows[5], norm1**2),
         E=np.asarray(E(cosmo, np.atleast_1d(a))), dlnE=np.asarray(dlnE_dlna(cosmo, np.atleast_1d(a))),
     )
 
