@@ -154,6 +154,9 @@ def test_brain_with_coils_equals_one_process():
     (["--nc", "16", "--kernel-size", "4"], r"kernel_size must be odd"),
     (["--nc", "16", "--coils", "0"], r"coils must be an integer >= 1, got 0"),
     (["--nc", "16", "--tv-norm", "anisotropic"], r"--tv-norm anisotropic needs --coils >= 2"),
+    (["--nc", "16", "--coils", "4", "--coil-split", "3"], r"coil_split 3 does not divide coils 4"),
+    (["--nc", "16", "--coils", "2", "--coil-split", "2", "{grid}"],
+     r"the process grid \(\d, \d, 2\) needs \d ranks but the job has \d; launch with -np"),
     (["--nc", "16", "--volume", "{out}/missing.nii.gz"],
      r"volume file .*missing.nii.gz does not exist"),
     (["--nc", "16", "--volume", "{out}/plane.nii"], r"must be a 3D NIfTI, got shape \(20, 20\)"),
@@ -174,8 +177,8 @@ def test_bad_input_is_one_line_before_any_compute(argv, pattern, capsys, tmp_pat
         nib.save(nib.Nifti1Image(np.zeros((20, 20, 12), np.float32), np.eye(4)),
                  os.path.join(out, "small.nii"))
     _world().barrier()
-    argv = [a.format(out=out) for a in argv]
-    grid = [] if "--mesh-shape" in argv else _grid_args()
+    grid = [] if "{grid}" in argv or "--mesh-shape" in argv else _grid_args()
+    argv = [b for a in argv for b in ([a.format(out=out)] if a != "{grid}" else _grid_args())]
     code = _main(["imaging"] + argv + grid + ["--out", os.path.join(out, "o")])
     err = capsys.readouterr().err.splitlines()
     assert code == ConfigError.exit_code
