@@ -100,6 +100,16 @@ def test_coil_split_config():
     assert conf.mesh_shape[-1] == ("coil_axis", 2) and ("coil", "coil_axis") in conf.layout_rules
     with pytest.raises(ValueError, match="coil_split 3 does not divide coils 4"):
         ImagingConfig(nc=NC, coils=4, coil_split=3)
+    # the memory preflight: a rank of a coil split holds the arrays of coils / split coils
+    from mri_mtf import memory
+    from mri_mtf.unrolled import UnrolledConfig
+
+    def volume_bytes(**kw):
+        c = ImagingConfig(nc=(32, 32, 32), grid=(2, 1), **kw)
+        return memory.imaging_terms(c, UnrolledConfig(), ("zero-filled", "tv"))[2].nbytes
+
+    assert volume_bytes(coils=8, coil_split=2) == volume_bytes(coils=4)
+    assert volume_bytes(coils=8, coil_split=2) < volume_bytes(coils=8)
 
 
 def test_sense_matches_numpy(run):
