@@ -51,7 +51,8 @@ from flowpm_mtf.mesh.fft import FFT3DOperation
 from . import config
 from .sampling import NOISE_SEED_OFFSETS
 
-__all__ = ["COIL", "BIRDCAGE_RADIUS", "COILS_PER_RING", "coil_dim", "birdcage_numpy",
+__all__ = ["COIL", "BIRDCAGE_RADIUS", "COILS_PER_RING", "coil_dim", "coil_sum", "materialised",
+           "birdcage_numpy",
            "birdcage", "Sense", "sense_numpy"]
 
 log = logging.getLogger(__name__)
@@ -121,9 +122,29 @@ def birdcage(mesh, conf, n_coils, name="coil_maps"):
                             output_shape=shape, output_dtype=tf.float64,
                             splittable_dims=shape.dims, name="%s_raw_%s" % (name, ("re", "im")[p]))
               for p in (0, 1))
-    inv = mtf.rsqrt(mtf.reduce_sum(re * re + im * im, reduced_dim=cdim, name=name + "_norm2"))
+    inv = mtf.rsqrt(coil_sum(re * re + im * im, cdim, name + "_norm2"))
     return tuple(mtf.cast(t * inv, conf.tf_dtype, name="%s_%s" % (name, ("re", "im")[p]))
                  for p, t in enumerate((re, im)))
+
+
+def materialised(x, name="materialised"):
+    """``x`` through an identity that performs a pending all-reduce, forward and backward.
+
+    A ``mtf.reduce_sum`` over a split dimension (the coils) lowers to a lazy all-reduce
+    whose consumers must ask for its slices; Mesh TF's ``GenericGradOperation`` (the
+    gradient of a ``cwise`` without its own, e.g. the network's ops) reads
+    ``tensor_list`` directly and fails on it. The same holds for the gradient of a
+    broadcast over the coils (a sum over them). This identity has its own gradient, the
+    same identity on ``dy``.
+    """
+    return mtf.cwise(tf.identity, [x], name=name,
+                     grad_function=lambda op, dy: [materialised(dy, name=name + "_grad")])
+
+
+def coil_sum(x, coil, name):
+    """``mtf.reduce_sum`` over the coil dimension (an all-reduce over ``coil_axis`` when
+    split), :func:`materialised`."""
+    return materialised(mtf.reduce_sum(x, reduced_dim=coil, name=name), name=name + "_reduced")
 
 
 class Sense:
@@ -155,7 +176,7 @@ class Sense:
         name = name or self.name + "_sx"
         if not x.dtype.is_complex:
             x = mtf.cast(x, self.conf.tf_complex_dtype)
-        xb = mtf.broadcast(x, self.coil_image_shape)
+        xb = mtf.broadcast(materialised(x, name=name + "_in"), self.coil_image_shape)
         return (complex_ops.apply_kernel(xb, self.maps_re, name=name + "_re")
                 + complex_ops.apply_kernel(xb, self.maps_im, phase=1j, name=name + "_im"))
 
@@ -180,13 +201,13 @@ class Sense:
         img = self._coil_adjoint_images(y, name)
         s = (complex_ops.apply_kernel(img, self.maps_re, name=name + "_re")
              + complex_ops.apply_kernel(img, self.maps_im, phase=-1j, name=name + "_im"))
-        return mtf.reduce_sum(s, reduced_dim=self.coil, name=name + "_coil_sum")
+        return coil_sum(s, self.coil, name + "_coil_sum")
 
     def rss(self, y, name=None):
         """Zero-filled root-sum-of-squares ``(sum_c |F^H M y_c|^2)^{1/2}``, real ``[x, y, z]``."""
         name = name or self.name + "_rss"
         a2 = complex_ops.abs2(self._coil_adjoint_images(y, name), name=name + "_abs2")
-        return mtf.sqrt(mtf.reduce_sum(a2, reduced_dim=self.coil), name=name)
+        return mtf.sqrt(coil_sum(a2, self.coil, name + "_coil_sum"), name=name)
 
     def noise(self, name="coil_noise"):
         """Complex noise ``[coil, kx, ky, kz]``, ``E|n|^2 = sigma^2`` per coil and sample,
