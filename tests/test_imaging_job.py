@@ -120,14 +120,20 @@ def test_metrics_equal_one_process_and_files(uninterrupted):
         assert "| %s | %.2f |" % (m, got["psnr_db"][m]) in table
 
 
+# the brain's grid: on 4 ranks x over 2 ranks and the coils over 2 (--coil-split: the coil
+# sums all-reduced, the network trained through them; x and y both split are the phantom's
+# 2x2 above); on 1 and 2 ranks the world's grid
+BRAIN_GRID = {4: ["--mesh-shape", "2x1", "--coil-split", "2"]}
+
+
 def test_brain_with_coils_equals_one_process():
-    """--volume mni152 --coils 2 on this world's grid: every metric (brain mask and held-out
-    part) and the training losses equal the one-process run; the truth is the resampled,
-    normalised template."""
+    """--volume mni152 --coils 2 on this world's grid (4 ranks: 2x1 with the coils split
+    over 2): every metric (brain mask and held-out part) and the training losses equal the
+    one-process run; the truth is the resampled, normalised template."""
     pytest.importorskip("nibabel")   # nibabel and nilearn: not in the tf2.12 stack
     pytest.importorskip("nilearn")
     out = os.path.join(_tmpdir("imaging_brain"), "run")
-    assert _main(BRAIN_ARGS + _grid_args() + ["--out", out]) == 0
+    assert _main(BRAIN_ARGS + BRAIN_GRID.get(H.SIZE, _grid_args()) + ["--out", out]) == 0
     job = jobs.get("imaging")
     args = cli.build_parser(jobs.all_jobs()).parse_args(BRAIN_ARGS + ["--backend", "placement"])
     configs = options.make_configs(job, args, None, n_ranks=1, backend="placement")
