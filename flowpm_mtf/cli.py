@@ -182,7 +182,8 @@ def make_configs(job, args):
     conf = configs["config"]
     if args.backend == "hvd" and conf.n_ranks != n:
         raise RankCountError("the process grid %s needs %d ranks but the job has %d; launch with "
-                             "-np %d or pass --grid" % (conf.grid, conf.n_ranks, n, conf.n_ranks))
+                             "-np %d or pass --grid" % (getattr(conf, "full_grid", conf.grid),
+                                                        conf.n_ranks, n, conf.n_ranks))
     return configs
 
 

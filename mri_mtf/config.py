@@ -20,12 +20,18 @@ import numpy as np
 
 from flowpm_mtf.layout import (BX, BY, COL, KY, KZ, ROW, X, Y)
 
-__all__ = ["ImagingConfig", "DTYPES"]
+__all__ = ["ImagingConfig", "DTYPES", "COIL", "COIL_AXIS"]
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": "complex64", "float64": "complex128"}
 """Real dtypes of an image and the complex dtypes of its k-space."""
+
+COIL = "coil"
+"""Name of the coil dimension of coil images and k-space (:mod:`mri_mtf.sense`)."""
+
+COIL_AXIS = "coil_axis"
+"""Name of the mesh axis the coil dimension is split over (``coil_split > 1``)."""
 
 
 def _is_int(v):
@@ -97,6 +103,7 @@ class ImagingConfig:
     dtype: str = "float32"
     volume: str = "phantom"
     coils: int = 1
+    coil_split: int = 1
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
@@ -137,6 +144,12 @@ class ImagingConfig:
         if not _is_int(self.coils) or self.coils < 1:
             raise ValueError("coils must be an integer >= 1, got %r" % (self.coils,))
         set_("coils", int(self.coils))
+        if not _is_int(self.coil_split) or self.coil_split < 1:
+            raise ValueError("coil_split must be an integer >= 1, got %r" % (self.coil_split,))
+        set_("coil_split", int(self.coil_split))
+        if self.coils % self.coil_split:
+            raise ValueError("coil_split %d does not divide coils %d: each rank of the coil "
+                             "axis holds coils / coil_split coils" % (self.coil_split, self.coils))
         if not 0.0 < self.centre_fraction <= 1.0:
             raise ValueError("centre_fraction must be in (0, 1], got %r" % self.centre_fraction)
         if self.density_power < 0:
@@ -177,8 +190,18 @@ class ImagingConfig:
 
     @property
     def n_ranks(self):
-        """Processors, ``P * Q``."""
-        return self.grid[0] * self.grid[1]
+        """Processors, ``P * Q * coil_split``."""
+        return self.grid[0] * self.grid[1] * self.coil_split
+
+    @property
+    def full_grid(self):
+        """The process grid as named in messages: ``(P, Q)``, or ``(P, Q, coil_split)``."""
+        return self.grid if self.coil_split == 1 else self.grid + (self.coil_split,)
+
+    @property
+    def coils_per_rank(self):
+        """Coils held by one rank, ``coils / coil_split``."""
+        return self.coils // self.coil_split
 
     @property
     def block_shape(self):
@@ -187,13 +210,17 @@ class ImagingConfig:
 
     @property
     def mesh_shape(self):
-        """Processor mesh for Mesh TF: ``[("row", P), ("col", Q)]``."""
-        return [(ROW, self.grid[0]), (COL, self.grid[1])]
+        """Processor mesh for Mesh TF: ``[("row", P), ("col", Q)]``, and
+        ``("coil_axis", coil_split)`` when the coils are split."""
+        shape = [(ROW, self.grid[0]), (COL, self.grid[1])]
+        return shape + ([(COIL_AXIS, self.coil_split)] if self.coil_split > 1 else [])
 
     @property
     def layout_rules(self):
-        """Tensor dimension -> mesh axis (those of ``flowpm_mtf``)."""
-        return [(X, ROW), (Y, COL), (KY, ROW), (KZ, COL), (BX, ROW), (BY, COL)]
+        """Tensor dimension -> mesh axis (those of ``flowpm_mtf``; ``coil`` on
+        ``coil_axis`` when the coils are split)."""
+        rules = [(X, ROW), (Y, COL), (KY, ROW), (KZ, COL), (BX, ROW), (BY, COL)]
+        return rules + ([(COIL, COIL_AXIS)] if self.coil_split > 1 else [])
 
     @property
     def np_dtype(self):

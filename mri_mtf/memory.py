@@ -21,7 +21,9 @@ the data and the images
     ADMM's 14 (counted; at 96^3 with 8 coils the runs of ``scripts/bench_tv_sense.py``
     peaked at 1259 / 965 / 771 MB on 1 / 2 / 4 ranks, the model gives 1246 / 980 / 846;
     the whole job at 32^3 on 2 ranks with 8 coils and 100 training steps peaked at
-    823 MB, the model gives 867).
+    823 MB, the model gives 867). With the coils split over ``K`` ranks
+    (``--coil-split K``) every coil array counts the rank's ``n / K`` coils; the images
+    are whole on each of the ``K`` ranks.
 the transforms
     A distributed 3D FFT of a complex field holds the field, its pencil transposes and
     the all-to-all buffers: :data:`FFT_ITEMSIZES` itemsizes per voxel, live during
@@ -124,6 +126,7 @@ def _volume_itemsizes(conf, uconf, methods):
         tv = 14
         dc, sample = DC_ITEMSIZES, SAMPLE_ITEMSIZES
     else:   # SENSE: the coil maps; TV-SENSE's x, xbar, 3 duals and the coil k-space dual
+        n //= int(getattr(conf, "coil_split", 1))   # the coil arrays: this rank's coils
         tv = 10 + 2 * n
         dc = (DC_ITEMSIZES - FFT_ITEMSIZES) * n + FFT_ITEMSIZES * n
         sample = 1 + (SAMPLE_ITEMSIZES - 1) * n
@@ -261,7 +264,7 @@ def smallest_grid(conf, uconf, methods, budget, fits_kernel=None):
             if fits_kernel is not None and not fits_kernel(c):
                 continue
             if sum(t.nbytes for t in imaging_terms(c, uconf, methods)) <= budget:
-                found.append((p * q, abs(p - q), (p, q)))
+                found.append((c.n_ranks, abs(p - q), (p, q)))
                 break   # a larger q on this p only adds ranks
     if not found:
         return None
@@ -276,7 +279,9 @@ def hint(conf, uconf, methods, fits_kernel=None):
         best = smallest_grid(conf, uconf, methods, budget, fits_kernel)
         if best is not None:
             n, (p, q) = best
-            return "it fits on %d ranks (-np %d --mesh-shape %dx%d)" % (n, n, p, q)
+            split = int(getattr(conf, "coil_split", 1))
+            return "it fits on %d ranks (-np %d --mesh-shape %dx%d%s)" % (
+                n, n, p, q, " --coil-split %d" % split if split > 1 else "")
         fixed = [t for t in terms if not t.shrinks]
         worst = max(fixed, key=lambda t: t.nbytes)
         room = budget - (sum(t.nbytes for t in terms) - worst.nbytes)

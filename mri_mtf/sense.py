@@ -15,8 +15,8 @@ ring, radius ``r`` in half fields of view), at voxel ``(i, j, k)`` of ``(n0, n1,
 normalised so that ``sum_c |S_c|^2 = 1`` at every voxel. It equals
 ``sigpy.mri.birdcage_maps((C, n2, n1, n0)).transpose(0, 3, 2, 1)`` (sigpy's axes are
 ``(coil, z, y, x)`` with x last). :func:`birdcage` evaluates the same float64
-expressions on every rank's own slice (``mtf.range``), the coil dimension unsplit (the
-normalisation sums over it locally).
+expressions on every rank's own slice (``mtf.range``, the coils included) and normalises
+them with a ``mtf.reduce_sum`` over the coils.
 
 SENSE
 -----
@@ -26,9 +26,12 @@ With the orthonormal 3D DFT ``F`` and the phase-encode mask ``M``
     (A x)_c = M F (S_c x),        A^H y = sum_c conj(S_c) F^H (M y_c).
 
 Since ``sum_c |S_c|^2 = 1``, ``||A|| <= 1`` (``= 1`` without undersampling). The coil
-dimension is a batch dimension of the distributed FFT (one transform for all coils);
+dimension is a batch dimension of the distributed FFT (one transform for all coils of a
+rank); it can be split over a third mesh axis (``ImagingConfig.coil_split``: the FFT's
+all-to-alls run within the ``row`` and ``col`` groups, every sum over the coils is a
+``mtf.reduce_sum``, an all-reduce over that axis);
 the products with the complex maps are two :func:`flowpm_mtf.mesh.complex_ops.apply_kernel`
-(real and imaginary parts of ``S``: exact complex gradients), the coil sum a local
+(real and imaginary parts of ``S``: exact complex gradients), the coil sum a
 ``mtf.reduce_sum``. The measurement is ``y_c = M (F S_c x + n_c)`` with independent
 complex noise per coil (``E|n_c|^2 = sigma^2``; white noise on ``[coil, kx, ky, kz]``,
 seeds ``seed +`` :data:`mri_mtf.sampling.NOISE_SEED_OFFSETS`). The zero-filled
@@ -45,15 +48,17 @@ from flowpm_mtf.layout import K_DIMS, REAL_DIMS
 from flowpm_mtf.mesh import complex_ops, noise
 from flowpm_mtf.mesh.fft import FFT3DOperation
 
+from . import config
 from .sampling import NOISE_SEED_OFFSETS
 
-__all__ = ["COIL", "BIRDCAGE_RADIUS", "COILS_PER_RING", "coil_dim", "birdcage_numpy",
+__all__ = ["COIL", "BIRDCAGE_RADIUS", "COILS_PER_RING", "coil_dim", "coil_sum", "materialised",
+           "birdcage_numpy",
            "birdcage", "Sense", "sense_numpy"]
 
 log = logging.getLogger(__name__)
 
-COIL = "coil"
-"""Name of the coil dimension (unsplit: no layout rule maps it)."""
+COIL = config.COIL
+"""Name of the coil dimension (on mesh axis ``coil_axis`` when ``conf.coil_split > 1``)."""
 
 BIRDCAGE_RADIUS = 1.5
 """Radius of the coil ring [half field of view] (sigpy's default ``r``)."""
@@ -92,6 +97,10 @@ def birdcage_numpy(n_coils, nc):
 def birdcage(mesh, conf, n_coils, name="coil_maps"):
     """Birdcage sensitivities on every rank's slice (module docstring).
 
+    Every rank evaluates its coils (all of them, or its share when the coil dimension is
+    split: ``conf.coil_split``) on its voxels; the normalisation ``sum_c |S_c|^2`` is a
+    ``mtf.reduce_sum`` over the coil dimension (a sum over the coil axis when it is split).
+
     Returns
     -------
     (mtf.Tensor, mtf.Tensor)
@@ -101,19 +110,41 @@ def birdcage(mesh, conf, n_coils, name="coil_maps"):
     dims = [mtf.Dimension(d, n) for d, n in zip(REAL_DIMS, conf.nc)]
     cdim = coil_dim(n_coils)
     shape = mtf.Shape([cdim] + dims)
-    ranges = [mtf.range(mesh, d, tf.float64, name="%s_%s" % (name, d.name)) for d in dims]
-    dtype = conf.tf_dtype
+    ranges = [mtf.range(mesh, d, tf.float64, name="%s_%s" % (name, d.name))
+              for d in [cdim] + dims]
 
-    def fn(ti, tj, tk, part):
-        c = tf.range(n_coils, dtype=tf.float64)[:, None, None, None]
+    def fn(tc, ti, tj, tk, part):
+        c = tc[:, None, None, None]
         i, j, k = ti[None, :, None, None], tj[None, None, :, None], tk[None, None, None, :]
-        re, im = _birdcage_expr(tf.math, c, i, j, k, conf.nc, n_coils)
-        norm = tf.sqrt(tf.reduce_sum(re * re + im * im, axis=0, keepdims=True))
-        return tf.cast((re if part == 0 else im) / norm, dtype)
+        return _birdcage_expr(tf.math, c, i, j, k, conf.nc, n_coils)[part]
 
-    return tuple(mtf.slicewise(lambda a, b, c, p=p: fn(a, b, c, p), ranges, output_shape=shape,
-                               output_dtype=dtype, splittable_dims=dims,
-                               name="%s_%s" % (name, ("re", "im")[p])) for p in (0, 1))
+    re, im = (mtf.slicewise(lambda a, b, c, d, p=p: fn(a, b, c, d, p), ranges,
+                            output_shape=shape, output_dtype=tf.float64,
+                            splittable_dims=shape.dims, name="%s_raw_%s" % (name, ("re", "im")[p]))
+              for p in (0, 1))
+    inv = mtf.rsqrt(coil_sum(re * re + im * im, cdim, name + "_norm2"))
+    return tuple(mtf.cast(t * inv, conf.tf_dtype, name="%s_%s" % (name, ("re", "im")[p]))
+                 for p, t in enumerate((re, im)))
+
+
+def materialised(x, name="materialised"):
+    """``x`` through an identity that performs a pending all-reduce, forward and backward.
+
+    A ``mtf.reduce_sum`` over a split dimension (the coils) lowers to a lazy all-reduce
+    whose consumers must ask for its slices; Mesh TF's ``GenericGradOperation`` (the
+    gradient of a ``cwise`` without its own, e.g. the network's ops) reads
+    ``tensor_list`` directly and fails on it. The same holds for the gradient of a
+    broadcast over the coils (a sum over them). This identity has its own gradient, the
+    same identity on ``dy``.
+    """
+    return mtf.cwise(tf.identity, [x], name=name,
+                     grad_function=lambda op, dy: [materialised(dy, name=name + "_grad")])
+
+
+def coil_sum(x, coil, name):
+    """``mtf.reduce_sum`` over the coil dimension (an all-reduce over ``coil_axis`` when
+    split), :func:`materialised`."""
+    return materialised(mtf.reduce_sum(x, reduced_dim=coil, name=name), name=name + "_reduced")
 
 
 class Sense:
@@ -145,7 +176,7 @@ class Sense:
         name = name or self.name + "_sx"
         if not x.dtype.is_complex:
             x = mtf.cast(x, self.conf.tf_complex_dtype)
-        xb = mtf.broadcast(x, self.coil_image_shape)
+        xb = mtf.broadcast(materialised(x, name=name + "_in"), self.coil_image_shape)
         return (complex_ops.apply_kernel(xb, self.maps_re, name=name + "_re")
                 + complex_ops.apply_kernel(xb, self.maps_im, phase=1j, name=name + "_im"))
 
@@ -170,13 +201,13 @@ class Sense:
         img = self._coil_adjoint_images(y, name)
         s = (complex_ops.apply_kernel(img, self.maps_re, name=name + "_re")
              + complex_ops.apply_kernel(img, self.maps_im, phase=-1j, name=name + "_im"))
-        return mtf.reduce_sum(s, reduced_dim=self.coil, name=name + "_coil_sum")
+        return coil_sum(s, self.coil, name + "_coil_sum")
 
     def rss(self, y, name=None):
         """Zero-filled root-sum-of-squares ``(sum_c |F^H M y_c|^2)^{1/2}``, real ``[x, y, z]``."""
         name = name or self.name + "_rss"
         a2 = complex_ops.abs2(self._coil_adjoint_images(y, name), name=name + "_abs2")
-        return mtf.sqrt(mtf.reduce_sum(a2, reduced_dim=self.coil), name=name)
+        return mtf.sqrt(coil_sum(a2, self.coil, name + "_coil_sum"), name=name)
 
     def noise(self, name="coil_noise"):
         """Complex noise ``[coil, kx, ky, kz]``, ``E|n|^2 = sigma^2`` per coil and sample,

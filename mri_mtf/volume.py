@@ -11,15 +11,21 @@ the path of a 3D NIfTI file (``.nii`` or ``.nii.gz``, read with nibabel).
 Resampling
 ----------
 The field of view is a box of the source (for ``mni152`` the brain's bounding box
-:data:`MNI152_BOX`, otherwise the whole volume) scaled isotropically to fit the grid
-``nc``: ``h = max_a(extent_a / nc_a)`` source voxels per output voxel, the box centred
-(zero outside the source). Along each axis the output voxel ``i`` is the mean of the
-source's linear interpolation at ``s = ceil(h)`` equally spaced points inside it (a box
-filter: no aliasing of the fine anatomy into a coarse grid), so the resampling is
-separable, ``out = W_x W_y W_z src`` with sparse 1-D matrices (:func:`resampling_matrix`).
-A volume with fewer voxels than ``nc`` along an axis of its box is refused (``h < 1``
-would upsample). The output is raw intensity; the job divides it by its maximum (a Mesh
-TF reduction: no rank holds the volume) to get ``[0, 1]``.
+:data:`MNI152_BOX`, otherwise the whole volume) scaled isotropically *in millimetres* to
+fit the grid ``nc``: with the source's voxel sizes ``d_a`` [mm] (the header's
+``get_zooms()``), the output voxel is a cube of ``H = max_a(extent_a d_a / nc_a)`` mm,
+``h_a = H / d_a`` source voxels along axis ``a``, the box centred (zero outside the
+source); so a file of 1 x 1 x 3 mm voxels keeps its physical aspect. Along each axis the
+output voxel ``i`` is the mean of the source's linear interpolation at ``s = ceil(h_a)``
+equally spaced points inside it (a box filter: no aliasing of the fine anatomy into a
+coarse grid; plain linear interpolation along an axis of thick voxels, ``h_a < 1``), so
+the resampling is separable, ``out = W_x W_y W_z src`` with sparse 1-D matrices
+(:func:`resampling_matrix`). A box whose extent along an axis is below ``nc_a`` voxels of
+the source's finest size ``min_a d_a`` is refused (for cubic voxels: fewer voxels than
+``nc``; the grid would be finer than the data), and so is an oblique affine (a rotation
+that is not a permutation of the axes: the grid is the file's voxel axes). The output is
+raw intensity; the job divides it by its maximum (a Mesh TF reduction: no rank holds the
+volume) to get ``[0, 1]``.
 
 Each rank reads only the source block its slab needs (nibabel's ``dataobj`` slicing):
 for an uncompressed ``.nii`` that is the bytes of the block (memory-mapped); for a
@@ -38,7 +44,8 @@ import os
 
 import numpy as np
 
-__all__ = ["MNI152_FILE", "MNI152_BOX", "BRAIN_THRESHOLD", "source_path", "VolumeSource",
+__all__ = ["MNI152_FILE", "MNI152_BOX", "BRAIN_THRESHOLD", "AFFINE_RTOL", "source_path",
+           "voxel_sizes", "VolumeSource",
            "resampling_matrix", "resample_numpy"]
 
 log = logging.getLogger(__name__)
@@ -99,6 +106,32 @@ def resampling_matrix(n_out, box, h, n_src):
     return w.mean(axis=1)
 
 
+AFFINE_RTOL = 1e-6
+"""An affine entry below this fraction of its column's norm counts as zero (axis-aligned)."""
+
+
+def voxel_sizes(img, path="volume"):
+    """The voxel sizes [mm] along the array's three axes (the header's ``get_zooms()``).
+
+    Raises
+    ------
+    ValueError
+        If the affine is oblique (its 3x3 part is not a scaled permutation of the axes)
+        or a voxel size is not positive and finite.
+    """
+    m = np.asarray(img.affine, np.float64)[:3, :3]
+    norms = np.sqrt((m * m).sum(axis=0))
+    big = np.abs(m) > AFFINE_RTOL * np.maximum(norms, 1e-300)[None, :]
+    if not (big.sum(axis=0) == 1).all() or not (big.sum(axis=1) == 1).all():
+        raise ValueError("volume %s has an oblique affine (its voxel axes are rotated "
+                         "against the scanner's); resample it to an axis-aligned grid first"
+                         % path)
+    zooms = tuple(float(z) for z in img.header.get_zooms()[:3])
+    if len(zooms) != 3 or not all(np.isfinite(z) and z > 0 for z in zooms):
+        raise ValueError("volume %s has voxel sizes %s: they must be positive" % (path, zooms))
+    return zooms
+
+
 class VolumeSource:
     """A NIfTI volume and its resampling to a grid ``nc`` (header only until :meth:`read`).
 
@@ -136,18 +169,25 @@ class VolumeSource:
         if len(shape) != 3:
             raise ValueError("volume %s must be a 3D NIfTI, got shape %s" % (self.path, shape))
         self.img, self.shape = img, shape
+        self.zooms = voxel_sizes(img, self.path)
         self.box = MNI152_BOX if volume == "mni152" else tuple((0, n) for n in shape)
         extent = [hi - lo for lo, hi in self.box]
+        mm = [e * d for e, d in zip(extent, self.zooms)]
+        finest = min(self.zooms)
         nc = tuple(int(n) for n in nc)
-        if any(n > e for n, e in zip(nc, extent)):
-            raise ValueError("volume %s (%s voxels%s) is smaller than --nc %s: choose --nc <= %s"
+        if any(n * finest > m * (1 + 1e-9) for n, m in zip(nc, mm)):
+            most = "x".join(str(int(math.floor(m / finest + 1e-9))) for m in mm)
+            raise ValueError("volume %s (%s voxels%s) is smaller than --nc %s (its voxels: "
+                             "%s mm): choose --nc <= %s"
                              % (self.path, "x".join(map(str, extent)),
                                 " in the brain's box" if volume == "mni152" else "",
-                                "x".join(map(str, nc)), "x".join(map(str, extent))))
+                                "x".join(map(str, nc)), "x".join("%g" % d for d in self.zooms),
+                                most))
         self.nc = nc
-        self.h = max(e / n for e, n in zip(extent, nc))
-        self.matrices = [resampling_matrix(n, b, self.h, ns)
-                         for n, b, ns in zip(nc, self.box, shape)]
+        self.voxel_mm = max(m / n for m, n in zip(mm, nc))
+        self.h = tuple(self.voxel_mm / d for d in self.zooms)
+        self.matrices = [resampling_matrix(n, b, h, ns)
+                         for n, b, h, ns in zip(nc, self.box, self.h, shape)]
 
     def read(self, begin, size):
         """The resampled block ``[begin, begin + size)`` (raw intensity, float64).

@@ -94,7 +94,7 @@ FOUR_RANK_TESTS=(
   tests/test_adjoint.py          # the adjoint gradient on 2x2
   tests/test_lensing.py          # lens planes reduced over both axes
   tests/test_mri_conv.py         # 3D convolution halos with corners (imaging)
-  tests/test_mri_sense.py        # SENSE and TV-SENSE with x and y (ky and kz) both split
+  tests/test_mri_sense.py        # SENSE and TV-SENSE with x and y both split; x and the coils
   tests/test_h5dist.py           # per-rank parts of a 2x2 / 4x1 grid in one file
   tests/test_checkpoint.py       # a 4-rank checkpoint read back on another grid
   tests/test_fof.py              # FoF groups across the corner of 4 blocks (2x2 ghosts)

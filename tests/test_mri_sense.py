@@ -26,7 +26,7 @@ from mri_mtf.recon import TVConfig
 # float64 FFTs of ~10^4 points and a few PDHG iterations: rounding ~1e-14.
 RTOL = 1e-11
 NC = (8, 8, 12)
-COILS = 3
+COILS = 4
 ITERS = 4
 # sigpy's TotalVariationRecon runs the same PDHG (theta = 1, x = 0 and dual 0 at the start)
 # when given our steps: the iterates agree to rounding (measured 3e-16 after 50 iterations);
@@ -34,14 +34,25 @@ ITERS = 4
 SIGPY_ITERS = 50
 SIGPY_ATOL = 1e-10         # [phantom intensity]; intensities are 0..1
 OBJ_RTOL = 1e-3
-CASES = H.cases(single=True, placement=False)
+# The coil dimension split over a third mesh axis of 2 (ImagingConfig.coil_split), one case
+# per world size: the placement mesh 2x1 x 2 coil ranks (1-rank pass: the slicing), the coils
+# alone over 2 ranks, and x over 2 ranks x the coils over 2 on 4 ranks.
+SPLIT_CASES = {1: [("placement", (2, 1, 2))], 2: [("hvd", (1, 1, 2))],
+               4: [("hvd", (2, 1, 2))]}
+CASES = H.cases(single=True, placement=False) + SPLIT_CASES.get(H.SIZE, [])
+
+
+def _case_id(case):
+    kind, grid = case
+    return H.case_id((kind, grid)) + ("-coils%d" % grid[2] if len(grid) == 3 else "")
 
 
 def _conf(grid):
-    return ImagingConfig(nc=NC, grid=grid, dtype="float64", acceleration=3, noise_sigma=0.02)
+    return ImagingConfig(nc=NC, grid=grid[:2], coil_split=grid[2] if len(grid) == 3 else 1,
+                         coils=COILS, dtype="float64", acceleration=3, noise_sigma=0.02)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=H.case_id)
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
 def run(request):
     kind, grid = request.param
     conf = _conf(grid)
@@ -79,6 +90,26 @@ def run(request):
 def _numpy_op(conf):
     maps = sense.birdcage_numpy(COILS, NC)
     return maps, sense.sense_numpy(maps, sampling.mask_numpy(conf))
+
+
+@pytest.mark.rank_independent
+def test_coil_split_config():
+    """The coil split is a third mesh axis; it must divide the coils."""
+    conf = _conf((2, 1, 2))
+    assert conf.n_ranks == 4 and conf.full_grid == (2, 1, 2) and conf.coils_per_rank == 2
+    assert conf.mesh_shape[-1] == ("coil_axis", 2) and ("coil", "coil_axis") in conf.layout_rules
+    with pytest.raises(ValueError, match="coil_split 3 does not divide coils 4"):
+        ImagingConfig(nc=NC, coils=4, coil_split=3)
+    # the memory preflight: a rank of a coil split holds the arrays of coils / split coils
+    from mri_mtf import memory
+    from mri_mtf.unrolled import UnrolledConfig
+
+    def volume_bytes(**kw):
+        c = ImagingConfig(nc=(32, 32, 32), grid=(2, 1), **kw)
+        return memory.imaging_terms(c, UnrolledConfig(), ("zero-filled", "tv"))[2].nbytes
+
+    assert volume_bytes(coils=8, coil_split=2) == volume_bytes(coils=4)
+    assert volume_bytes(coils=8, coil_split=2) < volume_bytes(coils=8)
 
 
 def test_sense_matches_numpy(run):

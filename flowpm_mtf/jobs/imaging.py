@@ -254,7 +254,8 @@ class ImagingJob(Job):
                "volume": (None if g.raw is None
                           else runner.VariableSlices(lowering, {"volume": g.raw})),
                "metrics": {m: runner.replicated(lowering, v) for m, v in g.metrics.items()},
-               "images": runner.local(lowering, g.images)}
+               "images": runner.local(lowering, g.images),
+               "owned": _owned(lowering, g.images)}
         if g.tv is not None:
             ops["tv_init"] = runner.lowered_group(lowering, g.tv.init_ops)
             ops["tv_step"] = runner.lowered_group(lowering, g.tv.step_ops)
@@ -311,7 +312,8 @@ class ImagingJob(Job):
         res["parts"], res["planes"] = {}, {}
         for name, s in sl.items():
             for (p, _, begin), value in zip(s, vals[name]):
-                res["parts"].setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
+                if p in ops["owned"][name]:
+                    res["parts"].setdefault(p, {})[name] = h5dist.Block(value, begin, conf.nc)
             res["planes"][name] = _mid_planes(ctx.comm, conf.nc, [(b, v) for (_, _, b), v in
                                                                    zip(s, vals[name])])
         return res
@@ -400,11 +402,12 @@ def _check_memory(ctx, methods):
     if getattr(ctx, "_imaging_memory_checked", False):
         return
     # the placement backend holds every block in this one process
-    held = conf.replace(grid=(1, 1)) if ctx.backend.name == "placement" else conf
+    held = (conf.replace(grid=(1, 1), coil_split=1) if ctx.backend.name == "placement"
+            else conf)
     fits = None if "unrolled" not in methods else (
         lambda c: unrolled.largest_kernel(c) >= uconf.kernel_size)
-    subject = "model of mri_mtf/memory.py for %s on grid %dx%d, %s%s" % (
-        "x".join(map(str, conf.nc)), conf.grid[0], conf.grid[1], conf.dtype,
+    subject = "model of mri_mtf/memory.py for %s on grid %s, %s%s" % (
+        "x".join(map(str, conf.nc)), "x".join(map(str, conf.full_grid)), conf.dtype,
         ", %d channels, %d^3 filters, %d blocks" % (uconf.channels, uconf.kernel_size,
                                                      uconf.blocks)
         if "unrolled" in methods else "")
@@ -413,6 +416,15 @@ def _check_memory(ctx, methods):
                              force=getattr(ctx, "force", False))
     memory.check_constants(conf, uconf, methods)
     ctx._imaging_memory_checked = True
+
+
+def _owned(lowering, images):
+    """The processors that write each image's blocks: the ranks of a coil split hold the
+    same image blocks (every rank still fetches its own: the images' all-reduces over the
+    coils are collective); the lowest one writes them."""
+    return {n: {p for p, _, _ in sl if h5dist.owns_slice(lowering.mesh_impl(images[n]),
+                                                         images[n].shape, p)}
+            for n, sl in runner.local(lowering, images).items()}
 
 
 def _stop_point(ctx, sess, g, ops, where, last=False):

@@ -533,5 +533,8 @@ def make_configs(job, args, config_file=None, n_ranks=1, backend="hvd"):
     values = job_values(job, args, config_file)
     sim = values["config"]
     if sim.get("grid") is None:
-        sim["grid"] = default_grid(n_ranks) if backend == "hvd" else (1, 1)
+        # ranks over further mesh axes (the imaging job's coil split) leave fewer to the grid
+        split = sim.get("coil_split") or 1
+        n_grid = n_ranks // split if isinstance(split, int) and n_ranks % split == 0 else n_ranks
+        sim["grid"] = default_grid(n_grid) if backend == "hvd" else (1, 1)
     return {sec.key: sec.make(values[sec.key]) for sec in job.sections}
