@@ -163,11 +163,13 @@ def compared(kind, grid, decomposition, linear, weight_field):
     return _CACHE[key]
 
 
-HVD_CASES = [("hvd", g) for g in H.HVD_GRIDS.get(H.SIZE, [])]
+# An end-to-end composition: on 2 ranks one 1D grid, (2, 1); the 4-rank pass's 2x2 grid
+# splits both axes, and the layers below run both 1D grids in their own files (fpm_harness).
+HVD_CASES = H.cases(placement=False, one_1d=True)
 # Grids where particles cross block boundaries: the hvd grids with more than one block,
 # and on one rank a 2x2 grid of blocks on one processor (fpm_harness "single": the
 # migration's shifts between blocks, in this process; faster than PlacementMeshImpl on 2 devices).
-MIGRATION_CASES = ([("hvd", g) for g in H.HVD_GRIDS.get(H.SIZE, []) if max(g) > 1]
+MIGRATION_CASES = ([c for c in HVD_CASES if max(c[1]) > 1]
                    or [("single", (2, 2))])
 
 

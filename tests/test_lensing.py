@@ -70,7 +70,10 @@ def numpy_plane(pos, conf, geom, index):
     return out / width
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(single=True, placement=False) if c[0] != "placement"],
+# Lensing composes the N-body and the planes: on 2 ranks one 1D grid (one_1d), (2, 1); the
+# 4-rank pass's 2x2 grid splits both axes (fpm_harness).
+@pytest.mark.parametrize("case", [c for c in H.cases(single=True, placement=False, one_1d=True)
+                                  if c[0] != "placement"],
                          ids=H.case_id)
 def test_density_planes_match_numpy(case):
     """Each shell's plane equals a numpy 2D CIC of the particles whose line-of-sight
@@ -138,7 +141,7 @@ def numpy_ray_born(pos, conf, geom):
     return kappa
 
 
-@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False, one_1d=True), ids=H.case_id)
 def test_ray_planes_match_numpy(case):
     """The Born maps of the planes painted at the rays' resolution equal a numpy CIC of the
     particles on each plane's ray grid (a square box, so that planes are transposed too)."""
@@ -186,7 +189,7 @@ def test_geometry_against_astropy():
 
 
 @pytest.mark.parametrize("randomize", [False, True], ids=["plain", "randomized"])
-@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False, one_1d=True), ids=H.case_id)
 def test_born_analytic_plane(case, randomize):
     """One plane holding A cos(2 pi m x/Lx + px) cos(2 pi n y/Ly + py), the others a
     constant (removed by the mean subtraction): kappa = coefficient x the bilinear
@@ -297,7 +300,7 @@ def test_nz_table_file_equals_smail(tmp_path):
                                rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False, one_1d=True), ids=H.case_id)
 def test_nz_born_matches_numpy(case):
     """Born maps of a delta source and two n(z) bins from random planes, on every process
     grid: coef[s] . (W_x plane W_y^T) with the bins' n(z)-weighted coefficients."""
@@ -418,7 +421,7 @@ def _shear_build(conf, maps, fn=None):
     return build
 
 
-@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False, one_1d=True), ids=H.case_id)
 def test_shear_single_modes(case):
     """kappa = A cos(2 pi (m i + n j)/N + p) (periodic on the map): gamma1 = (m^2 - n^2)/
     (m^2 + n^2) kappa, gamma2 = 2 m n/(m^2 + n^2) kappa, on every process grid; the
@@ -516,7 +519,8 @@ def test_gradient_finite_differences(forward_inputs, forward_reference):
     assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
 
 
-LAYOUT_CASES = [c for c in H.cases(single=True, placement=False) if c[0] != "placement"]
+LAYOUT_CASES = [c for c in H.cases(single=True, placement=False, one_1d=True)
+                if c[0] != "placement"]
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=H.case_id)

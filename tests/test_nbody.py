@@ -89,7 +89,11 @@ def flowpm_1lpt(linear):
     return NH.flowpm_run(linear, conf.a_start, 1, stages=nbody.default_stages(conf))
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(placement=False) if c[0] == "hvd"], ids=H.case_id)
+# The N-body is an end-to-end composition: on 2 ranks one 1D grid (one_1d), (2, 1); the
+# 4-rank pass's 2x2 grid splits both axes, and its layers (FFT, halo, CIC, migration) run
+# both 1D grids in their own files.
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False, one_1d=True)
+                                  if c[0] == "hvd"], ids=H.case_id)
 def test_nbody_1lpt_matches_flowpm(case, linear, flowpm_1lpt):
     """forward (1LPT + 3 KDK steps) against flowpm.tfpm.lpt_init + nbody, float32."""
     conf = conf_for(case[1])
@@ -131,7 +135,7 @@ def layout_reference(linear):
 # case compared it with itself), and PlacementMeshImpl's 2x2 lowering adds nothing that
 # the 4-rank pass's hvd 2x2 case does not check against the same reference (the placement
 # backend runs the physics in test_lagrangian_equals_eulerian and the other files).
-@pytest.mark.parametrize("case", H.cases(placement=False), ids=H.case_id)
+@pytest.mark.parametrize("case", H.cases(placement=False, one_1d=True), ids=H.case_id)
 def test_layout_independent(case, linear, layout_reference):
     """2LPT + 2 steps in float64 on every grid of this world size (HvdSimdMeshImpl): the
     same particles end at the same positions as on a 1-processor mesh with 2 x 2 blocks."""
@@ -171,7 +175,8 @@ def test_snapshots_are_intermediate_states(linear):
 
 
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("case", [c for c in H.cases(single=True, placement=False) if c[0] != "placement"],
+@pytest.mark.parametrize("case", [c for c in H.cases(single=True, placement=False, one_1d=True)
+                                  if c[0] != "placement"],
                          ids=H.case_id)
 def test_gradient_finite_differences(case, decomposition):
     """d loss / d linear field through LPT, 2 KDK steps (with the migrations of the
@@ -205,7 +210,8 @@ def test_gradient_finite_differences(case, decomposition):
     assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(placement=False) if c[0] == "hvd"],
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False, one_1d=True)
+                                  if c[0] == "hvd"],
                          ids=H.case_id)
 def test_escape_raises(case, linear):
     """Particles moving beyond the halo make the run fail with a clear message on
@@ -220,7 +226,7 @@ def test_escape_raises(case, linear):
         H.run(case[0], conf, build)
 
 
-@pytest.mark.parametrize("case", [c for c in H.cases(placement=False)
+@pytest.mark.parametrize("case", [c for c in H.cases(placement=False, one_1d=True)
                                   if c[0] == "hvd" and max(c[1]) > 1], ids=H.case_id)
 def test_eulerian_escape_names_steps(case, linear):
     """Eulerian: a particle moving more than a block in one step fails the migration
