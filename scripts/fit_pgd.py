@@ -119,8 +119,9 @@ def main(argv=None):
     p.add_argument("--kmax", type=float, default=0.75, help="fit range [k_N]")
     p.add_argument("--alphas", default=",".join("%g" % a for a in ALPHAS),
                    help="the grid of alpha values (increasing, from 0)")
-    p.add_argument("--field-deg", type=float, default=None,
-                   help="field of the lensing geometry whose stages are used (default the job's)")
+    p.add_argument("--stages-box", type=float, default=None,
+                   help="take the lensing job's stages of this box size [Mpc/h] (default "
+                        "--box-size): e.g. a 128 Mpc/h box at the survey's cells, 256")
     p.add_argument("--halo", type=int, default=None)
     p.add_argument("--label", default="")
     p.add_argument("--out", default=RESULTS)
@@ -140,11 +141,13 @@ def main(argv=None):
     for seed in range(1, args.seeds + 1):
         conf = SimConfig(nc=args.nc, box_size=args.box_size, a_start=0.2, grid=grid, seed=seed,
                          **extra)
-        lconf = G.LensingConfig() if args.field_deg is None else G.LensingConfig(
-            field_deg=args.field_deg)
-        geom = G.geometry(conf, lconf)
-        stages, plane_stage = G.lightcone_stages(conf, geom)
-        coef = G.born_coefficients(conf, geom)
+        # the stages (and planes) of the lensing job in --stages-box Mpc/h (a smaller box
+        # at the same cell size has the same force resolution, the same time steps)
+        ref = SimConfig(nc=args.nc, box_size=args.stages_box or args.box_size, a_start=0.2,
+                        grid=grid, seed=seed, **extra)
+        geom = G.geometry(ref, G.LensingConfig())
+        stages, plane_stage = G.lightcone_stages(ref, geom)
+        coef = G.born_coefficients(ref, geom)
         lensing = [i for i in range(geom.n_planes) if coef[0, i] > 0]
         # every other lensing plane (the fit's a range without all twelve)
         planes = lensing[::2]
