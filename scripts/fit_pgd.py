@@ -4,8 +4,8 @@ Usage::
 
     # the default lensing configuration (64^3 in 256 Mpc/h), 2 seeds, one process
     python scripts/fit_pgd.py --seeds 2
-    # the survey configuration (256^3), on 2 ranks
-    mpirun -np 2 python scripts/fit_pgd.py --nc 256 --seeds 1 --label survey
+    # the survey's 1 Mpc/h cells, cheaper: a 128 Mpc/h box with the stages of the 256 Mpc/h job
+    python scripts/fit_pgd.py --nc 128 --box-size 128 --stages-box 256 --seeds 1 --label 1mpc
 
 What it does
 ------------
@@ -16,10 +16,11 @@ lens the source; at each of them the PGD displacement with alpha = 1
 of ``x + alpha dx`` for a grid of alpha values (the displacement is linear in alpha; the
 P(k) is not). Numpy then deconvolves each P(k) as the lensing job's prediction does
 (:func:`flowpm_mtf.physics.lensing_theory.true_power`, :func:`pair_power`: the CIC window with
-its images, minus the shot noise) and takes its mean ratio to halofit (Takahashi et al. 2012,
+its images, minus the shot noise) and divides it by halofit (Takahashi et al. 2012,
 :mod:`flowpm_mtf.physics.halofit`) over ``--kmin``..``--kmax`` of the mesh's Nyquist frequency.
 Per plane, the alpha that minimises the seeds' mean of the mode-weighted mean of
-log(ratio)^2 in that range (the grid's minimum refined by a parabola); then alpha0 and mu by a least-squares line in (log a, log alpha). Writes
+log(ratio)^2 in that range (the grid's minimum refined by a parabola); then alpha0 and mu
+by a least-squares line in (log a, log alpha). Writes
 ``results/fit_pgd[_label].md`` (+ raw JSON): per plane a, the best alpha, the fitted
 alpha(a) and the ratio per k band without PGD and at the fitted alpha(a).
 """
@@ -198,7 +199,8 @@ def render(d):
                                                                          d["seeds"]),
              "",
              "k_l = %.2f k_N, k_s = %.2f k_N; the fit range %.2f-%.2f k_N; pair P(k) (CIC "
-             "deconvolved, shot noise removed) / halofit, mean over the seeds (mode-weighted per band). Fit: alpha0 = "
+             "deconvolved, shot noise removed) / halofit, mean over the seeds (mode-weighted "
+             "per band). Fit: alpha0 = "
              "%.4f, mu = %.3f (commit %s, load %.1f)." % (d["kl"], d["ks"], d["kmin"], d["kmax"],
                                                           d["alpha0"], d["mu"], d["commit"],
                                                           d["load"]),

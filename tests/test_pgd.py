@@ -1,7 +1,7 @@
 """PGD (flowpm_mtf.physics.pgd): the displacement against a numpy reference of the same formula
 (CIC density, FFT, the kernel O_l O_h / k^2, the four-point gradient, CIC readout) on every
-process grid of this world size and on one block, and its finite-difference gradient with
-respect to the positions."""
+process grid of this world size and on one block, its finite-difference gradient with
+respect to the positions, and the gradient of the lightcone's maps through it."""
 import mesh_tensorflow as mtf
 import numpy as np
 import pytest
@@ -10,7 +10,8 @@ import tensorflow.compat.v1 as tf
 import fpm_harness as H
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.mesh import fft
-from flowpm_mtf.physics import lpt, painting
+import nbody_harness as NH
+from flowpm_mtf.physics import lensing as L, lpt, painting
 from flowpm_mtf.physics import pgd as P
 
 # float64, the same sums as numpy in another order (FFT, halo and CIC sums): round-off
@@ -111,6 +112,32 @@ def test_gradient_finite_differences(inputs):
                               {"disp": disp - FD_EPS * direction}])
     fd = (rp["loss"] - rm["loss"]) / (2 * FD_EPS)
     an = float(np.sum(r0["grad"] * direction))
+    assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="one rank's check")
+def test_lightcone_gradient_with_pgd():
+    """d(sum kappa^2)/d(linear field) through LPT, the N-body, PGD at each plane stage, the
+    planes and the Born sum (lensing.lightcone_forward), against central differences."""
+    conf = SimConfig(nc=16, box_size=160.0, grid=(1, 1), halo_size=3, a_start=0.7,
+                     a_end=1.0, n_steps=1, dtype="float64")
+    geom = L.geometry(conf, L.LensingConfig(z_source=(0.1, 0.07), field_deg=12.0,
+                                            field_npix=12, n_planes=2))
+    lin0 = NH.linear_field_numpy(conf, seed=11)
+    d = np.random.RandomState(1).randn(*conf.nc) * np.std(lin0)
+
+    def build(mesh):
+        phs = {}
+        lin = H.placeholder_input(mesh, phs, "lin", lin0, fft.real_shape(conf))
+        kappa, _, _ = L.lightcone_forward(lin, conf, geom,
+                                          pgd=P.PGDConfig(pgd=True, pgd_alpha0=1.0))
+        loss = mtf.reduce_sum(kappa * kappa)
+        return {"loss": loss, "grad": mtf.gradients([loss], [lin])[0]}, phs
+
+    r0, rp, rm = H.run("single", conf, build, feeds=[
+        {"lin": lin0}, {"lin": lin0 + FD_EPS * d}, {"lin": lin0 - FD_EPS * d}])
+    fd = (rp["loss"] - rm["loss"]) / (2 * FD_EPS)
+    an = float(np.sum(r0["grad"] * d))
     assert abs(fd - an) <= FD_RTOL * abs(an), (fd, an)
 
 

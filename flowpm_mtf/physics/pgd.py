@@ -191,8 +191,9 @@ def clip_to_blocks(positions, conf, name="pgd_clip"):
     clipped to :math:`[-h, s + h - 1 - \epsilon]` (``h`` the halo, ``s`` the block side,
     :math:`\epsilon` = :data:`CLIP_MARGIN`): those particles are painted at the halo's edge
     instead, every other particle is unchanged. For what is painted on the PM mesh (the lens
-    planes' mesh copies, the P(k)); the rays' planes (:func:`flowpm_mtf.physics.lensing.ray_born_terms`)
-    take the unclipped positions, whatever the blocks. The gradient is 1 inside, 0 where
+    planes' mesh copies, the P(k)); the rays' planes
+    (:func:`flowpm_mtf.physics.lensing.ray_born_terms`) take the unclipped positions,
+    whatever the blocks. The gradient is 1 inside, 0 where
     clipped.
 
     Parameters
