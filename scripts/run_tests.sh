@@ -93,6 +93,7 @@ FOUR_RANK_TESTS=(
   tests/test_nbody.py            # the forward model on 2x2 against FlowPM
   tests/test_adjoint.py          # the adjoint gradient on 2x2
   tests/test_lensing.py          # lens planes reduced over both axes
+  tests/test_pgd.py              # PGD's potential gradient and readout across block corners
   tests/test_mri_conv.py         # 3D convolution halos with corners (imaging)
   tests/test_mri_sense.py        # SENSE and TV-SENSE with x and y both split; x and the coils
   tests/test_h5dist.py           # per-rank parts of a 2x2 / 4x1 grid in one file

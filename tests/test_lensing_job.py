@@ -19,7 +19,8 @@ from flowpm_mtf.errors import ConfigError
 # 8 deg field on 64^2 rays, plus two n(z) bins: 7 N-body steps (~45 s of CPU per rank on an idle machine).
 ARGS = ["lensing", "--nc", "32", "--box-size", "256", "--a-start", "0.4", "--steps", "3",
         "--z-source", "0.5", "--n-planes", "6", "--field-deg", "8", "--field-npix", "64",
-        "--halo", "4", "--seed", "42", "--nz-smail", "2,1.5,0.25", "--nz-bins", "0.1,0.3,0.5"]
+        "--halo", "4", "--seed", "42", "--nz-smail", "2,1.5,0.25", "--nz-bins", "0.1,0.3,0.5",
+        "--pgd"]   # the PGD correction's path end to end (test_pgd.py checks its values)
 N_MAPS = 3          # z_s = 0.5 and two tomographic bins of a Smail n(z)
 NPIX = 64
 # Limber test range: from 2 fundamentals of the 8 deg field (the lowest bin has ~20
@@ -120,6 +121,7 @@ def test_outputs_well_formed(run):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     n_steps = len(summary["timings"]["steps_s"])
+    assert summary["pgd"]["pgd"] is True                    # recorded with its parameters
     assert n_steps == summary["n_stages"] - 1 and len(summary["peak_memory_mb_per_rank"]) == 2
     assert log.count("step 1/%d" % n_steps) == 1            # logged once, on rank 0
     assert log.count("plane ") >= 6
@@ -166,3 +168,8 @@ def test_empty_nz_bin_fails_on_every_rank(capsys):
     line = _fails_on_every_rank(["--a-start", "0.5", "--z-source", "0.3", "--n-planes", "8",
                                  "--nz-smail", "2,4,0.01", "--nz-bins", "0,0.1,0.2"], capsys)
     assert "bin 1 (z 0.1-0.2) holds no sources" in line, line
+
+
+def test_pgd_on_full_sky_fails_on_every_rank(capsys):
+    line = _fails_on_every_rank(["--sky", "full", "--nside", "8", "--pgd"], capsys)
+    assert "--pgd is an option of the flat sky" in line, line

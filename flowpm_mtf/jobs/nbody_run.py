@@ -734,6 +734,8 @@ class PowerAtStages:
         Stage indices to measure at (None: every stage).
     before : callable, optional
         ``before(j)`` run first at each of those stages (e.g. paint lens planes).
+    feed : callable, optional
+        ``feed(j)``: the feed dict of the P(k) run at stage ``j`` (or None).
 
     Attributes
     ----------
@@ -743,8 +745,9 @@ class PowerAtStages:
         Time spent at stages after the first [s].
     """
 
-    def __init__(self, sess, fetch, stages=None, before=None):
+    def __init__(self, sess, fetch, stages=None, before=None, feed=None):
         self.sess = sess
+        self.feed = feed
         self.fetch = {n: fetch[n] for n in POWER_FIELDS}
         self.stages = None if stages is None else set(int(j) for j in stages)
         self.before = before
@@ -757,6 +760,7 @@ class PowerAtStages:
         t = time.perf_counter()
         if self.before is not None:
             self.before(j)
-        self.results[j] = self.sess.run(self.fetch)
+        self.results[j] = self.sess.run(self.fetch,
+                                        None if self.feed is None else self.feed(j))
         if j > 0:
             self.seconds += time.perf_counter() - t

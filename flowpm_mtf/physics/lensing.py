@@ -85,7 +85,7 @@ import tensorflow.compat.v1 as tf
 
 from ..mesh import slots
 from .. import layout
-from . import sizing, timeloop
+from . import pgd as pgd_mod, sizing, timeloop
 from .kernels import make_kernels
 from .lpt import lpt_init
 from .nbody import kdk_step
@@ -485,7 +485,7 @@ def shear_from_potential(kappa, pad=2, name="shear_potential"):
                          output_dtype=[dt, dt], splittable_dims=[], name=name)
 
 
-def lightcone_forward(linear, conf, geom):
+def lightcone_forward(linear, conf, geom, pgd=None):
     """LPT, N-body through the lightcone stages, density planes and Born convergence.
 
     The same computation as the job (:mod:`flowpm_mtf.jobs.lensing`) in one
@@ -497,6 +497,10 @@ def lightcone_forward(linear, conf, geom):
         Linear density contrast at a = 1, real ``[x, y, z]``, dtype ``conf.dtype``.
     conf : SimConfig
     geom : LightconeGeometry
+    pgd : flowpm_mtf.physics.pgd.PGDConfig, optional
+        With ``pgd.pgd``, the planes are painted from the particles moved by the PGD
+        correction at each plane's scale factor (as the job; the time loop goes on from
+        the uncorrected particles).
 
     Returns
     -------
@@ -514,11 +518,16 @@ def lightcone_forward(linear, conf, geom):
     terms = []
 
     def paint_planes(j, a, state):
+        x, mesh_x = state.positions, state.positions
+        w = slots.weights(state.ids, conf)
+        if pgd is not None and pgd.pgd and np.any(plane_stage == j):
+            x = x + pgd_mod.pgd_displacement(x, conf, pgd, pgd.alpha(a), weight=w,
+                                             name="pgd_%d" % j)
+            mesh_x = pgd_mod.clip_to_blocks(x, conf)
         for i in np.nonzero(plane_stage == j)[0]:
-            w = slots.weights(state.ids, conf)
-            planes[i] = density_plane(state.positions, conf, geom, int(i), weight=w)
+            planes[i] = density_plane(mesh_x, conf, geom, int(i), weight=w)
             if np.any(born_coefficients(conf, geom)[:, i] > 0):
-                terms.append(ray_born_terms(state.positions, conf, geom, int(i), weight=w))
+                terms.append(ray_born_terms(x, conf, geom, int(i), weight=w))
 
     rows = sizing.send_capacity(conf, stages=stages)   # the migration's, from these stages
     state = timeloop.integrate(
