@@ -84,6 +84,9 @@ class ImagingConfig:
     coils : int
         Receive coils (>= 1): 1 is the single-coil ``A = M F``; more are birdcage
         coils and the SENSE operator (:mod:`mri_mtf.sense`).
+    coil_split : int
+        Ranks the coil dimension is split over (>= 1, dividing ``coils``): a third mesh
+        axis, so the job runs on ``P * Q * coil_split`` ranks; 1 keeps the coils unsplit.
 
     Raises
     ------

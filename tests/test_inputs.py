@@ -259,6 +259,9 @@ VALID_NUMERIC |= {("--density-power", "0"), ("--init-seed", "0"), ("--data-seed"
 VALID_NUMERIC |= {("--%s%s" % (COSMO_PREFIX, name), v) for name in ("w0", "wa", "Omega-k", "n-s")
                   for v in ("0", "-1")}
 VALID_NUMERIC.add(("--linear-power-z", "0"))   # a table at z = 0 (the default)
+# PGD: alpha(a) = alpha0 a^mu; any finite mu (the default is negative); alpha0 = 0 is no
+# correction (the run equals one without --pgd)
+VALID_NUMERIC |= {("--pgd-mu", "0"), ("--pgd-mu", "-1"), ("--pgd-alpha0", "0")}
 NUMERIC_VALUES = ("0", "-1", "nan", "inf")
 NUMERIC_CASES = [(name, flag, dest, v) for name in sorted(REGISTRY)
                  for flag, dest in _numeric_options(name) for v in NUMERIC_VALUES]

@@ -535,6 +535,7 @@ def make_configs(job, args, config_file=None, n_ranks=1, backend="hvd"):
     if sim.get("grid") is None:
         # ranks over further mesh axes (the imaging job's coil split) leave fewer to the grid
         split = sim.get("coil_split") or 1
-        n_grid = n_ranks // split if isinstance(split, int) and n_ranks % split == 0 else n_ranks
+        n_grid = (n_ranks // split if isinstance(split, int) and split >= 1
+                  and n_ranks % split == 0 else n_ranks)   # else the config's own error
         sim["grid"] = default_grid(n_grid) if backend == "hvd" else (1, 1)
     return {sec.key: sec.make(values[sec.key]) for sec in job.sections}

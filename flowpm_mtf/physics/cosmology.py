@@ -74,6 +74,8 @@ _GROWTH_A_INIT = 1e-6
 # of matter domination, where the derivatives are ~Omega_de a^3).
 _GROWTH_RTOL = 1e-11
 _GROWTH_ATOL = 1e-11
+# Longest step [in ln a]: the interpolation between steps stays at the solver's accuracy.
+_GROWTH_H_MAX = 0.25
 # Dormand-Prince 5(4) tableau (Dormand & Prince 1980): nodes, stages, 5th-order weights
 # (= the last stage's row, first same as last) and the 5th minus 4th-order weights.
 _DP_C = (0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0)
@@ -405,40 +407,57 @@ def _growth_rhs(cosmo):
     return rhs
 
 
-def _dopri5(rhs, t0, y0, t_eval, rtol, atol):
-    """Integrate ``y' = rhs(t, y)`` from ``t0`` through the increasing ``t_eval`` with the
-    adaptive Dormand-Prince 5(4) method (local extrapolation, first same as last), stepping
-    onto each point of ``t_eval``; returns ``y`` there, ``[len(y0), len(t_eval)]``. In
-    Python floats: the system is a handful of numbers, for which numpy's per-call
-    overhead would dominate."""
+def _dopri5(rhs, t0, y0, t_end, rtol, atol, h_max):
+    """Integrate ``y' = rhs(t, y)`` from ``t0`` to ``t_end`` with the adaptive
+    Dormand-Prince 5(4) method (local extrapolation, first same as last; steps of at most
+    ``h_max``). Returns the accepted steps' ends ``t``, ``y`` and ``rhs(t, y)``
+    (``[m]``, ``[len(y0), m]``, ``[len(y0), m]``). In Python floats: the system is a handful
+    of numbers, for which numpy's per-call overhead would dominate."""
     t, y = float(t0), tuple(float(v) for v in y0)
     n = len(y)
     k1 = rhs(t, y)
-    out = np.empty((n, len(t_eval)))
+    ts, ys, fs = [t], [y], [k1]
     h = 1e-2
-    for i, target in enumerate(t_eval):
-        target = float(target)
-        while t < target:
-            last = t + h >= target
-            step = target - t if last else h
-            ks = [k1]
-            for c, row in zip(_DP_C[1:], _DP_A[1:]):
-                yi = tuple(y[j] + step * sum(a_ * k[j] for a_, k in zip(row, ks) if a_)
-                           for j in range(n))
-                ks.append(rhs(t + step * c, yi))
-            # yi is the 5th-order solution (the last row is its weights), ks[-1] its rhs
-            norm = math.sqrt(sum(
-                (step * sum(e * k[j] for e, k in zip(_DP_E, ks) if e)
-                 / (atol + rtol * max(abs(y[j]), abs(yi[j])))) ** 2 for j in range(n)) / n)
-            if not math.isfinite(norm):
-                raise RuntimeError("growth ODE failed: non-finite step at ln a = %g" % t)
-            if norm <= 1.0:
-                t, y, k1 = (target if last else t + step), yi, ks[-1]
-            h = step * min(5.0, max(0.2, 0.9 * max(norm, 1e-10) ** -0.2))
-            if h < 1e-12:
-                raise RuntimeError("growth ODE failed: step size underflow at ln a = %g" % t)
-        out[:, i] = y
-    return out
+    while t < t_end:
+        last = t + h >= t_end
+        step = t_end - t if last else h
+        ks = [k1]
+        for c, row in zip(_DP_C[1:], _DP_A[1:]):
+            yi = tuple(y[j] + step * sum(a_ * k[j] for a_, k in zip(row, ks) if a_)
+                       for j in range(n))
+            ks.append(rhs(t + step * c, yi))
+        # yi is the 5th-order solution (the last row is its weights), ks[-1] its rhs
+        norm = math.sqrt(sum(
+            (step * sum(e * k[j] for e, k in zip(_DP_E, ks) if e)
+             / (atol + rtol * max(abs(y[j]), abs(yi[j])))) ** 2 for j in range(n)) / n)
+        if not math.isfinite(norm):
+            raise RuntimeError("growth ODE failed: non-finite step at ln a = %g" % t)
+        if norm <= 1.0:
+            t, y, k1 = (t_end if last else t + step), yi, ks[-1]
+            ts.append(t), ys.append(y), fs.append(k1)
+        h = min(h_max, step * min(5.0, max(0.2, 0.9 * max(norm, 1e-10) ** -0.2)))
+        if h < 1e-12:
+            raise RuntimeError("growth ODE failed: step size underflow at ln a = %g" % t)
+    return np.array(ts), np.array(ys).T, np.array(fs).T
+
+
+def _hermite5(t, ts, y, dy, d2y):
+    """The quintic Hermite interpolant of ``y`` (with its first and second derivatives
+    ``dy``, ``d2y`` at the nodes ``ts``) and its derivative, at ``t`` (in ``ts``' range)."""
+    i = np.clip(np.searchsorted(ts, t, side="right") - 1, 0, len(ts) - 2)
+    h = ts[i + 1] - ts[i]
+    s = (t - ts[i]) / h
+    s2, s3 = s * s, s * s * s
+    s4, s5 = s3 * s, s3 * s2
+    basis = (1 - 10 * s3 + 15 * s4 - 6 * s5, s - 6 * s3 + 8 * s4 - 3 * s5,
+             0.5 * (s2 - 3 * s3 + 3 * s4 - s5), 10 * s3 - 15 * s4 + 6 * s5,
+             -4 * s3 + 7 * s4 - 3 * s5, 0.5 * (s3 - 2 * s4 + s5))
+    dbasis = (-30 * s2 + 60 * s3 - 30 * s4, 1 - 18 * s2 + 32 * s3 - 15 * s4,
+              0.5 * (2 * s - 9 * s2 + 12 * s3 - 5 * s4), 30 * s2 - 60 * s3 + 30 * s4,
+              -12 * s2 + 28 * s3 - 15 * s4, 0.5 * (3 * s2 - 8 * s3 + 5 * s4))
+    nodes = (y[i], h * dy[i], h * h * d2y[i], y[i + 1], h * dy[i + 1], h * h * d2y[i + 1])
+    return (sum(b * v for b, v in zip(basis, nodes)),
+            sum(b * v for b, v in zip(dbasis, nodes)) / h)
 
 
 def growth(cosmo, a):
@@ -447,8 +466,9 @@ def growth(cosmo, a):
     The ODEs for :math:`D_1` and :math:`D_2` (module docstring) are integrated for
     :math:`D_1 / a` and :math:`D_2 / a^2` in :math:`\\ln a` from matter-dominated
     growing-mode initial conditions at :math:`a = 10^{-6}` (or below the smallest ``a``)
-    with an adaptive Dormand-Prince 5(4) Runge-Kutta method (rtol 1e-11), stepping onto
-    each ``a`` and :math:`a = 1` for the normalisation.
+    with an adaptive Dormand-Prince 5(4) Runge-Kutta method (rtol 1e-11) to
+    :math:`\\max(1, a)`, and read at ``a`` by quintic Hermite interpolation between its
+    steps (values, first and second derivatives at both ends).
 
     Parameters
     ----------
@@ -464,23 +484,25 @@ def growth(cosmo, a):
     a = positive_array(a)
     flat = np.atleast_1d(a).reshape(-1)
     a_init = min(_GROWTH_A_INIT, 0.1 * flat.min())
-    lna_eval = np.unique(np.concatenate([np.log(flat), [0.0]]))
+    lna = np.concatenate([np.log(flat), [0.0]])
     rhs = _growth_rhs(cosmo)
-    y = _dopri5(rhs, np.log(a_init), [1.0, 0.0, -3.0 / 7.0, 0.0], lna_eval,
-                _GROWTH_RTOL, _GROWTH_ATOL)
-    u, du, v, dv = y
-    d2u, d2v = np.array([rhs(float(t), tuple(y[:, j])) for j, t in enumerate(lna_eval)]).T[[1, 3]]
-    ae = np.exp(lna_eval)
-    # back to D1, D2 and their first two derivatives in ln a
+    ts, y, f = _dopri5(rhs, np.log(a_init), [1.0, 0.0, -3.0 / 7.0, 0.0], lna.max(),
+                       _GROWTH_RTOL, _GROWTH_ATOL, _GROWTH_H_MAX)
+    u, du = _hermite5(lna, ts, y[0], y[1], f[1])
+    v, dv = _hermite5(lna, ts, y[2], y[3], f[3])
+    # the second derivatives from the ODEs themselves (vectorised rhs)
+    ae = np.exp(lna)
+    damping, om_a = 2.0 + dlnE_dlna(cosmo, ae), 1.5 * Omega_m_a(cosmo, ae)
+    d2u = -(2.0 + damping) * du - (1.0 + damping - om_a) * u
+    d2v = -(4.0 + damping) * dv - (4.0 + 2.0 * damping - om_a) * v - om_a * u * u
+    # back to D1, D2 and their first two derivatives in ln a; the last entry is a = 1
     rows = (ae * u, ae * (u + du), ae * (u + 2.0 * du + d2u),
             ae**2 * v, ae**2 * (2.0 * v + dv), ae**2 * (4.0 * v + 4.0 * dv + d2v))
-    i1 = np.searchsorted(lna_eval, 0.0)
-    norm1 = rows[0][i1]
-    idx = np.searchsorted(lna_eval, np.log(flat))
+    norm1 = rows[0][-1]
     shape = np.shape(np.atleast_1d(a))
 
     def pick(row, norm):
-        return (row[idx] / norm).reshape(shape)
+        return (row[:-1] / norm).reshape(shape)
 
     return Growth(
         a=np.atleast_1d(a).copy(),
