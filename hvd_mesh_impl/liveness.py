@@ -217,8 +217,11 @@ class Watchdog:
         Listening TCP socket (used on rank 0: the other watchdogs connect to it).
     """
 
-    def __init__(self, sock, setup, control, listener=None):
+    def __init__(self, sock, setup, control, listener=None, said=b""):
         self.sock, self.control = sock, control
+        # what the rank wrote after its set-up line before this watchdog read it (a rank
+        # that fails at once says goodbye right after the set-up: one read gets both)
+        self.said = said
         self.rank, self.size = setup["rank"], setup["size"]
         self.timeout, self.heartbeat = setup["timeout"], setup["heartbeat"]
         self.grace = setup.get("grace", GRACE_S)
@@ -405,6 +408,9 @@ class Watchdog:
                       "rank %d on host %s was ended by its launcher")
 
     def run(self):
+        if self.said.split(b"\n")[0].strip() in (b"bye", b"abort"):
+            self.goodbye("bye")
+            return
         next_beat = 0.0
         tick = time.monotonic()
         while True:
@@ -492,9 +498,10 @@ def main():
     sys.stdout.flush()
     fd = sys.stdin.fileno()
     line = b""
-    while not line.endswith(b"\n"):
+    while b"\n" not in line:
         chunk = os.read(fd, 65536)
         if not chunk:
             return  # the rank ended before the set-up
         line += chunk
-    Watchdog(sock, json.loads(line), fd, listener).run()
+    setup, _, said = line.partition(b"\n")
+    Watchdog(sock, json.loads(setup), fd, listener, said).run()

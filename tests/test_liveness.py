@@ -33,8 +33,9 @@ def _load():
     return mod
 
 
-def _start(n=2):
-    """``n`` watchdogs (ranks 0..n-1) guarding ``n`` sleepers; returns (watchdogs, sleepers)."""
+def _start(n=2, then=b""):
+    """``n`` watchdogs (ranks 0..n-1) guarding ``n`` sleepers; returns (watchdogs, sleepers).
+    ``then``: bytes each rank writes in the same write as its set-up line."""
     sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(n)]
     code = ("import importlib.util as u; s = u.spec_from_file_location('w', %r); "
             "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()" % LIVENESS)
@@ -47,7 +48,7 @@ def _start(n=2):
     for rank, (dog, sleeper) in enumerate(zip(dogs, sleepers)):
         setup = {"rank": rank, "size": n, "timeout": TIMEOUT_S, "heartbeat": HEARTBEAT_S,
                  "parent": sleeper.pid, "table": table}
-        dog.stdin.write((json.dumps(setup) + "\n").encode())
+        dog.stdin.write((json.dumps(setup) + "\n").encode() + then)
         dog.stdin.flush()
     return dogs, sleepers
 
@@ -134,6 +135,20 @@ def test_goodbyes_end_the_watchdogs_and_no_rank():
             assert _wait(d) is not None and d.returncode == 0
             assert d.stderr.read() == b""
         time.sleep(TIMEOUT_S + 2 * HEARTBEAT_S)
+        assert all(s.poll() is None for s in sleepers)
+    finally:
+        _cleanup(dogs + sleepers)
+
+
+def test_a_goodbye_read_with_the_set_up_line_ends_the_watchdog_quietly():
+    """A rank that fails at once (a refusal) says goodbye right after its set-up line; one
+    read may get both: the watchdog says goodbye, without a traceback (it was a JSON error
+    printed under a refused job's one line)."""
+    dogs, sleepers = _start(then=b"bye\n")
+    try:
+        for d in dogs:
+            assert _wait(d) is not None and d.returncode == 0
+            assert d.stderr.read() == b""
         assert all(s.poll() is None for s in sleepers)
     finally:
         _cleanup(dogs + sleepers)
