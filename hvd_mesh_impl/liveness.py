@@ -215,12 +215,13 @@ class Watchdog:
         exit, end of file a killed parent.
     listener : socket.socket, optional
         Listening TCP socket (used on rank 0: the other watchdogs connect to it).
+    said : bytes, optional
+        What the parent wrote after its set-up line, read together with it: a rank that
+        fails at once says ``bye`` right after the set-up.
     """
 
     def __init__(self, sock, setup, control, listener=None, said=b""):
         self.sock, self.control = sock, control
-        # what the rank wrote after its set-up line before this watchdog read it (a rank
-        # that fails at once says goodbye right after the set-up: one read gets both)
         self.said = said
         self.rank, self.size = setup["rank"], setup["size"]
         self.timeout, self.heartbeat = setup["timeout"], setup["heartbeat"]
