@@ -194,6 +194,7 @@ def test_exchange_only_along_split_axes(grid):
         assert not [n for n in names if "shift" in n.lower() or "merge" in n], names
 
 
+@pytest.mark.rank_independent   # one process ("single"): the 1-rank pass
 def test_too_few_send_rows_given_are_a_capacity_error():
     """The send rows are the caller's number (domain knows no sizing): too few of them
     fail the same check, on the rows given, and the error names a number that works."""

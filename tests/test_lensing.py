@@ -170,6 +170,7 @@ def test_ray_planes_match_numpy(case):
 
 
 # ----------------------------------------------------------------------------- Born
+@pytest.mark.rank_independent   # one process ("single"): the 1-rank pass
 def test_geometry_against_astropy():
     """Plane scale factors and source distances with astropy's (independent) distances."""
     from astropy.cosmology import FlatLambdaCDM
@@ -443,6 +444,7 @@ def test_shear_single_modes(case):
     np.testing.assert_allclose(out["grad"], ref, atol=1e-14)
 
 
+@pytest.mark.rank_independent   # one process ("single"): the 1-rank pass
 @pytest.mark.parametrize("fn", [L.shear_maps, L.shear_from_potential],
                          ids=["kaiser_squires", "potential"])
 def test_shear_gaussian_profile(fn):

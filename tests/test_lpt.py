@@ -96,6 +96,7 @@ def test_lpt2_matches_flowpm(case, linear, flowpm_ref):
         assert H.rel_err(out[key] - shift, ref2[key] - shift) > D2_NORM_EVIDENCE, key
 
 
+@pytest.mark.rank_independent   # one process ("single"): the 1-rank pass
 def test_linear_growth(linear):
     """1LPT displacements scale with D1, momenta with a^2 E f D1, forces with a^2 E gf."""
     conf = conf_for(dtype="float64", order=1)

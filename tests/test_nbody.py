@@ -150,6 +150,7 @@ def test_layout_independent(case, linear, layout_reference):
         assert H.rel_err(out[key], ref[key]) < LAYOUT_RTOL, key
 
 
+@pytest.mark.rank_independent   # one process ("single"): the 1-rank pass
 def test_snapshots_are_intermediate_states(linear):
     """A snapshot at stage k equals the final state of a run over stages[:k + 1]."""
     conf = conf_for(dtype="float64", n_steps=2)
