@@ -134,7 +134,8 @@ def test_lightcone_gradient_with_pgd():
         phs = {}
         lin = H.placeholder_input(mesh, phs, "lin", lin0, fft.real_shape(conf))
         kappa, _, _ = L.lightcone_forward(lin, conf, geom,
-                                          pgd=P.PGDConfig(pgd=True, pgd_alpha0=1.0))
+                                          pgd=P.PGDConfig(pgd=True, pgd_alpha0=1.0,
+                                                          pgd_mu=-0.9))
         loss = mtf.reduce_sum(kappa * kappa)
         return {"loss": loss, "grad": mtf.gradients([loss], [lin])[0]}, phs
 
@@ -154,3 +155,31 @@ def test_config_rules():
     with pytest.raises(ValueError, match="pgd_mu"):
         P.PGDConfig(pgd_mu=float("nan"))
     assert P.PGDConfig(pgd_alpha0=0.2, pgd_mu=-1.0).alpha(0.5) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="resolve"):
+        P.PGDConfig(pgd=True).alpha(0.5)
+
+
+def _conf(cell):
+    return SimConfig(nc=16, box_size=16 * cell, grid=(1, 1), halo_size=3)
+
+
+@pytest.mark.rank_independent
+def test_alpha_by_the_cell_size():
+    """None: alpha0 and mu of the fit at the run's cell size (FITS), log alpha0 and mu
+    linear in log cell size between them; given values kept; nothing fitted outside."""
+    for cell, alpha0, mu, _ in P.FITS:
+        r = P.PGDConfig(pgd=True).resolve(_conf(cell))
+        assert (r.pgd_alpha0, r.pgd_mu) == pytest.approx((alpha0, mu), rel=1e-12)
+    (c0, a0, m0, _), (c1, a1, m1, _) = P.FITS[:2]
+    mid = np.sqrt(c0 * c1)                                  # halfway in log cell size
+    r = P.PGDConfig(pgd=True, pgd_mu=0.5).resolve(_conf(mid))
+    assert r.pgd_alpha0 == pytest.approx(np.sqrt(a0 * a1), rel=1e-12) and r.pgd_mu == 0.5
+    assert r.alpha(0.5) == pytest.approx(r.pgd_alpha0 * 0.5**0.5)
+    given = P.PGDConfig(pgd=True, pgd_alpha0=0.3, pgd_mu=-1.0)
+    assert given.resolve(_conf(100.0)) is given              # nothing to choose
+    off = P.PGDConfig()
+    assert off.resolve(_conf(100.0)) is off                  # PGD off: nothing to choose
+    with pytest.raises(ValueError, match=r"fitted for cells of .*this run's are 100 Mpc/h"):
+        P.PGDConfig(pgd=True).resolve(_conf(100.0))
+    with pytest.raises(ValueError, match="fitted alpha is for --pgd-kl 0.5 --pgd-ks 2"):
+        P.PGDConfig(pgd=True, pgd_kl=0.3).resolve(_conf(P.FITS[0][0]))

@@ -81,6 +81,8 @@ def _refusal_cases():
                               "--a-start", "1e-10"]
     cases["config_typo"] = ["simulate", "--config", "TYPO.json"]   # written by the fixture
     cases["resume_empty"] = ["simulate", "--resume", "EMPTY"]      # an empty directory
+    # PGD's alpha by the cell size: 16 Mpc/h cells are outside the fits
+    cases["pgd_cells"] = ["lensing", "--nc", "16", "--box-size", "256", "--pgd"]
     return cases
 
 
@@ -188,6 +190,11 @@ def test_user_errors_one_line(refusals):
     refused(refusals, "repeats_0", 2, r"repeats must be an integer >= 1, got 0")
     refused(refusals, "a_start_1e-10", 2,
             r"a_start=1e-10 is below what float32 resolves.*--a-start >= ")
+
+
+def test_pgd_without_a_fit_for_the_cells_one_line_exit_2(refusals):
+    refused(refusals, "pgd_cells", 2, r"PGD's alpha is fitted for cells of [\d.]+-[\d.]+ "
+                                      r"Mpc/h, this run's are 16 Mpc/h: give --pgd-alpha0")
 
 
 def test_config_file_typo_one_line_exit_2(refusals):

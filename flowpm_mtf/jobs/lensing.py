@@ -160,6 +160,9 @@ class LensingJob(Job):
                 raise ConfigError("--pgd is an option of the flat sky (--sky flat)")
             try:
                 pgd.check_blocks(ctx.conf)
+                # alpha0 and mu by the cell size where not given: before the checkpoint's
+                # identity and summary.json take them
+                ctx.configs["pgd"] = ctx.configs["pgd"].resolve(ctx.conf)
             except ValueError as e:
                 raise ConfigError(str(e))
         if lensing_fullsky.is_full(ctx):   # --sky full: HEALPix shells (jobs/lensing_fullsky.py)

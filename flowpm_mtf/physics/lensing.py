@@ -514,6 +514,8 @@ def lightcone_forward(linear, conf, geom, pgd=None):
     """
     stages, plane_stage = lightcone_stages(conf, geom)
     kernels = make_kernels(conf, linear.mesh)
+    if pgd is not None:
+        pgd = pgd.resolve(conf)   # alpha0, mu by the cell size where None
     planes = [None] * geom.n_planes
     terms = []
 

@@ -30,6 +30,7 @@ gradient: the displacement is differentiable with respect to the positions (the 
 readout) and to :math:`\alpha` (linear).
 """
 import dataclasses
+import typing
 
 import mesh_tensorflow as mtf
 import numpy as np
@@ -39,12 +40,46 @@ from ..mesh import radial_filter
 from .gravity import density, force_field_of_potential, single_block, GRADIENT_REACH
 from .painting import readout_padded
 
-__all__ = ["PGDConfig", "pgd_kernel_values", "pgd_displacement", "nyquist", "check_blocks",
+__all__ = ["PGDConfig", "FITS", "fitted_alpha", "pgd_kernel_values", "pgd_displacement", "nyquist", "check_blocks",
            "clip_to_blocks", "CLIP_MARGIN"]
 
 CLIP_MARGIN = 1e-3
 """How far inside the last paintable position :func:`clip_to_blocks` holds a particle [cells]
 (far above float32's resolution at block sizes of a few hundred cells)."""
+
+
+FIT_KL, FIT_KS = 0.5, 2.0
+"""k_l and k_s [units of the Nyquist frequency] of the fits in :data:`FITS`."""
+
+FITS = ((1.0, 0.0912, -1.230, "results/fit_pgd_1mpc.md"),
+        (2.0, 0.1862, -1.115, "results/fit_pgd_2mpc.md"),
+        (4.0, 0.5534, -0.925, "results/fit_pgd_default.md"))
+"""alpha(a) = alpha0 a^mu fitted against halofit by ``scripts/fit_pgd.py`` at the lensing
+job's default stages, k_l = 0.5 and k_s = 2 Nyquist: ``(cell size [Mpc/h], alpha0, mu,
+results file)``, cell sizes increasing. The stronger the PM's deficit at the Nyquist
+scale (the smaller the cells, the more nonlinear that scale), the more the displacement
+must move, and the larger cells need a larger alpha."""
+
+
+def fitted_alpha(cell):
+    """``(alpha0, mu)`` for cells of ``cell`` Mpc/h: between the fits of :data:`FITS`,
+    log alpha0 and mu linear in log cell size.
+
+    Raises
+    ------
+    ValueError
+        One line, for a cell size outside the fitted range (give alpha0 and mu).
+    """
+    cells = np.array([f[0] for f in FITS])
+    cell = float(cell)
+    if not cells[0] * (1 - 1e-9) <= cell <= cells[-1] * (1 + 1e-9):
+        raise ValueError("PGD's alpha is fitted for cells of %g-%g Mpc/h, this run's are %.3g "
+                         "Mpc/h: give --pgd-alpha0 and --pgd-mu (scripts/fit_pgd.py fits "
+                         "them)" % (cells[0], cells[-1], cell))
+    x = np.log(np.clip(cell, cells[0], cells[-1]))
+    alpha0 = float(np.exp(np.interp(x, np.log(cells), np.log([f[1] for f in FITS]))))
+    mu = float(np.interp(x, np.log(cells), [f[2] for f in FITS]))
+    return alpha0, mu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +90,12 @@ class PGDConfig:
     ----------
     pgd : bool
         Apply the correction to the particles the lens planes are painted from.
-    pgd_alpha0 : float
+    pgd_alpha0 : float or None
         alpha0 of alpha(a) = alpha0 a^mu, the displacement per unit potential gradient
-        [dimensionless, positions in cells], >= 0.
-    pgd_mu : float
-        mu of alpha(a) [dimensionless].
+        [dimensionless, positions in cells], >= 0. None: the fit for the run's cell size
+        (:data:`FITS`, :meth:`resolve`).
+    pgd_mu : float or None
+        mu of alpha(a) [dimensionless]. None: the fit for the run's cell size.
     pgd_kl : float
         High-pass scale k_l [units of the PM mesh's Nyquist frequency pi/cell], > 0.
     pgd_ks : float
@@ -72,16 +108,18 @@ class PGDConfig:
     """
 
     pgd: bool = False
-    pgd_alpha0: float = 0.55
-    pgd_mu: float = -0.9
-    pgd_kl: float = 0.5
-    pgd_ks: float = 2.0
+    pgd_alpha0: typing.Optional[float] = None
+    pgd_mu: typing.Optional[float] = None
+    pgd_kl: float = FIT_KL
+    pgd_ks: float = FIT_KS
 
     def __post_init__(self):
         object.__setattr__(self, "pgd", bool(self.pgd))
         for name, positive in (("pgd_alpha0", False), ("pgd_mu", None), ("pgd_kl", True),
                                ("pgd_ks", True)):
             v = getattr(self, name)
+            if v is None and name in ("pgd_alpha0", "pgd_mu"):
+                continue
             if isinstance(v, bool) or not np.isfinite(float(v)):
                 raise ValueError("PGDConfig: %s must be a finite number, got %r" % (name, v))
             v = float(v)
@@ -92,8 +130,34 @@ class PGDConfig:
             object.__setattr__(self, name, v)
 
     def alpha(self, a):
-        """:math:`\\alpha(a) = \\alpha_0 a^\\mu` at scale factor ``a`` [dimensionless]."""
+        """:math:`\\alpha(a) = \\alpha_0 a^\\mu` at scale factor ``a`` [dimensionless]
+        (of a resolved configuration: :meth:`resolve`)."""
+        if self.pgd_alpha0 is None or self.pgd_mu is None:
+            raise ValueError("PGDConfig.alpha: alpha0 and mu are chosen by the cell size: "
+                             "call resolve(conf) first")
         return self.pgd_alpha0 * float(a)**self.pgd_mu
+
+    def resolve(self, conf):
+        """This configuration with ``pgd_alpha0`` and ``pgd_mu`` given where they are None:
+        the fit for ``conf``'s cell size (:func:`fitted_alpha`). Unchanged when PGD is off.
+
+        Raises
+        ------
+        ValueError
+            One line: the cell size outside the fitted range, or k_l, k_s other than the
+            fits' with alpha0 or mu left to them.
+        """
+        if not self.pgd or (self.pgd_alpha0 is not None and self.pgd_mu is not None):
+            return self
+        if (self.pgd_kl, self.pgd_ks) != (FIT_KL, FIT_KS):
+            raise ValueError("PGD's fitted alpha is for --pgd-kl %g --pgd-ks %g: with "
+                             "--pgd-kl %g --pgd-ks %g give --pgd-alpha0 and --pgd-mu "
+                             "(scripts/fit_pgd.py fits them)"
+                             % (FIT_KL, FIT_KS, self.pgd_kl, self.pgd_ks))
+        alpha0, mu = fitted_alpha(max(conf.cell_size))
+        return dataclasses.replace(
+            self, pgd_alpha0=alpha0 if self.pgd_alpha0 is None else self.pgd_alpha0,
+            pgd_mu=mu if self.pgd_mu is None else self.pgd_mu)
 
     def to_dict(self):
         return dataclasses.asdict(self)
