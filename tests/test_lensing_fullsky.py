@@ -1,7 +1,9 @@
 """Full-sky lensing (flowpm_mtf.physics.lensing_fullsky): HEALPix pixels against healpy,
 shell count maps on every process grid against a numpy + healpy painting of the same
-particles (exact counts), the Born weights, the gradient with respect to the particle
-weights, and the full-sky shear (flowpm_mtf.physics.lensing_fullsky_stats) on a pure-E field
+particles (exact counts), and with PGD (the job's corrected particles,
+flowpm_mtf.jobs.lensing_pgd) against the painting of the particles moved by test_pgd's numpy
+displacement; the Born weights, the gradient with respect to the particle weights, and the
+full-sky shear (flowpm_mtf.physics.lensing_fullsky_stats) on a pure-E field
 and a known potential."""
 import healpy as hp
 import mesh_tensorflow as mtf
@@ -10,11 +12,13 @@ import pytest
 import tensorflow.compat.v1 as tf
 
 import fpm_harness as H
+from test_pgd import numpy_pgd
 from flowpm_mtf.config import SimConfig
 from flowpm_mtf.mesh import fft
 from flowpm_mtf.physics import cosmology as C
 from flowpm_mtf.physics import lensing_fullsky as F, lensing_fullsky_stats as FS
-from flowpm_mtf.physics import lensing_geometry, lpt, painting
+from flowpm_mtf.physics import lensing_geometry, lpt, painting, pgd
+from flowpm_mtf.jobs import lensing_pgd
 
 # Counts are sums of 0/1 weights in float64: exact integers in any order of summation.
 COUNT_ATOL = 1e-9
@@ -116,6 +120,52 @@ def test_shell_counts_match_healpy(case, particles):
         np.testing.assert_allclose(out["c%d" % i], ref, atol=COUNT_ATOL, rtol=0, err_msg=str(i))
         mean = F.mean_count(conf, geom, i) * geom.npix
         assert abs(ref.sum() - mean) < 5 * np.sqrt(mean) + 0.05 * mean, (i, ref.sum(), mean)
+
+
+# PGD on the shells: a 16^3 mesh (blocks of 8 on the 2x2 grid, wider than the halo plus the
+# gradient's reach) in 128 Mpc/h, 8 Mpc/h cells as sky_conf; test_pgd's kernel scales (large,
+# so that 16^3 sees the kernel on most modes) and an alpha(a) that differs per shell.
+PGD_CONF = pgd.PGDConfig(pgd=True, pgd_alpha0=0.7, pgd_mu=-0.9, pgd_kl=0.2, pgd_ks=0.9)
+# The mtf displacement equals numpy's to ~1e-11 relative (test_pgd.NUMPY_RTOL): a particle
+# changes pixel or shell only within ~1e-11 cells of an edge (probability ~1e-9 here), so the
+# counts are exact.
+
+
+@pytest.mark.parametrize("case", H.cases(single=True, placement=False), ids=H.case_id)
+def test_pgd_shells_match_healpy(case):
+    """The shells painted from the job's PGD-corrected particles (lensing_pgd.PGDParticles,
+    alpha(a) of each shell's stage fed) equal numpy + healpy's painting of the particles moved
+    by test_pgd's numpy displacement, on every grid; the correction moves counts."""
+    from types import SimpleNamespace
+
+    conf = SimConfig(nc=16, box_size=128.0, grid=case[1], halo_size=2, a_start=0.9,
+                     a_end=1.0, n_steps=1, dtype="float64")
+    geom = F.fullsky_geometry(conf, LCONF, SCONF)
+    rng = np.random.RandomState(8)
+    disp = rng.uniform(-1.5, 1.5, conf.nc + (3,))                # within the 2-cell halo
+    pos = np.indices(conf.nc).reshape(3, -1).T + disp.reshape(-1, 3)
+    made = {}
+
+    def build(mesh):
+        d = mtf.import_tf_tensor(mesh, tf.constant(disp),
+                                 fft.real_shape(conf) + mtf.Shape([mtf.Dimension("xyz", 3)]))
+        x = painting.lattice(conf, mesh) + lpt.field_to_particles(d, conf)
+        # the graph's parts PGDParticles reads; stage i is shell i's scale factor
+        graph = SimpleNamespace(conf=conf, stages=np.asarray(geom.a),
+                                variables=SimpleNamespace(positions=x), weights=None)
+        made["pgd"] = c = lensing_pgd.PGDParticles(graph, mesh, PGD_CONF)
+        return ({"c%d" % i: F.shell_counts(c.positions, conf, geom, i)
+                 for i in range(geom.n_planes)}, {"alpha": c.alpha})
+
+    alphas = [PGD_CONF.pgd_alpha0 * a**PGD_CONF.pgd_mu for a in geom.a]
+    outs = H.run(case[0], conf, build, feeds=[{"alpha": [al]} for al in alphas])
+    for i, al in enumerate(alphas):
+        np.testing.assert_allclose(made["pgd"].feed(i)[made["pgd"].alpha], [al], rtol=1e-15)
+        moved = pos + numpy_pgd(np.mod(pos, 16), conf, PGD_CONF, al)
+        ref = numpy_counts(moved, conf, geom, i)
+        np.testing.assert_allclose(outs[i]["c%d" % i], ref, atol=COUNT_ATOL, rtol=0,
+                                   err_msg=str(i))
+        assert np.abs(ref - numpy_counts(pos, conf, geom, i)).sum() > 10, i   # PGD moved some
 
 
 def test_born_weights_and_weight_gradient():

@@ -1,7 +1,8 @@
-"""`flowpm-mtf lensing --sky full` end to end on 2 MPI ranks: the HEALPix maps in kappa.h5
-and in FITS files healpy opens, kappa_power.txt against the Limber prediction from the
-run's own P(k), the shear's B-modes; and bad input failing on every rank of this world
-with one line, before any compute (in-process, on the ranks of this pytest: 1 and 2)."""
+"""`flowpm-mtf lensing --sky full --pgd` end to end on 2 MPI ranks: the HEALPix maps in
+kappa.h5 and in FITS files healpy opens, kappa_power.txt against the Limber prediction from
+the run's own P(k) (of the PGD-corrected particles), the shear's B-modes; and bad input
+failing on every rank of this world with one line, before any compute (in-process, on the
+ranks of this pytest: 1 and 2)."""
 import json
 import os
 import tempfile
@@ -19,7 +20,8 @@ from flowpm_mtf.errors import ConfigError, MemoryBudgetError
 # (3100 box replicas in all), HEALPix nside 16: ~10 s of CPU per rank.
 ARGS = ["lensing", "--sky", "full", "--nside", "16", "--nc", "16", "--box-size", "128",
         "--a-start", "0.5", "--steps", "2", "--z-source", "0.3", "--n-planes", "7",
-        "--halo", "2", "--seed", "3"]
+        "--halo", "2", "--seed", "3",
+        "--pgd"]   # the PGD correction's path end to end (test_lensing_fullsky.py: its values)
 NSIDE = 16
 # Geometric mean of measured / expected (run's P(k) x pixel window + shot noise) over the
 # resolved bins: ~20 bins of ~30-90 modes, and the shells share the particles of one small
@@ -72,6 +74,7 @@ def test_fullsky_outputs(run):
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["nside"] == NSIDE and len(summary["peak_memory_mb_per_rank"]) == 2
+    assert summary["pgd"]["pgd"] is True                    # recorded with its parameters
     assert log.count("shell 6 at r=") == 1
 
 

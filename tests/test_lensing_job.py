@@ -169,7 +169,3 @@ def test_empty_nz_bin_fails_on_every_rank(capsys):
                                  "--nz-smail", "2,4,0.01", "--nz-bins", "0,0.1,0.2"], capsys)
     assert "bin 1 (z 0.1-0.2) holds no sources" in line, line
 
-
-def test_pgd_on_full_sky_fails_on_every_rank(capsys):
-    line = _fails_on_every_rank(["--sky", "full", "--nside", "8", "--pgd"], capsys)
-    assert "--pgd is an option of the flat sky" in line, line

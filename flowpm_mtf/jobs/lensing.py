@@ -43,13 +43,12 @@ import numpy as np
 from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
 
 from ..runs import h5dist, io, preflight
-from ..physics import (lensing, lensing_geometry, lensing_stats, lensing_theory, painting,
-                       pgd, power, stepper)
+from ..physics import lensing, lensing_geometry, lensing_stats, lensing_theory, pgd
 from ..physics.lensing_fullsky import FullSkyConfig
 from ..config import SimConfig
 from ..errors import ConfigError
 from ..logs import rank0_only
-from . import lensing_fullsky, nbody_run, register, runner
+from . import lensing_fullsky, lensing_pgd, nbody_run, register, runner
 from .base import ConfigSection, Job
 from .nbody_run import SimulationGraph
 
@@ -59,7 +58,7 @@ log = rank0_only(logging.getLogger(__name__))
 
 
 class LensingGraph(SimulationGraph):
-    """The mtf graph of a lensing run: the simulation's state and step
+    r"""The mtf graph of a lensing run: the simulation's state and step
     (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph` on the lightcone's
     stages), plus plane variables, plane assignments and the Born maps.
 
@@ -70,26 +69,19 @@ class LensingGraph(SimulationGraph):
     mesh : mtf.Mesh
     pconf : flowpm_mtf.physics.pgd.PGDConfig, optional
         With ``pconf.pgd``, the planes are painted from the particles moved by the PGD
-        correction at each plane stage (:func:`flowpm_mtf.physics.pgd.pgd_displacement`,
-        its :math:`\alpha(a)` fed per run: :meth:`pgd_feed`), and ``pgd_k``, ``pgd_pk``,
-        ``pgd_modes`` are their P(k); the time loop goes on from the uncorrected particles.
+        correction at each plane stage, and their P(k) is of those particles
+        (``pgd``: :class:`flowpm_mtf.jobs.lensing_pgd.PGDParticles`, its :math:`\alpha(a)`
+        fed per stage); the time loop goes on from the uncorrected particles.
     """
 
     def __init__(self, conf, geom, mesh, pconf=None):
         self.geom = geom
         stages, self.plane_stage = lensing_geometry.lightcone_stages(conf, geom)
         super().__init__(conf, mesh, stages)
-        x = self.variables.positions
-        self.pconf = pconf if pconf is not None and pconf.pgd else None
-        self.pgd_alpha = None
-        if self.pconf is not None:
-            # one displacement for every plane stage, alpha(a) fed per run
-            self.pgd_alpha, (alpha,) = stepper.fed_factors(mesh, conf.tf_dtype, 1, "pgd_alpha")
-            x = x + pgd.pgd_displacement(x, conf, self.pconf, alpha, weight=self.weights)
-            rho = painting.paint_field(pgd.clip_to_blocks(x, conf), conf, self.weights,
-                                       name="pgd_density")
-            self.pgd_k, self.pgd_pk, self.pgd_modes = power.power_spectrum(
-                rho - 1.0, conf, deconvolve_cic=False)
+        # one displacement for every plane stage, alpha(a) fed per run (None without PGD)
+        self.pgd = lensing_pgd.pgd_particles(self, mesh, pconf)
+        x = self.variables.positions if self.pgd is None else self.pgd.positions
+        x_mesh = self.variables.positions if self.pgd is None else self.pgd.clipped
         plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
         self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
                                         trainable=False, initializer=unfolded_zeros_initializer())
@@ -109,9 +101,8 @@ class LensingGraph(SimulationGraph):
         terms = {}
         for i, j in enumerate(self.plane_stage):
             self.plane_ops.setdefault(int(j), []).append(
-                mtf.assign(self.planes[i], lensing.density_plane(
-                    x if self.pconf is None else pgd.clip_to_blocks(x, conf), conf, geom, i,
-                    weight=self.weights)))
+                mtf.assign(self.planes[i], lensing.density_plane(x_mesh, conf, geom, i,
+                                                                 weight=self.weights)))
             if np.any(coef[:, i] > 0):
                 terms.setdefault(int(j), []).append(
                     lensing.ray_born_terms(x, conf, geom, i, weight=self.weights))
@@ -120,14 +111,6 @@ class LensingGraph(SimulationGraph):
                                                 + lensing.born_from_terms(ts)))
         self.kappa = mtf.identity(self.born_kappa)
         self.gamma1, self.gamma2 = lensing.shear_from_potential(self.kappa)
-
-    def pgd_feed(self, j):
-        """The feed of stage ``j``'s plane and P(k) runs: PGD's :math:`\\alpha(a_j)` (None
-        without PGD)."""
-        if self.pconf is None:
-            return None
-        return {self.pgd_alpha: np.array([self.pconf.alpha(self.stages[j])],
-                                         self.conf.np_dtype)}
 
 
 @register
@@ -155,9 +138,7 @@ class LensingJob(Job):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
         lensing_fullsky.check_options(ctx, self.sections)
-        if ctx.configs["pgd"].pgd:
-            if lensing_fullsky.is_full(ctx):
-                raise ConfigError("--pgd is an option of the flat sky (--sky flat)")
+        if ctx.configs["pgd"].pgd:   # either sky
             try:
                 pgd.check_blocks(ctx.conf)
                 # alpha0 and mu by the cell size where not given: before the checkpoint's
@@ -179,7 +160,7 @@ class LensingJob(Job):
 
     def build(self, ctx, mesh):
         if lensing_fullsky.is_full(ctx):
-            return lensing_fullsky.FullSkyGraph(ctx.conf, ctx.geom, mesh)
+            return lensing_fullsky.FullSkyGraph(ctx.conf, ctx.geom, mesh, ctx.configs["pgd"])
         return LensingGraph(ctx.conf, ctx.geom, mesh, ctx.configs["pgd"])
 
     def describe(self, ctx, g):
@@ -201,9 +182,7 @@ class LensingJob(Job):
                        "gamma1": h5dist.replicated_value(lowering, g.gamma1),
                        "gamma2": h5dist.replicated_value(lowering, g.gamma2),
                        "planes": [[t for _, t, _ in s] for s in ops["plane_slices"]]}
-        if g.pconf is not None:   # the P(k) of the corrected particles, at the plane stages
-            ops["pgd_fetch"] = runner.replicated(lowering, {"k": g.pgd_k, "pk": g.pgd_pk,
-                                                            "modes": g.pgd_modes})
+        lensing_pgd.lower_pgd(lowering, g.pgd, ops)   # with PGD: the corrected P(k)
         ops["plane_vars"] = runner.VariableSlices(
             lowering, dict(zip(plane_names(len(g.planes)), g.planes), born_kappa=g.born_kappa))
         return ops
@@ -213,9 +192,7 @@ class LensingJob(Job):
             return lensing_fullsky.execute_full(ctx, sess, g, ops)
         geom = ctx.geom
         # with PGD, the planes and their P(k) are of the corrected particles (alpha fed)
-        pk = nbody_run.PowerAtStages(sess, ops.get("pgd_fetch", ops["fetch"]), ops["planes"],
-                                     before=lambda j: sess.run(ops["planes"][j], g.pgd_feed(j)),
-                                     feed=g.pgd_feed)
+        pk = lensing_pgd.power_at_stages(sess, g.pgd, ops)
 
         def note(j):
             names = np.nonzero(g.plane_stage == j)[0]

@@ -4,7 +4,9 @@
 section says ``full``: the same N-body on the lightcone's stages, but each shell is
 a HEALPix count map painted by every rank for its own particles and all-reduced
 (:mod:`flowpm_mtf.physics.lensing_fullsky`), and the Born convergence is a HEALPix
-map per source. The maps are small (``12 nside^2`` pixels) and replicated.
+map per source. The maps are small (``12 nside^2`` pixels) and replicated. With ``--pgd``
+the shells and their P(k) are of the PGD-corrected particles at each shell's stage
+(:mod:`flowpm_mtf.jobs.lensing_pgd`, as the flat sky's planes).
 
 Outputs (rank 0)
 ----------------
@@ -32,7 +34,7 @@ from ..errors import ConfigError
 from ..logs import rank0_only
 from ..physics import lensing_fullsky as F, lensing_fullsky_stats as FS, lensing_geometry
 from ..runs import h5dist, io, preflight
-from . import nbody_run, runner
+from . import lensing_pgd, nbody_run, runner
 from .nbody_run import SimulationGraph
 
 __all__ = ["FullSkyGraph", "FLAT_ONLY", "is_full", "check_options", "fullsky_memory",
@@ -137,13 +139,20 @@ class FullSkyGraph(SimulationGraph):
     conf : SimConfig
     geom : lensing_fullsky.FullSkyGeometry
     mesh : mtf.Mesh
+    pconf : flowpm_mtf.physics.pgd.PGDConfig, optional
+        With ``pconf.pgd``, the shells are painted from the particles moved by the PGD
+        correction at each shell's stage, and their P(k) is of those particles (``pgd``:
+        :class:`flowpm_mtf.jobs.lensing_pgd.PGDParticles`, as the flat sky's planes); the time
+        loop goes on from the uncorrected particles.
     """
 
-    def __init__(self, conf, geom, mesh):
+    def __init__(self, conf, geom, mesh, pconf=None):
         self.geom = geom
         stages, self.plane_stage = lensing_geometry.lightcone_stages(conf, geom.base)
         super().__init__(conf, mesh, stages)
-        x = self.variables.positions
+        # the shells place every particle by its global position: the unclipped x + dx
+        self.pgd = lensing_pgd.pgd_particles(self, mesh, pconf)
+        x = self.variables.positions if self.pgd is None else self.pgd.positions
         shape = mtf.Shape([mtf.Dimension(F.HPIX, geom.npix)])
         self.planes = [mtf.get_variable(mesh, name, shape, dtype=conf.tf_dtype, trainable=False,
                                         initializer=unfolded_zeros_initializer())
@@ -170,6 +179,7 @@ def lower_full(ctx, g, lowering):
     ops["planes"] = {j: runner.lowered_group(lowering, o) for j, o in g.plane_ops.items()}
     ops["maps"] = {"kappa": h5dist.replicated_value(lowering, g.kappa),
                    "shells": [h5dist.replicated_value(lowering, p) for p in g.planes]}
+    lensing_pgd.lower_pgd(lowering, g.pgd, ops)   # with PGD: the corrected P(k)
     ops["plane_vars"] = runner.VariableSlices(
         lowering, dict(zip(shell_names(len(g.planes)), g.planes)))
     return ops
@@ -177,8 +187,8 @@ def lower_full(ctx, g, lowering):
 
 def execute_full(ctx, sess, g, ops):
     geom = ctx.geom
-    pk = nbody_run.PowerAtStages(sess, ops["fetch"], ops["planes"],
-                                 before=lambda j: sess.run(ops["planes"][j]))
+    # with PGD, the shells and their P(k) are of the corrected particles (alpha fed)
+    pk = lensing_pgd.power_at_stages(sess, g.pgd, ops)
 
     def note(j):
         names = np.nonzero(g.plane_stage == j)[0]
