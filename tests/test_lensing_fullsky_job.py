@@ -21,7 +21,9 @@ from flowpm_mtf.errors import ConfigError, MemoryBudgetError
 ARGS = ["lensing", "--sky", "full", "--nside", "16", "--nc", "16", "--box-size", "128",
         "--a-start", "0.5", "--steps", "2", "--z-source", "0.3", "--n-planes", "7",
         "--halo", "2", "--seed", "3",
-        "--pgd"]   # the PGD correction's path end to end (test_lensing_fullsky.py: its values)
+        # the PGD correction's path end to end (test_lensing_fullsky.py: its values); alpha given:
+        # these cells are coarser than the fits' (pgd.FITS)
+        "--pgd", "--pgd-alpha0", "0.55", "--pgd-mu", "-0.9"]
 NSIDE = 16
 # Geometric mean of measured / expected (run's P(k) x pixel window + shot noise) over the
 # resolved bins: ~20 bins of ~30-90 modes, and the shells share the particles of one small

@@ -20,7 +20,9 @@ from flowpm_mtf.errors import ConfigError
 ARGS = ["lensing", "--nc", "32", "--box-size", "256", "--a-start", "0.4", "--steps", "3",
         "--z-source", "0.5", "--n-planes", "6", "--field-deg", "8", "--field-npix", "64",
         "--halo", "4", "--seed", "42", "--nz-smail", "2,1.5,0.25", "--nz-bins", "0.1,0.3,0.5",
-        "--pgd"]   # the PGD correction's path end to end (test_pgd.py checks its values)
+        # the PGD correction's path end to end (test_pgd.py checks its values); alpha given:
+        # these cells are coarser than the fits' (pgd.FITS)
+        "--pgd", "--pgd-alpha0", "0.55", "--pgd-mu", "-0.9"]
 N_MAPS = 3          # z_s = 0.5 and two tomographic bins of a Smail n(z)
 NPIX = 64
 # Limber test range: from 2 fundamentals of the 8 deg field (the lowest bin has ~20

@@ -169,11 +169,12 @@ def stopped(runs):
 @pytest.mark.rank_independent   # the CLI prints the error on rank 0 only
 @pytest.mark.parametrize("option, value", [("--n-planes", "4"), ("--field-npix", "16"),
                                            ("--z-source", "0.2"), ("--steps", "4"),
-                                           ("--pgd", None)])
+                                           # 16 Mpc/h cells: no fitted alpha, give it
+                                           ("--pgd", ("--pgd-alpha0", "0.5", "--pgd-mu", "-0.9"))])
 def test_resume_with_other_settings_is_refused(stopped, capsys, option, value):
     before = _tree(stopped)
     line = _refused(["lensing", "--resume", stopped, "--backend", "placement", option]
-                    + ([] if value is None else [value]), capsys)
+                    + (list(value) if isinstance(value, tuple) else [value]), capsys)
     assert "contradicts the checkpoint" in line, line
     assert _tree(stopped) == before
 
