@@ -210,3 +210,20 @@ def test_resolved_range():
     assert T.resolved_range(ell, np.array([0.9, 0.6, 0.4, 0.7])) == (100.0, 200.0)
     assert T.resolved_range(ell, np.array([0.9, 0.9, 0.9, 0.9])) == (100.0, 400.0)
     assert np.isnan(T.resolved_range(ell, np.array([0.1, 0.9, 0.9, 0.9]))[0])
+
+
+def test_mesh_share_reaches_further_with_pgd():
+    """The share of C_ell from k <= f k_N: 1 at low ell, falling with ell, and with PGD's
+    fraction (RESOLVED_K_NYQUIST_PGD) never below the PM's, reaching 3x further in ell."""
+    conf = SimConfig(nc=64, box_size=256.0, a_start=0.2)
+    geom = L.geometry(conf, L.LensingConfig())
+    pfuns = [lambda k: k**-1.5] * geom.n_planes
+    ell = np.geomspace(10.0, 5000.0, 60)
+    pm = T.mesh_share(ell, conf, geom, pfuns)
+    pgd = T.mesh_share(ell, conf, geom, pfuns, k_nyquist=T.RESOLVED_K_NYQUIST_PGD)
+    assert pm[0] == 1.0 and pgd[0] == 1.0 and pm[-1] < 0.5
+    assert np.all(np.diff(pm) <= 1e-12) and np.all(pgd >= pm)
+    # a power law: k = ell / r scales with ell, so the PGD share at 3 ell is the PM's at ell
+    ratio = T.RESOLVED_K_NYQUIST_PGD / T.RESOLVED_K_NYQUIST
+    np.testing.assert_allclose(T.mesh_share(ratio * ell, conf, geom, pfuns,
+                                            k_nyquist=T.RESOLVED_K_NYQUIST_PGD), pm, rtol=1e-12)

@@ -183,3 +183,19 @@ def test_alpha_by_the_cell_size():
         P.PGDConfig(pgd=True).resolve(_conf(100.0))
     with pytest.raises(ValueError, match="fitted alpha is for --pgd-kl 0.5 --pgd-ks 2"):
         P.PGDConfig(pgd=True, pgd_kl=0.3).resolve(_conf(P.FITS[0][0]))
+
+
+@pytest.mark.rank_independent
+def test_is_fitted_only_with_the_fits_alpha():
+    """The lensing job's `resolved` trusts PGD's P(k) to 0.75 k_N only at the fitted alpha."""
+    cell, alpha0, mu, _ = P.FITS[-1]
+    conf = _conf(cell)
+    assert P.is_fitted(P.PGDConfig(pgd=True), conf)
+    assert P.is_fitted(P.PGDConfig(pgd=True).resolve(conf), conf)
+    assert P.is_fitted(P.PGDConfig(pgd=True, pgd_alpha0=alpha0, pgd_mu=mu), conf)
+    assert not P.is_fitted(P.PGDConfig(), conf)                                  # off
+    assert not P.is_fitted(P.PGDConfig(pgd=True, pgd_alpha0=2 * alpha0), conf)   # other alpha
+    assert not P.is_fitted(P.PGDConfig(pgd=True, pgd_ks=1.0, pgd_alpha0=alpha0,
+                                       pgd_mu=mu), conf)                         # other k_s
+    assert not P.is_fitted(P.PGDConfig(pgd=True, pgd_alpha0=alpha0, pgd_mu=mu),
+                           _conf(8.0))                                           # no fit there

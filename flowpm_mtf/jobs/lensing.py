@@ -243,7 +243,8 @@ class LensingJob(Job):
         measured = np.stack([c[1] for c in cls])[:, ok]
         with ctx.timed("theory_s"):
             pred = lensing_theory.run_prediction(conf, geom, plane_k, plane_p,
-                                                 list(range(geom.n_source)))
+                                                 list(range(geom.n_source)),
+                                                 pgd=pgd.is_fitted(ctx.configs["pgd"], conf))
             sky = lensing_theory.sky_cl([c[1] for c in cls], conf, geom, pred)
         pred.setdefault("extra", {})
         pred["extra"]["C_ell_shot"] = pred["shot"]

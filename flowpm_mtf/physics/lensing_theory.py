@@ -27,7 +27,8 @@ at every :math:`\ell` where the run's P(k) is known (below the 3D mesh's Nyquist
 frequency; a power law beyond it); the ratio is the self-check of a run. A bin is
 **resolved** where the windows keep half of C_ell (:data:`RESOLVED_WINDOW`) and
 half of C_ell comes from wavenumbers the PM force resolves
-(:func:`mesh_share`, :data:`RESOLVED_K_NYQUIST`): :func:`resolved_range`.
+(:func:`mesh_share`, :data:`RESOLVED_K_NYQUIST`; with PGD, :data:`RESOLVED_K_NYQUIST_PGD`):
+:func:`resolved_range`.
 (The bilinear-readout windows of planes on the PM mesh, :func:`plane_grid_power`,
 are kept for :func:`flowpm_mtf.physics.lensing.born_convergence`'s users.)
 """
@@ -40,7 +41,7 @@ from . import lensing_geometry, lensing_stats
 
 __all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "pixel_window", "continuous_cl",
            "shell_power", "expected_pseudo_cl", "expected_cl", "window_factor", "resolved_range",
-           "RESOLVED_MESH_SHARE", "RESOLVED_K_NYQUIST", "mean_density", "grid_shot_noise",
+           "RESOLVED_MESH_SHARE", "RESOLVED_K_NYQUIST", "RESOLVED_K_NYQUIST_PGD", "mean_density", "grid_shot_noise",
            "shot_noise_cl", "pair_power", "mesh_share", "coupling_matrix", "decouple", "sky_cl",
            "run_prediction"]
 
@@ -56,6 +57,10 @@ RESOLVED_WINDOW = 0.5
 # 0.79 at 0.32 k_N: the PM force's own resolution).
 RESOLVED_MESH_SHARE = 0.5
 RESOLVED_K_NYQUIST = 0.25
+# With the PGD correction (--pgd, flowpm_mtf/physics/pgd.py) the particles' P(k) is fitted to
+# halofit over 0.25-0.75 of the Nyquist frequency, and stays there within ~12 % at 1, 2 and
+# 4 Mpc/h cells (results/fit_pgd_*.md): the PM's P(k) is known up to the fit range's end.
+RESOLVED_K_NYQUIST_PGD = 0.75
 # Fixed-point iterations of the 3D CIC deconvolution (true_power): converged to < 1e-4 in 4
 # on the default run's tables.
 _DECONV_ITERS = 6
@@ -474,10 +479,11 @@ def pair_power(pfun, conf):
     return f
 
 
-def mesh_share(ell, conf, geom, pfuns, source=0):
+def mesh_share(ell, conf, geom, pfuns, source=0, k_nyquist=RESOLVED_K_NYQUIST):
     """Fraction of the continuous Limber C_ell at ``ell`` from planes where
-    :math:`k = \\ell/r_i` is at most :data:`RESOLVED_K_NYQUIST` of the PM mesh's
-    Nyquist frequency (where the PM force keeps the power, see ``docs/lensing.md``).
+    :math:`k = \\ell/r_i` is at most ``k_nyquist`` of the PM mesh's Nyquist frequency
+    (where the PM force keeps the power, see ``docs/lensing.md``;
+    :data:`RESOLVED_K_NYQUIST_PGD` with the PGD correction).
 
     Returns
     -------
@@ -486,7 +492,7 @@ def mesh_share(ell, conf, geom, pfuns, source=0):
     """
     w = _source_weights(conf, geom, source)
     ell = np.asarray(ell, np.float64)
-    k_res = RESOLVED_K_NYQUIST * np.pi / max(conf.cell_size)
+    k_res = k_nyquist * np.pi / max(conf.cell_size)
     num = np.zeros_like(ell)
     den = np.zeros_like(ell)
     for i in range(geom.n_planes):
@@ -640,7 +646,7 @@ def decouple(pseudo, matrix):
 
 
 def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
-                   taper=lensing_stats.DEFAULT_TAPER, halofit=True):
+                   taper=lensing_stats.DEFAULT_TAPER, halofit=True, pgd=False):
     """Everything a lensing run reports beside its measured C_ell, per source.
 
     Parameters
@@ -658,6 +664,10 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         Also the predictions from the halofit P(k) at each plane
         (:mod:`flowpm_mtf.physics.halofit` on our linear power, Takahashi et al. 2012):
         through the run's windows and without them.
+    pgd : bool
+        The planes were painted from particles corrected by PGD with its fitted alpha
+        (:func:`flowpm_mtf.physics.pgd.is_fitted`): ``resolved`` counts the power up to
+        :data:`RESOLVED_K_NYQUIST_PGD` of the Nyquist frequency as known.
 
     Returns
     -------
@@ -665,7 +675,8 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         ``ell`` and ``n_modes`` of the bins; per source (lists): ``expected``
         (:func:`expected_cl`, [sr]), ``continuous`` (the Limber sum of the
         deconvolved P, no window, [sr]), ``window`` (:func:`window_factor`),
-        ``resolved`` (bool per bin) and ``ell_range`` (:func:`resolved_range`);
+        ``resolved`` (bool per bin) and ``ell_range`` (:func:`resolved_range`),
+        ``k_nyquist`` (the fraction of the Nyquist frequency ``resolved`` took) and ``pgd``;
         with ``halofit``, ``extra = {"C_ell_halofit": [...], "C_ell_halofit_cont":
         [...]}`` per source [sr].
     """
@@ -673,8 +684,9 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
              for i in range(geom.n_planes)]
     hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a] \
         if halofit else None
+    k_nyquist = RESOLVED_K_NYQUIST_PGD if pgd else RESOLVED_K_NYQUIST
     out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": [],
-           "shot": []}
+           "shot": [], "k_nyquist": k_nyquist, "pgd": bool(pgd)}
     extra = {"C_ell_halofit": [], "C_ell_halofit_cont": []}
     for src in sources:
         w = _source_weights(conf, geom, src)
@@ -682,7 +694,7 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
         shot = expected_pseudo_cl(lambda lx, ly: shot_noise_cl(lx, ly, conf, geom, w),
                                   geom.npix, geom.field_deg, edges, taper)[1]
         win = window_factor(ell, conf, geom, pfuns, w)
-        mesh = mesh_share(ell, conf, geom, pfuns, w)
+        mesh = mesh_share(ell, conf, geom, pfuns, w, k_nyquist)
         phi = (np.arange(32) + 0.5) * (0.5 * np.pi / 32)
         cont = continuous_cl(ell[:, None] * np.cos(phi), ell[:, None] * np.sin(phi), conf,
                              geom, pfuns, w, windows=False).mean(-1)

@@ -40,7 +40,7 @@ from ..mesh import radial_filter
 from .gravity import density, force_field_of_potential, single_block, GRADIENT_REACH
 from .painting import readout_padded
 
-__all__ = ["PGDConfig", "FITS", "fitted_alpha", "pgd_kernel_values", "pgd_displacement", "nyquist", "check_blocks",
+__all__ = ["PGDConfig", "FITS", "fitted_alpha", "is_fitted", "pgd_kernel_values", "pgd_displacement", "nyquist", "check_blocks",
            "clip_to_blocks", "CLIP_MARGIN"]
 
 CLIP_MARGIN = 1e-3
@@ -80,6 +80,20 @@ def fitted_alpha(cell):
     alpha0 = float(np.exp(np.interp(x, np.log(cells), np.log([f[1] for f in FITS]))))
     mu = float(np.interp(x, np.log(cells), [f[2] for f in FITS]))
     return alpha0, mu
+
+
+def is_fitted(pconf, conf):
+    """Whether ``pconf`` is PGD with the fitted alpha for ``conf``'s cells (:data:`FITS`,
+    the fits' k_l and k_s): then the particles' P(k) follows halofit up to 0.75 of the
+    Nyquist frequency, as fitted."""
+    if not pconf.pgd or (pconf.pgd_kl, pconf.pgd_ks) != (FIT_KL, FIT_KS):
+        return False
+    try:
+        alpha0, mu = fitted_alpha(max(conf.cell_size))
+    except ValueError:
+        return False
+    return (pconf.pgd_alpha0 is None or np.isclose(pconf.pgd_alpha0, alpha0, rtol=1e-9)) and \
+        (pconf.pgd_mu is None or np.isclose(pconf.pgd_mu, mu, rtol=1e-9))
 
 
 @dataclasses.dataclass(frozen=True)

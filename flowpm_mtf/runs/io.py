@@ -219,6 +219,7 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
         Map names (default ``geom.labels``: ``z_s=<z>``, ``bin<b>:<zlo>-<zhi>``).
     """
     labels = labels or list(geom.labels)
+    k_nyquist, pgd = pred["k_nyquist"], pred["pgd"]
     cols, names, ranges = [ell], ["ell"], []
     extra = pred.get("extra", {})
     for s, lab in enumerate(labels):
@@ -240,8 +241,10 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
               "C_ell_halofit(_cont): the same from halofit (Takahashi 2012) P(k); C_ell_shot: "
               "shot noise; C_ell_sky: measured minus shot noise, decoupled (vs the _cont "
               "columns); C_ell_E/B: the shear's; resolved: the windows keep >= half of C_ell "
-              "and half of it comes from k <= k_N/4 of the PM mesh (ell range %s)\n%s"
-              % (geom.field_deg, geom.npix, geom.n_planes, ", ".join(ranges), "  ".join(names)))
+              "and half of it comes from k <= %g k_N of the PM mesh%s (ell range %s)\n%s"
+              % (geom.field_deg, geom.npix, geom.n_planes, k_nyquist,
+                 " (PGD with its fitted alpha)" if pgd else "", ", ".join(ranges),
+                 "  ".join(names)))
     return write_table(path, cols, header, fmt="%.10g", rank=rank)
 
 
