@@ -177,12 +177,30 @@ def test_alpha_by_the_cell_size():
     assert r.alpha(0.5) == pytest.approx(r.pgd_alpha0 * 0.5**0.5)
     given = P.PGDConfig(pgd=True, pgd_alpha0=0.3, pgd_mu=-1.0)
     assert given.resolve(_conf(100.0)) is given              # nothing to choose
-    off = P.PGDConfig()
+    off = P.PGDConfig(pgd=False)
     assert off.resolve(_conf(100.0)) is off                  # PGD off: nothing to choose
     with pytest.raises(ValueError, match=r"fitted for cells of .*this run's are 100 Mpc/h"):
         P.PGDConfig(pgd=True).resolve(_conf(100.0))
     with pytest.raises(ValueError, match="fitted alpha is for --pgd-kl 0.5 --pgd-ks 2"):
         P.PGDConfig(pgd=True, pgd_kl=0.3).resolve(_conf(P.FITS[0][0]))
+
+
+@pytest.mark.rank_independent
+def test_automatic_where_alpha_is_fitted():
+    """pgd None (the default): on at fitted cells with the fitted alpha, off elsewhere and
+    where the blocks are too narrow; a PGD setting given turns it on."""
+    cell, alpha0, mu, _ = P.FITS[-1]
+    auto = P.PGDConfig()
+    on = auto.resolve(_conf(cell))
+    assert on.pgd is True and (on.pgd_alpha0, on.pgd_mu) == (alpha0, mu)
+    assert auto.resolve(_conf(16.0)).pgd is False
+    narrow = SimConfig(nc=16, box_size=16 * cell, grid=(4, 1), halo_size=3)   # 4-cell blocks
+    assert auto.resolve(narrow).pgd is False
+    given = P.PGDConfig(pgd_alpha0=0.3, pgd_mu=-1.0).resolve(_conf(16.0))
+    assert given.pgd is True and given.pgd_alpha0 == 0.3
+    with pytest.raises(ValueError, match="fitted alpha is for --pgd-kl"):
+        P.PGDConfig(pgd_kl=0.3).resolve(_conf(cell))          # on, alpha not fitted there
+    assert P.PGDConfig(pgd=False).resolve(_conf(cell)).pgd is False
 
 
 @pytest.mark.rank_independent
@@ -193,7 +211,7 @@ def test_is_fitted_only_with_the_fits_alpha():
     assert P.is_fitted(P.PGDConfig(pgd=True), conf)
     assert P.is_fitted(P.PGDConfig(pgd=True).resolve(conf), conf)
     assert P.is_fitted(P.PGDConfig(pgd=True, pgd_alpha0=alpha0, pgd_mu=mu), conf)
-    assert not P.is_fitted(P.PGDConfig(), conf)                                  # off
+    assert not P.is_fitted(P.PGDConfig(pgd=False), conf)                         # off
     assert not P.is_fitted(P.PGDConfig(pgd=True, pgd_alpha0=2 * alpha0), conf)   # other alpha
     assert not P.is_fitted(P.PGDConfig(pgd=True, pgd_ks=1.0, pgd_alpha0=alpha0,
                                        pgd_mu=mu), conf)                         # other k_s

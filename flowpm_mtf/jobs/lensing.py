@@ -138,14 +138,22 @@ class LensingJob(Job):
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
         lensing_fullsky.check_options(ctx, self.sections)
-        if ctx.configs["pgd"].pgd:   # either sky
-            try:
+        # PGD decided (automatic: where alpha is fitted for the cells) and alpha0, mu by the
+        # cell size where not given: before the checkpoint's identity and summary.json
+        # take them; either sky
+        asked = ctx.configs["pgd"]
+        try:
+            pconf = ctx.configs["pgd"] = asked.resolve(ctx.conf)
+            if pconf.pgd:
                 pgd.check_blocks(ctx.conf)
-                # alpha0 and mu by the cell size where not given: before the checkpoint's
-                # identity and summary.json take them
-                ctx.configs["pgd"] = ctx.configs["pgd"].resolve(ctx.conf)
-            except ValueError as e:
-                raise ConfigError(str(e))
+        except ValueError as e:
+            raise ConfigError(str(e))
+        if asked.pgd is None:
+            log.info("PGD %s (automatic; --pgd or --no-pgd to choose)",
+                     "on: alpha0 %.4g, mu %.4g, the fit for %.3g Mpc/h cells"
+                     % (pconf.pgd_alpha0, pconf.pgd_mu, max(ctx.conf.cell_size)) if pconf.pgd
+                     else "off: no fitted alpha for %.3g Mpc/h cells (%g-%g fitted) or blocks "
+                          "too narrow" % (max(ctx.conf.cell_size), pgd.FITS[0][0], pgd.FITS[-1][0]))
         if lensing_fullsky.is_full(ctx):   # --sky full: HEALPix shells (jobs/lensing_fullsky.py)
             return lensing_fullsky.preflight_full(ctx)
         lconf = ctx.configs["lensing"]

@@ -102,8 +102,11 @@ class PGDConfig:
 
     Parameters
     ----------
-    pgd : bool
-        Apply the correction to the particles the lens planes are painted from.
+    pgd : bool or None
+        Apply the correction to the particles the lens planes are painted from. None (the
+        default): on where alpha is fitted for the run's cells (:data:`FITS`) and its blocks
+        hold the gradient stencil (:func:`check_blocks`), off elsewhere; any other PGD
+        setting given turns it on (:meth:`resolve`).
     pgd_alpha0 : float or None
         alpha0 of alpha(a) = alpha0 a^mu, the displacement per unit potential gradient
         [dimensionless, positions in cells], >= 0. None: the fit for the run's cell size
@@ -121,14 +124,15 @@ class PGDConfig:
         For values out of range or not finite (the message names the value).
     """
 
-    pgd: bool = False
+    pgd: typing.Optional[bool] = None
     pgd_alpha0: typing.Optional[float] = None
     pgd_mu: typing.Optional[float] = None
     pgd_kl: float = FIT_KL
     pgd_ks: float = FIT_KS
 
     def __post_init__(self):
-        object.__setattr__(self, "pgd", bool(self.pgd))
+        if self.pgd is not None:
+            object.__setattr__(self, "pgd", bool(self.pgd))
         for name, positive in (("pgd_alpha0", False), ("pgd_mu", None), ("pgd_kl", True),
                                ("pgd_ks", True)):
             v = getattr(self, name)
@@ -152,15 +156,30 @@ class PGDConfig:
         return self.pgd_alpha0 * float(a)**self.pgd_mu
 
     def resolve(self, conf):
-        """This configuration with ``pgd_alpha0`` and ``pgd_mu`` given where they are None:
-        the fit for ``conf``'s cell size (:func:`fitted_alpha`). Unchanged when PGD is off.
+        """This configuration for ``conf``: ``pgd`` decided where it is None (automatic),
+        ``pgd_alpha0`` and ``pgd_mu`` given where they are None (the fit for the cell size,
+        :func:`fitted_alpha`). Unchanged when PGD is off or everything is given.
+
+        Automatic: on when a PGD setting is given (alpha0, mu, k_l or k_s other than the
+        fits'), else on where :func:`fitted_alpha` and :func:`check_blocks` accept ``conf``.
 
         Raises
         ------
         ValueError
-            One line: the cell size outside the fitted range, or k_l, k_s other than the
-            fits' with alpha0 or mu left to them.
+            One line (PGD on): the cell size outside the fitted range, or k_l, k_s other
+            than the fits' with alpha0 or mu left to them.
         """
+        if self.pgd is None:
+            if self.given():
+                on = True
+            else:
+                try:
+                    fitted_alpha(max(conf.cell_size))
+                    check_blocks(conf)
+                    on = True
+                except ValueError:
+                    on = False
+            return dataclasses.replace(self, pgd=on).resolve(conf)
         if not self.pgd or (self.pgd_alpha0 is not None and self.pgd_mu is not None):
             return self
         if (self.pgd_kl, self.pgd_ks) != (FIT_KL, FIT_KS):
@@ -172,6 +191,11 @@ class PGDConfig:
         return dataclasses.replace(
             self, pgd_alpha0=alpha0 if self.pgd_alpha0 is None else self.pgd_alpha0,
             pgd_mu=mu if self.pgd_mu is None else self.pgd_mu)
+
+    def given(self):
+        """Whether a PGD setting other than the default is given (alpha0, mu, k_l, k_s)."""
+        return (self.pgd_alpha0 is not None or self.pgd_mu is not None
+                or (self.pgd_kl, self.pgd_ks) != (FIT_KL, FIT_KS))
 
     def to_dict(self):
         return dataclasses.asdict(self)
