@@ -40,8 +40,8 @@ from ..mesh import radial_filter
 from .gravity import density, force_field_of_potential, single_block, GRADIENT_REACH
 from .painting import readout_padded
 
-__all__ = ["PGDConfig", "FITS", "fitted_alpha", "is_fitted", "pgd_kernel_values", "pgd_displacement", "nyquist", "check_blocks",
-           "clip_to_blocks", "CLIP_MARGIN"]
+__all__ = ["PGDConfig", "FITS", "fitted_alpha", "is_fitted", "pgd_kernel_values",
+           "pgd_displacement", "nyquist", "check_blocks", "clip_to_blocks", "CLIP_MARGIN"]
 
 CLIP_MARGIN = 1e-3
 """How far inside the last paintable position :func:`clip_to_blocks` holds a particle [cells]
@@ -98,7 +98,7 @@ def is_fitted(pconf, conf):
 
 @dataclasses.dataclass(frozen=True)
 class PGDConfig:
-    """The PGD correction of a run (off by default).
+    """The PGD correction of a run (automatic by default: on where alpha is fitted).
 
     Parameters
     ----------
