@@ -41,8 +41,8 @@ from . import lensing_geometry, lensing_stats
 
 __all__ = ["RESOLVED_WINDOW", "true_power", "plane_grid_power", "pixel_window", "continuous_cl",
            "shell_power", "expected_pseudo_cl", "expected_cl", "window_factor", "resolved_range",
-           "RESOLVED_MESH_SHARE", "RESOLVED_K_NYQUIST", "RESOLVED_K_NYQUIST_PGD", "mean_density", "grid_shot_noise",
-           "shot_noise_cl", "pair_power", "mesh_share", "coupling_matrix", "decouple", "sky_cl",
+           "RESOLVED_MESH_SHARE", "RESOLVED_K_NYQUIST", "RESOLVED_K_NYQUIST_PGD", "mean_density",
+           "grid_shot_noise", "shot_noise_cl", "pair_power", "mesh_share", "coupling_matrix", "decouple", "sky_cl",
            "run_prediction"]
 
 log = logging.getLogger(__name__)
