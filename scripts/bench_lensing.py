@@ -49,6 +49,9 @@ TARGET = 0.05
 # decoupled) over halofit's continuum C_ell, and its target.
 HALOFIT_BANDS = ((100.0, 300.0), (300.0, 600.0), (600.0, 1000.0), (1000.0, 2000.0))
 HALOFIT_TARGET = 0.10
+# The full sky's bands (scripts/bench_lensing_fullsky.py BANDS) that a flat field of a few
+# degrees holds: where flat and full sky both apply, their ratios to halofit should agree.
+FULLSKY_BANDS = ((150.0, 300.0), (300.0, 500.0))
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -91,14 +94,16 @@ def theory_ensemble(tables, bands=HALOFIT_BANDS):
     Returns
     -------
     dict
-        ``ell``, ``ratio`` per bin, ``bands`` (as :func:`ensemble`), ``n``.
+        ``ell``, ``ratio`` per bin, ``bands`` (as :func:`ensemble`), ``fullsky_bands``
+        (the same in :data:`FULLSKY_BANDS`), ``n``.
     """
     ell, modes = tables[0]["ell"], tables[0]["modes"]
     sky = np.array([t["C_ell_sky"] for t in tables])
     hf = np.array([t["C_ell_halofit_cont"] for t in tables]).mean(0)
     per_seed = sky / np.where(hf > 0, hf, np.inf)
     return {"n": len(tables), "ell": ell.tolist(), "ratio": per_seed.mean(0).tolist(),
-            "bands": _bands(ell, modes, per_seed, bands)}
+            "bands": _bands(ell, modes, per_seed, bands),
+            "fullsky_bands": _bands(ell, modes, per_seed, FULLSKY_BANDS)}
 
 
 def ensemble(tables, bands=BANDS):
@@ -202,6 +207,18 @@ def render(data, out):
             " | ".join(_band_cells(t["bands"], HALOFIT_BANDS)),
             "%.0f-%.0f" % tuple(rng) if rng[0] is not None else "none",
             "%.1f-%.1f" % tuple(rec["load"]), rec.get("commit", "unknown")))
+    lines += ["", "## Where the full sky also applies", "",
+              "The same ratio in the bands of `scripts/bench_lensing_fullsky.py` that the "
+              "field holds (compare with its table: flat and full sky should agree within "
+              "their errors).", "",
+              "| configuration | seeds | " + " | ".join(
+                  "ell %d-%d" % b for b in FULLSKY_BANDS) + " |",
+              "|---|---|" + "---|" * len(FULLSKY_BANDS)]
+    for label, rec in sorted(data.items()):
+        t = rec.get("theory")
+        if t and t.get("fullsky_bands"):
+            lines.append("| %s | %d | %s |" % (label, t["n"], " | ".join(
+                _band_cells(t["fullsky_bands"], FULLSKY_BANDS))))
     with_e = [r for _, r in sorted(data.items()) if r.get("ensemble")]
     bands = [tuple(b) for b in with_e[0].get("bands", BANDS)] if with_e else list(BANDS)
     lines += ["", "## The self-check: measured C_ell / expected C_ell (issue 30)", "",

@@ -62,3 +62,28 @@ def test_tiny_ensemble(tmp_path):
         assert abs(b["ratio"] - 1) < N_SIGMA * b["error"] + MODEL_TOL, b
     text = open(tmp_path / "bench_lensing.md").read()
     assert "ell 60-300" in text and "tiny" in text
+
+
+def test_theory_bands_exact():
+    """C_ell_sky / mean halofit per seed, mode-weighted per band: the issue-59 bands and the
+    full sky's (a band the field does not reach is left out)."""
+    ell = np.array([128.0, 269, 410, 546])
+    modes = np.array([8.0, 24, 40, 56])
+    rng = np.random.RandomState(1)
+    sky = [rng.uniform(0.5, 1.5, 4) for _ in range(3)]
+    hfs = [rng.uniform(0.9, 1.1, 4) for _ in range(3)]
+    tables = [dict(ell=ell, modes=modes, C_ell_sky=s, C_ell_halofit_cont=h)
+              for s, h in zip(sky, hfs)]
+    t = B.theory_ensemble(tables)
+    per = np.array(sky) / np.mean(hfs, 0)
+    for bands, got in ((B.HALOFIT_BANDS, t["bands"]), (B.FULLSKY_BANDS, t["fullsky_bands"])):
+        want = []
+        for lo, hi in bands:
+            sel = (ell >= lo) & (ell < hi)
+            if sel.any():
+                b = per[:, sel] @ (modes[sel] / modes[sel].sum())
+                want.append((lo, hi, b.mean(), b.std(ddof=1) / np.sqrt(3)))
+        assert [(g["lo"], g["hi"]) for g in got] == [w[:2] for w in want]
+        np.testing.assert_allclose([g["ratio"] for g in got], [w[2] for w in want], rtol=1e-12)
+        np.testing.assert_allclose([g["error"] for g in got], [w[3] for w in want], rtol=1e-12)
+    assert [(b["lo"], b["hi"]) for b in t["fullsky_bands"]] == [(150.0, 300.0), (300.0, 500.0)]
