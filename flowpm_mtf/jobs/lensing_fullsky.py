@@ -80,10 +80,11 @@ def check_options(ctx, sections):
         raise ConfigError("--nside is an option of the full sky (--sky full)")
 
 
-def fullsky_memory(conf, n_planes, n_source, nside):
+def fullsky_memory(conf, n_planes, n_source, nside, pgd=False):
     """``extra`` for :func:`flowpm_mtf.runs.preflight.check_memory`: the shell and
     convergence maps (replicated), the per-block count maps and one vectorised pass of
-    the painting, the fetched float64 maps and their harmonic transforms."""
+    the painting, the fetched float64 maps and their harmonic transforms; with ``pgd``, the
+    PGD correction (:func:`flowpm_mtf.runs.preflight.pgd_terms`)."""
     isz = conf.np_dtype.itemsize
     npix = 12 * int(nside)**2
 
@@ -107,6 +108,8 @@ def fullsky_memory(conf, n_planes, n_source, nside):
                       maps(nside, blocks), False, "a smaller --nside", advise),
                  Term("a pass of the shell painting (%d replicas at once)" % passes,
                       passes * slots * blocks * BYTES_PER_SLOT_REPLICA, True)]
+        if pgd:
+            terms += preflight.pgd_terms(c, blocks)
         if masters:
             terms.append(Term("the master copies of the shell maps", n_planes * npix * isz,
                               False, "the hvd backend"))
@@ -121,7 +124,8 @@ def preflight_full(ctx):
     lconf, sconf = ctx.configs["lensing"], ctx.configs["sky"]
     npix = sconf.npix
     preflight.check_job_memory(
-        ctx, fullsky_memory(ctx.conf, lconf.n_planes, lconf.n_maps, sconf.nside),
+        ctx, fullsky_memory(ctx.conf, lconf.n_planes, lconf.n_maps, sconf.nside,
+                            pgd=ctx.configs["pgd"].pgd),
         tensors=[("the HEALPix maps (%d x 12 x %d^2 pixels)" % (lconf.n_maps, sconf.nside),
                   int(lconf.n_maps) * npix, "--nside")])
     ctx.geom = F.fullsky_geometry(ctx.conf, lconf, sconf)

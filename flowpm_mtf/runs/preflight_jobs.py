@@ -11,12 +11,15 @@ copies it makes, and comes with the advice of a value of its option that fits.
 Re-exported by :mod:`flowpm_mtf.runs.preflight`, the name the callers use.
 """
 import math
+from fractions import Fraction
 
-from .preflight_memory import (Term, check_memory, check_sizes, estimate_peak_memory,
+from .preflight_memory import (Term, _ceil, check_memory, check_sizes, estimate_peak_memory,
                                memory_terms)
 
 __all__ = ["FFT_REFERENCE_BYTES_PER_CELL", "FFT_WORKING_ITEMSIZES_PER_CELL",
-           "LENSING_BYTES_PER_RAY_MAP", "LENSING_BYTES_PER_RAY_FFT", "RECON_VARIABLE_FIELDS",
+           "LENSING_BYTES_PER_RAY_MAP", "LENSING_BYTES_PER_RAY_FFT", "LENSING_RAY_TERM_ITEMSIZES",
+           "LENSING_STAGE_BYTES_PER_SLOT", "PGD_BYTES_PER_SLOT", "PGD_BYTES_PER_PADDED_CELL",
+           "pgd_terms", "RECON_VARIABLE_FIELDS",
            "RECON_FETCHED_FIELDS", "RECON_TAPE_VALUES_PER_SLOT", "fft_demo_memory",
            "lensing_memory", "lensing_tensors", "reconstruct_memory", "check_job_memory"]
 
@@ -38,6 +41,38 @@ FFT_WORKING_ITEMSIZES_PER_CELL = 2
 #: power spectrum's FFT (complex128), |.|^2 and the ell and bin arrays (8 + 8 + 8).
 LENSING_BYTES_PER_RAY_MAP = 8
 LENSING_BYTES_PER_RAY_FFT = 16 + 8 + 8 + 8 + 8
+#: Lensing, per plane and block on the ray grid [itemsizes per ray pixel, plus one per
+#: source]: :func:`flowpm_mtf.physics.lensing.ray_born_terms`' counts and its per-source
+#: term (a stage's terms are summed into the Born maps together; every plane counted).
+LENSING_RAY_TERM_ITEMSIZES = 1
+#: Lensing, per particle slot of the block [bytes, float32]: the working set of a plane
+#: stage beyond the simulation's (which the base model's slots count): the rays' CIC of
+#: every particle (:func:`flowpm_mtf.physics.lensing.ray_born_terms`: the shell mask, the two
+#: ray coordinates, four corner weights and int32 corner indices, the stacked
+#: ``[n, 4, 4]`` scatter indices) and the mesh plane's painting
+#: (:func:`flowpm_mtf.physics.lensing.density_plane`), for the planes of one stage run
+#: together. Set from the peaks of ``scripts/bench_lensing_memory.py`` (``--no-pgd`` rows:
+#: the largest of (peak - base model) / slots, rounded up).
+LENSING_STAGE_BYTES_PER_SLOT = 0
+#: With PGD (:mod:`flowpm_mtf.jobs.lensing_pgd`), per particle slot [bytes, float32]: the
+#: corrected positions, their clipped copy and the displacement read out at the particles
+#: (3 components each, with the readout's temporaries).
+PGD_BYTES_PER_SLOT = 0
+#: With PGD, per padded cell of the block [bytes, float32]: the painted density, its FFT
+#: (complex), the filtered potential and its three gradient fields, and the second P(k)
+#: (the corrected particles' painted density and FFT). Set from the ``--pgd`` rows of
+#: ``scripts/bench_lensing_memory.py`` beyond the ``--no-pgd`` estimate.
+PGD_BYTES_PER_PADDED_CELL = 0
+
+
+def pgd_terms(c, blocks):
+    """The :class:`Term` of the PGD correction of a lensing stage (either sky) on the blocks
+    of ``c`` [bytes]: :data:`PGD_BYTES_PER_SLOT` and :data:`PGD_BYTES_PER_PADDED_CELL`."""
+    slots, cells = memory_terms(c)
+    nbytes = ((PGD_BYTES_PER_SLOT * slots + PGD_BYTES_PER_PADDED_CELL * cells)
+              * Fraction(c.np_dtype.itemsize, 4) * blocks)
+    return [Term("the PGD correction (%d slots, %d padded cells per block)" % (slots, cells),
+                 _ceil(Fraction(nbytes)), True)]
 
 
 def _largest(fits, hi):
@@ -88,33 +123,43 @@ def fft_demo_memory(conf):
     return extra
 
 
-def lensing_memory(conf, n_planes, n_source, npix):
+def lensing_memory(conf, n_planes, n_source, npix, pgd=False):
     """``extra`` for :func:`check_memory` of the lensing job: the lens planes (variables,
-    fetched float64 copies) and the rays (the ``[src, npix, npix]`` maps and the
-    ``[npix, n]`` interpolation weights of every plane, :func:`flowpm_mtf.physics.lensing.
-    born_convergence`), replicated on every rank."""
+    fetched float64 copies), the rays (the ``[src, npix, npix]`` maps, replicated on every
+    rank, and every plane's per-block term on the ray grid,
+    :func:`flowpm_mtf.physics.lensing.ray_born_terms`) and the painting of a lens stage
+    (:data:`LENSING_STAGE_BYTES_PER_SLOT`; with ``pgd``, the PGD correction,
+    :func:`pgd_terms`)."""
     isz = conf.np_dtype.itemsize
     nx, ny = int(conf.nc[0]), int(conf.nc[1])
 
     def rays(npix_, blocks=1):
         maps = npix_ * npix_ * (n_source * (4 * isz * blocks + LENSING_BYTES_PER_RAY_MAP)
                                 + LENSING_BYTES_PER_RAY_FFT)
-        weights = n_planes * npix_ * (nx + ny) * (8 + 2 * isz)
-        return maps + weights
+        terms = (n_planes * npix_ * npix_ * (1 + n_source) * LENSING_RAY_TERM_ITEMSIZES
+                 * isz * blocks)
+        return maps + terms
 
     def extra(c, blocks, masters):
         sx, sy = int(c.block_shape[0]), int(c.block_shape[1])
+        slots, _ = memory_terms(c)
+        scale = Fraction(isz, 4)
 
         def advise(room, budget):
             n = _largest(lambda k: rays(k, blocks) <= room, npix)
             return "--field-npix %d or less" % n if n else None
 
-        terms = [Term("the lensing rays (%d source map%s of %d^2 pixels and the interpolation "
-                      "weights of %d planes)" % (n_source, "s" if n_source > 1 else "", npix,
-                                                 n_planes), rays(npix, blocks),
+        terms = [Term("the lensing rays (%d source map%s of %d^2 pixels and the ray-grid "
+                      "terms of %d planes)" % (n_source, "s" if n_source > 1 else "", npix,
+                                               n_planes), rays(npix, blocks),
                       False, "a smaller --field-npix", advise),
                  Term("the %d lens planes" % n_planes, n_planes * sx * sy * (isz + 8) * blocks,
+                      True),
+                 Term("the painting of a lens stage (%d slots per block)" % slots,
+                      _ceil(Fraction(LENSING_STAGE_BYTES_PER_SLOT) * slots * scale * blocks),
                       True)]
+        if pgd:
+            terms += pgd_terms(c, blocks)
         if masters:
             terms.append(Term("the full-size master copies of the lens planes",
                               n_planes * nx * ny * isz, False, "the hvd backend"))
