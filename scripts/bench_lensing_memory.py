@@ -8,6 +8,7 @@ these runs; ``tests/test_preflight.py`` checks that the estimate bounds every st
     python scripts/bench_lensing_memory.py list           # configurations, which are measured
     python scripts/bench_lensing_memory.py run NAME...    # run them (one mpirun each), record
     python scripts/bench_lensing_memory.py record NAME DIR   # record a finished run's DIR
+    python scripts/bench_lensing_memory.py fit            # the constants the rows need
     python scripts/bench_lensing_memory.py render         # rows + estimates -> results/
 
 A row is the run's ``summary.json`` (config, the lensing, sky and PGD sections, the peak
@@ -43,8 +44,7 @@ CONFIGS = {
     "flat-128-2-npix256": (2, ["--nc", "128", "--field-npix", "256", "--no-pgd"]),
     "survey-256-2": (2, ["--nc", "256", "--field-npix", "256"]),   # PGD on (automatic)
     "full-64-1": (1, ["--nc", "64", "--sky", "full", "--no-pgd"]),
-    "full-128-2": (2, ["--nc", "128", "--sky", "full", "--no-pgd"]),
-    "full-128-2-pgd": (2, ["--nc", "128", "--sky", "full", "--pgd"]),
+    "full-64-2-pgd": (2, ["--nc", "64", "--sky", "full", "--pgd"]),
 }
 
 
@@ -96,6 +96,40 @@ def estimate_mb(row):
     return preflight.estimate_peak_memory(conf, masters=False, extra=extra) / 2**20
 
 
+def fit(rows):
+    """The measured constants of the lensing terms that bound every row [bytes, float32]:
+    ``LENSING_STAGE_BYTES_PER_SLOT``, the largest of (peak - the estimate without it) /
+    slots over the flat ``--no-pgd`` rows; ``PGD_BYTES_PER_PADDED_CELL``, the largest of
+    (peak - the estimate without it) / padded cells over the ``--pgd`` rows (with the
+    first constant set). Each row's value is printed."""
+    from flowpm_mtf.config import SimConfig
+    from flowpm_mtf.runs import preflight, preflight_jobs
+
+    def need(name, r, per):
+        c = SimConfig.from_dict(r["config"])
+        slots, cells = preflight.memory_terms(c)
+        setattr(preflight_jobs, name, 0)
+        room = (max(r["peak_mb_per_rank"]) - estimate_mb(r)) * 2**20
+        value = room / {"slot": slots, "cell": cells}[per] * 4 / c.np_dtype.itemsize
+        print("%-20s %s %8.1f" % (r["name"], name, value))
+        return value
+
+    saved = {n: getattr(preflight_jobs, n) for n in ("LENSING_STAGE_BYTES_PER_SLOT",
+                                                     "PGD_BYTES_PER_PADDED_CELL")}
+    try:
+        flat = [r for r in rows.values() if r["sky"]["sky"] == "flat" and not r["pgd"]["pgd"]]
+        stage = max(need("LENSING_STAGE_BYTES_PER_SLOT", r, "slot") for r in flat)
+        preflight_jobs.LENSING_STAGE_BYTES_PER_SLOT = stage
+        pgd = max((need("PGD_BYTES_PER_PADDED_CELL", r, "cell") for r in rows.values()
+                   if r["pgd"]["pgd"]), default=0.0)
+    finally:
+        for n, v in saved.items():
+            setattr(preflight_jobs, n, v)
+    print("LENSING_STAGE_BYTES_PER_SLOT >= %.1f, PGD_BYTES_PER_PADDED_CELL >= %.1f"
+          % (stage, pgd))
+    return stage, pgd
+
+
 def save(rows):
     with open(ROWS, "w") as f:
         json.dump({"source": "%s record/run" % SCRIPT, "rows": rows}, f, indent=1,
@@ -108,7 +142,8 @@ def render(rows):
              "`python %s run NAME` per row, then `render`. Peak: the largest rank's peak RSS "
              "(`summary.json`); estimate: the preflight's for the same options "
              "(`flowpm_mtf/runs/preflight_jobs.py` `lensing_memory`, the full sky's "
-             "`fullsky_memory`); the test requires peak <= estimate <= peak x 1.15." % SCRIPT,
+             "`fullsky_memory`); `tests/test_preflight.py` requires peak <= estimate <= peak x "
+             "(1 + LENSING_MODEL_RTOL)." % SCRIPT,
              "", "| run | ranks | options | peak per rank [MB] | estimate [MB] | estimate / peak |",
              "|---|---|---|---|---|---|"]
     for name in CONFIGS:
@@ -121,8 +156,8 @@ def render(rows):
             name, r["ranks"], " ".join(r["options"]),
             ", ".join("%.0f" % p for p in r["peak_mb_per_rank"]), est, est / peak))
     lines.append("")
-    lines.append("Machine load (1-min average) during the runs: %s (other helpers' jobs; RSS "
-                 "does not depend on it)." % ", ".join(sorted(
+    lines.append("Machine load (1-min average) when the rows were recorded: %s (other jobs; "
+                 "RSS does not depend on it)." % ", ".join(sorted(
                      {"%.0f" % rows[n]["load"] for n in rows})))
     return write_table(TABLE, "\n".join(lines) + "\n", SCRIPT)
 
@@ -138,12 +173,16 @@ def main(argv=None):
     rec.add_argument("name", choices=sorted(CONFIGS))
     rec.add_argument("run_dir")
     sub.add_parser("render")
+    sub.add_parser("fit")
     args = ap.parse_args(argv)
     rows = load_rows()
     if args.mode == "list":
         for name, (ranks, opts) in CONFIGS.items():
             print("%-20s %d rank(s)  %-40s %s" % (name, ranks, " ".join(opts),
                                                   "measured" if name in rows else "-"))
+        return 0
+    if args.mode == "fit":
+        fit(rows)
         return 0
     if args.mode == "run":
         for name in args.names:

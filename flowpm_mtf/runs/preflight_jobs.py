@@ -3,10 +3,13 @@
 A job's preflight passes one of these as ``extra`` to the memory model
 (:func:`flowpm_mtf.runs.preflight_memory.memory_breakdown`) through :func:`check_job_memory`:
 :func:`fft_demo_memory` (the FFT demo's fetched slices and full-size numpy reference),
-:func:`lensing_memory` (the lens planes and the rays; :func:`lensing_tensors` for the
-size check), :func:`reconstruct_memory` (the reconstruction's fields and gradient tape).
+:func:`lensing_memory` (the lens planes, the rays and the painting of a lens stage,
+:func:`pgd_terms` with PGD; :func:`lensing_tensors` for the size check),
+:func:`reconstruct_memory` (the reconstruction's fields and gradient tape).
 Each term is counted from the sizes of the arrays the job's code allocates, with the
-copies it makes, and comes with the advice of a value of its option that fits.
+copies it makes (the lensing stage's working set and PGD's mesh work are measured:
+``scripts/bench_lensing_memory.py``), and comes with the advice of a value of its option
+that fits.
 
 Re-exported by :mod:`flowpm_mtf.runs.preflight`, the name the callers use.
 """
@@ -18,15 +21,15 @@ from .preflight_memory import (Term, _ceil, check_memory, check_sizes, estimate_
 
 __all__ = ["FFT_REFERENCE_BYTES_PER_CELL", "FFT_WORKING_ITEMSIZES_PER_CELL",
            "LENSING_BYTES_PER_RAY_MAP", "LENSING_BYTES_PER_RAY_FFT", "LENSING_RAY_TERM_ITEMSIZES",
-           "LENSING_STAGE_BYTES_PER_SLOT", "PGD_BYTES_PER_SLOT", "PGD_BYTES_PER_PADDED_CELL",
-           "pgd_terms", "RECON_VARIABLE_FIELDS",
+           "LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE", "LENSING_STAGE_BYTES_PER_SLOT",
+           "PGD_BYTES_PER_SLOT", "PGD_BYTES_PER_PADDED_CELL", "pgd_terms", "RECON_VARIABLE_FIELDS",
            "RECON_FETCHED_FIELDS", "RECON_TAPE_VALUES_PER_SLOT", "fft_demo_memory",
            "lensing_memory", "lensing_tensors", "reconstruct_memory", "check_job_memory"]
 
 
 # ----------------------------------------------------------------------------- job terms
-# Each job's own large allocations, counted array by array (no measured constant: sizes of
-# arrays the job's code allocates, with the copies it makes):
+# Each job's own large allocations, counted array by array (sizes of arrays the job's code
+# allocates, with the copies it makes; those whose comment says "Measured" are set from peaks):
 #: FFT demo: the full-size numpy reference on every rank: the field (itemsize), np.fft.fftn
 #: (complex128) and its normalised copy, the stored-order copy, |ref| (float64) [bytes/cell
 #: over the itemsize].
@@ -41,28 +44,33 @@ FFT_WORKING_ITEMSIZES_PER_CELL = 2
 #: power spectrum's FFT (complex128), |.|^2 and the ell and bin arrays (8 + 8 + 8).
 LENSING_BYTES_PER_RAY_MAP = 8
 LENSING_BYTES_PER_RAY_FFT = 16 + 8 + 8 + 8 + 8
-#: Lensing, per plane and block on the ray grid [itemsizes per ray pixel, plus one per
-#: source]: :func:`flowpm_mtf.physics.lensing.ray_born_terms`' counts and its per-source
-#: term (a stage's terms are summed into the Born maps together; every plane counted).
-LENSING_RAY_TERM_ITEMSIZES = 1
-#: Lensing, per particle slot of the block [bytes, float32]: the working set of a plane
+#: Lensing, per plane and block on the ray grid [itemsizes per ray pixel]:
+#: :func:`flowpm_mtf.physics.lensing.ray_born_terms`' counts, their normalisation and the
+#: mean-subtracted term; per source, its term times the Born coefficient and the running
+#: sum it is added to (counted, every plane: an upper bound of a stage's planes).
+LENSING_RAY_TERM_ITEMSIZES = 3
+LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE = 2
+#: Lensing, per particle slot of the block [bytes, float32]: the working set of a lens
 #: stage beyond the simulation's (which the base model's slots count): the rays' CIC of
-#: every particle (:func:`flowpm_mtf.physics.lensing.ray_born_terms`: the shell mask, the two
-#: ray coordinates, four corner weights and int32 corner indices, the stacked
-#: ``[n, 4, 4]`` scatter indices) and the mesh plane's painting
-#: (:func:`flowpm_mtf.physics.lensing.density_plane`), for the planes of one stage run
-#: together. Set from the peaks of ``scripts/bench_lensing_memory.py`` (``--no-pgd`` rows:
-#: the largest of (peak - base model) / slots, rounded up).
-LENSING_STAGE_BYTES_PER_SLOT = 0
-#: With PGD (:mod:`flowpm_mtf.jobs.lensing_pgd`), per particle slot [bytes, float32]: the
-#: corrected positions, their clipped copy and the displacement read out at the particles
-#: (3 components each, with the readout's temporaries).
-PGD_BYTES_PER_SLOT = 0
+#: every particle (:func:`flowpm_mtf.physics.lensing.ray_born_terms`: the shell mask, the
+#: two ray coordinates, four corner weights and int32 corner indices, the stacked
+#: ``[n, 4, 4]`` scatter indices: about 240 B counted) and the mesh plane's painting
+#: (:func:`flowpm_mtf.physics.lensing.density_plane`). Measured: the largest of (peak -
+#: the estimate without it) / slots over the flat ``--no-pgd`` runs of
+#: ``scripts/bench_lensing_memory.py`` (``fit``: 64^3 and 128^3 on 1 and 2 ranks, 128 and
+#: 256 rays), raised by the spread between the ranks of one run (5 %).
+LENSING_STAGE_BYTES_PER_SLOT = 300
+#: With PGD (:mod:`flowpm_mtf.jobs.lensing_pgd`), per particle slot [bytes, float32],
+#: counted: the corrected positions, their clipped copy and the displacement read out at
+#: the particles (3 float32 components each).
+PGD_BYTES_PER_SLOT = 3 * 3 * 4
 #: With PGD, per padded cell of the block [bytes, float32]: the painted density, its FFT
 #: (complex), the filtered potential and its three gradient fields, and the second P(k)
-#: (the corrected particles' painted density and FFT). Set from the ``--pgd`` rows of
-#: ``scripts/bench_lensing_memory.py`` beyond the ``--no-pgd`` estimate.
-PGD_BYTES_PER_PADDED_CELL = 0
+#: (the corrected particles' painted density and FFT). Measured: the largest of (peak -
+#: the estimate without it) / padded cells over the ``--pgd`` runs of
+#: ``scripts/bench_lensing_memory.py`` (``fit``: 128^3 and the 256^3 survey on 2 ranks),
+#: rounded up.
+PGD_BYTES_PER_PADDED_CELL = 56
 
 
 def pgd_terms(c, blocks):
@@ -136,8 +144,8 @@ def lensing_memory(conf, n_planes, n_source, npix, pgd=False):
     def rays(npix_, blocks=1):
         maps = npix_ * npix_ * (n_source * (4 * isz * blocks + LENSING_BYTES_PER_RAY_MAP)
                                 + LENSING_BYTES_PER_RAY_FFT)
-        terms = (n_planes * npix_ * npix_ * (1 + n_source) * LENSING_RAY_TERM_ITEMSIZES
-                 * isz * blocks)
+        terms = (n_planes * npix_ * npix_ * isz * blocks
+                 * (LENSING_RAY_TERM_ITEMSIZES + LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE * n_source))
         return maps + terms
 
     def extra(c, blocks, masters):
