@@ -38,8 +38,9 @@ from . import lensing_pgd, nbody_run, runner
 from .nbody_run import SimulationGraph
 
 __all__ = ["FullSkyGraph", "FLAT_ONLY", "BYTES_PER_SLOT_REPLICA", "HEALPY_IMPORT_BYTES",
-           "is_full", "check_options", "fullsky_memory", "preflight_full", "lower_full", "execute_full", "finish_full", "write_all_full",
-           "write_full", "plot_full", "shell_names"]
+           "is_full", "check_options", "fullsky_memory", "preflight_full", "lower_full",
+           "execute_full", "finish_full", "write_all_full", "write_full", "plot_full",
+           "shell_names"]
 
 log = rank0_only(logging.getLogger(__name__))
 Term = preflight.Term
