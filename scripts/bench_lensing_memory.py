@@ -45,6 +45,7 @@ CONFIGS = {
     "survey-256-2": (2, ["--nc", "256", "--field-npix", "256"]),   # PGD on (automatic)
     "full-64-1": (1, ["--nc", "64", "--sky", "full", "--no-pgd"]),
     "full-64-2-pgd": (2, ["--nc", "64", "--sky", "full", "--pgd"]),
+    "full-64-2-nside256": (2, ["--nc", "64", "--sky", "full", "--nside", "256", "--no-pgd"]),
 }
 
 

@@ -53,7 +53,8 @@ BYTES_PER_SLOT_REPLICA = 112
 #: The harmonic analysis of the maps at the end (``finish_full``) imports healpy on every
 #: rank: its libraries (and astropy's) are resident from then on [bytes]. Measured: the RSS
 #: of ``python -c "import numpy; import healpy"`` beyond numpy's, 67 MB, rounded up
-#: (the full-sky runs of ``scripts/bench_lensing_memory.py`` grow 35 MB in that phase).
+#: (the full-sky runs of ``scripts/bench_lensing_memory.py`` grow 35 MB in that phase, at
+#: nside 128 and 256 alike).
 HEALPY_IMPORT_BYTES = 68 << 20
 
 
