@@ -159,7 +159,8 @@ class LensingJob(Job):
         lconf = ctx.configs["lensing"]
         n_source = lconf.n_maps
         preflight.check_job_memory(
-            ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix),
+            ctx, preflight.lensing_memory(ctx.conf, lconf.n_planes, n_source, lconf.field_npix,
+                                          pgd=pconf.pgd),
             tensors=preflight.lensing_tensors(n_source, lconf.field_npix))
         ctx.geom = lensing_geometry.geometry(ctx.conf, lconf)
         if ctx.resume:   # a checkpoint of another run is refused before any graph

@@ -37,9 +37,10 @@ from ..runs import h5dist, io, preflight
 from . import lensing_pgd, nbody_run, runner
 from .nbody_run import SimulationGraph
 
-__all__ = ["FullSkyGraph", "FLAT_ONLY", "is_full", "check_options", "fullsky_memory",
-           "preflight_full", "lower_full", "execute_full", "finish_full", "write_all_full",
-           "write_full", "plot_full", "shell_names"]
+__all__ = ["FullSkyGraph", "FLAT_ONLY", "BYTES_PER_SLOT_REPLICA", "HEALPY_IMPORT_BYTES",
+           "is_full", "check_options", "fullsky_memory", "preflight_full", "lower_full",
+           "execute_full", "finish_full", "write_all_full", "write_full", "plot_full",
+           "shell_names"]
 
 log = rank0_only(logging.getLogger(__name__))
 Term = preflight.Term
@@ -49,6 +50,12 @@ FLAT_ONLY = (("field_deg", "--field-deg"), ("field_npix", "--field-npix"))
 #: Bytes per particle slot and replica of one vectorised pass of the shell painting
 #: (float64 positions and distances, int64 pixels and segment ids, weights).
 BYTES_PER_SLOT_REPLICA = 112
+#: The harmonic analysis of the maps at the end (``finish_full``) imports healpy on every
+#: rank: its libraries (and astropy's) are resident from then on [bytes]. Measured: the RSS
+#: of ``python -c "import numpy; import healpy"`` beyond numpy's, 67 MB, rounded up
+#: (the full-sky runs of ``scripts/bench_lensing_memory.py`` grow 35 MB in that phase, at
+#: nside 128 and 256 alike).
+HEALPY_IMPORT_BYTES = 68 << 20
 
 
 def is_full(ctx):
@@ -80,10 +87,12 @@ def check_options(ctx, sections):
         raise ConfigError("--nside is an option of the full sky (--sky full)")
 
 
-def fullsky_memory(conf, n_planes, n_source, nside):
+def fullsky_memory(conf, n_planes, n_source, nside, pgd=False):
     """``extra`` for :func:`flowpm_mtf.runs.preflight.check_memory`: the shell and
     convergence maps (replicated), the per-block count maps and one vectorised pass of
-    the painting, the fetched float64 maps and their harmonic transforms."""
+    the painting, the fetched float64 maps and their harmonic transforms (and healpy's
+    import, :data:`HEALPY_IMPORT_BYTES`); with ``pgd``, the
+    PGD correction (:func:`flowpm_mtf.runs.preflight.pgd_terms`)."""
     isz = conf.np_dtype.itemsize
     npix = 12 * int(nside)**2
 
@@ -106,7 +115,11 @@ def fullsky_memory(conf, n_planes, n_source, nside):
                       % (n_planes, n_source, "s" if n_source > 1 else "", nside),
                       maps(nside, blocks), False, "a smaller --nside", advise),
                  Term("a pass of the shell painting (%d replicas at once)" % passes,
-                      passes * slots * blocks * BYTES_PER_SLOT_REPLICA, True)]
+                      passes * slots * blocks * BYTES_PER_SLOT_REPLICA, True),
+                 Term("healpy (imported for the harmonic analysis)", HEALPY_IMPORT_BYTES,
+                      False)]
+        if pgd:
+            terms += preflight.pgd_terms(c, blocks)
         if masters:
             terms.append(Term("the master copies of the shell maps", n_planes * npix * isz,
                               False, "the hvd backend"))
@@ -121,7 +134,8 @@ def preflight_full(ctx):
     lconf, sconf = ctx.configs["lensing"], ctx.configs["sky"]
     npix = sconf.npix
     preflight.check_job_memory(
-        ctx, fullsky_memory(ctx.conf, lconf.n_planes, lconf.n_maps, sconf.nside),
+        ctx, fullsky_memory(ctx.conf, lconf.n_planes, lconf.n_maps, sconf.nside,
+                            pgd=ctx.configs["pgd"].pgd),
         tensors=[("the HEALPix maps (%d x 12 x %d^2 pixels)" % (lconf.n_maps, sconf.nside),
                   int(lconf.n_maps) * npix, "--nside")])
     ctx.geom = F.fullsky_geometry(ctx.conf, lconf, sconf)

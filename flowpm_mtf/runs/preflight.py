@@ -46,14 +46,15 @@ from .preflight_memory import (  # noqa: F401  (re-exported: the memory model an
     estimate_peak_memory, load_memory_model, memory_available, memory_breakdown, memory_terms,
     node_budget, smallest_rank_count)
 from .preflight_jobs import (  # noqa: F401  (re-exported: the jobs' own terms)
-    check_job_memory, fft_demo_memory, lensing_memory, lensing_tensors, reconstruct_memory)
+    check_job_memory, fft_demo_memory, lensing_memory, lensing_tensors, pgd_terms,
+    reconstruct_memory)
 
 __all__ = ["MODEL_FILE", "load_memory_model", "RUNTIME_MB", "BYTES_PER_SLOT",
            "BYTES_PER_PADDED_CELL", "MASTER_COPIES", "MAX_TENSOR_ELEMENTS", "MAX_RANKS", "Term",
            "memory_terms", "memory_breakdown", "check_sizes", "smallest_rank_count",
            "MIN_DISPLACEMENT_ULPS", "MIN_STEP_ULPS", "estimate_peak_memory", "memory_available", "node_budget", "check_memory",
            "check_estimate", "displacement_rms_cells", "check_numerics",
-           "large_constants", "fft_demo_memory", "lensing_memory", "lensing_tensors",
+           "large_constants", "fft_demo_memory", "lensing_memory", "lensing_tensors", "pgd_terms",
            "reconstruct_memory", "check_job_memory"]
 
 log = rank0_only(logging.getLogger(__name__))  # every rank computes the same verdict

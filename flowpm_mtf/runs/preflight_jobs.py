@@ -3,27 +3,33 @@
 A job's preflight passes one of these as ``extra`` to the memory model
 (:func:`flowpm_mtf.runs.preflight_memory.memory_breakdown`) through :func:`check_job_memory`:
 :func:`fft_demo_memory` (the FFT demo's fetched slices and full-size numpy reference),
-:func:`lensing_memory` (the lens planes and the rays; :func:`lensing_tensors` for the
-size check), :func:`reconstruct_memory` (the reconstruction's fields and gradient tape).
+:func:`lensing_memory` (the lens planes, the rays and the painting of a lens stage,
+:func:`pgd_terms` with PGD; :func:`lensing_tensors` for the size check),
+:func:`reconstruct_memory` (the reconstruction's fields and gradient tape).
 Each term is counted from the sizes of the arrays the job's code allocates, with the
-copies it makes, and comes with the advice of a value of its option that fits.
+copies it makes (the lensing stage's working set and PGD's mesh work are measured:
+``scripts/bench_lensing_memory.py``), and comes with the advice of a value of its option
+that fits.
 
 Re-exported by :mod:`flowpm_mtf.runs.preflight`, the name the callers use.
 """
 import math
+from fractions import Fraction
 
-from .preflight_memory import (Term, check_memory, check_sizes, estimate_peak_memory,
+from .preflight_memory import (Term, _ceil, check_memory, check_sizes, estimate_peak_memory,
                                memory_terms)
 
 __all__ = ["FFT_REFERENCE_BYTES_PER_CELL", "FFT_WORKING_ITEMSIZES_PER_CELL",
-           "LENSING_BYTES_PER_RAY_MAP", "LENSING_BYTES_PER_RAY_FFT", "RECON_VARIABLE_FIELDS",
+           "LENSING_BYTES_PER_RAY_MAP", "LENSING_BYTES_PER_RAY_FFT", "LENSING_RAY_TERM_ITEMSIZES",
+           "LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE", "LENSING_STAGE_BYTES_PER_SLOT",
+           "PGD_BYTES_PER_SLOT", "PGD_BYTES_PER_PADDED_CELL", "pgd_terms", "RECON_VARIABLE_FIELDS",
            "RECON_FETCHED_FIELDS", "RECON_TAPE_VALUES_PER_SLOT", "fft_demo_memory",
            "lensing_memory", "lensing_tensors", "reconstruct_memory", "check_job_memory"]
 
 
 # ----------------------------------------------------------------------------- job terms
-# Each job's own large allocations, counted array by array (no measured constant: sizes of
-# arrays the job's code allocates, with the copies it makes):
+# Each job's own large allocations, counted array by array (sizes of arrays the job's code
+# allocates, with the copies it makes; those whose comment says "Measured" are set from peaks):
 #: FFT demo: the full-size numpy reference on every rank: the field (itemsize), np.fft.fftn
 #: (complex128) and its normalised copy, the stored-order copy, |ref| (float64) [bytes/cell
 #: over the itemsize].
@@ -38,6 +44,43 @@ FFT_WORKING_ITEMSIZES_PER_CELL = 2
 #: power spectrum's FFT (complex128), |.|^2 and the ell and bin arrays (8 + 8 + 8).
 LENSING_BYTES_PER_RAY_MAP = 8
 LENSING_BYTES_PER_RAY_FFT = 16 + 8 + 8 + 8 + 8
+#: Lensing, per plane and block on the ray grid [itemsizes per ray pixel]:
+#: :func:`flowpm_mtf.physics.lensing.ray_born_terms`' counts, their normalisation and the
+#: mean-subtracted term; per source, its term times the Born coefficient and the running
+#: sum it is added to (counted, every plane: an upper bound of a stage's planes).
+LENSING_RAY_TERM_ITEMSIZES = 3
+LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE = 2
+#: Lensing, per particle slot of the block [bytes, float32]: the working set of a lens
+#: stage beyond the simulation's (which the base model's slots count): the rays' CIC of
+#: every particle (:func:`flowpm_mtf.physics.lensing.ray_born_terms`: the shell mask, the
+#: two ray coordinates, four corner weights and int32 corner indices, the stacked
+#: ``[n, 4, 4]`` scatter indices: about 240 B counted) and the mesh plane's painting
+#: (:func:`flowpm_mtf.physics.lensing.density_plane`). Measured: the largest of (peak -
+#: the estimate without it) / slots over the flat ``--no-pgd`` runs of
+#: ``scripts/bench_lensing_memory.py`` (``fit``: 64^3 and 128^3 on 1 and 2 ranks, 128 and
+#: 256 rays), raised by the spread between the ranks of one run (5 %).
+LENSING_STAGE_BYTES_PER_SLOT = 300
+#: With PGD (:mod:`flowpm_mtf.jobs.lensing_pgd`), per particle slot [bytes, float32],
+#: counted: the corrected positions, their clipped copy and the displacement read out at
+#: the particles (3 float32 components each).
+PGD_BYTES_PER_SLOT = 3 * 3 * 4
+#: With PGD, per padded cell of the block [bytes, float32]: the painted density, its FFT
+#: (complex), the filtered potential and its three gradient fields, and the second P(k)
+#: (the corrected particles' painted density and FFT). Measured: the largest of (peak -
+#: the estimate without it) / padded cells over the ``--pgd`` runs of
+#: ``scripts/bench_lensing_memory.py`` (``fit``: 128^3 and the 256^3 survey on 2 ranks),
+#: rounded up.
+PGD_BYTES_PER_PADDED_CELL = 56
+
+
+def pgd_terms(c, blocks):
+    """The :class:`Term` of the PGD correction of a lensing stage (either sky) on the blocks
+    of ``c`` [bytes]: :data:`PGD_BYTES_PER_SLOT` and :data:`PGD_BYTES_PER_PADDED_CELL`."""
+    slots, cells = memory_terms(c)
+    nbytes = ((PGD_BYTES_PER_SLOT * slots + PGD_BYTES_PER_PADDED_CELL * cells)
+              * Fraction(c.np_dtype.itemsize, 4) * blocks)
+    return [Term("the PGD correction (%d slots, %d padded cells per block)" % (slots, cells),
+                 _ceil(Fraction(nbytes)), True)]
 
 
 def _largest(fits, hi):
@@ -88,33 +131,43 @@ def fft_demo_memory(conf):
     return extra
 
 
-def lensing_memory(conf, n_planes, n_source, npix):
+def lensing_memory(conf, n_planes, n_source, npix, pgd=False):
     """``extra`` for :func:`check_memory` of the lensing job: the lens planes (variables,
-    fetched float64 copies) and the rays (the ``[src, npix, npix]`` maps and the
-    ``[npix, n]`` interpolation weights of every plane, :func:`flowpm_mtf.physics.lensing.
-    born_convergence`), replicated on every rank."""
+    fetched float64 copies), the rays (the ``[src, npix, npix]`` maps, replicated on every
+    rank, and every plane's per-block term on the ray grid,
+    :func:`flowpm_mtf.physics.lensing.ray_born_terms`) and the painting of a lens stage
+    (:data:`LENSING_STAGE_BYTES_PER_SLOT`; with ``pgd``, the PGD correction,
+    :func:`pgd_terms`)."""
     isz = conf.np_dtype.itemsize
     nx, ny = int(conf.nc[0]), int(conf.nc[1])
 
     def rays(npix_, blocks=1):
         maps = npix_ * npix_ * (n_source * (4 * isz * blocks + LENSING_BYTES_PER_RAY_MAP)
                                 + LENSING_BYTES_PER_RAY_FFT)
-        weights = n_planes * npix_ * (nx + ny) * (8 + 2 * isz)
-        return maps + weights
+        terms = (n_planes * npix_ * npix_ * isz * blocks
+                 * (LENSING_RAY_TERM_ITEMSIZES + LENSING_RAY_TERM_ITEMSIZES_PER_SOURCE * n_source))
+        return maps + terms
 
     def extra(c, blocks, masters):
         sx, sy = int(c.block_shape[0]), int(c.block_shape[1])
+        slots, _ = memory_terms(c)
+        scale = Fraction(isz, 4)
 
         def advise(room, budget):
             n = _largest(lambda k: rays(k, blocks) <= room, npix)
             return "--field-npix %d or less" % n if n else None
 
-        terms = [Term("the lensing rays (%d source map%s of %d^2 pixels and the interpolation "
-                      "weights of %d planes)" % (n_source, "s" if n_source > 1 else "", npix,
-                                                 n_planes), rays(npix, blocks),
+        terms = [Term("the lensing rays (%d source map%s of %d^2 pixels and the ray-grid "
+                      "terms of %d planes)" % (n_source, "s" if n_source > 1 else "", npix,
+                                               n_planes), rays(npix, blocks),
                       False, "a smaller --field-npix", advise),
                  Term("the %d lens planes" % n_planes, n_planes * sx * sy * (isz + 8) * blocks,
+                      True),
+                 Term("the painting of a lens stage (%d slots per block)" % slots,
+                      _ceil(Fraction(LENSING_STAGE_BYTES_PER_SLOT) * slots * scale * blocks),
                       True)]
+        if pgd:
+            terms += pgd_terms(c, blocks)
         if masters:
             terms.append(Term("the full-size master copies of the lens planes",
                               n_planes * nx * ny * isz, False, "the hvd backend"))
