@@ -1,8 +1,8 @@
 """`flowpm-mtf lensing` survives interruption: a run stopped by SIGTERM (after periodic
 checkpoints, --checkpoint-every) and resumed with --resume ends bit-identical to the
 uninterrupted run on the same process grid (convergence maps, every lens plane, the P(k) at
-the planes, the C_ell table), on the hvd backend of 2 ranks, on a placement grid (1-rank
-pass) and under mpirun with the signal to one rank only; the checkpoint holds the
+the planes, the C_ell table), on the hvd backend of 2 ranks under mpirun with the signal to
+one rank only, and on a placement grid (1-rank pass); the checkpoint holds the
 planes as per-rank blocks; a resume with other lensing settings or by another job is
 refused with one line (exit 6); and a new run on an OUT holding a checkpoint is told what
 is true for that checkpoint (--resume for its own job's, the other job's command, or
@@ -42,17 +42,16 @@ N_PLANES = 3
 CHECKPOINT_EVERY = 2
 STOP_AT = 3   # SIGTERM when rank 0 logs step 3: checkpoints after steps 2 and 3
 # 1 rank: one placement case (the backend's checkpoint path: one process writes both slices'
-# parts; lagrangian, split along y), whose runs the refusal and other-grid tests share; the
-# hvd backend's (each rank its part, eulerian, split along x) is the 2-rank pass's and the
-# mpirun test's (2 ranks, SIGTERM to rank 1). Each resumes from the periodic checkpoint as
-# well (the same saving code as the stop's).
+# parts; lagrangian, split along y), whose runs the refusal and other-grid tests share; it
+# resumes from the periodic checkpoint as well (the same saving code as the stop's). The hvd
+# backend's (each rank its part, eulerian, split along x) is the mpirun test's (2 ranks,
+# SIGTERM to rank 1; its checkpoint checked as the placement case's): it was also a 2-rank
+# case of this test, the same grid, decomposition and comparison in the pytest ranks. Not on
+# 4 ranks (~60 s a case there): the per-slice checkpoint files and the re-slicing by id are
+# the same code on 2 ranks; lensing on the 2x2 grid is checked by tests/test_lensing.py.
 PLACEMENT = ("placement", (1, 2), "lagrangian")
-CASES = {1: [PLACEMENT],
-         # not on 4 ranks (~60 s a case there): the per-slice checkpoint files and the
-         # re-slicing by id are the same code on 2 ranks; lensing on the 2x2 grid is
-         # checked by tests/test_lensing.py
-         2: [("hvd", (2, 1), "eulerian")]}
-PERIODIC = {CASES[1][0], CASES[2][0]}
+CASES = {1: [PLACEMENT]}
+PERIODIC = {PLACEMENT}
 KAPPA = ("kappa", "planes", "plane_k", "plane_pk", "theta")
 # Resumed on another grid: the particles are re-sliced by id (positions re-expressed relative
 # to the new block origins) and the planes by their index ranges; the rest differs from the
@@ -128,26 +127,32 @@ def runs():
             shutil.rmtree(base, ignore_errors=True)
 
 
+def _check_stopped(stopped, step, grid):
+    """Nothing published in ``stopped``; its checkpoint after ``step`` holds the planes as
+    one block per slice of ``grid`` and the P(k) of the planes painted so far."""
+    assert not os.path.exists(os.path.join(stopped, "manifest.json"))
+    root = checkpoint.checkpoint_root(stopped)
+    with open(os.path.join(root, "step_%06d" % step, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["job"] == "lensing" and manifest["step"] == step
+    assert manifest["state_config"]["lensing"]["n_planes"] == N_PLANES
+    assert manifest["fields"] == sorted(["born_kappa"] + ["plane_%d" % i
+                                                         for i in range(N_PLANES)])
+    for info in manifest["files"].values():   # each part: its own (x, y) block of a plane
+        assert info["fields"]["plane_0"]["shape"] == [16 // grid[0], 16 // grid[1]]
+    assert len(manifest["files"]) == grid[0] * grid[1]
+    # the P(k) of the planes painted so far (at stages <= step), and only those
+    painted = [j for j, _ in manifest["loop"]["job"]["plane_pk"]]
+    assert painted and max(painted) <= step
+
+
 @pytest.mark.parametrize("case", CASES.get(_world().size, []),
                          ids=lambda c: "%s-%dx%d-%s" % (c[0], c[1][0], c[1][1], c[2]))
 def test_interrupted_then_resumed_equals_uninterrupted(case, runs):
     base, ref, stopped = runs(case)
     root = checkpoint.checkpoint_root(stopped)
     assert sorted(os.listdir(root)) == ["step_%06d" % CHECKPOINT_EVERY, "step_%06d" % STOP_AT]
-    assert not os.path.exists(os.path.join(stopped, "manifest.json"))
-    with open(os.path.join(root, "step_%06d" % STOP_AT, "manifest.json")) as f:
-        manifest = json.load(f)
-    assert manifest["job"] == "lensing" and manifest["step"] == STOP_AT
-    assert manifest["state_config"]["lensing"]["n_planes"] == N_PLANES
-    assert manifest["fields"] == sorted(["born_kappa"] + ["plane_%d" % i
-                                                         for i in range(N_PLANES)])
-    n_slices = case[1][0] * case[1][1]
-    for info in manifest["files"].values():   # each part: its own (x, y) block of a plane
-        assert info["fields"]["plane_0"]["shape"] == [16 // case[1][0], 16 // case[1][1]]
-    assert len(manifest["files"]) == n_slices
-    # the P(k) of the planes painted so far (at stages <= STOP_AT), and only those
-    painted = [j for j, _ in manifest["loop"]["job"]["plane_pk"]]
-    assert painted and max(painted) <= STOP_AT
+    _check_stopped(stopped, STOP_AT, case[1])
     run = _copy(stopped, os.path.join(base, "run"))
     assert _main(["lensing", "--resume", run, "--no-plot", "--backend", case[0]])[0] == 0
     _assert_identical(run, ref)
@@ -284,6 +289,9 @@ def test_sigterm_to_one_rank_under_mpirun_then_resume():
     assert sent and rc == 0, log[-3000:]
     assert "continue with: flowpm-mtf lensing --resume %s" % run in log
     assert "flowpm-mtf: error" not in log
+    steps = sorted(os.listdir(checkpoint.checkpoint_root(run)))
+    assert len(steps) == 1, steps   # no --checkpoint-every: the stop's only
+    _check_stopped(run, int(steps[0][5:]), (2, 1))
     proc = _mpirun(2, "lensing", "--resume", run, "--no-plot", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stderr

@@ -116,9 +116,9 @@ def runs():
 
     r11: the reference in one process (placement, grid 1x1); r21: the same job on 2 ranks
     (grid 2x1) with a checkpoint every 20 steps; sig: that job stopped by SIGTERM to rank 1
-    after step 3; resume21: sig resumed on 2 ranks, every rank held after the publish and
-    sent SIGTERM there (cli.PAUSE_ENV); resume12: sig with a torn newer checkpoint resumed
-    on 2 ranks on the grid 1x2; bad, foreign, old, moved: copies of sig for the refusals.
+    after step 3; resume21: sig with a torn newer checkpoint resumed on 2 ranks, every rank
+    held after the publish and sent SIGTERM there (cli.PAUSE_ENV); resume12 (resumed by its
+    test, in this process), bad, foreign, old, moved: copies of sig.
     """
     from flowpm_mtf import cli
 
@@ -131,24 +131,26 @@ def runs():
     sig = _run_and_sigterm(2, d["sig"], rank=1)
     for k in ("resume21", "resume12", "bad", "foreign", "old", "moved"):
         shutil.copytree(d["sig"], d[k])
-    # resume on the same grid; SIGTERM to every rank while they wait after the publish
+    # resume on the same grid past a torn newer checkpoint (every rank finds it torn);
+    # SIGTERM to every rank while they wait after the publish
+    newest = _tear_newer_checkpoint(d["resume21"])
     resume21 = _run_and_sigterm(2, d["resume21"], [0, 1], args=[*ARGS, "--resume",
                                                                  d["resume21"]],
                                 after="pausing", env={cli.PAUSE_ENV: "5"})
-    # resume on another grid (1x2: every new block takes half of each old one), past a torn
-    # newer checkpoint; not on 4 ranks (2x2): the re-slicing by id is the same code, and the
-    # N-body on the 2x2 grid is checked in the 4-rank pass (tests/test_nbody.py)
-    root = os.path.join(d["resume12"], "checkpoint")
+    yield d, {"sig": sig, "resume21": (*resume21, newest)}
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _tear_newer_checkpoint(out):
+    """Add a torn checkpoint (rank 1's file missing) newer than the newest of ``out``, and
+    a staging directory; returns the newest complete one's name."""
+    root = os.path.join(out, "checkpoint")
     newest = sorted(os.listdir(root))[-1]
     torn = os.path.join(root, "step_%06d" % (STEPS - 1))
     shutil.copytree(os.path.join(root, newest), torn)
     os.remove(os.path.join(torn, "rank00001.h5"))
     os.makedirs(os.path.join(root, ".tmp-step_%06d" % (STEPS - 1)), exist_ok=True)
-    with open(os.path.join(root, newest, "manifest.json")) as f:
-        a_saved = json.load(f)["a"]
-    resume12 = _run(2, "--resume", d["resume12"], "--grid", "1x2")
-    yield d, {"sig": sig, "resume21": resume21, "resume12": (resume12, newest, a_saved)}
-    shutil.rmtree(base, ignore_errors=True)
+    return newest
 
 
 def _assert_close(a, b):
@@ -204,7 +206,7 @@ def test_sigterm_after_the_publish_exits_zero_on_every_rank(runs):
     from flowpm_mtf.runs import rundir
 
     d, jobs = runs
-    rc, sent, log = jobs["resume21"]
+    rc, sent, log, _ = jobs["resume21"]
     assert sent, log[-4000:]
     assert rc == 0 and "signal 15" not in log, log[-4000:]
     out = d["resume21"]
@@ -267,9 +269,12 @@ def _assert_same_outputs(resumed, ref, exact_upto=None):
 
 
 def test_resume_same_grid_is_bit_identical(runs):
+    """On 2 ranks, past a torn newer checkpoint."""
     d, jobs = runs
-    log = jobs["resume21"][2]
-    assert "resuming from" in log
+    log, newest = jobs["resume21"][2:]
+    root = os.path.join(d["resume21"], "checkpoint")
+    assert "ignoring incomplete checkpoint" in log, log[-4000:]
+    assert "resuming from %s" % os.path.join(root, newest) in log, log[-4000:]
     a, b = _snap(d["resume21"]), _snap(d["r21"])
     for k in a:
         np.testing.assert_array_equal(a[k], b[k])
@@ -285,12 +290,25 @@ def test_resume_same_grid_is_bit_identical(runs):
     assert resumed["resumed"] and resumed["migration"] == ref["migration"]
 
 
-def test_resume_on_another_grid_skipping_a_torn_checkpoint(runs):
-    d, jobs = runs
-    proc, newest, a_saved = jobs["resume12"]
+def test_resume_on_another_grid_skipping_a_torn_checkpoint(runs, capsys):
+    """Resumed on the grid 1x2 (every new block takes half of each old one) in this process
+    (placement backend: no third MPI job). The re-slicing by id of a checkpoint written by
+    other ranks under MPI: tests/test_checkpoint.py (4 ranks, another grid) and the killed
+    node's resume in tests/test_sim_cluster.py (2x2 -> 2x1); skipping a torn checkpoint
+    under MPI: test_resume_same_grid_is_bit_identical."""
+    from flowpm_mtf import cli
+
+    d, _ = runs
+    newest = _tear_newer_checkpoint(d["resume12"])
     root = os.path.join(d["resume12"], "checkpoint")
-    assert "ignoring incomplete checkpoint" in proc.stderr
-    assert "resuming from %s" % os.path.join(root, newest) in proc.stderr
+    with open(os.path.join(root, newest, "manifest.json")) as f:
+        a_saved = json.load(f)["a"]
+    capsys.readouterr()
+    assert cli.main([*ARGS, "--resume", d["resume12"], "--grid", "1x2", "--backend",
+                     "placement"]) == 0
+    err = capsys.readouterr().err
+    assert "ignoring incomplete checkpoint" in err
+    assert "resuming from %s" % os.path.join(root, newest) in err
     _assert_close(_snap(d["resume12"]), _snap(d["r21"]))
     _assert_same_outputs(d["resume12"], d["r21"], exact_upto=a_saved)
     # the snapshot written after the resume: on the grid 1x2, one part per block

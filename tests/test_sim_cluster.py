@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "sim_cluster.sh")
 VENV = sys.prefix
 NAME = "fpmtest"            # the tests' own cluster: never one made by hand ("fpmc")
-STEPS, EVERY = 120, 20
+STEPS, EVERY = 80, 10   # 70 steps after the first checkpoint: the window for the cuts
 NC, HALO = 32, 2
 # float64: resumed on another grid, only the order of sums differs (tests/test_restart.py)
 ARGS = ["--nc", str(NC), "--grid", "2x2", "--steps", str(STEPS), "--halo", str(HALO),
