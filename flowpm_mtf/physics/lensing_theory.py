@@ -207,7 +207,8 @@ m shell}\delta\,dz`, in a box periodic along the line of
     wt = 2.0 * np.diff(edges) * width / depth / (2.0 * (np.pi * mt * width / depth)**2)
     m, wm = np.concatenate([m, mt]), np.concatenate([wm, wt])
     kz = 2.0 * np.pi * m / depth
-    ps = np.array([np.sum(wm * pfun(np.sqrt(k * k + kz * kz))) for k in kt])
+    # one call of pfun on the [n_k, m] table (not one per k: pfun is numpy throughout)
+    ps = np.sum(wm * pfun(np.sqrt(kt[:, None]**2 + kz[None, :]**2)), axis=1)
     good = ps > 0
     lk, lp = np.log(kt[good]), np.log(ps[good])
 
