@@ -27,9 +27,21 @@ FFT_ROUND_TRIP_TOL = 1e-4
 # Touched pages of a fresh array show up in the private memory; the allocator may
 # reuse a little memory freed earlier, so at least this fraction of the array.
 PRIVATE_FRACTION = 0.9
-# The native sources the baseline revision of the build test keeps (the smallest two; one
-# of them declares its own compiler flags).
-BASELINE_SOURCES = ("noise_ops", "variable_ops")
+# The native folder of the baseline revision of the build test: a stand-in op library (no
+# TensorFlow header: it compiles in a fraction of a second, where one real op source takes
+# ~10 CPU-s; the real sources' build is the set-up's, which every native-op test uses) with
+# a header of its own and a declared compiler flag it refuses to compile without.
+PROBE_HEADER = """#pragma once
+inline int flowpm_probe_value() { return 42; }
+"""
+PROBE_SOURCE = """// The baseline-build test's stand-in op library (tests/test_bench_peers.py).
+// CXXFLAGS: -DFLOWPM_PROBE_DECLARED_FLAG
+#include "probe_ops.h"
+#ifndef FLOWPM_PROBE_DECLARED_FLAG
+#error "the source's declared CXXFLAGS did not reach the compiler"
+#endif
+extern "C" int flowpm_probe_ops() { return flowpm_probe_value(); }
+"""
 
 bp = load_script("bench_peers")
 
@@ -181,37 +193,44 @@ def test_baseline_tree_gets_its_native_ops_built(tmp_path, monkeypatch):
     """A --baseline tree is extracted with ``git archive`` (no built libraries): without
     the build its runs would silently take the TF path.
 
-    The baseline is a commit of a clone of this repository that keeps two of the native
-    sources (BASELINE_SOURCES, the smallest; the headers stay): ``baseline_code`` builds
-    whatever sources a revision has, the same way for each, and compiling all of them
-    would make this test the suite's longest compile for no other check."""
+    The baseline is a commit of a clone of this repository whose native folder holds one
+    stand-in source instead of the real ones (PROBE_SOURCE, with its header and a declared
+    compiler flag): ``baseline_code`` builds whatever sources a revision has, the same way
+    for each, and compiling the real ones would make this test the suite's longest compile
+    for no other check."""
     repo = tmp_path / "repo"
     subprocess.run(["git", "clone", "-q", REPO, str(repo)], check=True)
     git = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@localhost"]
     native_dir = os.path.join("flowpm_mtf", "native")
     dropped = sorted(os.path.join(native_dir, f) for f in os.listdir(repo / native_dir)
-                     if f.endswith(".cc") and f[:-3] not in BASELINE_SOURCES)
+                     if f.endswith(".cc"))
     subprocess.run(git + ["rm", "-q", "--"] + dropped, check=True)
-    subprocess.run(git + ["commit", "-q", "-m", "baseline with two native sources"], check=True)
+    (repo / native_dir / "probe_ops.h").write_text(PROBE_HEADER)
+    (repo / native_dir / "probe_ops.cc").write_text(PROBE_SOURCE)
+    subprocess.run(git + ["add", "--", os.path.join(native_dir, "probe_ops.h"),
+                          os.path.join(native_dir, "probe_ops.cc")], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "baseline with a stand-in native source"],
+                   check=True)
     monkeypatch.setattr(bp, "REPO", str(repo))
     out = bp.baseline_code("HEAD")
     native = os.path.join(out, "flowpm_mtf", "native")
     sources = sorted(f[:-3] for f in os.listdir(native) if f.endswith(".cc"))
-    assert sources == sorted(BASELINE_SOURCES)
+    assert sources == ["probe_ops"]
     from flowpm_mtf.native import tf_version
 
-    for name in sources:
-        lib = os.path.join(native, "lib%s.tf%s.so" % (name, tf_version()))
-        assert os.path.getsize(lib) > 0
-    # The baseline's own package loads every library as up to date (require: else an error).
-    code = ("import flowpm_mtf.native as n; print(n.__file__); "
-            "print(all(n.load(s) is not None for s in %r))" % sources)
+    lib = os.path.join(native, "libprobe_ops.tf%s.so" % tf_version())
+    assert os.path.getsize(lib) > 0
+    # The baseline's own package loads every library as up to date (require: else an error;
+    # its stamp covers the header), and the library is the one built from the source.
+    code = ("import ctypes, flowpm_mtf.native as n; print(n.__file__); "
+            "print(all(n.load(s) is not None for s in n.names())); "
+            "print(ctypes.CDLL(n.library_path('probe_ops')).flowpm_probe_ops())")
     env = dict(clean_env(out), FLOWPM_MTF_NATIVE="require")
     proc = subprocess.run([sys.executable, "-c", code], cwd=out, capture_output=True, text=True,
                           env=env, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    path, ok = proc.stdout.split()
-    assert path.startswith(out) and ok == "True"
+    path, ok, value = proc.stdout.split()
+    assert path.startswith(out) and ok == "True" and value == "42"
 
 
 def test_jaxpm_program_compiles_and_has_a_cli():
