@@ -445,8 +445,21 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEF
 
 
 def _shells(conf, geom, pfuns, weights):
-    return [shell_power(pfuns[i], geom.width[i], conf.box_size[2]) if weights[i] != 0
+    return [_shell(pfuns[i], geom.width[i], conf.box_size[2]) if weights[i] != 0
             else None for i in range(geom.n_planes)]
+
+
+def _shell(pfun, width, depth):
+    """:func:`shell_power`, kept on ``pfun`` when it is a function (:func:`run_prediction`
+    asks for each plane's several times: per source, with and without the windows)."""
+    attrs = getattr(pfun, "__dict__", None)
+    if attrs is None:
+        return shell_power(pfun, width, depth)
+    cache = attrs.setdefault("_shell_power", {})
+    key = (float(width), float(depth))
+    if key not in cache:
+        cache[key] = shell_power(pfun, width, depth)
+    return cache[key]
 
 
 def window_factor(ell, conf, geom, pfuns, source=0, n_angles=32):
