@@ -111,3 +111,25 @@ def test_migration_benchmark_records_both_decompositions(migration):
     for r in recs:
         assert len(r["peak_memory_mb"]) == 2 and len(r["steps_s"]) == STEPS
     assert "| eulerian |" in (out / "bench_migration.md").read_text()
+
+
+def test_migration_halo_is_the_measured_one_capped_below_the_block(tmp_path, monkeypatch):
+    """The lagrangian run's --halo (launches recorded, not run): the eulerian run's measured
+    need rounded up, capped at the block side - 1 (the tiny run above stays below the cap)."""
+    bench_sim = load_script("bench_sim")
+    for needed, want in ((3.2, 4), (9.5, 16 // 2 - 1)):
+        cmds = []
+
+        def fake_launch(cmd, path, timeout):
+            cmds.append(cmd)
+            return {"decomposition": cmd[cmd.index("--decomposition") + 1],
+                    "lagrangian_halo_needed_cells": needed}
+
+        monkeypatch.setattr(bench_sim, "_launch_record", fake_launch)
+        monkeypatch.setattr(bench_sim, "_write_result", lambda out, name, recs, render: recs)
+        bench_sim.cmd_migration(bench_sim.argparse.Namespace(
+            nc=16, box_size=BOX, steps=STEPS, repeats=1, grid=(2, 1), lagrangian_halo=None,
+            timeout=10, out=str(tmp_path)))
+        assert [c[c.index("--decomposition") + 1] for c in cmds] == ["eulerian", "lagrangian"]
+        assert "--halo" not in cmds[0]
+        assert cmds[1][cmds[1].index("--halo") + 1] == str(want)
