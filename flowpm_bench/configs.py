@@ -1,5 +1,6 @@
 """Configurations and code facts shared by several benchmarks."""
-import inspect
+import ast
+import importlib.util
 
 #: The default simulation of ``flowpm-mtf simulate`` the benchmarks time.
 DEFAULT_SIM = {"box_size": 200.0, "lpt_order": 2, "a_start": 0.1, "a_end": 1.0, "n_steps": 10,
@@ -51,10 +52,16 @@ def readout_calls_per_force():
     the 3-component field is read out at once. Each readout does one halo fill
     and one escape check (see ``scripts/scaling_model.py``).
 
+    Read from the module's source, without importing it (that would import TensorFlow:
+    ~2 CPU-s in every process that records this, e.g. each mpi4py-fft rank).
+
     Returns
     -------
     int
     """
-    from flowpm_mtf.physics import gravity
-
-    return 3 if "unstack_xyz(" in inspect.getsource(gravity.pm_forces) else 1
+    path = importlib.util.find_spec("flowpm_mtf.physics.gravity").origin
+    with open(path) as f:
+        source = f.read()
+    fn = next(node for node in ast.parse(source).body
+              if isinstance(node, ast.FunctionDef) and node.name == "pm_forces")
+    return 3 if "unstack_xyz(" in ast.get_source_segment(source, fn) else 1

@@ -271,14 +271,31 @@ def cmd_bare(args):
     (:func:`flowpm_mtf.jobs.nbody_run.lower_simulation`: the updates ordered after
     every read, and the migration statistics fetched with each step), in the same
     process structure: an A/B of the job's graph against the bare one, without the
-    job's Python between the steps. The record says which (``ops``)."""
+    job's Python between the steps. The record says which (``ops``). With several
+    ``--ops``, one after the other in this process (each its own graph and session), and
+    the JSON is the list of their records."""
     from flowpm_mtf import allocator, launch_env
 
     launch_env.apply()
     allocator.ensure()   # as the job starts (may re-execute this process)
-    import mesh_tensorflow as mtf
     import tensorflow.compat.v1 as tf
     from mpi4py import MPI
+
+    tf.disable_eager_execution()
+    comm = MPI.COMM_WORLD
+    recs = []
+    for ops in args.ops:
+        with tf.Graph().as_default():
+            recs.append(_bare_run(args.nc, args.steps, ops, comm))
+    if comm.Get_rank() == 0:
+        write_json(args.json, recs[0] if len(recs) == 1 else recs)
+    return 0
+
+
+def _bare_run(nc, steps, ops_kind, comm):
+    """One :func:`cmd_bare` run in the default graph; its record."""
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
 
     from flowpm_mtf.backend import session_config
     from flowpm_mtf.config import SimConfig
@@ -286,10 +303,7 @@ def cmd_bare(args):
     from flowpm_mtf.jobs.nbody_run import SimulationGraph, sort_due
     from hvd_mesh_impl import HvdSimdMeshImpl
 
-    tf.disable_eager_execution()
-    comm = MPI.COMM_WORLD
-    conf = SimConfig(nc=args.nc, grid=tuple(default_grid(comm.Get_size())),
-                     n_steps=args.steps)
+    conf = SimConfig(nc=nc, grid=tuple(default_grid(comm.Get_size())), n_steps=steps)
     impl = HvdSimdMeshImpl(conf.mesh_shape, conf.layout_rules)
     graph = mtf.Graph()
     mesh = mtf.Mesh(graph, "mesh")
@@ -299,7 +313,7 @@ def cmd_bare(args):
     checksum = mtf.reduce_sum(sim.variables[0], output_shape=[])
     lowering = mtf.Lowering(graph, {mesh: impl})
     checksum = lowering.export_to_tf_tensor(checksum)
-    if args.ops == "job":
+    if ops_kind == "job":
         ops = nbody_run.lower_simulation(sim, lowering)
         init, init_force, sort = ops["init"], ops["init_force"], ops["sort"]
         step = [ops["step"], ops["stats"]["step"]]        # the job's session call
@@ -325,12 +339,9 @@ def cmd_bare(args):
                 sess.run(sort)
                 sorts.append(max(comm.allgather(time.perf_counter() - t)))
         positions_sum = float(sess.run(checksum))
-    if comm.Get_rank() == 0:
-        write_json(args.json, {"ops": args.ops, "steps_s": wall, "steps_cpu_s": cpu,
-                               "sorts_s": sorts, "positions_sum": positions_sum,
-                               "step_s": _median_after_first(wall),
-                               "step_cpu_s": _median_after_first(cpu)})
-    return 0
+    return {"ops": ops_kind, "steps_s": wall, "steps_cpu_s": cpu, "sorts_s": sorts,
+            "positions_sum": positions_sum, "step_s": _median_after_first(wall),
+            "step_cpu_s": _median_after_first(cpu)}
 
 
 # ----------------------------------------------------------------------------- commands
@@ -367,8 +378,10 @@ def main(argv=None):
     b.add_argument("--nc", type=int, required=True)
     b.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     b.add_argument("--json", required=True)
-    b.add_argument("--ops", choices=("bare", "job"), default="bare",
-                   help="the step as one tf.group (default) or the job's lowered ops")
+    b.add_argument("--ops", nargs="+", choices=("bare", "job"), default=["bare"],
+                   help="the step as one tf.group (default) or the job's lowered ops; "
+                        "several: run each in turn in this process (tests: one launch), "
+                        "the JSON is then the list of their records")
     args = ap.parse_args(argv)
     if args.cmd == "bare":
         return cmd_bare(args)

@@ -1,7 +1,8 @@
 """scripts/bench_compare.py (smoke run of every backend) and scripts/scaling_model.py.
 
 The smoke run starts its own MPI jobs and TF cluster, so it runs in the 1-rank pass
-only; the scaling-model unit tests are pure Python and run in every pass.
+only; the scaling-model unit tests are pure Python (rank_independent: the 1-rank pass runs
+them), but for the placement-mesh counter, which runs in every pass.
 """
 import json
 import os
@@ -108,6 +109,7 @@ def test_scaling_model_runs_on_smoke_json(smoke, tmp_path):
 
 
 # ============================================================================ model units
+@pytest.mark.rank_independent
 def test_fft_bytes_by_hand():
     # 16^3 on 1x2: one alltoall per FFT on 'col', each moving half (the half spectrum
     # of r2c / c2r) of the local complex64 slice of 16*8*16 values (8 bytes); forward
@@ -126,6 +128,7 @@ def test_fft_bytes_by_hand():
     assert sm.comm_bytes("nbody_step", 64, (1, 1), 8)["recv"] == 0  # one rank: no traffic
 
 
+@pytest.mark.rank_independent
 def test_halo_bytes_by_hand():
     # 2x1, nc 32, h 4: fill along x moves 2 slabs of h x (py = 32 + 8) x nz=32 floats; the
     # y axis is not split. fill + reduce = 2 ops.
@@ -136,6 +139,7 @@ def test_halo_bytes_by_hand():
     assert p["recv"] == 2 * 2 * 4 * 32 * 4 * (24 + 24)
 
 
+@pytest.mark.rank_independent
 def test_step_bytes_scale_with_ranks():
     """FFT volume per rank falls as 1/N; the halo volume falls only as 1/sqrt(N)."""
     f = [sm.comm_bytes("fft", 512, g, 8)["wire"] for g in ((2, 2), (8, 8))]
@@ -144,6 +148,7 @@ def test_step_bytes_scale_with_ranks():
     assert 0.2 < h[1] / h[0] < 0.3  # (64 + 16) / (256 + 16) ~ 0.29
 
 
+@pytest.mark.rank_independent
 def test_gpu_memory_is_the_preflight_model_of_the_rank_buffers():
     """Device memory per rank = overhead + bytes per slot x capacity + bytes per padded cell
     x padded block, with the one memory model (flowpm_mtf/runs/memory_model.json)."""
@@ -158,6 +163,7 @@ def test_gpu_memory_is_the_preflight_model_of_the_rank_buffers():
     assert sizing.capacity(conf) >= 1024**3 / 64  # a block holds at least its lattice share
 
 
+@pytest.mark.rank_independent
 def test_largest_mesh_grows_with_memory_and_ranks():
     small = sm.largest_nc(8, 40.0)
     assert sm.largest_nc(8, 80.0) > small
@@ -167,6 +173,7 @@ def test_largest_mesh_grows_with_memory_and_ranks():
     assert sm.gpu_memory_per_rank(nc + 64, 64) > sm.GPU_HEADROOM * 40 * 2**30
 
 
+@pytest.mark.rank_independent
 def test_gpu_step_time_parts():
     t1 = sm.gpu_step_time(512, 8, 8, "A100-80GB")
     t2 = sm.gpu_step_time(1024, 64, 8, "A100-80GB")
@@ -175,6 +182,7 @@ def test_gpu_step_time_parts():
     assert t2["particles"] == pytest.approx(t1["particles"])  # same particles per rank
 
 
+@pytest.mark.rank_independent
 def test_write_doc_replaces_only_the_generated_block(tmp_path):
     doc = tmp_path / "d.md"
     doc.write_text("intro\n%s\nold\n%s\noutro\n" % (sm.BEGIN, sm.END))
@@ -182,6 +190,7 @@ def test_write_doc_replaces_only_the_generated_block(tmp_path):
     assert doc.read_text() == "intro\n%s\nnew table\n%s\noutro\n" % (sm.BEGIN, sm.END)
 
 
+@pytest.mark.rank_independent
 def test_driver_rejects_bad_configuration(tmp_path):
     with pytest.raises(ValueError, match="does not divide"):
         bc.main(["--sizes", "30", "--grids", "4x4", "--out", str(tmp_path)])

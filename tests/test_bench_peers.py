@@ -2,8 +2,10 @@
 and the derived columns of its Markdown.
 
 The runs start their own TF process, so they run in the 1-rank pass only; the
-rendering and memory-accounting tests are pure Python and run in every pass.
+rendering and memory-accounting tests are pure Python (rank_independent: they run once,
+in the 1-rank pass).
 """
+import argparse
 import json
 import os
 import subprocess
@@ -27,9 +29,21 @@ FFT_ROUND_TRIP_TOL = 1e-4
 # Touched pages of a fresh array show up in the private memory; the allocator may
 # reuse a little memory freed earlier, so at least this fraction of the array.
 PRIVATE_FRACTION = 0.9
-# The native sources the baseline revision of the build test keeps (the smallest two; one
-# of them declares its own compiler flags).
-BASELINE_SOURCES = ("noise_ops", "variable_ops")
+# The native folder of the baseline revision of the build test: a stand-in op library (no
+# TensorFlow header: it compiles in a fraction of a second, where one real op source takes
+# ~10 CPU-s; the real sources' build is the set-up's, which every native-op test uses) with
+# a header of its own and a declared compiler flag it refuses to compile without.
+PROBE_HEADER = """#pragma once
+inline int flowpm_probe_value() { return 42; }
+"""
+PROBE_SOURCE = """// The baseline-build test's stand-in op library (tests/test_bench_peers.py).
+// CXXFLAGS: -DFLOWPM_PROBE_DECLARED_FLAG
+#include "probe_ops.h"
+#ifndef FLOWPM_PROBE_DECLARED_FLAG
+#error "the source's declared CXXFLAGS did not reach the compiler"
+#endif
+extern "C" int flowpm_probe_ops() { return flowpm_probe_value(); }
+"""
 
 bp = load_script("bench_peers")
 
@@ -57,20 +71,20 @@ def test_ours_record_times_2lpt_alone(tmp_path):
 
 @pytest.mark.single_process
 def test_fft_pairs_runs_both_peers_and_writes_the_tables(tmp_path):
-    """``fft-pairs``: separate launches of ours (``--fft-only``) and mpi4py-fft, in the
-    alternating order, each a round trip that returns its input."""
+    """``fft-pairs``: separate launches of ours (``--fft-only``) and mpi4py-fft, each a round
+    trip that returns its input (one pair; the order of the next pairs:
+    test_fft_pairs_alternate_the_order)."""
     out = tmp_path / "res"
     proc = subprocess.run([sys.executable, SCRIPT, "fft-pairs", "--sizes", "16", "--ranks", "1",
-                           "--repeat", "2", "--fft-repeats", "3", "--out", str(out)],
+                           "--repeat", "1", "--fft-repeats", "3", "--out", str(out)],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=clean_env(REPO))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "fft_pairs.json") as f:
         result = json.load(f)
     pairs = result["pairs"]
-    assert [p["iteration"] for p in pairs] == [1, 2]
+    assert [p["iteration"] for p in pairs] == [1]
     assert pairs[0]["order"] == ["ours", "mpi4py-fft"]
-    assert pairs[1]["order"] == ["mpi4py-fft", "ours"]
     for p in pairs:
         for peer in ("ours", "mpi4py-fft"):
             rec = p[peer]
@@ -82,7 +96,31 @@ def test_fft_pairs_runs_both_peers_and_writes_the_tables(tmp_path):
     # process may use, not Open MPI's default of one
     assert pairs[0]["ours"]["cores_per_rank"] == len(os.sched_getaffinity(0))
     md = (out / "fft_pairs.md").read_text()
-    assert "| 16³ | 1 | 2 |" in md
+    assert "| 16³ | 1 | 1 |" in md
+
+
+@pytest.mark.rank_independent
+def test_fft_pairs_alternate_the_order(tmp_path, monkeypatch):
+    """The launches of ``fft-pairs`` (recorded, not run): per iteration one pair per (size,
+    ranks), the two peers back to back, ours first in odd iterations."""
+    launched = []
+
+    def fake_launch(cmd, path, timeout, pythonpath=None):
+        peer = cmd[cmd.index(os.path.abspath(bp.__file__)) + 1]
+        launched.append((peer, cmd[cmd.index("--nc") + 1], "--fft-only" in cmd))
+        return {"fft_roundtrip_s": 0.01, "fft_roundtrip_cpu_s": 0.01, "fft_repeats": 3}
+
+    monkeypatch.setattr(bp, "_launch", fake_launch)
+    result = bp.cmd_fft_pairs(argparse.Namespace(
+        out=str(tmp_path), repeat=3, sizes=[16], ranks=[1], fft_repeats=3, timeout=10))
+    pairs = result["pairs"]
+    assert [p["iteration"] for p in pairs] == [1, 2, 3]
+    assert [p["order"] for p in pairs] == [["ours", "mpi4py-fft"], ["mpi4py-fft", "ours"],
+                                           ["ours", "mpi4py-fft"]]
+    assert launched == [("ours", "16", True), ("mpi4py-fft", "16", False),
+                        ("mpi4py-fft", "16", False), ("ours", "16", True),
+                        ("ours", "16", True), ("mpi4py-fft", "16", False)]
+    assert "| 16³ | 1 | 3 |" in (tmp_path / "fft_pairs.md").read_text()
 
 
 def _pair(it, ours, theirs, ours_cpu=None, theirs_cpu=None, nc=128, ranks=4):
@@ -91,6 +129,7 @@ def _pair(it, ours, theirs, ours_cpu=None, theirs_cpu=None, nc=128, ranks=4):
             "mpi4py-fft": {"fft_roundtrip_s": theirs, "fft_roundtrip_cpu_s": theirs_cpu}}
 
 
+@pytest.mark.rank_independent
 def test_fft_pairs_summary_takes_medians_over_the_pairs():
     pairs = [_pair(1, 0.030, 0.015, 0.06, 0.03),   # ratio 2.0, CPU 2.0
              _pair(2, 0.020, 0.016, 0.05, 0.04),   # 1.25, 1.25
@@ -125,6 +164,7 @@ def test_build_records_have_cpu_time_and_private_memory(tmp_path):
         assert 0 < max(rec["private_memory_mb"]) <= max(rec["peak_memory_mb"])
 
 
+@pytest.mark.rank_independent
 def test_private_mb_counts_touched_memory():
     before = private_mb()
     a = np.ones(256 * 2**20 // 8)  # 256 MB, every page touched
@@ -133,6 +173,7 @@ def test_private_mb_counts_touched_memory():
     del a
 
 
+@pytest.mark.rank_independent
 def test_markdown_derives_the_ratios():
     ours = {"peer": "ours", "code": "current", "nc": 64, "ranks": 1, "step_s": 0.2,
             "step_cpu_s": 0.2, "ics_s": 0.7, "ics_warm_s": 0.6, "ics_cpu_s": 0.6,
@@ -159,6 +200,7 @@ def test_markdown_derives_the_ratios():
     assert cells[6] == "250" and cells[7] == "2700"                      # the largest rank
 
 
+@pytest.mark.rank_independent
 def test_records_carry_their_stack_in_the_code_column():
     """Our records without a stack were TF 2.12's: normalise labels them "current tf2.12"
     (key and code), next to the default stack's "current" of the same case."""
@@ -181,39 +223,47 @@ def test_baseline_tree_gets_its_native_ops_built(tmp_path, monkeypatch):
     """A --baseline tree is extracted with ``git archive`` (no built libraries): without
     the build its runs would silently take the TF path.
 
-    The baseline is a commit of a clone of this repository that keeps two of the native
-    sources (BASELINE_SOURCES, the smallest; the headers stay): ``baseline_code`` builds
-    whatever sources a revision has, the same way for each, and compiling all of them
-    would make this test the suite's longest compile for no other check."""
+    The baseline is a commit of a clone of this repository whose native folder holds one
+    stand-in source instead of the real ones (PROBE_SOURCE, with its header and a declared
+    compiler flag): ``baseline_code`` builds whatever sources a revision has, the same way
+    for each, and compiling the real ones would make this test the suite's longest compile
+    for no other check."""
     repo = tmp_path / "repo"
     subprocess.run(["git", "clone", "-q", REPO, str(repo)], check=True)
     git = ["git", "-C", str(repo), "-c", "user.name=test", "-c", "user.email=test@localhost"]
     native_dir = os.path.join("flowpm_mtf", "native")
     dropped = sorted(os.path.join(native_dir, f) for f in os.listdir(repo / native_dir)
-                     if f.endswith(".cc") and f[:-3] not in BASELINE_SOURCES)
+                     if f.endswith(".cc"))
     subprocess.run(git + ["rm", "-q", "--"] + dropped, check=True)
-    subprocess.run(git + ["commit", "-q", "-m", "baseline with two native sources"], check=True)
+    (repo / native_dir / "probe_ops.h").write_text(PROBE_HEADER)
+    (repo / native_dir / "probe_ops.cc").write_text(PROBE_SOURCE)
+    subprocess.run(git + ["add", "--", os.path.join(native_dir, "probe_ops.h"),
+                          os.path.join(native_dir, "probe_ops.cc")], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "baseline with a stand-in native source"],
+                   check=True)
     monkeypatch.setattr(bp, "REPO", str(repo))
     out = bp.baseline_code("HEAD")
     native = os.path.join(out, "flowpm_mtf", "native")
     sources = sorted(f[:-3] for f in os.listdir(native) if f.endswith(".cc"))
-    assert sources == sorted(BASELINE_SOURCES)
+    assert sources == ["probe_ops"]
     from flowpm_mtf.native import tf_version
 
-    for name in sources:
-        lib = os.path.join(native, "lib%s.tf%s.so" % (name, tf_version()))
-        assert os.path.getsize(lib) > 0
-    # The baseline's own package loads every library as up to date (require: else an error).
-    code = ("import flowpm_mtf.native as n; print(n.__file__); "
-            "print(all(n.load(s) is not None for s in %r))" % sources)
+    lib = os.path.join(native, "libprobe_ops.tf%s.so" % tf_version())
+    assert os.path.getsize(lib) > 0
+    # The baseline's own package loads every library as up to date (require: else an error;
+    # its stamp covers the header), and the library is the one built from the source.
+    code = ("import ctypes, flowpm_mtf.native as n; print(n.__file__); "
+            "print(all(n.load(s) is not None for s in n.names())); "
+            "print(ctypes.CDLL(n.library_path('probe_ops')).flowpm_probe_ops())")
     env = dict(clean_env(out), FLOWPM_MTF_NATIVE="require")
     proc = subprocess.run([sys.executable, "-c", code], cwd=out, capture_output=True, text=True,
                           env=env, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    path, ok = proc.stdout.split()
-    assert path.startswith(out) and ok == "True"
+    path, ok, value = proc.stdout.split()
+    assert path.startswith(out) and ok == "True" and value == "42"
 
 
+@pytest.mark.rank_independent
 def test_jaxpm_program_compiles_and_has_a_cli():
     """The JaxPM peer (run by path in JaxPM's own virtualenv) is valid Python with a CLI,
     and imports neither TensorFlow nor our packages (it cannot, in that venv)."""
@@ -236,6 +286,7 @@ def test_jaxpm_program_compiles_and_has_a_cli():
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.rank_independent
 def test_jaxpm_lattice_is_a_perturbed_periodic_lattice():
     nc = 8
     pos = jaxpm_force.perturbed_lattice(nc)

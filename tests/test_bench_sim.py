@@ -1,4 +1,5 @@
-"""scripts/bench_sim.py in a tiny configuration: the record is complete and its
+"""scripts/bench_sim.py in a tiny configuration: ``migration`` (an eulerian then a lagrangian
+``run``, 2 ranks each) once per module; its records are complete and the lagrangian one's
 communication counts are consistent (a step moves exactly the bytes of its parts)."""
 import json
 import os
@@ -13,26 +14,40 @@ from test_mpi_jobs import clean_env
 pytestmark = pytest.mark.single_process
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "bench_sim.py")
+STEPS = 2
+# Box side [Mpc/h] of the tiny runs: 25 Mpc/h cells, so the particles move ~1 cell and the
+# lagrangian halo the eulerian run measures (~3-4 cells) stays within half the 8-cell block,
+# where the halo's margins fold in place (halo.reduced_to_field) as the byte counts of
+# test_step_bytes_are_the_sum_of_its_parts assume.
+BOX = 400
 
 
 @pytest.fixture(scope="module")
-def record(tmp_path_factory):
-    import shutil
-
-    out = tmp_path_factory.mktemp("bench_sim") / "rec.json"
-    cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", "2", sys.executable, SCRIPT, "run",
-           "--nc", "16", "--steps", "1", "--decomposition", "lagrangian", "--repeats", "1", "--json", str(out)]
-    if os.geteuid() == 0:
-        cmd.insert(1, "--allow-run-as-root")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+def migration(tmp_path_factory):
+    """``bench_sim.py migration`` (tiny, on 2 ranks: the script's default grid is 2x2): the
+    eulerian run with its automatic halo, then the lagrangian one with the halo the eulerian
+    run measured it needs. Returns the output folder and the records."""
+    out = tmp_path_factory.mktemp("bench_sim")
+    cmd = [sys.executable, SCRIPT, "migration", "--nc", "16", "--box-size", str(BOX), "--steps",
+           str(STEPS), "--repeats", "1", "--grid", "2x1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(out) as f:
-        return json.load(f)
+    with open(out / "bench_migration.json") as f:
+        return out, json.load(f)["records"]
+
+
+@pytest.fixture(scope="module")
+def record(migration):
+    """The lagrangian run's record (``bench_sim.py run --decomposition lagrangian``)."""
+    lag = migration[1][-1]
+    assert lag["decomposition"] == "lagrangian" and "failed" not in lag, lag
+    assert 2 * lag["halo"] <= 16 // 2, "halo %d: take a larger BOX" % lag["halo"]
+    return lag
 
 
 def test_record_complete(record):
     assert record["ranks"] == 2 and record["grid"] == [2, 1] and record["nc"] == 16
-    assert len(record["steps_s"]) == 1 and record["graph_build_s"] > 0
+    assert len(record["steps_s"]) == STEPS and record["graph_build_s"] > 0
     for phase in ("step", "paint", "fft", "readout", "comm_halo", "comm_fft"):
         assert record["phase_s"][phase] > 0, phase
     assert len(record["peak_memory_mb"]) == 2 and min(record["peak_memory_mb"]) > 100
@@ -84,21 +99,37 @@ def test_markdown_table(record):
     assert md.count("\n| 16^3 |") == 2  # both tables
 
 
-def test_migration_benchmark_records_both_decompositions(tmp_path):
-    """``bench_sim.py migration`` (tiny, on 2 ranks: the script's default grid is 2x2): the
-    eulerian run with its automatic halo, then the lagrangian one with the halo the eulerian
-    run measured it needs; both records complete."""
-    cmd = [sys.executable, SCRIPT, "migration", "--nc", "16", "--box-size", "16", "--steps", "2",
-           "--repeats", "1", "--grid", "2x1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=clean_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with open(tmp_path / "bench_migration.json") as f:
-        recs = json.load(f)["records"]
+def test_migration_benchmark_records_both_decompositions(migration):
+    """Both records complete; the lagrangian run's halo is the one the eulerian run
+    measured it needs (capped at the block side - 1)."""
+    out, recs = migration
     assert [r["decomposition"] for r in recs] == ["eulerian", "lagrangian"]
     eul, lag = recs
     assert eul["halo"] == 2 and eul["grid"] == [2, 1] and eul["nc"] == 16
     assert "failed" not in lag, lag
     assert lag["halo"] == min(int(-(-eul["lagrangian_halo_needed_cells"] // 1)), 16 // 2 - 1)
     for r in recs:
-        assert len(r["peak_memory_mb"]) == 2 and len(r["steps_s"]) == 2
-    assert "| eulerian |" in (tmp_path / "bench_migration.md").read_text()
+        assert len(r["peak_memory_mb"]) == 2 and len(r["steps_s"]) == STEPS
+    assert "| eulerian |" in (out / "bench_migration.md").read_text()
+
+
+def test_migration_halo_is_the_measured_one_capped_below_the_block(tmp_path, monkeypatch):
+    """The lagrangian run's --halo (launches recorded, not run): the eulerian run's measured
+    need rounded up, capped at the block side - 1 (the tiny run above stays below the cap)."""
+    bench_sim = load_script("bench_sim")
+    for needed, want in ((3.2, 4), (9.5, 16 // 2 - 1)):
+        cmds = []
+
+        def fake_launch(cmd, path, timeout):
+            cmds.append(cmd)
+            return {"decomposition": cmd[cmd.index("--decomposition") + 1],
+                    "lagrangian_halo_needed_cells": needed}
+
+        monkeypatch.setattr(bench_sim, "_launch_record", fake_launch)
+        monkeypatch.setattr(bench_sim, "_write_result", lambda out, name, recs, render: recs)
+        bench_sim.cmd_migration(bench_sim.argparse.Namespace(
+            nc=16, box_size=BOX, steps=STEPS, repeats=1, grid=(2, 1), lagrangian_halo=None,
+            timeout=10, out=str(tmp_path)))
+        assert [c[c.index("--decomposition") + 1] for c in cmds] == ["eulerian", "lagrangian"]
+        assert "--halo" not in cmds[0]
+        assert cmds[1][cmds[1].index("--halo") + 1] == str(want)

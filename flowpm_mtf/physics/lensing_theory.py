@@ -207,7 +207,8 @@ m shell}\delta\,dz`, in a box periodic along the line of
     wt = 2.0 * np.diff(edges) * width / depth / (2.0 * (np.pi * mt * width / depth)**2)
     m, wm = np.concatenate([m, mt]), np.concatenate([wm, wt])
     kz = 2.0 * np.pi * m / depth
-    ps = np.array([np.sum(wm * pfun(np.sqrt(k * k + kz * kz))) for k in kt])
+    # one call of pfun on the [n_k, m] table (not one per k: pfun is numpy throughout)
+    ps = np.sum(wm * pfun(np.sqrt(kt[:, None]**2 + kz[None, :]**2)), axis=1)
     good = ps > 0
     lk, lp = np.log(kt[good]), np.log(ps[good])
 
@@ -444,8 +445,21 @@ def expected_cl(conf, geom, pfuns, source=0, edges=None, taper=lensing_stats.DEF
 
 
 def _shells(conf, geom, pfuns, weights):
-    return [shell_power(pfuns[i], geom.width[i], conf.box_size[2]) if weights[i] != 0
+    return [_shell(pfuns[i], geom.width[i], conf.box_size[2]) if weights[i] != 0
             else None for i in range(geom.n_planes)]
+
+
+def _shell(pfun, width, depth):
+    """:func:`shell_power`, kept on ``pfun`` when it is a function (:func:`run_prediction`
+    asks for each plane's several times: per source, with and without the windows)."""
+    attrs = getattr(pfun, "__dict__", None)
+    if attrs is None:
+        return shell_power(pfun, width, depth)
+    cache = attrs.setdefault("_shell_power", {})
+    key = (float(width), float(depth))
+    if key not in cache:
+        cache[key] = shell_power(pfun, width, depth)
+    return cache[key]
 
 
 def window_factor(ell, conf, geom, pfuns, source=0, n_angles=32):
