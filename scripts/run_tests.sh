@@ -5,8 +5,7 @@
 #
 #   bash scripts/run_tests.sh                 # everything
 #   NPS="1 2" bash scripts/run_tests.sh       # only 1 and 2 ranks
-#   bash scripts/run_tests.sh -k fft          # extra pytest arguments (not -m: the 1-rank
-#                                             # job selects its two parts with -m)
+#   bash scripts/run_tests.sh -k fft          # extra pytest arguments
 #   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_tests.sh   # on the previous stack, TensorFlow 2.12
 #   bash scripts/run_tests.sh --quick         # work in progress: a chosen subset on 1 and 2
 #                                             # ranks, < 5 min (QUICK_TESTS below; docs/testing.md)
@@ -153,21 +152,23 @@ for np in $NPS; do
     timeout 900 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
   elif [ "$np" = 1 ]; then
-    # No launcher. Two pytest processes side by side, so that both cores work: the tests
-    # marked single_process (they start their own mpirun jobs, mostly of 2 ranks) and the
-    # rest (one process, mostly one busy thread); one after the other they would leave a
-    # core idle most of the time. The "jobs" part prints its report after the other's.
-    FLOWPM_MTF_TEST_PART=jobs timeout 2700 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" \
-      -m single_process > "$LOGDIR/np1_jobs.out" 2>&1 &
-    jobs_pid=$!
-    FLOWPM_MTF_TEST_PART=rest timeout 2700 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" \
-      -m "not single_process"
+    # No launcher. Two pytest processes side by side, so that both cores work: each
+    # collects every test and runs the test files it claims first from a directory they
+    # share, the costliest files first (tests/file_queue.py, tests/file_costs.tsv), so
+    # that they end together. Part b prints its report after part a's.
+    queue="$(mktemp -d "${TMPDIR:-/tmp}/flowpm_mtf_test_queue.XXXXXX")"
+    FLOWPM_MTF_TEST_QUEUE="$queue" FLOWPM_MTF_TEST_PART=b timeout 2700 \
+      python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" > "$LOGDIR/np1_b.out" 2>&1 &
+    b_pid=$!
+    FLOWPM_MTF_TEST_QUEUE="$queue" FLOWPM_MTF_TEST_PART=a timeout 2700 \
+      python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
-    wait "$jobs_pid"
-    rc_jobs=$?
-    echo "---------------- 1 rank: the tests that start their own MPI jobs ----------------"
-    cat "$LOGDIR/np1_jobs.out"
-    if [ $rc -eq 0 ]; then rc=$rc_jobs; fi
+    wait "$b_pid"
+    rc_b=$?
+    rm -rf "$queue"
+    echo "---------------- 1 rank: the files of the other process ----------------"
+    cat "$LOGDIR/np1_b.out"
+    if [ $rc -eq 0 ]; then rc=$rc_b; fi
   elif [ "$np" = 4 ] && [ $QUICK = 0 ]; then
     timeout 2700 "${MPIRUN[@]}" -np 4 python scripts/mpi_pytest.py "${FOUR_RANK_TESTS[@]}" \
       "${PYTEST_ARGS[@]:1}"
@@ -190,7 +191,7 @@ logdir, nps, quick = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
 tot = dict(tests=0, failures=0, errors=0, skipped=0)
 for np_ in nps:
     # one file per rank count; the 1-rank job's two parts have one each (not in --quick)
-    paths = ([os.path.join(logdir, "np1_rank0_%s.xml" % p) for p in ("rest", "jobs")]
+    paths = ([os.path.join(logdir, "np1_rank0_%s.xml" % p) for p in ("a", "b")]
              if np_ == "1" and not quick else [os.path.join(logdir, "np%s_rank0.xml" % np_)])
     for path in paths:
         if not os.path.exists(path):

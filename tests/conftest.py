@@ -42,6 +42,22 @@ def pytest_collection_modifyitems(config, items):
                     break
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """With ``FLOWPM_MTF_TEST_QUEUE`` (the 1-rank pass of scripts/run_tests.sh), run only
+    the test files this process claims from the directory both of its processes share
+    (tests/file_queue.py); otherwise pytest's own loop."""
+    queue = os.environ.get("FLOWPM_MTF_TEST_QUEUE")
+    if not queue or session.config.option.collectonly:
+        return None
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted("%d errors during collection" % session.testsfailed)
+    import file_queue
+
+    file_queue.run_claimed(session, queue, file_queue.load_costs())
+    return True
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "single_process: test that starts its own mpirun")
     config.addinivalue_line("markers", "rank_independent: test without a Mesh TF mesh")

@@ -35,10 +35,8 @@ import pytest
 
 from flowpm_bench.launch import MPI_LAUNCH_PREFIXES
 
-# It starts its own MPI jobs, like the single_process tests, but is marked rank_independent so
-# that it runs in the 1-rank pass's other process ("rest"), which the multi-node and Slurm
-# tests would otherwise leave idle while they run in the "jobs" one (docs/testing.md).
-pytestmark = pytest.mark.rank_independent
+# It starts its own MPI jobs: the 1-rank pass runs it.
+pytestmark = pytest.mark.single_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(os.path.join("docs", f)

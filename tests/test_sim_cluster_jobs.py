@@ -42,10 +42,8 @@ from test_sim_cluster import (JOB_TIMEOUT_S, REPO, SCRIPT, VENV, _env, _unavaila
                               counters, finish, namespaces, two_node_cluster)
 from test_sim_cluster import sim as _sim
 
-# It starts its own MPI jobs, like the single_process tests, but is marked rank_independent so
-# that it runs in the 1-rank pass's other process ("rest"), which the multi-node and Slurm
-# tests would otherwise leave idle while they run in the "jobs" one (docs/testing.md).
-pytestmark = pytest.mark.rank_independent
+# It starts its own MPI jobs: the 1-rank pass runs it.
+pytestmark = pytest.mark.single_process
 if _unavailable():
     pytestmark = [pytestmark, pytest.mark.skip(reason=_unavailable())]
 
