@@ -171,10 +171,18 @@ HVD_CASES = H.cases(placement=False, one_1d=True)
 # migration's shifts between blocks, in this process; faster than PlacementMeshImpl on 2 devices).
 MIGRATION_CASES = ([c for c in HVD_CASES if max(c[1]) > 1]
                    or [("single", (2, 2))])
+# (case, decomposition) of the stored-gradient comparisons: both decompositions on every
+# case but the 2x2 grid, eulerian only there. What the lagrangian 2x2 case would add, the
+# force VJP's halo sums with both axes split (corners), is checked against mtf.gradients
+# by tests/test_force_vjp.py (lagrangian, placement 2x2); the adjoint's loop bookkeeping of
+# the lagrangian decomposition does not depend on the grid (hvd 2x1 here), and the 2x2
+# adjoint with Horovod's collectives is the eulerian case (with the migrations).
+GRADIENT_CASES = [pytest.param(c, d, id="%s-%s" % (H.case_id(c), d))
+                  for c in HVD_CASES for d in ("eulerian", "lagrangian")
+                  if not (d == "lagrangian" and tuple(c[1]) == (2, 2))]
 
 
-@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("case", HVD_CASES, ids=H.case_id)
+@pytest.mark.parametrize("case, decomposition", GRADIENT_CASES)
 def test_adjoint_matches_stored_gradient(case, decomposition, linear, weight_field):
     """d loss / d (x0, p0) by the reverse loop == mtf.gradients through the unrolled
     nbody (float64, 5 steps), particle by particle."""
@@ -200,8 +208,7 @@ def test_reverse_pass_migrates(case, linear, weight_field):
     assert max(errs.values()) <= GRAD_RTOL, errs
 
 
-@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-@pytest.mark.parametrize("case", HVD_CASES, ids=H.case_id)
+@pytest.mark.parametrize("case, decomposition", GRADIENT_CASES)
 def test_reverse_recovers_initial_state(case, decomposition, linear, weight_field):
     """The reverse loop ends at the stored forward initial state (by id), float64."""
     adj, _, _ = compared(case[0], case[1], decomposition, linear, weight_field)
