@@ -28,6 +28,7 @@ from flowpm_mtf.runs import halos as halos_io
 from test_fof import reference_labels
 from test_mpi_jobs import mpirun
 from test_reconstruct_resume import _main, _tmpdir, _world
+from world_share import quiet_barrier
 
 NC, BOX, SNAP_A = 16, 100.0, 0.5
 ARGS = ["simulate", "--nc", str(NC), "--box-size", str(BOX), "--steps", "3", "--snapshots",
@@ -70,7 +71,8 @@ def runs(world_size):
                                 "--out", out[fmt]])
         assert code == 0
     yield out
-    _world().barrier()
+    # the other ranks wait here while rank 0 runs the readers: asleep, not polling
+    quiet_barrier(_world())
     if _world().rank == 0:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -21,6 +21,7 @@ from flowpm_mtf.runs import checkpoint
 from flowpm_mtf import cli, jobs
 from flowpm_mtf.errors import ConfigError
 from flowpm_mtf.jobs import options, runner
+from world_share import on_rank0
 
 # float64; the same operations on another grid differ in the order of the sums (FFT
 # pencils, reductions, convolution halos): ~1e-14 relative in the metrics.
@@ -94,8 +95,9 @@ def test_metrics_equal_one_process_and_files(uninterrupted):
     job = jobs.get("imaging")
     args = cli.build_parser(jobs.all_jobs()).parse_args(ARGS + ["--backend", "placement"])
     configs = options.make_configs(job, args, None, n_ranks=1, backend="placement")
-    ref = runner.run(job, configs, H.backend("single", configs["config"]), run_dir=None,
-                     plot=False)
+    # one process's run: the same numbers on every rank, computed once (world_share)
+    ref = on_rank0(lambda: runner.run(job, configs, H.backend("single", configs["config"]),
+                                      run_dir=None, plot=False))
     got = _summary(uninterrupted)
     assert got["config"]["grid"] == list(H.HVD_GRIDS[H.SIZE][-1])
     assert set(got["psnr_db"]) == {"zero-filled", "tv", "unrolled"}
@@ -139,8 +141,9 @@ def test_brain_with_coils_equals_one_process():
     job = jobs.get("imaging")
     args = cli.build_parser(jobs.all_jobs()).parse_args(BRAIN_ARGS + ["--backend", "placement"])
     configs = options.make_configs(job, args, None, n_ranks=1, backend="placement")
-    ref = runner.run(job, configs, H.backend("single", configs["config"]), run_dir=None,
-                     plot=False)
+    # one process's run: the same numbers on every rank, computed once (world_share)
+    ref = on_rank0(lambda: runner.run(job, configs, H.backend("single", configs["config"]),
+                                      run_dir=None, plot=False))
     got = _summary(out)
     for key in ("psnr_db", "ssim", "psnr_db_heldout", "ssim_heldout"):
         assert set(got[key]) == {"zero-filled", "tv", "unrolled"}

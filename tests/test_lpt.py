@@ -8,6 +8,7 @@ import nbody_harness as NH
 from flowpm_mtf.physics import cosmology as C
 from flowpm_mtf.physics import lpt
 from flowpm_mtf.config import SimConfig
+from world_share import on_rank0
 
 # float32 on both sides: the same FFTs and kernels evaluated in different orders
 # (pencil vs. tf.signal 3D FFT, kernel products) give ~1e-7 relative errors on the
@@ -60,7 +61,9 @@ def linear():
 @pytest.fixture(scope="module")
 def flowpm_ref(linear):
     """FlowPM float32 LPT states (order 1 and 2) and unit displacements at a = 0.1."""
-    return {1: NH.flowpm_run(linear, 0.1, 1), 2: NH.flowpm_run(linear, 0.1, 2, parts=True)}
+    # the same numbers on every rank: computed once (world_share)
+    return on_rank0(lambda: {1: NH.flowpm_run(linear, 0.1, 1),
+                             2: NH.flowpm_run(linear, 0.1, 2, parts=True)})
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)

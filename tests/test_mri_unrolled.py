@@ -13,6 +13,7 @@ import fpm_harness as H
 from flowpm_mtf.jobs import runner
 from mri_mtf import operators, phantom, recon, sampling, unrolled
 from mri_mtf.config import ImagingConfig
+from world_share import on_rank0
 
 CASES = H.cases(single=True)
 # float64: the network is FFTs, convolutions and sums taken in another order on another
@@ -93,7 +94,8 @@ def train(kind, conf, uconf, steps, eval_step=0):
 def test_training_step_matches_one_process(case):
     conf = conf_for(case[1])
     losses, after, w = train(case[0], conf, UCONF, 1)
-    ref_losses, ref_after, ref_w = train("single", conf, UCONF, 1)
+    # one process's mesh: the same numbers on every rank, computed once (world_share)
+    ref_losses, ref_after, ref_w = on_rank0(lambda: train("single", conf, UCONF, 1))
     assert losses[0] == pytest.approx(ref_losses[0], rel=RTOL)
     assert after == pytest.approx(ref_after, rel=STEP_RTOL)
     init = unrolled.init_weights(UCONF)
