@@ -307,6 +307,7 @@ def main(argv=None):
             shutil.rmtree(work, ignore_errors=True)
     if not data:
         raise SystemExit("no record in %s: run first" % raw)
+    os.makedirs(args.out, exist_ok=True)   # a new --out: the figure is saved into it
     write_result(args.out, NAME, data, render(data, args.out), SCRIPT)
     for label, rec in data.items():
         for kind in ("ensemble", "theory"):
