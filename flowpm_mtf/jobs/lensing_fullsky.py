@@ -246,7 +246,7 @@ def finish_full(ctx, res):
     ell, modes = cls[0][0], cls[0][2]
     binned = [[FS.bin_cl(c, edges)[1] for c in pair] for pair in eb]
     with ctx.timed("theory_s"):
-        pred = FS.fullsky_prediction(conf, geom, plane_k, plane_p, ell)
+        pred = FS.fullsky_prediction(conf, geom, plane_k, plane_p, ell, edges)
     res.update(kappa=kappa, gamma1=np.stack([s[0] for s in shear]),
                gamma2=np.stack([s[1] for s in shear]), plane_k=plane_k, plane_p=plane_p,
                ell=ell, n_modes=modes, measured=np.stack([c[1] for c in cls]), pred=pred,

@@ -215,7 +215,7 @@ def shot_noise(conf, geom, source=0):
     return float(np.sum(coef**2 * 4.0 * np.pi / n))
 
 
-def fullsky_prediction(conf, geom, plane_k, plane_p, ell):
+def fullsky_prediction(conf, geom, plane_k, plane_p, ell, edges=None):
     """Everything a full-sky run reports beside its measured C_ell, per source.
 
     Parameters
@@ -225,7 +225,12 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell):
     plane_k, plane_p : ndarray
         ``[n_planes, n_k]`` the run's grid P(k) at each shell [h/Mpc], [(Mpc/h)^3].
     ell : ndarray
-        Bin multipoles.
+        Bin multipoles (:func:`bin_cl`'s mean multipoles).
+    edges : array_like, optional
+        The bins' edges: the predictions are then computed at every multipole and averaged
+        over each bin with the measurement's weights :math:`2\\ell + 1` (:func:`bin_cl`), as the
+        measured C_ell is; without, at ``ell`` (the two differ by a few per cent in the
+        lowest bins of a steep spectrum). ``resolved`` is decided at ``ell``.
 
     Returns
     -------
@@ -239,17 +244,31 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell):
              for i in range(geom.n_planes)]
     hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a]
     pw = pixel_window(geom.nside)
+    ell = np.asarray(ell, np.float64)
     pw2 = np.interp(ell, np.arange(pw.size), pw**2)
+    if edges is None:
+        at, pw2_at = ell, pw2
+
+        def binned(c):
+            return c
+    else:
+        edges = np.asarray(edges, int)
+        at = np.arange(edges[-1], dtype=np.float64)            # every multipole to the last bin
+        pw2_at = np.interp(at, np.arange(pw.size), pw**2)
+
+        def binned(c):
+            return bin_cl(c, edges)[1]
     out = {k: [] for k in ("limber", "limber_cont", "halofit", "halofit_cont", "shot",
                            "resolved")}
     for s in range(geom.n_source):
-        cont = limber_shells(ell, conf, geom, pfuns, s)
-        hcont = limber_shells(ell, conf, geom, hfuns, s)
+        cont_at = limber_shells(at, conf, geom, pfuns, s)
+        hcont_at = limber_shells(at, conf, geom, hfuns, s)
+        cont, hcont = binned(cont_at), binned(hcont_at)
         shot = np.full_like(cont, shot_noise(conf, geom, s))
         out["limber_cont"].append(cont)
-        out["limber"].append(cont * pw2 + shot)
+        out["limber"].append(binned(cont_at * pw2_at) + shot)
         out["halofit_cont"].append(hcont)
-        out["halofit"].append(hcont * pw2 + shot)
+        out["halofit"].append(binned(hcont_at * pw2_at) + shot)
         out["shot"].append(shot)
         out["resolved"].append((pw2 >= RESOLVED_WINDOW) & (shot <= RESOLVED_WINDOW * cont)
                                & (ell <= RESOLVED_LMAX_PER_NSIDE * geom.nside))
