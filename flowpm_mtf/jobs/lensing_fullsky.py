@@ -305,7 +305,8 @@ def write_full(ctx, out, res, summary):
     names.append("modes")
     header = ("full-sky C_ell [sr] of the Born convergence (HEALPix nside %d, %d shells, "
               "anafast); C_ell_limber: Limber of the run's own P(k) x pixel window^2 + shot "
-              "noise; _cont: no window, no noise; C_ell_halofit(_cont): the same from halofit "
+              "noise; _cont: no window, no noise; each the (2l+1)-weighted mean over the bin's "
+              "multipoles, as C_ell; C_ell_halofit(_cont): the same from halofit "
               "(Takahashi 2012); C_ell_shot: the particles' Poisson noise; C_ell_E/B: the "
               "shear's E and B power; resolved: pixel window^2 >= 1/2, shot noise <= half "
               "of C_ell_limber_cont and ell <= 2 nside (ell range %s)\n%s"

@@ -236,7 +236,8 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell, edges=None):
     -------
     dict
         Per source (lists of arrays over ``ell``, [sr]): ``limber`` (run's P(k) x
-        pixel window + shot noise), ``limber_cont`` (run's P(k), no window),
+        pixel window + shot noise), ``limber_cont`` (run's P(k), no window; with
+        ``edges``, bin means as the measurement's),
         ``halofit`` (halofit x pixel window + shot noise), ``halofit_cont``, ``shot``,
         ``resolved`` (bool); ``pixwin2`` (the pixel window of the power).
     """

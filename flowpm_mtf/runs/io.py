@@ -200,7 +200,8 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
 
     Columns: ell, then per source the measured C_ell, the expected C_ell from the run's
     own P(k) through the run's windows (``C_ell_limber``), the Limber C_ell of the
-    deconvolved P(k) without windows (``C_ell_limber_cont``), every further model in
+    deconvolved P(k) without windows, averaged over each bin's modes
+    (``C_ell_limber_cont``), every further model in
     ``pred`` (e.g. ``C_ell_halofit``), and ``resolved`` (1 in the ell range the run
     resolves, :func:`flowpm_mtf.physics.lensing_theory.resolved_range`), then the number of
     modes per bin. The header gives the resolved range of each source.
@@ -237,7 +238,8 @@ def write_kappa_power(path, ell, measured, pred, n_modes, geom, rank=None, label
     header = ("flat-sky C_ell [sr] of the Born convergence (field %g deg, %d pixels, %d planes); "
               "C_ell_limber: the expected measurement from the run's own P(k) and shot noise "
               "through the pixel, ray sampling and taper windows; "
-              "C_ell_limber_cont: Limber from the deconvolved P(k), no window; "
+              "C_ell_limber_cont: Limber from the deconvolved P(k), no window, averaged over "
+              "the bin's modes; "
               "C_ell_halofit(_cont): the same from halofit (Takahashi 2012) P(k); C_ell_shot: "
               "shot noise; C_ell_sky: measured minus shot noise, decoupled (vs the _cont "
               "columns); C_ell_E/B: the shear's; resolved: the windows keep >= half of C_ell "
