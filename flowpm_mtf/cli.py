@@ -497,9 +497,17 @@ def entry():
     an :class:`~flowpm_mtf.allocator.AllocatorError`, a configuration error:
     :func:`main` reports it like every other one (one line, from rank 0, exit 2
     on every rank) and runs nothing.
+
+    A crash in native code (a segmentation fault in TensorFlow, Horovod, MPI
+    or a custom op) prints the Python stack of every thread of the rank to
+    stderr (:mod:`faulthandler`) before the process dies, so that the job log
+    says where it happened; MPI's own handler, installed later, keeps it.
     """
+    import faulthandler
+
     from . import allocator, launch_env
 
+    faulthandler.enable(all_threads=True)
     launch_env.apply()
 
     try:

@@ -45,3 +45,23 @@ def test_entry_applies_them_before_the_allocator(monkeypatch):
     monkeypatch.setattr(allocator, "ensure", ensure)
     assert cli.entry() == 2
     assert seen == ["1"]
+
+
+def test_entry_prints_every_threads_python_stack_on_a_native_crash(monkeypatch):
+    """A segmentation fault in a rank (TensorFlow, Horovod, MPI) leaves the Python stack of
+    each thread in the job log (faulthandler, enabled by the entry point before MPI)."""
+    import faulthandler
+
+    seen = []
+
+    def ensure():
+        seen.append(faulthandler.is_enabled())
+        raise allocator.AllocatorError("stop")
+
+    monkeypatch.setattr(allocator, "ensure", ensure)
+    faulthandler.disable()
+    try:
+        assert cli.entry() == 2
+    finally:
+        faulthandler.enable()
+    assert seen == [True]
