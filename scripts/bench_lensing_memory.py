@@ -6,14 +6,17 @@ these runs; ``tests/test_preflight.py`` checks that the estimate bounds every st
 (within ``MODEL_RTOL``, as the base model of ``scripts/bench_scaling.py``). Modes::
 
     python scripts/bench_lensing_memory.py list           # configurations, which are measured
-    python scripts/bench_lensing_memory.py run NAME...    # run them (one mpirun each), record
-    python scripts/bench_lensing_memory.py record NAME DIR   # record a finished run's DIR
+    python scripts/bench_lensing_memory.py run NAME... [--seeds K]  # K seeds each
+    python scripts/bench_lensing_memory.py record NAME DIR...   # record finished runs of NAME
     python scripts/bench_lensing_memory.py fit            # the constants the rows need
     python scripts/bench_lensing_memory.py render         # rows + estimates -> results/
 
-A row is the run's ``summary.json`` (config, the lensing, sky and PGD sections, the peak
-RSS of every rank); its estimate is recomputed from that config by the preflight's current
-terms at ``render`` and by the test (:func:`estimate_mb`). Outputs:
+A row is a configuration's ``summary.json`` (config, the lensing, sky and PGD sections, the
+peak RSS of every rank). The peak differs from seed to seed (the clustering sets how many
+particles each exchange moves, and so the sizes the allocator sees): a row may hold runs of
+several seeds (``--seeds``, or several DIRs), and its peak per rank is the largest over
+them (each run's is kept under ``runs``). Its estimate is recomputed from that config by
+the preflight's current terms at ``render`` and by the test (:func:`estimate_mb`). Outputs:
 ``results/bench_lensing_memory.json`` (the rows, versioned: the test reads them) and
 ``results/bench_lensing_memory.md``. RSS is not a timing: the machine's load does not change
 it (every row carries the load average anyway).
@@ -64,14 +67,37 @@ def load_rows(path=ROWS):
         return json.load(f)["rows"]
 
 
-def row_of(name, run_dir):
-    """The row of a finished run: its sections and peak memory per rank [MB]."""
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        s = json.load(f)
+def row_of(name, run_dirs):
+    """The row of finished runs of configuration ``name`` (one or more seeds): their
+    sections, the largest peak memory per rank over the runs [MB] and each run's.
+
+    Raises
+    ------
+    ValueError
+        The runs differ in anything but the seed.
+    """
+    run_dirs = [run_dirs] if isinstance(run_dirs, str) else list(run_dirs)
+    runs = []
+    for run_dir in run_dirs:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            runs.append(json.load(f))
+    first = runs[0]
+    for s, run_dir in zip(runs[1:], run_dirs[1:]):
+        for sec in ("config", "lensing", "sky", "pgd"):
+            a = {k: v for k, v in first[sec].items() if sec != "config" or k != "seed"}
+            b = {k: v for k, v in s[sec].items() if sec != "config" or k != "seed"}
+            if a != b:
+                raise ValueError("%s: its %s differs from %s's in more than the seed"
+                                 % (run_dir, sec, run_dirs[0]))
+    peaks = [s["peak_memory_mb_per_rank"] for s in runs]
     return {"name": name, "ranks": CONFIGS[name][0], "options": CONFIGS[name][1],
-            "config": s["config"], "lensing": s["lensing"], "sky": s["sky"], "pgd": s["pgd"],
-            "peak_mb_per_rank": s["peak_memory_mb_per_rank"],
-            "steps_rss_mb_per_rank": [p["steps"]["rss"] for p in s["memory_phases_mb_per_rank"]],
+            "config": first["config"], "lensing": first["lensing"], "sky": first["sky"],
+            "pgd": first["pgd"], "peak_mb_per_rank": [max(p) for p in zip(*peaks)],
+            "runs": [{"seed": s["config"]["seed"],
+                      "peak_mb_per_rank": s["peak_memory_mb_per_rank"],
+                      "steps_rss_mb_per_rank": [p["steps"]["rss"]
+                                                for p in s["memory_phases_mb_per_rank"]]}
+                     for s in runs],
             "commit": provenance.commit_label(), "load": os.getloadavg()[0],
             "date": datetime.date.today().isoformat()}
 
@@ -138,23 +164,36 @@ def save(rows):
         f.write("\n")
 
 
+def _seeds(seeds):
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    seeds, parts = sorted(seeds), []
+    for s in seeds:
+        if parts and s == parts[-1][1] + 1:
+            parts[-1][1] = s
+        else:
+            parts.append([s, s])
+    return ", ".join("%d" % a if a == b else "%d-%d" % (a, b) for a, b in parts)
+
+
 def render(rows):
     lines = ["# Lensing job: measured peak memory per rank and the preflight estimate", "",
-             "`python %s run NAME` per row, then `render`. Peak: the largest rank's peak RSS "
-             "(`summary.json`); estimate: the preflight's for the same options "
+             "`python %s run NAME [--seeds K]` per row, then `render`. Peak: the largest "
+             "rank's peak RSS (`summary.json`; of several seeds, the largest per rank); "
+             "estimate: the preflight's for the same options "
              "(`flowpm_mtf/runs/preflight_jobs.py` `lensing_memory`, the full sky's "
              "`fullsky_memory`); `tests/test_preflight.py` requires peak <= estimate <= peak x "
              "(1 + LENSING_MODEL_RTOL)." % SCRIPT,
-             "", "| run | ranks | options | peak per rank [MB] | estimate [MB] | estimate / peak |",
-             "|---|---|---|---|---|---|"]
+             "", "| run | ranks | options | seeds | peak per rank [MB] | estimate [MB] | "
+             "estimate / peak |", "|---|---|---|---|---|---|---|"]
     for name in CONFIGS:
         if name not in rows:
             continue
         r = rows[name]
         peak = max(r["peak_mb_per_rank"])
         est = estimate_mb(r)
-        lines.append("| %s | %d | `%s` | %s | %.0f | %.3f |" % (
-            name, r["ranks"], " ".join(r["options"]),
+        seeds = [run["seed"] for run in r.get("runs", [])] or [r["config"]["seed"]]
+        lines.append("| %s | %d | `%s` | %s | %s | %.0f | %.3f |" % (
+            name, r["ranks"], " ".join(r["options"]), _seeds(seeds),
             ", ".join("%.0f" % p for p in r["peak_mb_per_rank"]), est, est / peak))
     lines.append("")
     lines.append("Machine load (1-min average) when the rows were recorded: %s (other jobs; "
@@ -170,9 +209,11 @@ def main(argv=None):
     r = sub.add_parser("run")
     r.add_argument("names", nargs="+", choices=sorted(CONFIGS))
     r.add_argument("--timeout", type=float, default=3600.0)
+    r.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="run seeds 1..K of each configuration (default: one run, its seed)")
     rec = sub.add_parser("record")
     rec.add_argument("name", choices=sorted(CONFIGS))
-    rec.add_argument("run_dir")
+    rec.add_argument("run_dirs", nargs="+", metavar="run_dir")
     sub.add_parser("render")
     sub.add_parser("fit")
     args = ap.parse_args(argv)
@@ -188,13 +229,20 @@ def main(argv=None):
     if args.mode == "run":
         for name in args.names:
             with tempfile.TemporaryDirectory(prefix="bench_lensing_memory_") as tmp:
-                out = os.path.join(tmp, "out")
-                subprocess.run(command(name, out), env=clean_env(), check=True,
-                               timeout=args.timeout)
-                rows[name] = row_of(name, out)
+                outs = []
+                for seed in range(1, args.seeds + 1):
+                    out = os.path.join(tmp, "out%d" % seed)
+                    seed_opts = ["--seed", str(seed)] if args.seeds > 1 else []
+                    subprocess.run(command(name, out) + seed_opts, env=clean_env(), check=True,
+                                   timeout=args.timeout)
+                    outs.append(out)
+                rows[name] = row_of(name, outs)
             save(rows)
     elif args.mode == "record":
-        rows[args.name] = row_of(args.name, args.run_dir)
+        try:
+            rows[args.name] = row_of(args.name, args.run_dirs)
+        except (OSError, ValueError, KeyError) as e:
+            ap.exit(2, "%s: error: %s\n" % (SCRIPT, e))
         save(rows)
     print(render(rows))
     return 0
