@@ -299,7 +299,7 @@ def main(argv=None, startup_error=None, until_exit=False):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     verbose = "--verbose" in argv
-    # Before TensorFlow is imported (by the jobs): its C++ start-up lines on every rank.
+    # Before TensorFlow is imported (by the runner): its C++ start-up lines on every rank.
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0" if verbose else os.environ.get(
         "TF_CPP_MIN_LOG_LEVEL", TF_QUIET_LEVEL)
     from . import backend as backend_mod
@@ -313,16 +313,9 @@ def main(argv=None, startup_error=None, until_exit=False):
     try:
         if startup_error is not None:
             raise startup_error
-        registry = jobs.all_jobs()
+        registry = jobs.all_jobs()   # their options and configs import no TensorFlow
         args = build_parser(registry).parse_args(argv)
-        if args.backend == "hvd" and world()[1] > 1:
-            backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
-        # imported here, after the start-up error and the options: the runner imports
-        # TensorFlow, whose start-up lines on TF 2.21 ignore TF_CPP_MIN_LOG_LEVEL while
-        # oneDNN is on (FLOWPM_MTF_ALLOCATOR=tf or a bad mode: no re-execution)
-        from .jobs import runner
-
-        run_job(registry[args.command], args, backend_mod, runner, until_exit=until_exit)
+        run_job(registry[args.command], args, backend_mod, until_exit=until_exit)
         return EXIT_OK   # also a run stopped by SIGTERM after its checkpoint
     except Exception as e:  # noqa: BLE001 (every failure becomes one line and an exit code)
         return report_error(e, args, verbose)
@@ -345,9 +338,13 @@ def check_run_options(args, job=None):
         raise ConfigError("--checkpoint-every takes a number of %ss >= 1, got %d" % (unit, every))
 
 
-def run_job(job, args, backend_mod, runner, until_exit=False):
+def run_job(job, args, backend_mod, until_exit=False):
     """Configs (new run, or ``--resume``), backend, run directory, then the runner
-    (``until_exit``: see :func:`main`)."""
+    (``until_exit``: see :func:`main`).
+
+    The configs are made and checked before TensorFlow, Mesh TF or Horovod is imported (by
+    the abort hook and the runner), so that a wrong value costs no TensorFlow start-up.
+    """
     from .errors import ResumeError
     from .runs.rundir import RunDir
 
@@ -362,6 +359,13 @@ def run_job(job, args, backend_mod, runner, until_exit=False):
     else:
         configs = make_configs(job, args)
     args.conf = configs["config"]  # for the error messages
+    if args.backend == "hvd" and world()[1] > 1:
+        backend_mod.install_abort_on_exception()  # uncaught errors (none expected) end the job
+    # imported here, after the start-up error, the options and the configs: the runner imports
+    # TensorFlow, whose start-up lines on TF 2.21 ignore TF_CPP_MIN_LOG_LEVEL while oneDNN is
+    # on (FLOWPM_MTF_ALLOCATOR=tf or a bad mode: no re-execution)
+    from .jobs import runner
+
     out = args.out or job.default_out
     log.info("; ".join("%s: %s" % (key, json.dumps(cfg.to_dict()))
                        for key, cfg in configs.items()))

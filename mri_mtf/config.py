@@ -1,4 +1,7 @@
-"""Imaging configuration: a frozen, validated description of one MRI reconstruction.
+"""Imaging configuration: a frozen, validated description of one MRI reconstruction
+(:class:`ImagingConfig`) and the settings of its methods (:class:`TVConfig`,
+:class:`UnrolledConfig`; numpy only, so the command line parses and checks them without
+TensorFlow).
 
 :class:`ImagingConfig` carries the attributes that the grid-level helpers of
 :mod:`flowpm_mtf` read (``nc``, ``grid``, ``block_shape``, ``n_cells``,
@@ -20,7 +23,8 @@ import numpy as np
 
 from flowpm_mtf.layout import (BX, BY, COL, KY, KZ, ROW, X, Y)
 
-__all__ = ["ImagingConfig", "DTYPES", "COIL", "COIL_AXIS"]
+__all__ = ["ImagingConfig", "DTYPES", "COIL", "COIL_AXIS", "TVConfig", "MAX_TV_ITERATIONS",
+           "UnrolledConfig", "MAX_TRAIN_STEPS", "MAX_BLOCKS", "MAX_SEED"]
 
 log = logging.getLogger(__name__)
 
@@ -255,3 +259,164 @@ class ImagingConfig:
         """A JSON-able dict of the fields."""
         return {k: list(v) if isinstance(v, tuple) else v
                 for k, v in dataclasses.asdict(self).items()}
+
+
+# ----------------------------------------------------------------------------- methods
+# The settings of the reconstructions (TV: mri_mtf.recon, mri_mtf.tv_sense; the network:
+# mri_mtf.unrolled), here with the volume's: decided before any graph.
+MAX_TV_ITERATIONS = 100000
+"""Most ADMM iterations of one TV reconstruction: it converges in tens to hundreds; 10^5
+iterations of a 16^3 volume already take over an hour."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TVConfig:
+    """Settings of the TV reconstruction.
+
+    Parameters
+    ----------
+    lam : float
+        Weight ``lambda`` of the TV term (> 0) [phantom intensity].
+    rho : float
+        ADMM penalty ``rho`` (> 0) [dimensionless].
+    iterations : int
+        ADMM iterations, in ``[1, MAX_TV_ITERATIONS]``; with coils, PDHG iterations
+        (:mod:`mri_mtf.tv_sense`).
+    norm : {"isotropic", "anisotropic"}
+        TV of the multi-coil reconstruction (:mod:`mri_mtf.tv_sense`): the norm over the
+        three directions per voxel, or the sum of each direction's modulus (sigpy's).
+        The single-coil ADMM is isotropic.
+    """
+
+    lam: float = dataclasses.field(default=0.005, metadata={"flags": ("--tv-lambda",)})
+    rho: float = dataclasses.field(default=0.02, metadata={"flags": ("--tv-rho",)})
+    iterations: int = dataclasses.field(default=20, metadata={"flags": ("--tv-iterations",)})
+    norm: str = dataclasses.field(default="isotropic", metadata={"flags": ("--tv-norm",)})
+
+    def __post_init__(self):
+        for name in ("lam", "rho"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) \
+                    or not np.isfinite(v) or v <= 0:
+                raise ValueError("TVConfig.%s must be a positive number, got %r" % (name, v))
+            object.__setattr__(self, name, float(v))
+        it = self.iterations
+        if isinstance(it, bool) or not isinstance(it, (int, np.integer)) or it < 1:
+            raise ValueError("TVConfig.iterations must be an integer >= 1, got %r" % (it,))
+        if it > MAX_TV_ITERATIONS:
+            raise ValueError("TVConfig.iterations must be an integer in [1, %d], got %d"
+                             % (MAX_TV_ITERATIONS, it))
+        object.__setattr__(self, "iterations", int(it))
+        if self.norm not in ("isotropic", "anisotropic"):
+            raise ValueError("TVConfig.norm must be isotropic or anisotropic, got %r"
+                             % (self.norm,))
+
+    def to_dict(self):
+        """A JSON-able dict of the fields."""
+        return dataclasses.asdict(self)
+
+
+MAX_TRAIN_STEPS = 10**6
+"""Most Adam steps of one run: 10^6 steps of the smallest volume (16^3, ~0.16 s per step on
+2 ranks) already take ~2 days; more is a typo, not a training."""
+
+MAX_BLOCKS = 100
+"""Most unrolled blocks: the graph holds every block (and its gradient), so its build time
+and the training's activations grow with K; MoDL-type networks use ~10."""
+
+MAX_SEED = 2**63
+"""Seeds are integers in ``[0, MAX_SEED)``, as :attr:`ImagingConfig.seed`."""
+
+
+def _positive(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) \
+        and np.isfinite(v) and v > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class UnrolledConfig:
+    """Settings of the unrolled network and its training.
+
+    Parameters
+    ----------
+    blocks : int
+        Unrolled blocks K (CNN + data-consistency step), in ``[1, MAX_BLOCKS]``.
+    channels : int
+        Hidden channels C of the CNN (2 -> C -> C -> 2), >= 1.
+    kernel_size : int
+        Filter side f (odd, >= 1; at most :func:`largest_kernel` of the volume and grid,
+        :func:`check_kernel_fits`) [voxels].
+    eta_init : float
+        Initial data-consistency step of every block (> 0) [dimensionless].
+    init_scale : float
+        Standard deviation of the initial filters relative to He's
+        ``sqrt(2 / fan_in)`` (> 0; the last layer gets a tenth of it, so the network
+        starts close to K data-consistency steps) [dimensionless].
+    init_seed : int
+        Seed of the initial weights (numpy), in ``[0, 2**63)``.
+    train_steps : int
+        Adam steps, one training phantom each, in ``[0, MAX_TRAIN_STEPS]`` (0 evaluates
+        the initial network, reported as untrained).
+    learning_rate : float
+        Adam step size (> 0) [weight units per step].
+    perturbation : float
+        Scale of the random ellipsoid perturbations of the training phantoms
+        (``phantom.perturbed_table``), >= 0 [dimensionless].
+    data_seed : int
+        Seed of the training phantoms and noise mixes, in ``[0, 2**63)``.
+    beta1, beta2, epsilon : float
+        Adam's moment decay rates and regulariser.
+    log_every : int
+        Log the training loss every this many steps (>= 1).
+    """
+
+    blocks: int = 4
+    channels: int = 8
+    kernel_size: int = 3
+    eta_init: float = 1.0
+    init_scale: float = 0.5
+    init_seed: int = 0
+    train_steps: int = 100
+    learning_rate: float = 5e-3
+    perturbation: float = 0.05
+    data_seed: int = 1
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-8
+    log_every: int = 10
+
+    def __post_init__(self):
+        # (the network's size against the volume and the memory: check_kernel_fits and the
+        # job's memory check, which know the volume and the machine)
+        for name, low, high in (("blocks", 1, MAX_BLOCKS), ("channels", 1, None),
+                                ("kernel_size", 1, None), ("train_steps", 0, MAX_TRAIN_STEPS),
+                                ("init_seed", 0, MAX_SEED - 1), ("data_seed", 0, MAX_SEED - 1),
+                                ("log_every", 1, None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+                raise ValueError("%s must be an integer >= %d, got %r" % (name, low, v))
+            if high is not None and v > high:
+                raise ValueError("%s must be an integer in [%d, %d], got %d"
+                                 % (name, low, high, v))
+            object.__setattr__(self, name, int(v))
+        if self.kernel_size % 2 == 0:
+            raise ValueError("kernel_size must be odd, got %d" % self.kernel_size)
+        for name in ("eta_init", "init_scale", "learning_rate", "epsilon"):
+            if not _positive(getattr(self, name)):
+                raise ValueError("%s must be a positive number, got %r"
+                                 % (name, getattr(self, name)))
+            object.__setattr__(self, name, float(getattr(self, name)))
+        p = self.perturbation
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(p) or p < 0:
+            raise ValueError("perturbation must be a finite number >= 0, got %r" % (p,))
+        object.__setattr__(self, "perturbation", float(p))
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError("%s must be in [0, 1), got %r" % (name, v))
+            object.__setattr__(self, name, float(v))
+
+    def to_dict(self):
+        """A JSON-able dict of the fields."""
+        return dataclasses.asdict(self)

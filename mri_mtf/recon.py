@@ -33,7 +33,6 @@ With ``E|n|^2 = sigma^2 = 1e-4`` and R = 4 on the Shepp-Logan phantom, the defau
 :class:`TVConfig` give +4 dB PSNR over zero-filled at 16^3 and +5.6 dB at 32^3
 (numpy prototype of the same iteration).
 """
-import dataclasses
 import logging
 
 import mesh_tensorflow as mtf
@@ -45,6 +44,7 @@ from flowpm_mtf import layout
 from flowpm_mtf.layout import K_DIMS
 
 from . import operators
+from .config import MAX_TV_ITERATIONS, TVConfig  # noqa: F401 (public here too: __all__)
 
 __all__ = ["TVConfig", "SteppedTV", "gradient", "gradient_adjoint", "laplacian_symbol", "tv_admm",
            "tv_admm_numpy", "zero_filled", "MAX_TV_ITERATIONS"]
@@ -52,58 +52,6 @@ __all__ = ["TVConfig", "SteppedTV", "gradient", "gradient_adjoint", "laplacian_s
 log = logging.getLogger(__name__)
 
 zero_filled = operators.zero_filled
-
-MAX_TV_ITERATIONS = 100000
-"""Most ADMM iterations of one TV reconstruction: it converges in tens to hundreds; 10^5
-iterations of a 16^3 volume already take over an hour."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TVConfig:
-    """Settings of the TV reconstruction.
-
-    Parameters
-    ----------
-    lam : float
-        Weight ``lambda`` of the TV term (> 0) [phantom intensity].
-    rho : float
-        ADMM penalty ``rho`` (> 0) [dimensionless].
-    iterations : int
-        ADMM iterations, in ``[1, MAX_TV_ITERATIONS]``; with coils, PDHG iterations
-        (:mod:`mri_mtf.tv_sense`).
-    norm : {"isotropic", "anisotropic"}
-        TV of the multi-coil reconstruction (:mod:`mri_mtf.tv_sense`): the norm over the
-        three directions per voxel, or the sum of each direction's modulus (sigpy's).
-        The single-coil ADMM is isotropic.
-    """
-
-    lam: float = dataclasses.field(default=0.005, metadata={"flags": ("--tv-lambda",)})
-    rho: float = dataclasses.field(default=0.02, metadata={"flags": ("--tv-rho",)})
-    iterations: int = dataclasses.field(default=20, metadata={"flags": ("--tv-iterations",)})
-    norm: str = dataclasses.field(default="isotropic", metadata={"flags": ("--tv-norm",)})
-
-    def __post_init__(self):
-        for name in ("lam", "rho"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) \
-                    or not np.isfinite(v) or v <= 0:
-                raise ValueError("TVConfig.%s must be a positive number, got %r" % (name, v))
-            object.__setattr__(self, name, float(v))
-        it = self.iterations
-        if isinstance(it, bool) or not isinstance(it, (int, np.integer)) or it < 1:
-            raise ValueError("TVConfig.iterations must be an integer >= 1, got %r" % (it,))
-        if it > MAX_TV_ITERATIONS:
-            raise ValueError("TVConfig.iterations must be an integer in [1, %d], got %d"
-                             % (MAX_TV_ITERATIONS, it))
-        object.__setattr__(self, "iterations", int(it))
-        if self.norm not in ("isotropic", "anisotropic"):
-            raise ValueError("TVConfig.norm must be isotropic or anisotropic, got %r"
-                             % (self.norm,))
-
-    def to_dict(self):
-        """A JSON-able dict of the fields."""
-        return dataclasses.asdict(self)
-
 
 def gradient(x):
     """Periodic forward differences ``[D_x x, D_y x, D_z x]`` of an ``[x, y, z]`` image."""

@@ -40,7 +40,6 @@ training images are that source's instead of phantoms; with an encoding operator
 (:class:`mri_mtf.sense.Sense`) the measurement and the data-consistency steps are SENSE's
 and the training noise lives on ``[coil, kx, ky, kz]``.
 """
-import dataclasses
 import logging
 
 import mesh_tensorflow as mtf
@@ -51,6 +50,8 @@ from flowpm_mtf.mesh import complex_ops, noise as noise_mod
 from flowpm_mtf.mesh.optim import adam_update
 
 from . import conv, operators, phantom
+from .config import (MAX_BLOCKS, MAX_SEED, MAX_TRAIN_STEPS,  # noqa: F401 (public here too)
+                     UnrolledConfig)
 from .sampling import NOISE_SEED_OFFSETS
 
 __all__ = ["UnrolledConfig", "MAX_TRAIN_STEPS", "MAX_BLOCKS", "MAX_SEED", "check_kernel_fits",
@@ -71,112 +72,6 @@ noise uses ``conf.seed +`` :data:`mri_mtf.sampling.NOISE_SEED_OFFSETS`)."""
 
 assert not set(NOISE_SEED_OFFSETS) & set(range(TRAIN_NOISE_SEED_OFFSET,
                                                TRAIN_NOISE_SEED_OFFSET + TRAIN_NOISE_FIELDS))
-
-
-MAX_TRAIN_STEPS = 10**6
-"""Most Adam steps of one run: 10^6 steps of the smallest volume (16^3, ~0.16 s per step on
-2 ranks) already take ~2 days; more is a typo, not a training."""
-
-MAX_BLOCKS = 100
-"""Most unrolled blocks: the graph holds every block (and its gradient), so its build time
-and the training's activations grow with K; MoDL-type networks use ~10."""
-
-MAX_SEED = 2**63
-"""Seeds are integers in ``[0, MAX_SEED)``, as :attr:`ImagingConfig.seed`."""
-
-
-def _positive(v):
-    return not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)) \
-        and np.isfinite(v) and v > 0
-
-
-@dataclasses.dataclass(frozen=True)
-class UnrolledConfig:
-    """Settings of the unrolled network and its training.
-
-    Parameters
-    ----------
-    blocks : int
-        Unrolled blocks K (CNN + data-consistency step), in ``[1, MAX_BLOCKS]``.
-    channels : int
-        Hidden channels C of the CNN (2 -> C -> C -> 2), >= 1.
-    kernel_size : int
-        Filter side f (odd, >= 1; at most :func:`largest_kernel` of the volume and grid,
-        :func:`check_kernel_fits`) [voxels].
-    eta_init : float
-        Initial data-consistency step of every block (> 0) [dimensionless].
-    init_scale : float
-        Standard deviation of the initial filters relative to He's
-        ``sqrt(2 / fan_in)`` (> 0; the last layer gets a tenth of it, so the network
-        starts close to K data-consistency steps) [dimensionless].
-    init_seed : int
-        Seed of the initial weights (numpy), in ``[0, 2**63)``.
-    train_steps : int
-        Adam steps, one training phantom each, in ``[0, MAX_TRAIN_STEPS]`` (0 evaluates
-        the initial network, reported as untrained).
-    learning_rate : float
-        Adam step size (> 0) [weight units per step].
-    perturbation : float
-        Scale of the random ellipsoid perturbations of the training phantoms
-        (``phantom.perturbed_table``), >= 0 [dimensionless].
-    data_seed : int
-        Seed of the training phantoms and noise mixes, in ``[0, 2**63)``.
-    beta1, beta2, epsilon : float
-        Adam's moment decay rates and regulariser.
-    log_every : int
-        Log the training loss every this many steps (>= 1).
-    """
-
-    blocks: int = 4
-    channels: int = 8
-    kernel_size: int = 3
-    eta_init: float = 1.0
-    init_scale: float = 0.5
-    init_seed: int = 0
-    train_steps: int = 100
-    learning_rate: float = 5e-3
-    perturbation: float = 0.05
-    data_seed: int = 1
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-8
-    log_every: int = 10
-
-    def __post_init__(self):
-        # (the network's size against the volume and the memory: check_kernel_fits and the
-        # job's memory check, which know the volume and the machine)
-        for name, low, high in (("blocks", 1, MAX_BLOCKS), ("channels", 1, None),
-                                ("kernel_size", 1, None), ("train_steps", 0, MAX_TRAIN_STEPS),
-                                ("init_seed", 0, MAX_SEED - 1), ("data_seed", 0, MAX_SEED - 1),
-                                ("log_every", 1, None)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-                raise ValueError("%s must be an integer >= %d, got %r" % (name, low, v))
-            if high is not None and v > high:
-                raise ValueError("%s must be an integer in [%d, %d], got %d"
-                                 % (name, low, high, v))
-            object.__setattr__(self, name, int(v))
-        if self.kernel_size % 2 == 0:
-            raise ValueError("kernel_size must be odd, got %d" % self.kernel_size)
-        for name in ("eta_init", "init_scale", "learning_rate", "epsilon"):
-            if not _positive(getattr(self, name)):
-                raise ValueError("%s must be a positive number, got %r"
-                                 % (name, getattr(self, name)))
-            object.__setattr__(self, name, float(getattr(self, name)))
-        p = self.perturbation
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(p) or p < 0:
-            raise ValueError("perturbation must be a finite number >= 0, got %r" % (p,))
-        object.__setattr__(self, "perturbation", float(p))
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise ValueError("%s must be in [0, 1), got %r" % (name, v))
-            object.__setattr__(self, name, float(v))
-
-    def to_dict(self):
-        """A JSON-able dict of the fields."""
-        return dataclasses.asdict(self)
 
 
 def largest_kernel(conf):

@@ -61,3 +61,45 @@ def test_parsers():
         cli.parse_grid("2")
     assert cli.default_grid(4) == (2, 2) and cli.default_grid(2) == (2, 1)
     assert cli.default_grid(6) == (3, 2) and cli.default_grid(1) == (1, 1)
+
+
+# In a fresh interpreter (not an MPI rank): for every job a wrong option and an invalid value
+# of its config (ConfigError), and a process grid for other ranks (RankCountError); the exit
+# codes and which of TensorFlow, Mesh TF, Horovod got imported, as JSON.
+LIGHT_ERRORS_SCRIPT = """
+import json, sys
+from flowpm_mtf import cli, jobs
+
+codes = {}
+for name in jobs.all_jobs():
+    codes[name] = [cli.main([name, "--definitely-not-an-option"]),
+                   cli.main([name, "--nc", "0"])]
+grid = cli.main(["simulate", "--grid", "2x1"])
+heavy = [m for m in ("tensorflow", "mesh_tensorflow", "horovod") if m in sys.modules]
+print(json.dumps({"codes": codes, "grid": grid, "heavy": heavy}))
+"""
+
+
+@pytest.mark.rank_independent
+def test_option_and_config_errors_come_before_tensorflow_is_imported():
+    """A typo or an invalid value fails (exit 2) without importing TensorFlow, Mesh TF or
+    Horovod, for every job: the parser and the configs need only the jobs' light declarative
+    parts (importing TensorFlow from a cluster's parallel filesystem takes long, on every
+    rank)."""
+    from flowpm_mtf import jobs
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(clean_env(), PYTHONPATH=os.pathsep.join(
+        [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.run([sys.executable, "-c", LIGHT_ERRORS_SCRIPT], capture_output=True,
+                          text=True, timeout=120, env=env, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["codes"]) == len(jobs.JOB_MODULES), out
+    assert all(c == [2, 2] for c in out["codes"].values()) and out["grid"] == 2, out
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("flowpm-mtf: error: ")]
+    n = len(out["codes"])   # the parser's error, the config's, the rank count's
+    assert sum("unrecognized arguments: --definitely-not-an-option" in ln for ln in lines) == n
+    assert sum(ln.startswith("flowpm-mtf: error: nc must be") for ln in lines) == n, lines
+    assert "needs 2 ranks but the job has 1" in lines[-1] and len(lines) == 2 * n + 1, lines
+    assert out["heavy"] == [], out

@@ -13,7 +13,10 @@
   ``simulate --fof``).
 
 Adding a job = one module with a :class:`~flowpm_mtf.jobs.base.Job` subclass
-decorated with :func:`register`, and its name in :data:`JOB_MODULES`.
+decorated with :func:`register`, and its name in :data:`JOB_MODULES`. A job module
+imports no TensorFlow, Mesh TF or Horovod at module level (its methods that build and
+run the graph do): :func:`all_jobs` is what the command line's parser and configs need,
+so a wrong option or value is reported before TensorFlow loads.
 """
 import importlib
 

@@ -8,15 +8,12 @@ import dataclasses
 import logging
 
 import numpy as np
-import tensorflow.compat.v1 as tf
 
-from ..mesh import fft, noise
 from ..runs import preflight, writers
 from .. import layout
 from ..config import SimConfig
 from ..logs import rank0_only
-from . import register, runner
-from .runner import median_time
+from . import register
 from .base import ConfigSection, Job
 
 __all__ = ["FftDemoOptions", "FftDemoJob", "TOLERANCE"]
@@ -65,6 +62,8 @@ class FftDemoJob(Job):
         preflight.check_job_memory(ctx, preflight.fft_demo_memory(ctx.conf), particles=False)
 
     def build(self, ctx, mesh):
+        from ..mesh import fft, noise
+
         conf = ctx.conf
         # Generated in the graph slice by slice (a full-size constant would hit the 2 GB
         # graph limit); the numpy reference is the bit-identical white_noise_numpy.
@@ -75,12 +74,18 @@ class FftDemoJob(Job):
         return {"field": field_np, "k": k, "back": fft.c2r(k, conf)}
 
     def lower(self, ctx, g, lowering):
+        import tensorflow.compat.v1 as tf
+
+        from . import runner
+
         # Each process checks its own slices (no gather); timed op: the round trip.
         return {"slices": runner.local(lowering, {"k": g["k"], "back": g["back"]}),
                 "round_trip": tf.group(lowering.tensors[g["back"]].to_laid_out_tensor()
                                        .tensor_list)}
 
     def execute(self, ctx, sess, g, ops):
+        from .runner import median_time
+
         res = sess.run({n: [t for _, t, _ in sl] for n, sl in ops["slices"].items()})
         res["slices"] = ops["slices"]
         sess.run(ops["round_trip"])  # warm-up

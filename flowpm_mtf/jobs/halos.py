@@ -25,7 +25,6 @@ from ..analysis import fof
 from ..config import SimConfig
 from ..errors import ConfigError
 from ..logs import rank0_only
-from ..physics import timeloop
 from ..runs import halos as halos_io
 from . import register
 from .base import ConfigSection, Job
@@ -160,6 +159,8 @@ class HalosWriter:
     """
 
     def __init__(self, ctx, sess, sim, ops, scale_factors, opts):
+        from ..physics import timeloop
+
         self.ctx, self.sess, self.sim, self.ops, self.opts = ctx, sess, sim, ops, opts
         idx = timeloop.stage_indices(scale_factors, sim.stages)
         self.at = dict(zip(idx, (float(a) for a in scale_factors)))

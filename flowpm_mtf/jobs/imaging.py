@@ -64,7 +64,7 @@ import numpy as np
 
 from ..runs import checkpoint, h5dist, io, writers
 from ..logs import rank0_only
-from . import register, runner
+from . import register
 from .base import ConfigSection, Job
 
 __all__ = ["METHODS", "ImagingOptions", "ImagingJob", "imaging_plot"]
@@ -111,9 +111,7 @@ class ImagingOptions:
 
 
 def _sections():
-    from mri_mtf.config import ImagingConfig
-    from mri_mtf.recon import TVConfig
-    from mri_mtf.unrolled import UnrolledConfig
+    from mri_mtf.config import ImagingConfig, TVConfig, UnrolledConfig
 
     return (ConfigSection("config", ImagingConfig),
             ConfigSection("imaging", ImagingOptions),
@@ -250,6 +248,8 @@ class ImagingJob(Job):
             "x".join(map(str, conf.grid)), conf.acceleration, ",".join(g.methods))
 
     def lower(self, ctx, g, lowering):
+        from . import runner
+
         ops = {"observe": lowering.lowered_operation(g.observe_op),
                "volume": (None if g.raw is None
                           else runner.VariableSlices(lowering, {"volume": g.raw})),
@@ -422,6 +422,8 @@ def _owned(lowering, images):
     """The processors that write each image's blocks: the ranks of a coil split hold the
     same image blocks (every rank still fetches its own: the images' all-reduces over the
     coils are collective); the lowest one writes them."""
+    from . import runner
+
     return {n: {p for p, _, _ in sl if h5dist.owns_slice(lowering.mesh_impl(images[n]),
                                                          images[n].shape, p)}
             for n, sl in runner.local(lowering, images).items()}
@@ -442,6 +444,8 @@ def _stop_point(ctx, sess, g, ops, where, last=False):
     StoppedError
         A run without a training to checkpoint or without a run directory (exit 8).
     """
+    from . import runner
+
     if ctx.stop is None:
         return
     if last:
@@ -549,6 +553,8 @@ def _checkpoint_or_stop(ctx, sess, state, done, history):
     runner.Stopped
         On every rank, after the checkpoint, when the ranks agreed on a stop request.
     """
+    from . import runner
+
     total = ctx.configs["unrolled"].train_steps
     stop = ctx.stop is not None and done < total and ctx.stop.agreed()   # collective
     every = ctx.checkpoint_every

@@ -37,80 +37,30 @@ kappa.png
 """
 import logging
 
-import mesh_tensorflow as mtf
 import numpy as np
 
-from hvd_mesh_impl.slice_init import unfolded_zeros_initializer
-
 from ..runs import h5dist, io, preflight
-from ..physics import lensing, lensing_geometry, lensing_stats, lensing_theory, pgd
-from ..physics.lensing_fullsky import FullSkyConfig
+from ..physics import lensing_geometry, lensing_stats, lensing_theory, pgd
+from ..physics.lensing_geometry import FullSkyConfig
 from ..config import SimConfig
 from ..errors import ConfigError
 from ..logs import rank0_only
-from . import lensing_fullsky, lensing_pgd, nbody_run, register, runner
+from . import register
 from .base import ConfigSection, Job
-from .nbody_run import SimulationGraph
 
 __all__ = ["LensingGraph", "LensingJob", "plane_names", "kappa_plot"]
 
 log = rank0_only(logging.getLogger(__name__))
 
 
-class LensingGraph(SimulationGraph):
-    r"""The mtf graph of a lensing run: the simulation's state and step
-    (:class:`flowpm_mtf.jobs.nbody_run.SimulationGraph` on the lightcone's
-    stages), plus plane variables, plane assignments and the Born maps.
+def __getattr__(name):
+    """``LensingGraph``, loaded on first use: it lives in :mod:`flowpm_mtf.jobs.lensing_graph`
+    (Mesh TF), so that the job's options and configs import no TensorFlow."""
+    if name == "LensingGraph":
+        from .lensing_graph import LensingGraph
 
-    Parameters
-    ----------
-    conf : SimConfig
-    geom : lensing_geometry.LightconeGeometry
-    mesh : mtf.Mesh
-    pconf : flowpm_mtf.physics.pgd.PGDConfig, optional
-        With ``pconf.pgd``, the planes are painted from the particles moved by the PGD
-        correction at each plane stage, and their P(k) is of those particles
-        (``pgd``: :class:`flowpm_mtf.jobs.lensing_pgd.PGDParticles`, its :math:`\alpha(a)`
-        fed per stage); the time loop goes on from the uncorrected particles.
-    """
-
-    def __init__(self, conf, geom, mesh, pconf=None):
-        self.geom = geom
-        stages, self.plane_stage = lensing_geometry.lightcone_stages(conf, geom)
-        super().__init__(conf, mesh, stages)
-        # one displacement for every plane stage, alpha(a) fed per run (None without PGD)
-        self.pgd = lensing_pgd.pgd_particles(self, mesh, pconf)
-        x = self.variables.positions if self.pgd is None else self.pgd.positions
-        x_mesh = self.variables.positions if self.pgd is None else self.pgd.clipped
-        plane_shape = mtf.Shape([mtf.Dimension(n, s) for n, s in zip(("x", "y"), conf.nc[:2])])
-        self.planes = [mtf.get_variable(mesh, "plane_%d" % i, plane_shape, dtype=conf.tf_dtype,
-                                        trainable=False, initializer=unfolded_zeros_initializer())
-                       for i in range(geom.n_planes)]
-        # the Born maps' running sum over the planes painted so far, at the rays' resolution
-        # (lensing.ray_born_terms, summed over the blocks at each plane stage): [src, thx,
-        # thy], small and replicated (a checkpoint holds it once, for any process grid)
-        self.born_kappa = mtf.get_variable(
-            mesh, "born_kappa", mtf.Shape([
-                mtf.Dimension(lensing.SRC, geom.n_source),
-                mtf.Dimension(lensing.THX, geom.npix), mtf.Dimension(lensing.THY, geom.npix)]),
-            dtype=conf.tf_dtype, trainable=False, initializer=unfolded_zeros_initializer())
-        coef = lensing_geometry.born_coefficients(conf, geom)
-        # plane_ops[j]: assignments of the planes painted at stage j (the mesh planes and the
-        # rays' Born terms of the same particles)
-        self.plane_ops = {}
-        terms = {}
-        for i, j in enumerate(self.plane_stage):
-            self.plane_ops.setdefault(int(j), []).append(
-                mtf.assign(self.planes[i], lensing.density_plane(x_mesh, conf, geom, i,
-                                                                 weight=self.weights)))
-            if np.any(coef[:, i] > 0):
-                terms.setdefault(int(j), []).append(
-                    lensing.ray_born_terms(x, conf, geom, i, weight=self.weights))
-        for j, ts in terms.items():
-            self.plane_ops[j].append(mtf.assign(self.born_kappa, self.born_kappa
-                                                + lensing.born_from_terms(ts)))
-        self.kappa = mtf.identity(self.born_kappa)
-        self.gamma1, self.gamma2 = lensing.shear_from_potential(self.kappa)
+        return LensingGraph
+    raise AttributeError("module %r has no attribute %r" % (__name__, name))
 
 
 @register
@@ -135,6 +85,8 @@ class LensingJob(Job):
     state_sections = {"lensing": (), "sky": (), "pgd": ()}   # every setting shapes the maps
 
     def preflight(self, ctx):
+        from . import lensing_fullsky, nbody_run
+
         # Sizes and memory first (from the options alone: the geometry allocates the rays),
         # then the lightcone's consistency; the same error on every rank.
         lensing_fullsky.check_options(ctx, self.sections)
@@ -168,11 +120,16 @@ class LensingJob(Job):
             nbody_run.check_resume(ctx, stages, plane_names(ctx.geom.n_planes))
 
     def build(self, ctx, mesh):
+        from . import lensing_fullsky
+        from .lensing_graph import LensingGraph
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.FullSkyGraph(ctx.conf, ctx.geom, mesh, ctx.configs["pgd"])
         return LensingGraph(ctx.conf, ctx.geom, mesh, ctx.configs["pgd"])
 
     def describe(self, ctx, g):
+        from . import lensing_fullsky
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.describe_full(ctx, g)
         conf, geom = ctx.conf, ctx.geom
@@ -181,6 +138,8 @@ class LensingJob(Job):
             "x".join(map(str, conf.nc)), "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, g, lowering):
+        from . import lensing_fullsky, lensing_pgd, nbody_run, runner
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.lower_full(ctx, g, lowering)
         ops = nbody_run.lower_simulation(g, lowering)
@@ -197,6 +156,8 @@ class LensingJob(Job):
         return ops
 
     def execute(self, ctx, sess, g, ops):
+        from . import lensing_fullsky, lensing_pgd, nbody_run
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.execute_full(ctx, sess, g, ops)
         geom = ctx.geom
@@ -231,6 +192,8 @@ class LensingJob(Job):
         return res
 
     def finish(self, ctx, res):
+        from . import lensing_fullsky
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.finish_full(ctx, res)
         conf, geom = ctx.conf, ctx.geom
@@ -274,6 +237,8 @@ class LensingJob(Job):
                 "resolved_ell": [list(r) for r in pred["ell_range"]]}
 
     def write_all(self, ctx, res):
+        from . import lensing_fullsky
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.write_all_full(ctx, res)
         io.write_kappa(ctx.file("kappa.h5"), ctx.comm, res["kappa"], res["plane_parts"],
@@ -282,6 +247,8 @@ class LensingJob(Job):
                                         np.asarray(res["gamma2"], np.float64)))
 
     def write(self, ctx, out, res, summary):
+        from . import lensing_fullsky
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.write_full(ctx, out, res, summary)
         geom = ctx.geom
@@ -289,6 +256,8 @@ class LensingJob(Job):
                              res["pred"], res["n_modes"], geom, rank=0)
 
     def plot(self, ctx, out, res, summary):
+        from . import lensing_fullsky
+
         if lensing_fullsky.is_full(ctx):
             return lensing_fullsky.plot_full(ctx, out, res, summary)
         kappa_plot(out.path("kappa.png"), res["kappa"][0], ctx.geom, res["ell"],

@@ -1,7 +1,7 @@
 r"""PGD in the lensing job: the corrected particles both skies paint from.
 
 With ``--pgd`` (:class:`flowpm_mtf.physics.pgd.PGDConfig`), the flat sky's planes
-(:class:`flowpm_mtf.jobs.lensing.LensingGraph`) and the full sky's HEALPix shells
+(:class:`flowpm_mtf.jobs.lensing_graph.LensingGraph`) and the full sky's HEALPix shells
 (:class:`flowpm_mtf.jobs.lensing_fullsky.FullSkyGraph`) are painted from the particles moved
 by the PGD displacement at their stage, :math:`\alpha(a) = \alpha_0 a^\mu` fed per plane
 stage; the P(k) at those stages (the Limber prediction's input) is the corrected particles'.

@@ -41,8 +41,8 @@ import numpy as np
 from ..runs import checkpoint, h5dist, io, preflight
 from ..config import SimConfig
 from ..logs import rank0_only
-from ..gradients.reconstruct import ReconConfig, ReconstructionGraph
-from . import register, runner
+from ..gradients.reconstruct_config import ReconConfig
+from . import register
 from .base import ConfigSection, Job
 
 __all__ = ["ReconstructJob", "reconstruction_plot"]
@@ -78,6 +78,8 @@ class ReconstructJob(Job):
             checkpoint.verify_resume(ctx.run_dir.path, ctx.comm, _identity(ctx))
 
     def build(self, ctx, mesh):
+        from ..gradients.reconstruct import ReconstructionGraph
+
         return ReconstructionGraph(ctx.conf, ctx.configs["reconstruction"], mesh)
 
     def describe(self, ctx, rg):
@@ -87,6 +89,8 @@ class ReconstructJob(Job):
             rconf.iterations)
 
     def lower(self, ctx, rg, lowering):
+        from . import runner
+
         return {"iteration": rg.lower_iteration(lowering),
                 # the fields: this process's slices only (no gather)
                 "fields": runner.local(lowering, {"truth": rg.truth,
@@ -226,6 +230,8 @@ def _checkpoint_or_stop(ctx, sess, state, done, history):
         On every rank, after the checkpoint, when the ranks agreed on a stop
         request (SIGTERM).
     """
+    from . import runner
+
     total = ctx.configs["reconstruction"].iterations
     stop = ctx.stop is not None and done < total and ctx.stop.agreed()   # collective
     every = ctx.checkpoint_every

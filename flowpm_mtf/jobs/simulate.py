@@ -1,9 +1,10 @@
 """The main job: Gaussian ICs -> LPT -> FastPM N-body -> snapshot, P(k), plots.
 
-``flowpm-mtf simulate``. The graph is built once (:class:`SimulationGraph`);
-the ICs and every kick-drift-kick step run one after the other in the time
-loop (:func:`flowpm_mtf.jobs.nbody_run.run_stages`), so progress and timings
-are logged per step without rebuilding anything.
+``flowpm-mtf simulate``. The graph is built once
+(:class:`~flowpm_mtf.jobs.nbody_run.SimulationGraph`); the ICs and every kick-drift-kick
+step run one after the other in the time loop
+(:func:`flowpm_mtf.jobs.nbody_run.run_stages`), so progress and timings are logged per
+step without rebuilding anything.
 
 Outputs (into the run directory; no rank gathers a full-size array)
 --------------------------------------------------------------------
@@ -54,13 +55,11 @@ from ..physics import cosmology as cosmo_mod
 from ..physics import linear_power
 from ..physics import linear_power_source
 from ..runs import gadget, io
-from ..physics import nbody, timeloop
 from ..config import SimConfig
 from ..logs import rank0_only
 from ..analysis.fof import FofConfig
-from . import halos, nbody_run, register
+from . import halos, register
 from .base import ConfigSection, Job
-from .nbody_run import SimulationGraph
 
 __all__ = ["SimulateOptions", "SimulateJob", "overview_plot", "write_gadget_snapshot",
            "SNAPSHOT_FORMATS"]
@@ -164,6 +163,8 @@ class SimulateJob(Job):
     state_sections = {"linear_power": ()}
 
     def _stages(self, ctx):
+        from ..physics import nbody, timeloop
+
         conf, opts = ctx.conf, ctx.configs["simulate"]
         return timeloop.merge_stages(nbody.default_stages(conf), opts.snapshots)
 
@@ -183,9 +184,13 @@ class SimulateJob(Job):
             ctx.configs["linear_power"] = dataclasses.replace(
                 lp, linear_power_digest=ctx.linear_power.digest)
         if ctx.resume:              # the run; a checkpoint of another run is refused
+            from . import nbody_run
+
             nbody_run.check_resume(ctx, stages)
 
     def build(self, ctx, mesh):
+        from .nbody_run import SimulationGraph
+
         lp = getattr(ctx, "linear_power", None)
         return SimulationGraph(ctx.conf, mesh, self._stages(ctx),
                                plin=None if lp is None else lp.table)
@@ -196,9 +201,14 @@ class SimulateJob(Job):
                                                "x".join(map(str, conf.grid)))
 
     def lower(self, ctx, sim, lowering):
+        from . import nbody_run
+
         return nbody_run.lower_simulation(sim, lowering)
 
     def execute(self, ctx, sess, sim, ops):
+        from ..physics import timeloop
+        from . import nbody_run
+
         opts = ctx.configs["simulate"]
         conf = ctx.conf
         observers, res = [], {}
@@ -231,6 +241,8 @@ class SimulateJob(Job):
         return res
 
     def finish(self, ctx, res):
+        from . import nbody_run
+
         conf = ctx.conf
         res["parts"] = nbody_run.snapshot_parts(conf, res["state"], res["ops"]["rho"],
                                                 res["rho"], conf.a_end)
@@ -257,6 +269,8 @@ class SimulateJob(Job):
             write_gadget_snapshot(ctx, res["n_extra"], ctx.conf.a_end, res["parts"],
                                   opts.h5_compression)
         else:
+            from . import nbody_run
+
             nbody_run.write_snapshot(ctx, "snapshot.h5", res["parts"], opts.h5_compression)
         if "fof" in res:
             halos.write_catalogue(ctx, halos.halos_name(), res["fof"], ctx.conf.a_end,

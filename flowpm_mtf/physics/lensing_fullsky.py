@@ -61,6 +61,8 @@ import numpy as np
 import tensorflow.compat.v1 as tf
 
 from . import lensing_geometry
+# the sky's settings, decided before any graph (public here too: __all__)
+from .lensing_geometry import MAX_NSIDE, SKIES, FullSkyConfig  # noqa: F401
 from .painting import _local_particles, block_origins
 
 __all__ = ["SKIES", "HPIX", "FullSkyConfig", "FullSkyGeometry", "fullsky_geometry",
@@ -69,13 +71,9 @@ __all__ = ["SKIES", "HPIX", "FullSkyConfig", "FullSkyGeometry", "fullsky_geometr
 
 log = logging.getLogger(__name__)
 
-SKIES = ("flat", "full")
 HPIX, SRC = "hpix", "src"
 """Dimensions of the HEALPix maps ``[src, hpix]`` (replicated on every rank; ``src`` as the
 flat-sky maps')."""
-# Largest nside accepted: 12 * 8192^2 = 805 M pixels per map is beyond any memory here, and
-# int32 segment ids of a block's map must stay < 2^31.
-MAX_NSIDE = 8192
 # Replicas processed together in one vectorised pass: at most _REPLICA_CHUNK, and at most
 # CHUNK_ELEMENTS particle-replica pairs per pass (the pass's temporaries, ~100 bytes a pair).
 _REPLICA_CHUNK = 16
@@ -86,49 +84,6 @@ _RANDOMIZE_KEY = 0x5e11
 # An unused replica slot (padding of the last chunk): this many box sides away, far beyond
 # every shell, so none of its particles is selected.
 _FAR_REPLICA = 1.0e6
-
-
-@dataclasses.dataclass(frozen=True)
-class FullSkyConfig:
-    """The sky of a lensing run.
-
-    Parameters
-    ----------
-    sky : str
-        ``flat`` (planes and a square field, :mod:`flowpm_mtf.physics.lensing`) or
-        ``full`` (HEALPix shells around the observer,
-        :mod:`flowpm_mtf.physics.lensing_fullsky`).
-    nside : int
-        HEALPix resolution of the full-sky maps (a power of 2; 12 nside^2 pixels).
-
-    Raises
-    ------
-    ValueError
-        For an unknown sky or an nside that is not a power of 2 in [1, MAX_NSIDE].
-    """
-
-    sky: str = dataclasses.field(default="flat", metadata={"choices": SKIES})
-    nside: int = 128
-
-    def __post_init__(self):
-        if self.sky not in SKIES:
-            raise ValueError("FullSkyConfig: sky must be one of %s, got %r"
-                             % (", ".join(SKIES), self.sky))
-        n = self.nside
-        if isinstance(n, bool) or not float(n).is_integer() or n < 1 or (int(n) & (int(n) - 1)):
-            raise ValueError("FullSkyConfig: nside must be a power of 2, got %r" % (n,))
-        if int(n) > MAX_NSIDE:
-            raise ValueError("FullSkyConfig: nside=%d is too large (at most %d)"
-                             % (n, MAX_NSIDE))
-        object.__setattr__(self, "nside", int(n))
-
-    @property
-    def npix(self):
-        """Pixels of a map, 12 nside^2."""
-        return 12 * self.nside**2
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)

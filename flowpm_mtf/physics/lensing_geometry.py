@@ -1,7 +1,8 @@
 r"""The lightcone's geometry (numpy, before any graph): what to lens and where.
 
 :class:`LensingConfig` says what to lens (sources, field of view, map size, number
-of planes); :func:`geometry` derives the :class:`LightconeGeometry` with every
+of planes), :class:`FullSkyConfig` on which sky (flat planes or HEALPix shells,
+:mod:`flowpm_mtf.physics.lensing_fullsky`); :func:`geometry` derives the :class:`LightconeGeometry` with every
 consistency check: the shells, the sources' distances and lensing efficiencies
 (an n(z): :mod:`flowpm_mtf.physics.lensing_sources`), the rays, and each plane's
 random shift, flips and transposition (:mod:`flowpm_mtf.physics.lensing`,
@@ -33,8 +34,8 @@ from . import cosmology as cosmo_mod
 from ..config import default_stages
 from .lensing_sources import nz_efficiency, source_nz
 
-__all__ = ["LensingConfig", "LightconeGeometry", "geometry", "lightcone_stages",
-           "born_coefficients"]
+__all__ = ["LensingConfig", "FullSkyConfig", "SKIES", "MAX_NSIDE", "LightconeGeometry",
+           "geometry", "lightcone_stages", "born_coefficients"]
 
 # A plane scale factor within this fraction of a regular time step of a regular stage
 # replaces that stage (instead of adding a much shorter step next to it).
@@ -153,6 +154,57 @@ class LensingConfig:
         for name in ("z_source", "nz_smail", "nz_bins"):
             d[name] = list(getattr(self, name))
         return d
+
+
+#: Values of ``--sky``: flat-sky planes, or HEALPix shells
+#: (:mod:`flowpm_mtf.physics.lensing_fullsky`).
+SKIES = ("flat", "full")
+# Largest nside accepted: 12 * 8192^2 = 805 M pixels per map is beyond any memory here, and
+# int32 segment ids of a block's map must stay < 2^31.
+MAX_NSIDE = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSkyConfig:
+    """The sky of a lensing run.
+
+    Parameters
+    ----------
+    sky : str
+        ``flat`` (planes and a square field, :mod:`flowpm_mtf.physics.lensing`) or
+        ``full`` (HEALPix shells around the observer,
+        :mod:`flowpm_mtf.physics.lensing_fullsky`).
+    nside : int
+        HEALPix resolution of the full-sky maps (a power of 2; 12 nside^2 pixels).
+
+    Raises
+    ------
+    ValueError
+        For an unknown sky or an nside that is not a power of 2 in [1, MAX_NSIDE].
+    """
+
+    sky: str = dataclasses.field(default="flat", metadata={"choices": SKIES})
+    nside: int = 128
+
+    def __post_init__(self):
+        if self.sky not in SKIES:
+            raise ValueError("FullSkyConfig: sky must be one of %s, got %r"
+                             % (", ".join(SKIES), self.sky))
+        n = self.nside
+        if isinstance(n, bool) or not float(n).is_integer() or n < 1 or (int(n) & (int(n) - 1)):
+            raise ValueError("FullSkyConfig: nside must be a power of 2, got %r" % (n,))
+        if int(n) > MAX_NSIDE:
+            raise ValueError("FullSkyConfig: nside=%d is too large (at most %d)"
+                             % (n, MAX_NSIDE))
+        object.__setattr__(self, "nside", int(n))
+
+    @property
+    def npix(self):
+        """Pixels of a map, 12 nside^2."""
+        return 12 * self.nside**2
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,17 +28,15 @@ here with the PGD kernel instead of :math:`1/k^2`), the four-point gradient
 (:func:`flowpm_mtf.physics.painting.readout_padded`). Plain mtf operations, each with its
 gradient: the displacement is differentiable with respect to the positions (the paint and the
 readout) and to :math:`\alpha` (linear).
+
+The settings (:class:`PGDConfig`, :data:`FITS`) are numpy: Mesh TF, TensorFlow and the
+force's pieces are imported inside the functions that need them, so the command line reads
+and checks the settings without importing TensorFlow.
 """
 import dataclasses
 import typing
 
-import mesh_tensorflow as mtf
 import numpy as np
-import tensorflow.compat.v1 as tf
-
-from ..mesh import radial_filter
-from .gravity import density, force_field_of_potential, single_block, GRADIENT_REACH
-from .painting import readout_padded
 
 __all__ = ["PGDConfig", "FITS", "fitted_alpha", "is_fitted", "pgd_kernel_values",
            "pgd_displacement", "nyquist", "check_blocks", "clip_to_blocks", "CLIP_MARGIN"]
@@ -232,6 +230,8 @@ def check_blocks(conf):
     """Raise ``ValueError`` (one line) if the blocks are too narrow for the gradient stencil
     of :func:`pgd_displacement` (on several blocks: ``halo_size + 2`` cells narrower than a
     block along x and y)."""
+    from .gravity import GRADIENT_REACH, single_block
+
     if single_block(conf):
         return
     if conf.halo_size + GRADIENT_REACH >= min(conf.block_shape[:2]):
@@ -273,6 +273,10 @@ def pgd_displacement(positions, conf, pconf, alpha, weight=None, escape_checked=
     ValueError
         If the blocks are too narrow for the gradient (:func:`check_blocks`).
     """
+    from ..mesh import radial_filter
+    from .gravity import density, force_field_of_potential
+    from .painting import readout_padded
+
     check_blocks(conf)
     rho = density(positions, conf, weight, escape_checked=escape_checked)
     pot = radial_filter.radial_filter(rho, conf, lambda k: pgd_kernel_values(k, conf, pconf),
@@ -309,6 +313,9 @@ def clip_to_blocks(positions, conf, name="pgd_clip"):
     mtf.Tensor
         Same shape [cells].
     """
+    import mesh_tensorflow as mtf
+    import tensorflow.compat.v1 as tf
+
     h = conf.halo_size
     sx, sy, _ = conf.block_shape
     dt = conf.np_dtype
