@@ -15,7 +15,9 @@ per module), so the map and this check cannot diverge:
 * the migration (``flowpm_mtf/mesh/domain.py``) imports nothing about the cosmology or the
   buffer sizes (its callers pass the sizes);
 * Mesh TF is patched in one place: only ``hvd_mesh_impl/mtf_compat.py`` calls its
-  ``enable_*`` functions (everyone else calls ``mtf_compat.apply``).
+  ``enable_*`` functions (everyone else calls ``mtf_compat.apply``);
+* no Python module of the packages is longer than :data:`MAX_MODULE_LINES` (split it by
+  concern).
 """
 import ast
 import os
@@ -44,6 +46,8 @@ _SIZES = frozenset({"flowpm_mtf.config", "flowpm_mtf.physics.cosmology",
 PHYSICS_FREE = {m: _SIZES for m in ("flowpm_mtf.mesh.domain", "flowpm_mtf.mesh.domain_local",
                                     "flowpm_mtf.mesh.slots")}
 MTF_PATCHES = ("enable_complex_gradients", "enable_lazy_masters")
+#: Lines of the longest module the packages may hold.
+MAX_MODULE_LINES = 800
 
 
 def _tree_files():
@@ -143,6 +147,18 @@ def test_map_lists_every_module_once(floors):
     listed, tree = set(floors), _tree_files()
     assert not tree - listed, "modules missing from docs/design.md: %s" % sorted(tree - listed)
     assert not listed - tree, "docs/design.md lists files that do not exist: %s" % sorted(listed - tree)
+
+
+def test_no_module_is_longer_than_the_limit():
+    lengths = {}
+    for path in sorted(_tree_files()):
+        if path.endswith(".py"):
+            with open(os.path.join(REPO, path)) as f:
+                lengths[path] = sum(1 for _ in f)
+    assert len(lengths) > 100
+    too_long = {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES}
+    assert not too_long, "modules over %d lines (split them by concern): %s" % (
+        MAX_MODULE_LINES, too_long)
 
 
 def floor_violations(floors, deps, modules):
