@@ -2,7 +2,7 @@
 
 Rank 0 prints to the terminal; other ranks write to ``<logdir>/np<N>_rank<R>.log``.
 Every rank writes JUnit XML to ``<logdir>/np<N>_rank<R>.xml``; with
-``FLOWPM_MTF_TEST_PART=<part>`` (run_tests.sh's 1-rank job runs two parts side by side)
+``FLOWPM_MTF_TEST_PART=<part>`` (run_tests.sh's 1-rank job runs ``NP1_PARTS`` parts side by side)
 the files are ``np<N>_rank<R>_<part>.*``. pytest's exit code 5 ("no tests collected")
 counts as success: some files have no test for a world size.
 """

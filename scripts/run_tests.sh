@@ -5,6 +5,7 @@
 #
 #   bash scripts/run_tests.sh                 # everything
 #   NPS="1 2" bash scripts/run_tests.sh       # only 1 and 2 ranks
+#   NP1_PARTS=2 bash scripts/run_tests.sh     # the 1-rank pass as 2 pytest processes (default 3)
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments
 #   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_tests.sh   # on the previous stack, TensorFlow 2.12
 #   bash scripts/run_tests.sh --quick         # work in progress: a chosen subset on 1 and 2
@@ -100,6 +101,11 @@ FOUR_RANK_TESTS=(
   tests/test_fof.py              # FoF groups across the corner of 4 blocks (2x2 ghosts)
   tests/test_gadget4.py          # Gadget-4 files of a 2x2 grid read by yt and pynbody
 )
+# The 1-rank pass's pytest processes side by side (below); 1 to 8.
+NP1_PARTS="${NP1_PARTS:-3}"
+if ! [[ "$NP1_PARTS" =~ ^[1-8]$ ]]; then
+  echo "NP1_PARTS must be 1 to 8, not '$NP1_PARTS'"; exit 2
+fi
 bash scripts/setup_env.sh || { echo "setup failed"; exit 1; }
 # shellcheck disable=SC1091  # functions only: mpirun_options, stack_venv
 source scripts/launch_lib.sh
@@ -152,23 +158,32 @@ for np in $NPS; do
     timeout 900 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
   elif [ "$np" = 1 ]; then
-    # No launcher. Two pytest processes side by side, so that both cores work: each
-    # collects every test and runs the test files it claims first from a directory they
-    # share, the costliest files first (tests/file_queue.py, tests/file_costs.tsv), so
-    # that they end together. Part b prints its report after part a's.
+    # No launcher. NP1_PARTS pytest processes side by side (default 3 on 2 cores: while
+    # one waits on a launched job's timeout, a Slurm daemon or a link, another works):
+    # each collects every test and runs the test files it claims first from a directory
+    # they share, the costliest files first (tests/file_queue.py, tests/file_costs.tsv),
+    # so that they end together. The other parts print their reports after part a's.
     queue="$(mktemp -d "${TMPDIR:-/tmp}/flowpm_mtf_test_queue.XXXXXX")"
-    FLOWPM_MTF_TEST_QUEUE="$queue" FLOWPM_MTF_TEST_PART=b timeout 2700 \
-      python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" > "$LOGDIR/np1_b.out" 2>&1 &
-    b_pid=$!
+    parts=(a b c d e f g h)
+    parts=("${parts[@]:0:$NP1_PARTS}")
+    other_pids=()
+    for part in "${parts[@]:1}"; do
+      FLOWPM_MTF_TEST_QUEUE="$queue" FLOWPM_MTF_TEST_PART=$part timeout 2700 \
+        python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}" > "$LOGDIR/np1_$part.out" 2>&1 &
+      other_pids+=($!)
+    done
     FLOWPM_MTF_TEST_QUEUE="$queue" FLOWPM_MTF_TEST_PART=a timeout 2700 \
       python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
-    wait "$b_pid"
-    rc_b=$?
+    for i in "${!other_pids[@]}"; do
+      wait "${other_pids[$i]}"
+      rc_other=$?
+      part="${parts[$((i + 1))]}"
+      echo "---------------- 1 rank: the files of process $part ----------------"
+      cat "$LOGDIR/np1_$part.out"
+      if [ $rc -eq 0 ]; then rc=$rc_other; fi
+    done
     rm -rf "$queue"
-    echo "---------------- 1 rank: the files of the other process ----------------"
-    cat "$LOGDIR/np1_b.out"
-    if [ $rc -eq 0 ]; then rc=$rc_b; fi
   elif [ "$np" = 4 ] && [ $QUICK = 0 ]; then
     timeout 2700 "${MPIRUN[@]}" -np 4 python scripts/mpi_pytest.py "${FOUR_RANK_TESTS[@]}" \
       "${PYTEST_ARGS[@]:1}"
@@ -184,15 +199,19 @@ for np in $NPS; do
   fi
 done
 
-python - "$LOGDIR" "$NPS" "$QUICK" <<'PY'
+python - "$LOGDIR" "$NPS" "$QUICK" "$NP1_PARTS" <<'PY'
 import glob, os, sys
 import xml.etree.ElementTree as ET
 logdir, nps, quick = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
+n_parts = int(sys.argv[4])
 tot = dict(tests=0, failures=0, errors=0, skipped=0)
 for np_ in nps:
-    # one file per rank count; the 1-rank job's two parts have one each (not in --quick)
-    paths = ([os.path.join(logdir, "np1_rank0_%s.xml" % p) for p in ("a", "b")]
+    # one file per rank count; the 1-rank job's parts have one each (not in --quick)
+    paths = (sorted(glob.glob(os.path.join(logdir, "np1_rank0_?.xml")))
              if np_ == "1" and not quick else [os.path.join(logdir, "np%s_rank0.xml" % np_)])
+    if np_ == "1" and not quick and len(paths) != n_parts:
+        print("results of %d of the %d 1-rank processes" % (len(paths), n_parts))
+        tot["errors"] += 1
     for path in paths:
         if not os.path.exists(path):
             print("no results in %s" % os.path.basename(path)); tot["errors"] += 1; continue

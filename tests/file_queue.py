@@ -1,10 +1,10 @@
-"""Test files shared out between the 1-rank pass's two pytest processes (docs/testing.md).
+"""Test files shared out between the 1-rank pass's pytest processes (docs/testing.md).
 
-scripts/run_tests.sh starts two pytest processes side by side on one rank, so that both
-cores work. Each collects every test, orders the files by their cost (:data:`COSTS`,
-costliest first) and runs a file only if it claims it first: an empty file named after it,
+scripts/run_tests.sh starts ``NP1_PARTS`` pytest processes (default 3) side by side on one
+rank, so that both cores work. Each collects every test, orders the files by their cost
+(:data:`COSTS`, costliest first) and runs a file only if it claims it first: an empty file named after it,
 created exclusively in the shared directory ``FLOWPM_MTF_TEST_QUEUE``. A process that
-finishes a file claims the next one left, so the two end within about the cost of the last
+finishes a file claims the next one left, so they end within about the cost of the last
 files, whatever the costs are now (a stale or missing cost only changes the order). The
 tests of a file run in one process, in their usual order, with their module fixtures.
 
