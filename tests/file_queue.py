@@ -2,14 +2,14 @@
 
 scripts/run_tests.sh starts ``NP1_PARTS`` pytest processes (default 3) side by side on one
 rank, so that both cores work. Each collects every test, orders the files by their cost
-(:data:`COSTS`, costliest first) and runs a file only if it claims it first: an empty file named after it,
-created exclusively in the shared directory ``FLOWPM_MTF_TEST_QUEUE``. A process that
+(:data:`COSTS`, costliest first) and runs a file only if it claims it first: an empty
+file named after it, created exclusively in the shared directory ``FLOWPM_MTF_TEST_QUEUE``. A process that
 finishes a file claims the next one left, so they end within about the cost of the last
 files, whatever the costs are now (a stale or missing cost only changes the order). The
 tests of a file run in one process, in their usual order, with their module fixtures.
 
-The costs are the CPU seconds per file of a full run's 1-rank pass; after a change of the
-suite, refresh them from that run's logs::
+The costs are the wall seconds per file of a full run's 1-rank pass (:func:`costs_from_logs`);
+after a change of the suite, refresh them from that run's logs::
 
     python tests/file_queue.py test-logs > tests/file_costs.tsv
 """
@@ -79,23 +79,24 @@ def run_claimed(session, queue, costs):
 
 
 def costs_from_logs(logdir):
-    """``{test file: CPU seconds}`` summed over the 1-rank pass's ``*_cpu.tsv`` in ``logdir``."""
+    """``{test file: seconds}`` summed over the 1-rank pass's JUnit reports
+    (``np1_rank0*.xml``) in ``logdir``: each test's wall time as that pass ran it (set-up,
+    call and tear-down). Wall, not CPU: a file that mostly waits on what it launched (a
+    Slurm job, a peer timeout) takes its wall time whatever its CPU, and must start early."""
+    import xml.etree.ElementTree as ET
+
     costs = {}
-    for path in glob.glob(os.path.join(logdir, "np1_rank0*_cpu.tsv")):
-        with open(path) as f:
-            for line in f:
-                if line.startswith("#") or not line.strip():
-                    continue
-                cpu, _, _, nodeid = line.rstrip("\n").split("\t", 3)
-                name = nodeid.split("::")[0]
-                costs[name] = costs.get(name, 0.0) + float(cpu)
+    for path in glob.glob(os.path.join(logdir, "np1_rank0*.xml")):
+        for case in ET.parse(path).getroot().iter("testcase"):
+            name = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+            costs[name] = costs.get(name, 0.0) + float(case.get("time") or 0.0)
     return costs
 
 
 if __name__ == "__main__":
     found = costs_from_logs(sys.argv[1] if len(sys.argv) > 1 else "test-logs")
     if not found:
-        sys.exit("no np1_rank0*_cpu.tsv in %s" % (sys.argv[1:] or ["test-logs"])[0])
-    print("# CPU seconds per test file in the 1-rank pass (python tests/file_queue.py LOGDIR)")
+        sys.exit("no np1_rank0*.xml in %s" % (sys.argv[1:] or ["test-logs"])[0])
+    print("# wall seconds per test file in the 1-rank pass (python tests/file_queue.py LOGDIR)")
     for name, cost in sorted(found.items(), key=lambda kv: (-kv[1], kv[0])):
         print("%s\t%.1f" % (name, cost))

@@ -42,3 +42,20 @@ def test_costliest_files_first_unknown_at_the_median():
     assert [[i.nodeid for i in g] for g in groups] == [
         ["tests/test_b.py::y"], ["tests/test_c.py::z"],   # c unknown: the median cost, 3.0
         ["tests/test_a.py::x", "tests/test_a.py::w"]]
+
+
+def test_costs_are_the_wall_seconds_of_each_file(tmp_path):
+    """A file that waits (wall far above its CPU) gets its wall time: it starts early."""
+    (tmp_path / "np1_rank0_a.xml").write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_slurm" name="x" time="100.5"/>'
+        '<testcase classname="tests.test_slurm" name="y" time="0.5"/>'
+        '<testcase classname="tests.test_fft" name="z" time="3.0"/>'
+        '</testsuite></testsuites>')
+    (tmp_path / "np1_rank0_b.xml").write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_fft" name="w" time="2.0"/>'
+        '</testsuite></testsuites>')
+    (tmp_path / "np1_rank0_a_cpu.tsv").write_text(
+        "# cpu\n1.00\t1.00\t0.00\ttests/test_slurm.py::x\n")
+    assert file_queue.costs_from_logs(str(tmp_path)) == {"tests/test_slurm.py": 101.0,
+                                                         "tests/test_fft.py": 5.0}
