@@ -681,14 +681,26 @@ def _save(args, old, records, path, final=False):
     return records
 
 
+# module -> its distribution names, first installed wins
+_DISTRIBUTIONS = {"tensorflow": ("tensorflow-cpu", "tensorflow"),
+                  "mesh_tensorflow": ("mesh-tensorflow",), "horovod": ("horovod",),
+                  "mpi4py": ("mpi4py",), "mpi4py_fft": ("mpi4py-fft",), "numpy": ("numpy",)}
+
+
 def _versions():
+    """The packages' versions, from their installed metadata: the driver does not import
+    TensorFlow (its sub-runs do); None for a package that is not installed."""
+    from importlib import metadata
+
     out = {"python": sys.version.split()[0]}
-    for mod in ("tensorflow", "mesh_tensorflow", "horovod", "mpi4py", "mpi4py_fft", "numpy"):
-        try:
-            m = __import__(mod)
-            out[mod] = getattr(m, "__version__", "?")
-        except Exception:  # a missing optional package is reported, not fatal
-            out[mod] = None
+    for mod, dists in _DISTRIBUTIONS.items():
+        out[mod] = None
+        for dist in dists:
+            try:
+                out[mod] = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
     return out
 
 

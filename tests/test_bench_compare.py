@@ -1,8 +1,9 @@
 """scripts/bench_compare.py (smoke run of every backend) and scripts/scaling_model.py.
 
 The smoke run starts its own MPI jobs and TF cluster, so it runs in the 1-rank pass
-only; the scaling-model unit tests are pure Python (rank_independent: the 1-rank pass runs
-them), but for the placement-mesh counter, which runs in every pass.
+only; the scaling-model unit tests are pure Python and the placement-mesh counter lives in
+one process (rank_independent: the 1-rank pass runs them; on N ranks every rank would count
+the same placement graph again).
 """
 import json
 import os
@@ -199,6 +200,7 @@ def test_driver_rejects_bad_configuration(tmp_path):
     assert not os.listdir(tmp_path)  # nothing ran
 
 
+@pytest.mark.rank_independent
 def test_counter_on_a_placement_mesh():
     """CommCounter on PlacementMeshImpl: a 2x2 FFT round trip, per device."""
     import tensorflow.compat.v1 as tf

@@ -1,7 +1,8 @@
 """scripts/bench_peers.py: its records (a small run of ``ours`` and of both graph builds)
 and the derived columns of its Markdown.
 
-The runs start their own TF process, so they run in the 1-rank pass only; the
+The runs start their own TF process, and the graph builds run in this one on
+COMM_WORLD (this process alone in the 1-rank pass), so they run in the 1-rank pass only; the
 rendering and memory-accounting tests are pure Python (rank_independent: they run once,
 in the 1-rank pass).
 """
@@ -152,10 +153,21 @@ def test_fft_pairs_summary_takes_medians_over_the_pairs():
     assert "| 128³ | 4 | 1 | 2 | 2-2 | – | no |" in slow
 
 
+def _run_here(args, tmp_path, name):
+    """``bench_peers.py ARGS --json PATH`` in this process (its ``main``); the record."""
+    out = str(tmp_path / (name + ".json"))
+    assert bp.main(args + ["--json", out]) == 0
+    with open(out) as f:
+        return json.load(f)
+
+
 @pytest.mark.single_process
 def test_build_records_have_cpu_time_and_private_memory(tmp_path):
-    hvd = _run(["build-hvd"], tmp_path, "hvd")
-    pl = _run(["build-placement", "--n", "2"], tmp_path, "placement")
+    """``build-hvd`` (one rank) and ``build-placement --n 2``, each run by the script's
+    ``main`` in this process: a build runs no session, and a launch would add only
+    TensorFlow's start-up (single_process: COMM_WORLD is this process alone)."""
+    hvd = _run_here(["build-hvd"], tmp_path, "hvd")
+    pl = _run_here(["build-placement", "--n", "2"], tmp_path, "placement")
     assert hvd["backend"] == "HvdSimdMeshImpl" and hvd["ranks"] == 1
     assert pl["backend"] == "PlacementMeshImpl" and pl["ranks"] == 2
     for rec in (hvd, pl):
