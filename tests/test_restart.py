@@ -24,8 +24,11 @@ from test_mpi_jobs import clean_env
 
 pytestmark = pytest.mark.single_process
 
-STEPS = 100  # steps cost ~10 ms here: a wide window for the SIGTERM
-# A snapshot at stage 2 (a = 0.11 lies between the regular stages 0.109 and 0.118) and a P(k)
+# Steps cost ~15 ms of CPU per rank here: the 48 after the one the SIGTERM waits for are a
+# wide window for it. The graph (its build most of a job's cost after the start-up) grows
+# with the steps: no more of them than that window needs.
+STEPS = 50
+# A snapshot at stage 1 (a = 0.11 lies between the regular stages 0.1 and 0.118) and a P(k)
 # after every step: outputs of the time loop written before the SIGTERM (after step >= 4).
 SNAPSHOT_A = 0.11
 ARGS = ["simulate", "--nc", "16", "--box-size", "100", "--steps", str(STEPS), "--halo", "4",
@@ -42,12 +45,6 @@ GRID_DENSITY_ATOL = 1e-10
 # P(k) of the same particles on another grid: only the order of the sums differs.
 GRID_PK_RTOL = 1e-10
 SIGNAL_AFTER = "step 3/%d" % N_STEPS
-
-
-def _run(np_, *args):
-    proc = _mpirun(np_, *ARGS, *args, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
 
 
 def _snap(d):
@@ -114,11 +111,15 @@ def _in_process(*args):
 def runs():
     """Every job of the module, run once; the tests inspect them.
 
-    r11: the reference in one process (placement, grid 1x1); r21: the same job on 2 ranks
-    (grid 2x1) with a checkpoint every 20 steps; sig: that job stopped by SIGTERM to rank 1
-    after step 3; resume21: sig with a torn newer checkpoint resumed on 2 ranks, every rank
-    held after the publish and sent SIGTERM there (cli.PAUSE_ENV); resume12 (resumed by its
-    test, in this process), bad, foreign, old, moved: copies of sig.
+    r11: the reference in this process (placement, grid 1x1); r21: the same job on the grid
+    2x1 with a checkpoint every 20 steps, the command in one process on the placement
+    backend (no MPI job: with two slices every cross-slice sum has the same two terms
+    whichever backend adds them, so it equals the 2-rank hvd run bit for bit; a command, not
+    this process: the command's allocator settings change TensorFlow's kernels); sig: that
+    job on 2 ranks (hvd) stopped by SIGTERM to rank 1 after step 3; resume21: sig with a torn
+    newer checkpoint resumed on 2 ranks, every rank held after the publish and sent SIGTERM
+    there (cli.PAUSE_ENV); resume12 (resumed by its test, in this process), bad, foreign,
+    old, moved: copies of sig.
     """
     from flowpm_mtf import cli
 
@@ -127,7 +128,10 @@ def runs():
                                               "bad", "foreign", "old", "moved")}
     assert _in_process(*ARGS, "--backend", "placement", "--grid", "1x1", "--out",
                        d["r11"]) == 0
-    _run(2, "--out", d["r21"], "--checkpoint-every", "20")
+    proc = subprocess.run([sys.executable, "-m", "flowpm_mtf.cli", *ARGS, "--backend",
+                           "placement", "--grid", "2x1", "--out", d["r21"], "--checkpoint-every",
+                           "20"], capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
     sig = _run_and_sigterm(2, d["sig"], rank=1)
     for k in ("resume21", "resume12", "bad", "foreign", "old", "moved"):
         shutil.copytree(d["sig"], d[k])
@@ -164,15 +168,18 @@ def _assert_close(a, b):
 
 
 def test_snapshot_does_not_depend_on_the_grid(runs):
-    """2 ranks (grid 2x1) against one process (grid 1x1); the grid 1x2: the resume on it,
+    """The grid 2x1, on 2 ranks (hvd: the resumed run, bit-identical to the uninterrupted one
+    by test_resume_same_grid_is_bit_identical) and on the placement backend, against one
+    block (grid 1x1); the grid 1x2: the resume on it,
     test_resume_on_another_grid_skipping_a_torn_checkpoint."""
     d, _ = runs
     ref = _snap(d["r11"])
     assert ref["position"].shape == (16**3, 3) and ref["position"].dtype == np.float64
     np.testing.assert_array_equal(ref["id"], np.arange(16**3))
     assert ref["velocity"].std() > 0 and ref["density"].std() > 0.1
-    _assert_close(_snap(d["r21"]), ref)
-    assert len(os.listdir(os.path.join(d["r21"], "snapshot.parts"))) == 2
+    for run in ("resume21", "r21"):
+        _assert_close(_snap(d[run]), ref)
+        assert len(os.listdir(os.path.join(d[run], "snapshot.parts"))) == 2
 
 
 def test_sigterm_checkpoints_and_exits_zero_on_every_rank(runs):
@@ -269,7 +276,8 @@ def _assert_same_outputs(resumed, ref, exact_upto=None):
 
 
 def test_resume_same_grid_is_bit_identical(runs):
-    """On 2 ranks, past a torn newer checkpoint."""
+    """On 2 ranks, past a torn newer checkpoint: equal to the uninterrupted run on the grid
+    2x1 (r21) bit for bit."""
     d, jobs = runs
     log, newest = jobs["resume21"][2:]
     root = os.path.join(d["resume21"], "checkpoint")

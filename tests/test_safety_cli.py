@@ -3,7 +3,7 @@ before the compute when it has to fail, with one error line.
 
 The refusals and runs that need no process of their own run the command line in the test's
 process (:func:`here`, the placement backend on one block); a real ``flowpm-mtf`` process
-(one, or ``mpirun -np 2``) is started where the behaviour is the process's: a run killed while
+is started where the behaviour is the process's: a run killed while
 it writes, two jobs racing for one OUT, one launch per kind of refusal. They run in the
 1-rank pass only. Meshes are 16^3. More refusals on 2 ranks: tests/test_preflight_cli.py."""
 import os
@@ -129,8 +129,10 @@ def test_each_subcommand_has_its_own_default_out(capsys):
 
 
 def test_concurrent_runs_exactly_one_succeeds(tmp_path):
+    """Two ``flowpm-mtf`` processes (one rank each: the lock is rank 0's, and a refusal on
+    every rank of a job is tests/test_preflight_cli.py's) racing for one OUT."""
     out = tmp_path / "D"
-    jobs = [flowpm("simulate", *SMALL, "--seed", seed, "--out", out, np_=2, wait=False)
+    jobs = [flowpm("simulate", *SMALL, "--seed", seed, "--out", out, wait=False)
             for seed in (1, 2)]
     results = [j.communicate(timeout=JOB_DEADLINE_S) for j in jobs]
     codes = [j.returncode for j in jobs]
