@@ -56,9 +56,11 @@ def state(mesh, conf, linear):
 CASES = H.cases(single=True)
 
 
-def _vjp_and_reference(kind, conf, linear):
+def _vjp_and_reference(kind, conf, linear, fields=False):
     """pm_forces_vjp (f1, v1) and pm_forces with its mtf.gradients (f0, v0) at the 2LPT
-    state, for the cotangents id_field(ids, 7); with the ids."""
+    state, for the cotangents id_field(ids, 7); with the ids. ``fields``: in the same
+    graph, the force field of the state's density in real space and from the k-space
+    gradient kernel ("real", "kspace": test_force_field_real_space_equals_kspace)."""
 
     def build(mesh):
         s0, w = state(mesh, conf, linear)
@@ -66,17 +68,45 @@ def _vjp_and_reference(kind, conf, linear):
         f1, v1 = gravity.pm_forces_vjp(s0.positions, ct, conf, weight=w)
         f0 = gravity.pm_forces(s0.positions, conf, weight=w)
         v0 = mtf.gradients([f0], [s0.positions], grad_ys=[ct])[0]
-        return {"f1": f1, "v1": v1, "f0": f0, "v0": v0, "ids": s0.ids}
+        out = {"f1": f1, "v1": v1, "f0": f0, "v0": v0, "ids": s0.ids}
+        if fields:
+            rho = gravity.density(s0.positions, conf, w)
+            kern = gravity.make_kernels(conf, mesh)
+            real, padded = gravity._field_of_density(rho, conf, kern, stencil=True)
+            kspace, kpadded = gravity._field_of_density(rho, conf, kern, stencil=False)
+            assert padded
+            if not kpadded:
+                kspace = gravity.field_to_padded(kspace, conf)
+            out.update(real=real, kspace=kspace)
+        return out
 
     return H.run(kind, conf, build)
 
 
+@pytest.fixture(scope="module")
+def eulerian_runs(linear):
+    """``get(case, dtype)``: the eulerian :func:`_vjp_and_reference` with the force fields
+    of ``case`` and ``dtype``, one graph per case run once for the two tests that read it
+    (test_force_vjp_equals_mtf_gradients, test_force_field_real_space_equals_kspace)."""
+    cache = {}
+
+    def get(case, dtype):
+        key = (case[0], tuple(case[1]), dtype)
+        if key not in cache:
+            cache[key] = _vjp_and_reference(case[0], conf_for(case[1], "eulerian", dtype),
+                                            linear, fields=True)
+        return cache[key]
+
+    return get
+
+
 @pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
 @pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"])
-def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear):
+def test_force_vjp_equals_mtf_gradients(case, decomposition, dtype, linear, eulerian_runs):
     kind, grid = case
     conf = conf_for(grid, decomposition, dtype)
-    out = _vjp_and_reference(kind, conf, linear)
+    out = (eulerian_runs(case, dtype) if decomposition == "eulerian"
+           else _vjp_and_reference(kind, conf, linear))
     np.testing.assert_array_equal(out["f1"], out["f0"])
     err = H.rel_err(out["v1"], out["v0"])
     print("force VJP vs mtf.gradients %s %s %s: %.3g" % (H.case_id(case), decomposition,
@@ -400,25 +430,11 @@ FIELD_RTOL = {"float64": 1e-12, "float32": 4e-6}
 
 
 @pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
-def test_force_field_real_space_equals_kspace(case, dtype, linear):
+def test_force_field_real_space_equals_kspace(case, dtype, eulerian_runs):
     """The force field of the 2LPT state's density through the potential and the native
     four-point difference (gravity.force_field_of_potential) against the k-space gradient
     kernel's packed inverse FFTs, on the padded blocks with their margins, every grid."""
-    kind, grid = case
-    conf = conf_for(grid, "eulerian", dtype)
-
-    def build(mesh):
-        s0, w = state(mesh, conf, linear)
-        rho = gravity.density(s0.positions, conf, w)
-        kern = gravity.make_kernels(conf, mesh)
-        real, padded = gravity._field_of_density(rho, conf, kern, stencil=True)
-        kspace, kpadded = gravity._field_of_density(rho, conf, kern, stencil=False)
-        assert padded
-        if not kpadded:
-            kspace = gravity.field_to_padded(kspace, conf)
-        return {"real": real, "kspace": kspace}
-
-    out = H.run(kind, conf, build)
+    out = eulerian_runs(case, dtype)
     err = H.rel_err(out["real"], out["kspace"])
     print("force field real space vs k-space %s %s: %.3g" % (H.case_id(case), dtype, err))
     assert err <= FIELD_RTOL[dtype], err

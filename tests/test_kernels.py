@@ -56,15 +56,28 @@ def numpy_fields(conf, x):
     return np.stack(grad, -1), hess
 
 
-@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
-@pytest.mark.parametrize("nc", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_packed_equals_unpacked(case, nc, dtype):
+# The shape and dtype of the adjoint test (test_packed_gradient_adjoint): its graph is the
+# packed-vs-unpacked graph of the same case with the losses and gradients added.
+ADJOINT_NC, ADJOINT_DTYPE = (6, 10, 4), "float64"
+
+
+def _run_packed(case, nc, dtype):
+    """The packed and unpacked gradient and Hessian fields (``*_p``, ``*_u``) and
+    potential_fields' (``lpt_*``) of a random field ``x`` (returned too); for
+    ``ADJOINT_NC`` in ``ADJOINT_DTYPE``, in the same graph, the losses
+    ``<y, (grad, six Hessian fields)>`` of the packed (``loss``) and the unpacked path
+    and their gradients ``g``, ``g_u`` with respect to ``x``, and ``x_g = <x, g>``."""
     conf = conf_for(case, nc, dtype)
-    x = np.random.RandomState(4).randn(*nc).astype(dtype)
+    x0 = np.random.RandomState(4).randn(*nc).astype(dtype)
+    adjoint = tuple(nc) == ADJOINT_NC and dtype == ADJOINT_DTYPE
+    rng = np.random.RandomState(5)
+    y_grad = rng.randn(*nc + (3,))
+    y_hess = [rng.randn(*nc) for _ in range(6)]
 
     def build(mesh):
-        f = mtf.import_tf_tensor(mesh, tf.constant(x), fft.real_shape(conf))
-        dk = fft.r2c(f, conf)
+        real = fft.real_shape(conf)
+        x = mtf.import_tf_tensor(mesh, tf.constant(x0), real)
+        dk = fft.r2c(x, conf)
         kern = kernels.make_kernels(conf, mesh)
         out = {}
         for packed in (True, False):
@@ -78,11 +91,48 @@ def test_packed_equals_unpacked(case, nc, dtype):
         out["lpt_grad"] = grad
         for i, h in enumerate(hess):
             out["lpt_h%d" % i] = h
+        if adjoint:
+            yg = mtf.import_tf_tensor(mesh, tf.constant(y_grad), real + [mtf.Dimension(XYZ, 3)])
+            yh = [mtf.import_tf_tensor(mesh, tf.constant(v), real) for v in y_hess]
+            loss = complex_ops.real_vdot(yg, grad)
+            for y, h in zip(yh, hess):
+                loss = loss + complex_ops.real_vdot(y, h)
+            g, = mtf.gradients([loss], [x])
+            # the unpacked path
+            hu = kernels.unstack_xyz(out["diag_u"]) + kernels.unstack_xyz(out["off_u"])
+            loss_u = complex_ops.real_vdot(yg, out["grad_u"])
+            for y, h in zip(yh, hu):
+                loss_u = loss_u + complex_ops.real_vdot(y, h)
+            g_u, = mtf.gradients([loss_u], [x])
+            out.update(loss=loss, x_g=complex_ops.real_vdot(x, g), g=g, g_u=g_u)
         return out
 
     out = H.run(case[0], conf, build)
+    out["x"] = x0
+    return out
+
+
+@pytest.fixture(scope="module")
+def packed_runs():
+    """``get(case, nc, dtype)``: :func:`_run_packed`, run once per argument set (the
+    adjoint test reads the graph of test_packed_equals_unpacked's case)."""
+    cache = {}
+
+    def get(case, nc, dtype):
+        key = (case[0], tuple(case[1]), tuple(nc), dtype)
+        if key not in cache:
+            cache[key] = _run_packed(case, nc, dtype)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("case, dtype", H.case_dtypes(CASES))
+@pytest.mark.parametrize("nc", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_packed_equals_unpacked(case, nc, dtype, packed_runs):
+    out = packed_runs(case, nc, dtype)
     tol = PACKED_RTOL[dtype]
-    ref_grad, ref_hess = numpy_fields(conf, x)
+    ref_grad, ref_hess = numpy_fields(conf_for(case, nc, dtype), out["x"])
     assert out["grad_p"].dtype == np.dtype(dtype) and out["grad_p"].shape == nc + (3,)
     for key in ("grad_p", "grad_u", "lpt_grad"):
         assert H.rel_err(out[key], ref_grad) < tol, key
@@ -97,41 +147,10 @@ def test_packed_equals_unpacked(case, nc, dtype):
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
-def test_packed_gradient_adjoint(case):
+def test_packed_gradient_adjoint(case, packed_runs):
     """The linear map x -> (grad, six Hessian fields) with x real: <A x, y> = <x, A^T y>,
     and A^T y (mtf.gradients through the packed path) equals the unpacked path's."""
-    nc = (6, 10, 4)
-    conf = conf_for(case, nc)
-    rng = np.random.RandomState(5)
-    x0 = rng.randn(*nc)
-    y_grad = rng.randn(*nc + (3,))
-    y_hess = [rng.randn(*nc) for _ in range(6)]
-
-    def build(mesh):
-        real = fft.real_shape(conf)
-        x = mtf.import_tf_tensor(mesh, tf.constant(x0), real)
-        yg = mtf.import_tf_tensor(mesh, tf.constant(y_grad), real + [mtf.Dimension(XYZ, 3)])
-        yh = [mtf.import_tf_tensor(mesh, tf.constant(v), real) for v in y_hess]
-        kern = kernels.make_kernels(conf, mesh)
-        dk = fft.r2c(x, conf)
-        grad, hess = kernels.potential_fields(dk, conf, kern)
-        loss = complex_ops.real_vdot(yg, grad)
-        for y, h in zip(yh, hess):
-            loss = loss + complex_ops.real_vdot(y, h)
-        g, = mtf.gradients([loss], [x])
-        # the unpacked path
-        grad_u = kernels.neg_gradient_potential(dk, conf, kern, packed=False)
-        hu = (kernels.unstack_xyz(kernels.hessian_potential(dk, conf, kern,
-                                                            kernels.HESSIAN_PAIRS[:3], False))
-              + kernels.unstack_xyz(kernels.hessian_potential(dk, conf, kern,
-                                                              kernels.HESSIAN_PAIRS[3:], False)))
-        loss_u = complex_ops.real_vdot(yg, grad_u)
-        for y, h in zip(yh, hu):
-            loss_u = loss_u + complex_ops.real_vdot(y, h)
-        g_u, = mtf.gradients([loss_u], [x])
-        return {"loss": loss, "x_g": complex_ops.real_vdot(x, g), "g": g, "g_u": g_u}
-
-    out = H.run(case[0], conf, build)
+    out = packed_runs(case, ADJOINT_NC, ADJOINT_DTYPE)
     np.testing.assert_allclose(out["x_g"], out["loss"], rtol=ADJOINT_RTOL)
     assert H.rel_err(out["g"], out["g_u"]) < PACKED_RTOL["float64"]
 

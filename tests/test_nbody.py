@@ -327,66 +327,68 @@ def test_invalid_stages_and_snapshots():
 # with the factors as constants. Same float64 operations in the same order: only
 # the rounding of the factors' route through a placeholder could differ (none).
 JOB_VS_UNROLLED_ATOL = 1e-9  # [cells]
+# A requested snapshot between two default stages (made a stage of the time loop).
+JOB_SNAPSHOT_A = 0.42
 
 
-@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
-def test_simulation_job_equals_unrolled_nbody(tmp_path):
-    """The simulate job (one lowered step fed with per-step factors) == nbody.forward."""
-    import h5py
-    from flowpm_mtf.physics import ics
-    from flowpm_mtf import jobs
-    from flowpm_mtf.jobs import runner
-    from flowpm_mtf.jobs.simulate import SimulateOptions
-
-    conf = conf_for((2, 1), dtype="float64", order=2, n_steps=3)
-
-    def build(mesh):
-        final, _ = nbody.forward(ics.linear_field(conf, mesh), conf)
-        return NH.export_state(final, conf)
-
-    ref = NH.by_id(H.run("placement", conf, build))["x"]
-    runner.run(jobs.get("simulate"), {"config": conf, "simulate": SimulateOptions()},
-               H.backend("placement", conf), str(tmp_path), plot=False)
-    with h5py.File(tmp_path / "snapshot.h5", "r") as f:
-        # particles are grouped by rank in the distributed snapshot: lattice order by id
-        pos = f["position"][...][np.argsort(f["id"][...])] / np.asarray(conf.cell_size)
-    d = np.abs(pos - ref % np.asarray(conf.nc))
-    d = np.minimum(d, np.asarray(conf.nc) - d)  # periodic wrap
-    assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
-
-
-@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
-def test_simulation_job_snapshots_equal_unrolled_nbody(tmp_path):
-    """`--snapshots`: the job's snapshot at a requested scale factor (made a stage of the
-    time loop) == nbody.nbody's state there on the same stages; P(k) after every step."""
-    import h5py
+@pytest.fixture(scope="module")
+def simulate_job(tmp_path_factory):
+    """One ``simulate`` job (``--snapshots 0.42 --power-steps``, 2LPT, 2 steps, float64,
+    in-process PlacementMeshImpl on (2, 1)) and ``nbody.nbody`` unrolled on the same
+    stages: ``(conf, stages, run_dir, summary, ref)``, ``ref`` the positions [cells]
+    by id of the final state (``"nx"``) and of the snapshot (``"sx"``)."""
     from flowpm_mtf.physics import ics, timeloop
     from flowpm_mtf import jobs
     from flowpm_mtf.jobs import runner
     from flowpm_mtf.jobs.simulate import SimulateOptions
 
     conf = conf_for((2, 1), dtype="float64", order=2, n_steps=2)
-    a_snap = 0.42
-    stages = timeloop.merge_stages(nbody.default_stages(conf), [a_snap])
+    stages = timeloop.merge_stages(nbody.default_stages(conf), [JOB_SNAPSHOT_A])
 
     def build(mesh):
         init = lpt.lpt_init(ics.linear_field(conf, mesh), conf, conf.a_start)
-        _, (snap,) = nbody.nbody(init, conf, stages=stages, snapshot_a=[a_snap])
-        return NH.export_state(snap, conf)
+        final, (snap,) = nbody.nbody(init, conf, stages=stages, snapshot_a=[JOB_SNAPSHOT_A])
+        out = NH.export_state(final, conf, "n")
+        out.update(NH.export_state(snap, conf, "s"))
+        return out
 
-    ref = NH.by_id(H.run("placement", conf, build))["x"]
+    ref = NH.by_id(H.run("placement", conf, build))
+    run_dir = tmp_path_factory.mktemp("simulate")
     summary = runner.run(jobs.get("simulate"),
-                         {"config": conf, "simulate": SimulateOptions((a_snap,), True)},
-                         H.backend("placement", conf), str(tmp_path), plot=False)
-    assert len(summary["timings"]["steps_s"]) == stages.size - 1
-    with h5py.File(tmp_path / ("snapshot_a%.4f.h5" % a_snap), "r") as f:
+                         {"config": conf, "simulate": SimulateOptions((JOB_SNAPSHOT_A,), True)},
+                         H.backend("placement", conf), str(run_dir), plot=False)
+    return conf, stages, run_dir, summary, {"nx": ref["nx"], "sx": ref["sx"]}
+
+
+def job_positions_error(path, ref, conf):
+    """Largest periodic distance [cells] between a job snapshot's positions and ``ref``."""
+    import h5py
+    with h5py.File(path, "r") as f:
         # particles are grouped by rank in the distributed snapshot: lattice order by id
         pos = f["position"][...][np.argsort(f["id"][...])] / np.asarray(conf.cell_size)
     d = np.abs(pos - ref % np.asarray(conf.nc))
-    d = np.minimum(d, np.asarray(conf.nc) - d)  # periodic wrap
-    assert d.max() < JOB_VS_UNROLLED_ATOL, d.max()
+    return np.minimum(d, np.asarray(conf.nc) - d).max()  # periodic wrap
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
+def test_simulation_job_equals_unrolled_nbody(simulate_job):
+    """The simulate job (one lowered step fed with per-step factors): its final snapshot
+    == the final state of nbody.nbody unrolled on the same stages."""
+    conf, _, run_dir, _, ref = simulate_job
+    err = job_positions_error(run_dir / "snapshot.h5", ref["nx"], conf)
+    assert err < JOB_VS_UNROLLED_ATOL, err
+
+
+@pytest.mark.skipif(H.SIZE != 1, reason="in-process PlacementMeshImpl; 1-rank pass only")
+def test_simulation_job_snapshots_equal_unrolled_nbody(simulate_job):
+    """`--snapshots`: the job's snapshot at a requested scale factor (made a stage of the
+    time loop) == nbody.nbody's state there on the same stages; P(k) after every step."""
+    conf, stages, run_dir, summary, ref = simulate_job
+    assert len(summary["timings"]["steps_s"]) == stages.size - 1
+    err = job_positions_error(run_dir / ("snapshot_a%.4f.h5" % JOB_SNAPSHOT_A), ref["sx"], conf)
+    assert err < JOB_VS_UNROLLED_ATOL, err
     for a in stages[1:]:
-        assert (tmp_path / ("power_a%.4f.txt" % a)).exists()
+        assert (run_dir / ("power_a%.4f.txt" % a)).exists()
 
 
 @pytest.mark.skipif(H.SIZE != 1, reason="graph structure, one process")
