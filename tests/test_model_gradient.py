@@ -29,13 +29,17 @@ FIELD_RTOL = 1e-6
 # 10 steps and their reverse (the time loop alone: 2.2e-6 for 5 steps, test_adjoint.py).
 FIELD_RTOL_FLOAT32 = 5e-5
 # Cosmology gradient vs central differences of the loss in float64. The loss is far from
-# quadratic in the parameters at this scale (measured for sigma8: relative steps 1e-2, 1e-3,
-# 1e-5 give 2732, 2674, 2663.62397 against the adjoint's 2663.62397), so the step is small;
-# float64 keeps its rounding at ~1e-10 relative. The gradient's own background derivatives
-# (model_gradient.FD_REL_STEP) agree to ~4e-8 (tests/test_reconstruct.py).
+# quadratic in the parameters at this scale (measured for sigma8 with 5 steps: relative steps
+# 1e-2, 1e-3, 1e-5 give 2732, 2674, 2663.62397 against the adjoint's 2663.62397), so the step
+# is small; float64 keeps its rounding at ~1e-10 relative. The gradient's own background
+# derivatives (model_gradient.FD_REL_STEP) agree to ~4e-8 (tests/test_reconstruct.py).
 # A wrong sign or a missing term (steps, force prefactor, LPT coefficients or P(k)) is > 1e-2.
 COSMO_FD_REL = 1e-5
 COSMO_RTOL = 1e-6
+# Steps of the cosmology test: 2, a first and a last step (every route, each step's factors
+# among them, is there from one step on; the graphs of the adjoint and of the four losses of
+# the finite differences grow with the steps; measured agreement 4e-10 for Omega_c).
+COSMO_STEPS = 2
 
 NC = 16
 BOX = 64.0
@@ -178,7 +182,7 @@ def test_cosmology_gradient_matches_finite_differences(decomposition, white, wei
     """d loss / d Omega_c and d sigma8 (noise fixed: through P(k), the LPT growth, every
     step's factors and the force) == central differences of the loss, float64."""
     kind, grid = CASES[0]
-    conf = conf_for(grid, decomposition, n_steps=5)
+    conf = conf_for(grid, decomposition, n_steps=COSMO_STEPS)
     out, _ = adjoint(kind, conf, white, weight_field, "noise")
     for p in ("Omega_c", "sigma8"):
         v = getattr(conf.cosmology, p)

@@ -164,7 +164,7 @@ def test_nbody_forward_model_reduces_the_loss():
     assert r[k < 0.15].min() > NBODY_R_MIN, (k, r)
 
 
-# Adjoint vs stored gradient in the same job (float64, 3 steps, 3 Adam iterations): the two
+# Adjoint vs stored gradient in the same job (float64, 2 steps, 3 Adam iterations): the two
 # gradients agree to ~1e-15 (tests/test_model_gradient.py); Adam's normalisation m / sqrt(v)
 # amplifies the relative error of small components, measured 2e-14 on the loss history.
 # Any error of the adjoint path (a missing prior gradient, a wrong sign) is > 1e-3.
@@ -175,16 +175,17 @@ COSMO_FD_REL = 1e-5
 COSMO_RTOL = 1e-6
 
 
-# Both decompositions on 1 rank, the eulerian one (its cotangents migrate) on 2; not on 4: the
+# One decomposition per world size: the lagrangian one on 1 rank, the eulerian one (its
+# cotangents migrate) on 2 (on 1x1 it runs the same code without migrating); not on 4: the
 # job's gradient is the adjoint's, which tests/test_adjoint.py and tests/test_model_gradient.py
-# check on every grid (both decompositions on 2 ranks, eulerian on 2x2; ~64 s here on 4 ranks)
+# check on every grid (both decompositions on 1 and 2 ranks, eulerian on 2x2; ~64 s here on
+# 4 ranks)
 @pytest.mark.skipif(H.SIZE > 2, reason="the adjoint on 2x2: test_adjoint, test_model_gradient")
-@pytest.mark.parametrize("decomposition", ["eulerian", "lagrangian"] if H.SIZE == 1
-                         else ["eulerian"])
+@pytest.mark.parametrize("decomposition", ["lagrangian"] if H.SIZE == 1 else ["eulerian"])
 def test_adjoint_reconstruction_matches_stored(decomposition):
     """--gradient adjoint and --gradient stored follow the same trajectory (N-body forward
     model, this world's process grid)."""
-    conf = CONF.replace(grid=_grid(), n_steps=3, decomposition=decomposition)
+    conf = CONF.replace(grid=_grid(), n_steps=2, decomposition=decomposition)
     runs = {g: _run("hvd", conf, R.ReconConfig(iterations=3, learning_rate=0.1, noise=0.1,
                                                forward="nbody", gradient=g), None)
             for g in R.GRADIENTS}
@@ -222,7 +223,7 @@ def _recon_eval(conf, data, field, cosmology=False):
 def test_reconstruction_cosmology_gradient_finite_differences():
     """The job's d loss / d Omega_c, d sigma8 at a fixed field (data term through the
     N-body, prior through P(k)) == central differences of the loss (float64)."""
-    conf = CONF.replace(grid=_grid(), n_steps=3)
+    conf = CONF.replace(grid=_grid(), n_steps=1)   # the steps' routes: test_model_gradient
     field = NH.linear_field_numpy(conf)
     data = 1.0 + np.random.RandomState(3).randn(*conf.nc) * 0.5
     got = _recon_eval(conf, data, field, cosmology=True)

@@ -33,10 +33,10 @@ ITERATIONS = 5
 # iteration STOP_AT: the run stops there after a checkpoint (and one at CHECKPOINT_EVERY).
 CHECKPOINT_EVERY = 2
 STOP_AT = 3
-# 16^3 cells, float64, 5 Adam iterations; the N-body forward model with 2 steps: ~2 s a run
-# on the hvd backend.
+# 16^3 cells, float64, 5 Adam iterations; the N-body forward model with 1 step (what a
+# checkpoint holds, the Adam state and the field, does not depend on the steps).
 ARGS = ["reconstruct", "--nc", "16", "--box-size", "100", "--halo", "4", "--seed", "7",
-        "--dtype", "float64", "--n-steps", "2", "--a-start", "0.1", "--learning-rate", "0.1",
+        "--dtype", "float64", "--n-steps", "1", "--a-start", "0.1", "--learning-rate", "0.1",
         "--noise", "0.1", "--iterations", str(ITERATIONS), "--log-every", "1", "--no-plot"]
 # (backend, grid, decomposition, forward model, gradient) per world size, the N-body forward
 # model on both decompositions: 2 ranks, eulerian with the adjoint gradient (each rank its
