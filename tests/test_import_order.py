@@ -8,6 +8,8 @@ MPI launcher variables, none of the logging variables this suite sets. What make
 the first two tests means it is missing: re-run ``bash scripts/setup_env.sh``.
 
 The interpreters run side by side (module fixture ``runs``): each imports TensorFlow.
+The README order goes on with the rest of a job's imports (the Keras check) in the same
+interpreter.
 """
 import os
 import subprocess
@@ -62,23 +64,21 @@ print("modules", ",".join(ours) or "none", os.environ.get("TF_CPP_MIN_LOG_LEVEL"
 OURS_THEN_TF = ("import sys, flowpm_mtf, tensorflow\nprint('keras', 'keras' in sys.modules)\n"
                 "print('imported')\n")
 
-# A job's imports, Mesh TF first (the start-up file's path): TensorFlow, Horovod and our
-# packages load without Keras (hvd_mesh_impl.tf_compat.without_eager_keras, the Horovod
+# After the README order (Mesh TF first, the start-up file's path, Horovod loaded by
+# HvdSimdMeshImpl), the rest of a job's imports: TensorFlow, Horovod and our packages
+# have loaded without Keras (hvd_mesh_impl.tf_compat.without_eager_keras, the Horovod
 # patch), and tf.keras still loads it on first use.
 LEAN = """
-import sys
-import mesh_tensorflow, horovod.tensorflow, flowpm_mtf.api
-from hvd_mesh_impl import HvdSimdMeshImpl
+import horovod.tensorflow, flowpm_mtf.api
 print("keras", "keras" in sys.modules, "sklearn" in sys.modules)
-import tensorflow as tf
-print("tf.keras", tf.keras.layers.Dense.__module__.split(".")[0])
+import tensorflow
+print("tf.keras", tensorflow.keras.layers.Dense.__module__.split(".")[0])
 """
 
 CASES = {
-    "readme_order": (README_ORDER, {}),
+    "readme_order": (README_ORDER + LEAN, {}),
     "tf_alone": (TF_ALONE, {}),
     "quiet": (OURS_THEN_TF, {}),
-    "lean": (LEAN, {}),
     "logs_asked": (OURS_THEN_TF, {"FLOWPM_MTF_TF_LOGS": "1"}),
     "level_0_kept": (OURS_THEN_TF, {"TF_CPP_MIN_LOG_LEVEL": "0"}),
 }
@@ -112,11 +112,15 @@ def runs():
     return out
 
 
-def ok(runs, name):
+def ok(runs, name, prefix=None):
+    """The last line ``name`` printed (starting with ``prefix`` if given) and its stderr;
+    its interpreter must have exited 0."""
     code, stdout, stderr = runs[name]
     assert code == 0, "%s failed (is flowpm_mtf_startup.pth installed? bash " \
                       "scripts/setup_env.sh):\n%s" % (name, stderr[-3000:])
-    return stdout.strip().splitlines()[-1], stderr
+    lines = [ln for ln in stdout.strip().splitlines() if prefix is None or ln.startswith(prefix)]
+    assert lines, "%s printed no %r line:\n%s" % (name, prefix, stdout[-3000:])
+    return lines[-1], stderr
 
 
 def oneDNN_lines(stderr):  # noqa: N802 (the library's name)
@@ -125,7 +129,7 @@ def oneDNN_lines(stderr):  # noqa: N802 (the library's name)
 
 def test_readme_order_runs_with_the_backend_fixes(runs):
     """Mesh TF imported before our packages: the shims, then Mesh TF, then our fixes."""
-    last, stderr = ok(runs, "readme_order")
+    last, stderr = ok(runs, "readme_order", "result ")
     assert last == README_RESULT
     assert not oneDNN_lines(stderr), stderr   # quiet: Mesh TF's hook imported TensorFlow
 
@@ -144,9 +148,10 @@ def test_tensorflow_alone_is_not_changed(runs):
 
 
 def test_no_keras_at_start_up_and_tf_keras_on_first_use(runs):
-    """Our first TensorFlow import skips its eager Keras load; Horovod does not load it."""
-    last, _ = ok(runs, "lean")
-    assert runs["lean"][1].splitlines()[-2:] == ["keras False False", "tf.keras keras"]
+    """Our first TensorFlow import skips its eager Keras load; Horovod does not load it
+    (after the README order, then the rest of a job's imports: ``LEAN``)."""
+    ok(runs, "readme_order")
+    assert runs["readme_order"][1].splitlines()[-2:] == ["keras False False", "tf.keras keras"]
     for case in ("quiet", "logs_asked"):  # flowpm_mtf's import hook, with or without logs
         ok(runs, case)
         assert "keras False" in runs[case][1].splitlines(), case
