@@ -5,7 +5,7 @@
 #
 #   bash scripts/run_tests.sh                 # everything
 #   NPS="1 2" bash scripts/run_tests.sh       # only 1 and 2 ranks
-#   NP1_PARTS=2 bash scripts/run_tests.sh     # the 1-rank pass as 2 pytest processes (default 3)
+#   NP1_PARTS=3 bash scripts/run_tests.sh     # the 1-rank pass as 3 pytest processes (default 2)
 #   bash scripts/run_tests.sh -k fft          # extra pytest arguments
 #   FLOWPM_MTF_STACK=tf2.12 bash scripts/run_tests.sh   # on the previous stack, TensorFlow 2.12
 #   bash scripts/run_tests.sh --quick         # work in progress: a chosen subset on 1 and 2
@@ -102,7 +102,7 @@ FOUR_RANK_TESTS=(
   tests/test_gadget4.py          # Gadget-4 files of a 2x2 grid read by yt and pynbody
 )
 # The 1-rank pass's pytest processes side by side (below); 1 to 8.
-NP1_PARTS="${NP1_PARTS:-3}"
+NP1_PARTS="${NP1_PARTS:-2}"
 if ! [[ "$NP1_PARTS" =~ ^[1-8]$ ]]; then
   echo "NP1_PARTS must be 1 to 8, not '$NP1_PARTS'"; exit 2
 fi
@@ -158,11 +158,12 @@ for np in $NPS; do
     timeout 900 python scripts/mpi_pytest.py "${PYTEST_ARGS[@]}"
     rc=$?
   elif [ "$np" = 1 ]; then
-    # No launcher. NP1_PARTS pytest processes side by side (default 3 on 2 cores: while
-    # one waits on a launched job's timeout, a Slurm daemon or a link, another works):
-    # each collects every test and runs the test files it claims first from a directory
-    # they share, the costliest files first (tests/file_queue.py, tests/file_costs.tsv),
-    # so that they end together. The other parts print their reports after part a's.
+    # No launcher. NP1_PARTS pytest processes side by side (default 2, one per core of a
+    # small machine; a third made every test's CPU 25-35 % dearer: each process's
+    # TensorFlow thread pools and its jobs' MPI ranks spin while they wait): each collects
+    # every test and runs the test files it claims first from a directory they share, the
+    # longest files first (tests/file_queue.py, tests/file_costs.tsv), so that they end
+    # together. The other parts print their reports after part a's.
     queue="$(mktemp -d "${TMPDIR:-/tmp}/flowpm_mtf_test_queue.XXXXXX")"
     parts=(a b c d e f g h)
     parts=("${parts[@]:0:$NP1_PARTS}")

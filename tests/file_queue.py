@@ -1,6 +1,6 @@
 """Test files shared out between the 1-rank pass's pytest processes (docs/testing.md).
 
-scripts/run_tests.sh starts ``NP1_PARTS`` pytest processes (default 3) side by side on one
+scripts/run_tests.sh starts ``NP1_PARTS`` pytest processes (default 2) side by side on one
 rank, so that both cores work. Each collects every test, orders the files by their cost
 (:data:`COSTS`, costliest first) and runs a file only if it claims it first: an empty
 file named after it, created exclusively in the shared directory ``FLOWPM_MTF_TEST_QUEUE``. A process that
