@@ -159,11 +159,10 @@ for np in $NPS; do
     rc=$?
   elif [ "$np" = 1 ]; then
     # No launcher. NP1_PARTS pytest processes side by side (default 2, one per core of a
-    # small machine; a third made every test's CPU 25-35 % dearer: each process's
-    # TensorFlow thread pools and its jobs' MPI ranks spin while they wait): each collects
-    # every test and runs the test files it claims first from a directory they share, the
-    # longest files first (tests/file_queue.py, tests/file_costs.tsv), so that they end
-    # together. The other parts print their reports after part a's.
+    # small machine; a third cost ~10 % more CPU and wall than it saved, docs/testing.md):
+    # each collects every test and runs the test files it claims first from a directory
+    # they share, the longest files first (tests/file_queue.py, tests/file_costs.tsv), so
+    # that they end together. The other parts print their reports after part a's.
     queue="$(mktemp -d "${TMPDIR:-/tmp}/flowpm_mtf_test_queue.XXXXXX")"
     parts=(a b c d e f g h)
     parts=("${parts[@]:0:$NP1_PARTS}")
