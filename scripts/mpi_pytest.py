@@ -5,6 +5,12 @@ Every rank writes JUnit XML to ``<logdir>/np<N>_rank<R>.xml``; with
 ``FLOWPM_MTF_TEST_PART=<part>`` (run_tests.sh's 1-rank job runs ``NP1_PARTS`` parts side by side)
 the files are ``np<N>_rank<R>_<part>.*``. pytest's exit code 5 ("no tests collected")
 counts as success: some files have no test for a world size.
+
+Every rank gets the MPI environment of a ``flowpm-mtf`` job's rank
+(:func:`flowpm_mtf.launch_env.apply`, before MPI loads): Open MPI then yields while it
+waits, as in the jobs. Without it, the 2-rank pass (one rank per core, so Open MPI does
+not yield by itself) spends its waits busy-polling against the ranks' own TensorFlow and
+Horovod threads. The processes the tests launch inherit it.
 """
 import os
 import sys
@@ -23,6 +29,9 @@ def main():
         log = open(os.path.join(logdir, tag + ".log"), "w")
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    from flowpm_mtf import launch_env  # imports only os
+
+    launch_env.apply()
     import pytest
 
     args = sys.argv[1:] + ["--junitxml", os.path.join(logdir, tag + ".xml"), "-p", "no:cacheprovider"]
