@@ -66,3 +66,28 @@ def test_halofit_nonlinear_scale_and_limits():
     np.testing.assert_allclose(HF.halofit_power(cosmo, k, 1.0), f0(k), rtol=1e-14)
     with pytest.raises(ValueError, match="does not cross 1"):
         HF.nonlinear_scale(lambda kk: 1e-12 * np.ones_like(kk))
+
+
+def test_planes_share_the_linear_power_bit_for_bit():
+    """The lensing predictions' halofit per plane (lensing_theory.halofit_functions, one
+    transfer-function evaluation per k grid for all planes) equals each plane's own
+    halofit_power_function to the bit, on grids seen again and after older grids are
+    dropped (linear_matter_power_functions' max_grids)."""
+    from flowpm_mtf.physics import lensing_theory, linear_power
+
+    cosmo = Cosmology()
+    a = [1.0, 0.7, 0.4]
+    shared = lensing_theory.halofit_functions(cosmo, a)
+    # another grid of the same shape, then the first one again
+    grids = [np.geomspace(1e-3, 10.0, 50), np.geomspace(1e-3, 10.0, 61),
+             np.geomspace(2e-3, 5.0, 50), np.geomspace(1e-3, 10.0, 50)]
+    for f, ai in zip(shared, a):
+        own = HF.halofit_power_function(cosmo, ai)
+        assert (f.k_sigma, f.n_eff, f.curvature) == (own.k_sigma, own.n_eff, own.curvature)
+        for k in grids:
+            np.testing.assert_array_equal(f(k), own(k))
+    lins = linear_power.linear_matter_power_functions(cosmo, a, max_grids=2)
+    for k in grids + [np.geomspace(1e-2, 1.0, 7), grids[0]]:  # grids[0] dropped, recomputed
+        for f, ai in zip(lins, a):
+            np.testing.assert_array_equal(
+                f(k), linear_power.linear_matter_power_function(cosmo, ai)(k))

@@ -337,7 +337,8 @@ def test_prediction_is_averaged_over_each_bin_like_the_measurement(monkeypatch):
     amp = 3.0
     power_law = lambda k: amp / k**2   # noqa: E731
     monkeypatch.setattr(FS.lensing_theory, "true_power", lambda k, p, conf: power_law)
-    monkeypatch.setattr(FS.halofit_mod, "halofit_power_function", lambda cosmo, a: power_law)
+    monkeypatch.setattr(FS.lensing_theory, "halofit_functions",
+                        lambda cosmo, a: [power_law] * len(a))
     coef = lensing_geometry.born_coefficients(conf, geom.base)[0]
     edges = FS.bin_edges(geom.nside)
     l_all = np.arange(edges[-1], dtype=np.float64)

@@ -33,7 +33,6 @@ import logging
 
 import numpy as np
 
-from . import halofit as halofit_mod
 from . import lensing_geometry, lensing_theory
 from .lensing_fullsky import mean_count
 
@@ -243,7 +242,7 @@ def fullsky_prediction(conf, geom, plane_k, plane_p, ell, edges=None):
     """
     pfuns = [lensing_theory.true_power(plane_k[i], plane_p[i], conf)
              for i in range(geom.n_planes)]
-    hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a]
+    hfuns = lensing_theory.halofit_functions(conf.cosmology, geom.a)
     pw = pixel_window(geom.nside)
     ell = np.asarray(ell, np.float64)
     pw2 = np.interp(ell, np.arange(pw.size), pw**2)

@@ -37,7 +37,7 @@ import logging
 import numpy as np
 
 from . import halofit as halofit_mod
-from . import lensing_geometry, lensing_stats
+from . import lensing_geometry, lensing_stats, linear_power
 # the flat-sky estimator's modes, bins and mode coupling (MASTER), re-exported here
 from .lensing_master import (DEFAULT_PAD, _mode_bins, bin_average, coupling_matrix,  # noqa: F401
                              decouple, expected_pseudo_cl)
@@ -548,8 +548,7 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
     """
     pfuns = [pair_power(true_power(plane_k[i], plane_p[i], conf), conf)
              for i in range(geom.n_planes)]
-    hfuns = [halofit_mod.halofit_power_function(conf.cosmology, a) for a in geom.a] \
-        if halofit else None
+    hfuns = halofit_functions(conf.cosmology, geom.a) if halofit else None
     k_nyquist = RESOLVED_K_NYQUIST_PGD if pgd else RESOLVED_K_NYQUIST
     out = {"expected": [], "continuous": [], "window": [], "resolved": [], "ell_range": [],
            "shot": [], "k_nyquist": k_nyquist, "pgd": bool(pgd)}
@@ -584,6 +583,22 @@ def run_prediction(conf, geom, plane_k, plane_p, sources, edges=None,
     if halofit:
         out["extra"] = extra
     return out
+
+
+def halofit_functions(cosmo, scale_factors):
+    """Per lens plane, :func:`flowpm_mtf.physics.halofit.halofit_power_function` on our
+    linear power at the plane's ``a``; the planes share the linear power's transfer
+    function (:func:`flowpm_mtf.physics.linear_power.linear_matter_power_functions`:
+    the same values as each plane's own, computed once per ``k`` grid).
+
+    Returns
+    -------
+    list of callable
+        ``k`` [h/Mpc] -> P_NL(k, a) [(Mpc/h)^3].
+    """
+    plins = linear_power.linear_matter_power_functions(cosmo, scale_factors)
+    return [halofit_mod.halofit_power_function(cosmo, a, plin=p)
+            for a, p in zip(scale_factors, plins)]
 
 
 def _continuum(conf, geom, pfuns, weights):

@@ -215,13 +215,69 @@ def linear_matter_power_function(cosmo, a=1.0, kind="eisenhu_osc", sigma8_k_rang
         as :func:`linear_matter_power`.
     """
     a = float(a)
-    sigma8 = cm.param(cosmo, "sigma8")
-    norm = (sigma8 / sigma_r(cosmo, 8.0, kind, sigma8_k_range))**2
-    d1 = 1.0 if a == 1.0 else float(cm.D1(cosmo, a))
+    norm = _sigma8_normalisation(cosmo, kind, sigma8_k_range)
+    d1 = _growth_at(cosmo, a)
 
     def power(k):
         return norm * _unnormalised_power(cosmo, cm.positive_array(k, "k"), kind) * d1**2
     return power
+
+
+def linear_matter_power_functions(cosmo, scale_factors, kind="eisenhu_osc",
+                                  sigma8_k_range=None, max_grids=8):
+    r""":func:`linear_matter_power_function` at several scale factors, sharing what does
+    not depend on ``a``.
+
+    The :math:`\sigma_8` integral is evaluated once, and the transfer function once per
+    distinct ``k`` array (compared by value) for all of them: for callers that evaluate
+    every scale factor's P(k) on the same few grids (the lensing predictions: one
+    halofit spectrum per lens plane). Each function returns the same values, to the
+    bit, as :func:`linear_matter_power_function` at its ``a``.
+
+    Parameters
+    ----------
+    cosmo, kind, sigma8_k_range :
+        As in :func:`linear_matter_power`.
+    scale_factors : sequence of float
+        [dimensionless].
+    max_grids : int
+        How many ``k`` arrays' transfer functions are kept (the oldest is dropped
+        beyond): the memory is bounded whatever the callers evaluate.
+
+    Returns
+    -------
+    list of callable
+        Per scale factor, ``k`` [h/Mpc] (array_like, positive) -> P(k, a)
+        [(Mpc/h)^3].
+    """
+    norm = _sigma8_normalisation(cosmo, kind, sigma8_k_range)
+    kept = {}
+
+    def normalised(k):   # norm * k^n_s T(k)^2, as linear_matter_power_function's
+        key = (k.shape, k.dtype.str, k.tobytes())
+        if key not in kept:
+            if len(kept) >= max_grids:
+                del kept[next(iter(kept))]
+            kept[key] = norm * _unnormalised_power(cosmo, k, kind)
+        return kept[key]
+
+    def at(a):
+        d1 = _growth_at(cosmo, float(a))
+
+        def power(k):
+            return normalised(cm.positive_array(k, "k")) * d1**2
+        return power
+    return [at(a) for a in scale_factors]
+
+
+def _sigma8_normalisation(cosmo, kind, sigma8_k_range):
+    """The amplitude that gives the unnormalised spectrum its ``sigma8``."""
+    return (cm.param(cosmo, "sigma8") / sigma_r(cosmo, 8.0, kind, sigma8_k_range))**2
+
+
+def _growth_at(cosmo, a):
+    """D1(a), exactly 1 at a = 1 (no ODE solve)."""
+    return 1.0 if a == 1.0 else float(cm.D1(cosmo, a))
 
 
 class PowerTable:
