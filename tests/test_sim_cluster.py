@@ -105,13 +105,17 @@ def node_pids(node):
     return [int(p) for p in out.split()]
 
 
-def launch(out, *extra, hostfile, peer_timeout=None):
-    """Popen of ``scripts/run_mpirun.sh`` on node1 with the cluster's hostfile (2 x 2 ranks)."""
-    env = {"NP": "4", "HOSTFILE": hostfile, "GPUS_PER_NODE": "2", "OUT": out, "VENV": VENV}
+def launch(out, *extra, hostfile, peer_timeout=None, per_node=2):
+    """Popen of ``scripts/run_mpirun.sh`` on node1 with the cluster's hostfile: ``per_node``
+    ranks on each node (2: grid 2x2; 1: grid 2x1, rank 0 on node1, rank 1 on node2)."""
+    env = {"NP": str(2 * per_node), "HOSTFILE": hostfile, "GPUS_PER_NODE": str(per_node),
+           "OUT": out, "VENV": VENV}
     if peer_timeout is not None:
         env["FLOWPM_MTF_PEER_TIMEOUT"] = str(peer_timeout)
+    args = ARGS if per_node == 2 else [
+        "2x%d" % per_node if a == "2x2" else a for a in ARGS]
     cmd = ["bash", SCRIPT, "run", "env"] + ["%s=%s" % kv for kv in env.items()] + [
-        "bash", os.path.join(REPO, "scripts", "run_mpirun.sh"), *ARGS, *extra]
+        "bash", os.path.join(REPO, "scripts", "run_mpirun.sh"), *args, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(), cwd=REPO)
 
@@ -314,14 +318,15 @@ def test_horovodrun_three_ranks_on_one_node_and_one_on_the_other(cluster, tmp_pa
     assert [r["intra_threads"] for r in ranks] == [max(1, cores // 3)] * 3 + [cores]
 
 
-def _lost_node_run(out, hostfile, cut):
-    """Start the run, wait for its first checkpoint, ``cut()`` node2; return (seconds until
-    node1's ranks were gone, the launcher's rc, its output)."""
-    proc = launch(out, hostfile=hostfile, peer_timeout=PEER_TIMEOUT)
+def _lost_node_run(out, hostfile, cut, per_node=2):
+    """Start the run (``per_node`` ranks on each node), wait for its first checkpoint,
+    ``cut()`` node2; return (seconds until node1's ranks were gone, the launcher's rc, its
+    output)."""
+    proc = launch(out, hostfile=hostfile, peer_timeout=PEER_TIMEOUT, per_node=per_node)
     try:
         wait_for_checkpoint(out, proc)
         survivors = rank_pids("node1")
-        assert len(survivors) == 2
+        assert len(survivors) == per_node
         cut()
         gone = wait_gone(survivors, LOST_BOUND_S + 30)
     finally:
@@ -344,6 +349,9 @@ def _check_lost(out, gone, rc, log):
 
 
 def test_a_killed_node_ends_the_job_and_resumes_on_the_other(cluster, reference, tmp_path):
+    """One rank on each node (grid 2x1; the cut link below has two on each, and the ranks
+    that hear of the loss from another rank): node2 killed, the run resumes on one rank of
+    node1 (grid 1x1) to the one host's 2x2 result."""
     out = str(tmp_path / "run")
 
     def kill_node2():
@@ -353,11 +361,11 @@ def test_a_killed_node_ends_the_job_and_resumes_on_the_other(cluster, reference,
             except ProcessLookupError:
                 pass
 
-    gone, rc, log = _lost_node_run(out, cluster, kill_node2)
+    gone, rc, log = _lost_node_run(out, cluster, kill_node2, per_node=1)
     _check_lost(out, gone, rc, log)
-    # resume on node1 alone: 2 ranks, another process grid (2x1)
-    cmd = ["bash", SCRIPT, "mpirun", "-np", "2", "--host", "node1:2",
-           os.path.join(VENV, "bin", "flowpm-mtf"), "simulate", "--resume", out, "--grid", "2x1",
+    # resume on node1 alone: 1 rank, another process grid (1x1)
+    cmd = ["bash", SCRIPT, "mpirun", "-np", "1", "--host", "node1:1",
+           os.path.join(VENV, "bin", "flowpm-mtf"), "simulate", "--resume", out, "--grid", "1x1",
            "--no-plot"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
                           env=_env(), cwd=REPO)
