@@ -90,7 +90,7 @@ FOUR_RANK_TESTS=(
   tests/test_ics.py
   tests/test_lpt.py              # 2LPT: mixed second differences read corner halos
   tests/test_power.py            # P(k) shell sums reduced over both axes
-  tests/test_nbody.py            # the forward model on 2x2 against FlowPM
+  tests/test_nbody.py            # the forward model on 2x2 against one processor's
   tests/test_adjoint.py          # the adjoint gradient on 2x2
   tests/test_lensing.py          # lens planes reduced over both axes
   tests/test_pgd.py              # PGD's potential gradient and readout across block corners
