@@ -293,13 +293,14 @@ def test_fof_catalogues_are_the_reference_fof_of_the_gadget_files(runs):
     (["--snapshot-format", "gadget5"], "invalid choice: 'gadget5'"),
     (["--snapshot-format", "gadget4", "--box-size", "100,100,50"], "cubic box"),
 ])
-def test_unknown_format_and_non_cubic_box_are_refused(argv, pattern, world_size, capsys):
+def test_unknown_format_and_non_cubic_box_are_refused(argv, pattern, runs, world_size, capsys):
     """Exit code 2 on every rank and one error line in all (the ranks' output together),
     no traceback, before the run."""
     # the other ranks wait here while rank 0 runs the readers: asleep, not polling
     quiet_barrier(_world())
     backend, grid = GRIDS[world_size]
-    out = os.path.join(_tmpdir("gadget4_refused"), "run")
+    # a folder the fixture removes at the end (the run must not create it)
+    out = os.path.join(os.path.dirname(runs["gadget4"]), "refused_" + argv[1])
     code, _ = _main(ARGS + ["--backend", backend, "--grid", grid] + argv + ["--out", out])
     captured = capsys.readouterr()
     codes = _world().allgather(code)
