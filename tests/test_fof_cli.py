@@ -1,6 +1,10 @@
 """``flowpm-mtf simulate --fof`` on 2 ranks: the catalogues of the final state and of a
 ``--snapshots`` time equal the serial reference FoF of the run's own snapshots, member for
-member; the manifest lists them; bad FoF options are one line before the compute."""
+member; the manifest lists them; ``flowpm-mtf halos`` on the run's snapshot finds the same
+catalogue; bad FoF options are one line before the compute.
+
+The run and the ``halos`` job on its snapshot are two commands of one 2-rank MPI job
+(tests/mpi_scripts/cli_cases.py: one TensorFlow and Horovod start-up per rank for both)."""
 import json
 import os
 import tempfile
@@ -11,7 +15,7 @@ import pytest
 from flowpm_mtf.analysis import fof
 from flowpm_mtf.runs import halos as halos_io
 from flowpm_mtf.runs import snapshot
-from test_cli import _mpirun
+from test_mpi_jobs import mpirun
 from test_fof import reference_catalogue, reference_labels
 from test_inputs import assert_config_error, run_cli
 
@@ -29,10 +33,28 @@ MASS_RTOL = 1e-14          # n x the particle mass, computed alike: one rounding
 
 
 @pytest.fixture(scope="module")
-def run_dir():
-    out = tempfile.mkdtemp(prefix="fofcli")
-    proc = _mpirun(2, *ARGS, "--out", out, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def job():
+    """``simulate`` then ``halos`` on its snapshot, in turn in one 2-rank job: the run's
+    folder, the ``halos`` job's folder and, per command, every rank's exit code and output."""
+    base = tempfile.mkdtemp(prefix="fofcli")
+    out, halos_out = os.path.join(base, "run"), os.path.join(base, "halos")
+    cases = [ARGS + ["--out", out],
+             ["halos", "--snapshot", out, "--fof-min", str(MIN), "--fof-members",
+              "--out", halos_out]]
+    with open(os.path.join(base, "cases.json"), "w") as f:
+        json.dump([{"argv": argv} for argv in cases], f)
+    results = os.path.join(base, "results.json")
+    proc, _ = mpirun(2, "cli_cases.py", os.path.join(base, "cases.json"), results, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    with open(results) as f:
+        simulate, halos = json.load(f)
+    return out, halos_out, simulate, halos
+
+
+@pytest.fixture(scope="module")
+def run_dir(job):
+    out, _, simulate, _ = job
+    assert simulate["codes"] == [0, 0], simulate["err"][0][-4000:]
     return out
 
 
@@ -98,13 +120,11 @@ def test_bad_fof_options_are_one_line(argv, pattern, capsys):
 
 
 @pytest.mark.single_process
-def test_halos_job_on_the_runs_snapshot_equals_simulate_fof(run_dir):
+def test_halos_job_on_the_runs_snapshot_equals_simulate_fof(run_dir, job):
     """``flowpm-mtf halos`` on 2 ranks (each reading a share of the snapshot) finds the
     catalogue that ``simulate --fof`` found in the run."""
-    out = tempfile.mkdtemp(prefix="halosjob")
-    proc = _mpirun(2, "halos", "--snapshot", run_dir, "--fof-min", str(MIN), "--fof-members",
-                   "--out", out, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _, out, _, halos = job
+    assert halos["codes"] == [0, 0], halos["err"][0][-4000:]
     a = halos_io.read_halos(os.path.join(run_dir, "halos.h5"))
     b = halos_io.read_halos(os.path.join(out, "halos.h5"))
     for name in ("n", "min_id", "member_id", "mass"):

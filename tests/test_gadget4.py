@@ -3,15 +3,16 @@
 The same run twice per world size, in this process (``flowpm_mtf.cli.main``: the placement
 backend on the 2x1 grid on 1 rank, one process writing both slices' files; hvd 2x1 on 2
 ranks, 2x2 on 4): once in the package's own format (``snapshot.h5``, the reference) and
-once as Gadget-4 files, opened with yt and pynbody (``yt.load`` of the first file and
-``pynbody.load`` of the snapshot's stem read every file) and compared particle by particle
-(sorted by id) with the reference: positions, velocities (Gadget's 1/sqrt(a) undone by the
-readers' units), ids, box, time and redshift, particle mass. The reference run's P(k)
-(``power.txt``) is checked against an independent numpy estimator on the same particles
-(``flowpm_bench/pk_reference.py``: its own CIC, FFT and shells). The 1-rank pass also
-resumes a stopped Gadget run (the same files as the uninterrupted run) and runs the command
-line under mpirun (2 ranks: the files, the manifest, the refusals of an unknown format and
-of a non-cubic box). The readers run on rank 0 (the files are the same for every rank).
+once as Gadget-4 files with ``--fof``, opened with yt and pynbody (``yt.load`` of the first
+file and ``pynbody.load`` of the snapshot's stem read every file) and compared particle by
+particle (sorted by id) with the reference: positions, velocities (Gadget's 1/sqrt(a) undone
+by the readers' units), ids, box, time and redshift, particle mass; the halo catalogues
+beside the Gadget files are the serial reference FoF of the Gadget files' particles. The
+reference run's P(k) (``power.txt``) is checked against an independent numpy estimator on
+the same particles (``flowpm_bench/pk_reference.py``: its own CIC, FFT and shells). An
+unknown format and a non-cubic box are refused before the run (exit code 2 on every rank,
+one error line). The 1-rank pass also resumes a stopped Gadget run (the same files as the
+uninterrupted run). The readers run on rank 0 (the files are the same for every rank).
 """
 import json
 import os
@@ -26,7 +27,6 @@ from flowpm_mtf import cli
 from flowpm_mtf.runs import gadget, io, rundir
 from flowpm_mtf.runs import halos as halos_io
 from test_fof import reference_labels
-from test_mpi_jobs import mpirun
 from test_reconstruct_resume import _main, _tmpdir, _world
 from world_share import quiet_barrier
 
@@ -36,9 +36,11 @@ ARGS = ["simulate", "--nc", str(NC), "--box-size", str(BOX), "--steps", "3", "--
 # stages 0.1, 0.4, 0.5, 0.7, 1.0: the snapshot at stage 2, the final state at stage 4
 N_STAGES = 4
 GRIDS = {1: ("placement", "2x1"), 2: ("hvd", "2x1"), 4: ("hvd", "2x2")}
-# FoF of the command-line run: the default linking length; 16^3 particles in 100 Mpc/h at
+# FoF of the Gadget run: the default linking length; 16^3 particles in 100 Mpc/h at
 # z = 0 form a few groups of 5 or more (20, the default, leaves almost none).
 FOF_B, FOF_MIN = 0.2, 5
+# the Gadget run's own options (the reference run has neither)
+GADGET_ARGS = ["--fof", "--fof-min", str(FOF_MIN)]
 # float32 run: Gadget's coordinates are the snapshot's float32 Mpc/h times 1000 rounded to
 # float32 (half an ulp), read back in float64: within one float32 ulp of the box.
 POS_ATOL = BOX * 2.0**-23          # [Mpc/h]
@@ -61,14 +63,15 @@ DENSITY_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs(world_size):
-    """(reference run, Gadget run) directories: the same run in both formats."""
+    """(reference run, Gadget run) directories: the same run in both formats (the Gadget one
+    with ``--fof``)."""
     backend, grid = GRIDS[world_size]
     base = _tmpdir("gadget4")
     out = {}
     for fmt in ("flowpm", "gadget4"):
         out[fmt] = os.path.join(base, fmt)
         code, _ = _main(ARGS + ["--backend", backend, "--grid", grid, "--snapshot-format", fmt,
-                                "--out", out[fmt]])
+                                "--out", out[fmt]] + (GADGET_ARGS if fmt == "gadget4" else []))
         assert code == 0
     yield out
     # the other ranks wait here while rank 0 runs the readers: asleep, not polling
@@ -267,45 +270,44 @@ def test_resumed_run_writes_the_same_files(runs):
             np.testing.assert_array_equal(got[name][k], v, err_msg="%s %s" % (name, k))
 
 
-@pytest.mark.single_process
-def test_command_line_on_two_ranks(tmp_path):
-    """``mpirun -np 2 flowpm-mtf simulate --snapshot-format gadget4 --fof``: the Gadget files
-    and, beside them, the halo catalogues of the same particles (the serial reference FoF of
-    the Gadget files' particles); an unknown format and a non-cubic box are refused with one
-    line on every rank, before the run (one job)."""
-    cases = {"run": ARGS + ["--snapshot-format", "gadget4", "--fof", "--fof-min",
-                            str(FOF_MIN)],
-             "unknown": ARGS + ["--snapshot-format", "gadget5"],
-             "box": ARGS + ["--snapshot-format", "gadget4", "--box-size", "100,100,50"]}
-    names = list(cases)
-    (tmp_path / "cases.json").write_text(json.dumps(
-        [{"argv": cases[n] + ["--out", str(tmp_path / n)]} for n in names]))
-    proc, _ = mpirun(2, "cli_cases.py", tmp_path / "cases.json", tmp_path / "results.json",
-                     timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = dict(zip(names, json.loads((tmp_path / "results.json").read_text())))
-    assert results["run"]["codes"] == [0, 0], results["run"]["err"][0][-3000:]
-    snap = gadget.read_gadget4(tmp_path / "run" / gadget.snapshot_dir(1))
-    assert len(snap["files"]) == 2 and np.array_equal(np.sort(snap["ParticleIDs"]),
-                                                        np.arange(NC**3))
-    assert rundir.verify_manifest(str(tmp_path / "run")) == []
-    # the catalogues of both states, from the particles the Gadget files hold
+def test_fof_catalogues_are_the_reference_fof_of_the_gadget_files(runs):
+    """``--fof`` beside ``--snapshot-format gadget4``: the catalogues of both states are the
+    serial reference FoF of the particles the Gadget files hold."""
+    if not _rank0():
+        return
     ll = FOF_B * BOX / NC
     for number, name in ((0, "halos_a%.4f.h5" % SNAP_A), (1, "halos.h5")):
-        part = gadget.read_gadget4(tmp_path / "run" / gadget.snapshot_dir(number))
+        part = gadget.read_gadget4(os.path.join(runs["gadget4"], gadget.snapshot_dir(number)))
         pos = np.asarray(part["Coordinates"], np.float64) / 1000.0 % BOX   # kpc/h -> Mpc/h
         ids = np.asarray(part["ParticleIDs"], np.int64)
         labels = reference_labels(pos, ids, BOX, ll)
         low, count = np.unique(labels, return_counts=True)
-        cat = halos_io.read_halos(str(tmp_path / "run" / name))
+        cat = halos_io.read_halos(os.path.join(runs["gadget4"], name))
         if number == 1:   # the final state has groups (at a = 0.5 there may be none)
             assert len(low[count >= FOF_MIN]) > 0, name
         np.testing.assert_array_equal(cat["min_id"], low[count >= FOF_MIN], err_msg=name)
         np.testing.assert_array_equal(cat["n"], count[count >= FOF_MIN], err_msg=name)
-    for name, pattern in (("unknown", "invalid choice: 'gadget5'"), ("box", "cubic box")):
-        r = results[name]
-        assert r["codes"] == [2, 2], r
-        lines = [ln for text in r["err"] for ln in text.splitlines()
-                 if ln.startswith("flowpm-mtf: error: ")]
-        assert len(lines) == 1 and pattern in lines[0], r["err"]
-        assert "Traceback" not in "".join(r["err"])
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--snapshot-format", "gadget5"], "invalid choice: 'gadget5'"),
+    (["--snapshot-format", "gadget4", "--box-size", "100,100,50"], "cubic box"),
+])
+def test_unknown_format_and_non_cubic_box_are_refused(argv, pattern, runs, world_size, capsys):
+    """Exit code 2 on every rank and one error line in all (the ranks' output together),
+    no traceback, before the run."""
+    # the other ranks wait here while rank 0 runs the readers: asleep, not polling
+    quiet_barrier(_world())
+    backend, grid = GRIDS[world_size]
+    # a folder the fixture removes at the end (the run must not create it)
+    out = os.path.join(os.path.dirname(runs["gadget4"]), "refused_" + argv[1])
+    code, _ = _main(ARGS + ["--backend", backend, "--grid", grid] + argv + ["--out", out])
+    captured = capsys.readouterr()
+    codes = _world().allgather(code)
+    texts = _world().allgather(captured.out + captured.err)
+    lines = [ln for text in texts for ln in text.splitlines()
+             if ln.startswith("flowpm-mtf: error: ")]
+    assert codes == [2] * world_size, texts
+    assert len(lines) == 1 and pattern in lines[0], texts
+    assert "Traceback" not in "".join(texts)
+    assert not os.path.exists(out)     # refused before the run made its folder
