@@ -41,9 +41,10 @@ def main():
 
         # every rank waits for the others' last collectives before Horovod stops
         runtime.shutdown()
-    # A normal exit lets mpi4py call MPI_Finalize; mpirun treats a rank that exits
-    # without it as an abnormal termination.
-    sys.exit(0 if code in (0, 5) else int(code))
+    # As a job's rank exits: the exit handlers and MPI_Finalize (mpirun treats a rank that
+    # exits without it as an abnormal termination), not the teardown of every object of
+    # the session's graphs (seconds of CPU per process).
+    launch_env.exit_process(0 if code in (0, 5) else int(code))
 
 
 if __name__ == "__main__":

@@ -100,3 +100,4 @@ def main(cases_path, results_path):
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    launch_env.exit_process(0)   # as the command exits (flowpm_mtf.cli.entry)
