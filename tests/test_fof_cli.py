@@ -7,7 +7,6 @@ The run and the ``halos`` job on its snapshot are two commands of one 2-rank MPI
 (tests/mpi_scripts/cli_cases.py: one TensorFlow and Horovod start-up per rank for both)."""
 import json
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -33,10 +32,10 @@ MASS_RTOL = 1e-14          # n x the particle mass, computed alike: one rounding
 
 
 @pytest.fixture(scope="module")
-def job():
+def job(tmp_path_factory):
     """``simulate`` then ``halos`` on its snapshot, in turn in one 2-rank job: the run's
     folder, the ``halos`` job's folder and, per command, every rank's exit code and output."""
-    base = tempfile.mkdtemp(prefix="fofcli")
+    base = str(tmp_path_factory.mktemp("fofcli"))
     out, halos_out = os.path.join(base, "run"), os.path.join(base, "halos")
     cases = [ARGS + ["--out", out],
              ["halos", "--snapshot", out, "--fof-min", str(MIN), "--fof-members",
@@ -114,8 +113,8 @@ def test_manifest_and_summary_list_the_catalogues(run_dir):
     (["--fof-b", "-0.2"], r"--fof-b: .*got -0\.2"),
     (["--fof-min", "0"], r"--fof-min: .*integer >= 1.*got 0"),
 ])
-def test_bad_fof_options_are_one_line(argv, pattern, capsys):
-    code, lines, _ = run_cli(["simulate", "--fof", *argv, "--out", tempfile.mkdtemp()], capsys)
+def test_bad_fof_options_are_one_line(argv, pattern, capsys, tmp_path):
+    code, lines, _ = run_cli(["simulate", "--fof", *argv, "--out", str(tmp_path)], capsys)
     assert_config_error(code, lines, pattern)
 
 
@@ -138,12 +137,14 @@ def test_halos_job_on_the_runs_snapshot_equals_simulate_fof(run_dir, job):
 
 
 @pytest.mark.rank_independent
-def test_halos_job_without_a_snapshot_is_one_line(capsys):
+def test_halos_job_without_a_snapshot_is_one_line(capsys, tmp_path):
     from flowpm_mtf import cli
 
-    empty = tempfile.mkdtemp(prefix="nosnap")
-    code = cli.main(["halos", "--snapshot", empty, "--backend", "placement",
-                     "--out", tempfile.mkdtemp()])
+    empty, out = tmp_path / "nosnap", tmp_path / "out"
+    empty.mkdir()
+    out.mkdir()
+    empty = str(empty)
+    code = cli.main(["halos", "--snapshot", empty, "--backend", "placement", "--out", str(out)])
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("flowpm-mtf: error: ")]
     assert code == 2 and len(errors) == 1, lines
@@ -151,12 +152,12 @@ def test_halos_job_without_a_snapshot_is_one_line(capsys):
 
 
 @pytest.mark.single_process
-def test_placement_backend_finds_the_same_halos(run_dir):
+def test_placement_backend_finds_the_same_halos(run_dir, tmp_path):
     """The same run on PlacementMeshImpl (one process holding both blocks: the finder runs on
     one block of the whole box) finds the hvd run's halos."""
     from flowpm_mtf import cli
 
-    out = tempfile.mkdtemp(prefix="fofpl")
+    out = str(tmp_path)
     assert cli.main([*ARGS, "--backend", "placement", "--grid", "2x1", "--out", out]) == 0
     a = halos_io.read_halos(os.path.join(run_dir, "halos.h5"))
     b = halos_io.read_halos(os.path.join(out, "halos.h5"))
