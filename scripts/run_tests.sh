@@ -124,6 +124,12 @@ else
 fi
 export FLOWPM_MTF_TEST_LOGDIR="$LOGDIR"
 rm -rf "$LOGDIR"; mkdir -p "$LOGDIR"
+# References that every pass computes from the same inputs (FlowPM, a 1-processor mesh; the
+# keyed ones of tests/world_share.py): the first pass computes them, the later passes load
+# them. A directory of this run only: removed at its end.
+FLOWPM_MTF_TEST_REFERENCES="$(mktemp -d "${TMPDIR:-/tmp}/flowpm_mtf_test_references.XXXXXX")"
+export FLOWPM_MTF_TEST_REFERENCES
+trap 'rm -rf "$FLOWPM_MTF_TEST_REFERENCES"' EXIT
 export TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 # Native ops must be built by set-up and used: a missing or stale library fails the
 # tests instead of silently falling back to the TensorFlow path.

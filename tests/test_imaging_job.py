@@ -95,9 +95,11 @@ def test_metrics_equal_one_process_and_files(uninterrupted):
     job = jobs.get("imaging")
     args = cli.build_parser(jobs.all_jobs()).parse_args(ARGS + ["--backend", "placement"])
     configs = options.make_configs(job, args, None, n_ranks=1, backend="placement")
-    # one process's run: the same numbers on every rank, computed once (world_share)
+    # one process's run: the same numbers on every rank and in every pass, computed once
+    # (world_share)
     ref = on_rank0(lambda: runner.run(job, configs, H.backend("single", configs["config"]),
-                                      run_dir=None, plot=False))
+                                      run_dir=None, plot=False),
+                   key=("test_imaging_job.one_process", ARGS))
     got = _summary(uninterrupted)
     assert got["config"]["grid"] == list(H.HVD_GRIDS[H.SIZE][-1])
     assert set(got["psnr_db"]) == {"zero-filled", "tv", "unrolled"}
@@ -141,9 +143,11 @@ def test_brain_with_coils_equals_one_process():
     job = jobs.get("imaging")
     args = cli.build_parser(jobs.all_jobs()).parse_args(BRAIN_ARGS + ["--backend", "placement"])
     configs = options.make_configs(job, args, None, n_ranks=1, backend="placement")
-    # one process's run: the same numbers on every rank, computed once (world_share)
+    # one process's run: the same numbers on every rank and in every pass, computed once
+    # (world_share)
     ref = on_rank0(lambda: runner.run(job, configs, H.backend("single", configs["config"]),
-                                      run_dir=None, plot=False))
+                                      run_dir=None, plot=False),
+                   key=("test_imaging_job.one_process", BRAIN_ARGS))
     got = _summary(out)
     for key in ("psnr_db", "ssim", "psnr_db_heldout", "ssim_heldout"):
         assert set(got[key]) == {"zero-filled", "tv", "unrolled"}

@@ -61,9 +61,10 @@ def linear():
 @pytest.fixture(scope="module")
 def flowpm_ref(linear):
     """FlowPM float32 LPT states (order 1 and 2) and unit displacements at a = 0.1."""
-    # the same numbers on every rank: computed once (world_share)
+    # the same numbers on every rank and in every pass: computed once (world_share)
     return on_rank0(lambda: {1: NH.flowpm_run(linear, 0.1, 1),
-                             2: NH.flowpm_run(linear, 0.1, 2, parts=True)})
+                             2: NH.flowpm_run(linear, 0.1, 2, parts=True)},
+                    key=("test_lpt.flowpm_ref", linear))
 
 
 @pytest.mark.parametrize("case", CASES, ids=H.case_id)
