@@ -35,9 +35,11 @@ HVD_GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2)]}
 PLACEMENT_GRIDS = {1: [(2, 2)]}
 
 
-def cases(single=False, placement=True, one_1d=None):
+def cases(single=False, placement=True, one_1d=None, hvd_2x2=True):
     """(kind, grid) pairs for this world size; ``single`` adds the 1-processor mesh,
-    ``placement=False`` leaves out the placement grid.
+    ``placement=False`` leaves out the placement grid, ``hvd_2x2=False`` the hvd 2x2 grid
+    (a composition whose 2x2 layout the 1-processor 2 x 2 blocks check and whose Horovod
+    collectives on that grid its layers' 4-rank tests do).
 
     The files that run on 4 ranks (``FOUR_RANK_TESTS`` of scripts/run_tests.sh) pass
     ``placement=False``: their 4-rank pass runs the same graph on the same 2x2 grid with
@@ -51,7 +53,7 @@ def cases(single=False, placement=True, one_1d=None):
     grids = HVD_GRIDS.get(SIZE, [])
     if placement if one_1d is None else one_1d:
         grids = grids[:1]
-    out = [("hvd", g) for g in grids]
+    out = [("hvd", g) for g in grids if hvd_2x2 or tuple(g) != (2, 2)]
     if placement:
         out += [("placement", g) for g in PLACEMENT_GRIDS.get(SIZE, [])]
     if single and SIZE == 1:

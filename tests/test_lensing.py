@@ -530,8 +530,7 @@ def test_gradient_finite_differences(forward_inputs, forward_reference):
 # Not hvd 2x2 (4-rank pass): the planes' reductions over both axes with Horovod are the
 # plane tests' above on that grid (density, rays, Born, shear), the 2x2 layout of the whole
 # forward model and its gradient the 2 x 2 blocks on one processor here (1 rank).
-LAYOUT_CASES = [c for c in H.cases(single=True, placement=False, one_1d=True)
-                if c[0] != "placement" and not (c[0] == "hvd" and tuple(c[1]) == (2, 2))]
+LAYOUT_CASES = H.cases(single=True, placement=False, one_1d=True, hvd_2x2=False)
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=H.case_id)

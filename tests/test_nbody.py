@@ -197,8 +197,7 @@ def test_snapshots_are_intermediate_states(linear):
 # gradient), tests/test_halo.py (fill/reduce adjoint) and tests/test_adjoint.py (the
 # reverse loop) check on hvd 2x2.
 FD_CASES = [pytest.param(c, d, id="%s-%s" % (H.case_id(c), d))
-            for c in H.cases(single=True, placement=False, one_1d=True) if c[0] != "placement"
-            and not (c[0] == "hvd" and tuple(c[1]) == (2, 2))
+            for c in H.cases(single=True, placement=False, one_1d=True, hvd_2x2=False)
             for d in ("eulerian", "lagrangian")]
 
 
